@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU job: correctness of every fast attention path, the attention-op timings, attnlab's training
+# throughput for vanilla / DAR / uniform at Pythia 70M, 160M, 410M, and the Hugging Face peer
+# (../shared/bench/hf_pythia_train.py, torch.compile) beside it. Writes logs and JSON lines to $OUT.
+# Expects: .gpu/attnlab (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench). Usage:
+#   scripts/gpu_bench.sh [check|attn|train|peers|all]...
+set -uo pipefail
+OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
+export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
+PY=${PY:-/opt/torch/.venv/bin/python}
+A=.gpu/attnlab
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+run() { echo "+ $*" | tee -a "$OUT/log.txt"; "$@" 2>&1 | tee -a "$OUT/log.txt"; }
+for what in "${@:-all}"; do
+  case $what in
+    check|all)
+      run $A bench --check --set model.flavor=pythia-70m --set data.train.synthetic.docs=1 --set train.batch_size=2 --set data.seq_len=2048 ;;&
+    attn|all)
+      for T in 2048 4096; do
+        run $A bench --attention-only --json --steps 50 --set model.flavor=pythia-70m --set train.batch_size=16 --set data.seq_len=$T --set attention.window=128 | grep '^{' >> "$OUT/attn.jsonl"
+      done ;;&
+    train|all)
+      for size in 70m:64:128 160m:32:192 410m:32:256; do
+        IFS=: read -r f b dd <<< "$size"
+        for att in "{kind: vanilla}" "{kind: dar, d_down: $dd, window: 128}" "{kind: uniform, d_down: $dd}"; do
+          run $A bench experiments/pythia-70m-vanilla.yaml --json --steps 20 --warmup 5 --set model.flavor=pythia-$f \
+            --set train.batch_size=$b --set "attention=$att" | grep '^{' >> "$OUT/train.jsonl"
+        done
+      done ;;&
+    peers|all)
+      for f in 70m 160m 410m; do
+        (cd .gpu/bench && PYTHONUNBUFFERED=1 run $PY hf_pythia_train.py --size $f --compile 1 --json) | grep '^{' >> "$OUT/peers.jsonl"
+      done ;;
+  esac
+done
+ls -la "$OUT"

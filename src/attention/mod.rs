@@ -1,0 +1,160 @@
+//! Attention over already-projected, already-rotated heads (`[B, H, T, hd]`). Variants:
+//! `vanilla` (causal softmax attention) and DAR (dar.md §1.3): one joint softmax in which key j is
+//! read from its full-width version (k_l, v_l) when the query is closer than `window`, and from its
+//! bottleneck version (k_g, v_g) otherwise. `uniform` is DAR with window 0. Every fast path has the
+//! explicit masked reference beside it, and tests hold them together.
+use crate::kernels::{self, GlobalBackend};
+use crate::spec::AttentionImpl;
+use tch::{Device, Kind, Tensor};
+
+/// Boolean masks `[T, T]` for query i, key j: local = (0 ≤ i−j < w), global = (i−j ≥ w).
+pub fn dar_masks(t: i64, window: i64, device: Device) -> (Tensor, Tensor) {
+    let i = Tensor::arange(t, (Kind::Int64, device)).unsqueeze(1);
+    let j = Tensor::arange(t, (Kind::Int64, device)).unsqueeze(0);
+    let dist = i - j;
+    let local = dist.ge(0).logical_and(&dist.lt(window));
+    let global = dist.ge(window);
+    (local, global)
+}
+
+/// Plain causal attention. `Reference` is the explicit masked softmax; everything else uses SDPA
+/// (flash / cuDNN kernels on CUDA).
+pub fn causal(q: &Tensor, k: &Tensor, v: &Tensor, imp: AttentionImpl) -> Tensor {
+    match imp {
+        AttentionImpl::Reference => {
+            let t = q.size()[2];
+            let (local, _) = dar_masks(t, t, q.device());
+            masked_softmax_attention(q, &[(k, v, &local)])
+        }
+        _ => Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, true, None, false),
+    }
+}
+
+/// DAR attention. `window ≥ T` is vanilla over (k_l, v_l); `window = 0` is causal attention over (k_g, v_g).
+pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64, imp: AttentionImpl) -> Tensor {
+    let t = q.size()[2];
+    let imp = match imp {
+        AttentionImpl::Auto if split_merge_supported(q) => AttentionImpl::SplitMergeCudnn,
+        AttentionImpl::Auto => AttentionImpl::Sdpa,
+        AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn if !split_merge_supported(q) => AttentionImpl::Sdpa,
+        other => other,
+    };
+    if imp != AttentionImpl::Reference {
+        // The edge cases are plain causal attention over one key version.
+        if window >= t {
+            return causal(q, kl, vl, imp);
+        }
+        if window == 0 {
+            return causal(q, kg, vg, imp);
+        }
+    }
+    match imp {
+        AttentionImpl::Reference => {
+            let (local, global) = dar_masks(t, window, q.device());
+            masked_softmax_attention(q, &[(kl, vl, &local), (kg, vg, &global)])
+        }
+        AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn => {
+            let backend = if imp == AttentionImpl::SplitMerge { GlobalBackend::Flash } else { GlobalBackend::Cudnn };
+            // The kernels take [B, T, H, D]; transposes are views.
+            let bthd = |x: &Tensor| x.transpose(1, 2);
+            kernels::dar_split_merge(&bthd(q), &bthd(kl), &bthd(vl), &bthd(kg), &bthd(vg), window, backend)
+                .unwrap_or_else(|e| panic!("DAR split-merge kernel failed: {e}"))
+                .transpose(1, 2)
+        }
+        _ => dar_sdpa(q, kl, vl, kg, vg, window),
+    }
+}
+
+/// Whether the CUDA split-merge path can take these inputs (flash kernels: fp16/bf16, head dim a
+/// multiple of 8 and at most 256).
+pub fn split_merge_supported(q: &Tensor) -> bool {
+    let hd = q.size()[3];
+    q.device().is_cuda() && matches!(q.kind(), Kind::BFloat16 | Kind::Half) && hd % 8 == 0 && hd <= 256
+}
+
+/// dar-kernels.md §2: SDPA over the concatenated keys `[K_l; K_g]` with a `[T, 2T]` boolean mask.
+pub fn dar_sdpa(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64) -> Tensor {
+    let t = q.size()[2];
+    let (local, global) = dar_masks(t, window, q.device());
+    let mask = Tensor::cat(&[local, global], 1);
+    let k = Tensor::cat(&[kl, kg], 2);
+    let v = Tensor::cat(&[vl, vg], 2);
+    Tensor::scaled_dot_product_attention(q, &k, &v, Some(mask), 0.0, false, None, false)
+}
+
+/// The oracle: scores of every (key version, mask) pair, one joint fp32 softmax over the union of
+/// the masks (which must partition the causal triangle), outputs mixed accordingly.
+pub fn masked_softmax_attention(q: &Tensor, parts: &[(&Tensor, &Tensor, &Tensor)]) -> Tensor {
+    let hd = q.size()[3];
+    let scale = 1.0 / (hd as f64).sqrt();
+    // fp32 statistics for low-precision inputs; fp64 inputs stay fp64 (the gold reference).
+    let kind = if q.kind() == Kind::Double { Kind::Double } else { Kind::Float };
+    let qf = q.to_kind(kind);
+    let neg_inf = Tensor::from(f64::NEG_INFINITY).to_device(q.device());
+    let mut scores = neg_inf.shallow_clone();
+    for (k, _, mask) in parts {
+        let s = qf.matmul(&k.to_kind(kind).transpose(-2, -1)) * scale;
+        scores = s.where_self(mask, &scores);
+    }
+    let p = scores.softmax(-1, kind);
+    let mut out: Option<Tensor> = None;
+    for (_, v, mask) in parts {
+        let o = (&p * mask.to_kind(kind)).matmul(&v.to_kind(kind));
+        out = Some(match out {
+            Some(acc) => acc + o,
+            None => o,
+        });
+    }
+    out.expect("at least one part").to_kind(q.kind())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rand(shape: &[i64], seed: i64) -> Tensor {
+        tch::manual_seed(seed);
+        Tensor::randn(shape, (Kind::Double, Device::Cpu)).set_requires_grad(true)
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b).abs().max().double_value(&[])
+    }
+
+    /// SDPA over concatenated keys equals the explicit oracle, outputs and every input gradient,
+    /// for windows inside, at and beyond the sequence.
+    #[test]
+    fn sdpa_matches_reference_forward_and_backward() {
+        let shape = [2, 3, 13, 8];
+        for w in [0i64, 1, 4, 7, 13, 20] {
+            let inputs: Vec<Tensor> = (0..5).map(|s| rand(&shape, 10 * w + s)).collect();
+            let go = rand(&shape, 99).detach();
+            let run = |imp| {
+                let out = dar(&inputs[0], &inputs[1], &inputs[2], &inputs[3], &inputs[4], w, imp);
+                let grads = Tensor::run_backward(&[(&out * &go).sum(Kind::Double)], &inputs.iter().collect::<Vec<_>>(), false, false);
+                // An input a path does not read (k_l at w = 0) has no gradient: it is zero.
+                let grads: Vec<Tensor> = grads.into_iter().zip(&inputs).map(|(g, x)| if g.defined() { g } else { x.zeros_like() }).collect();
+                (out.detach(), grads)
+            };
+            let (o_ref, g_ref) = run(AttentionImpl::Reference);
+            let (o_fast, g_fast) = run(AttentionImpl::Sdpa);
+            assert!(max_diff(&o_ref, &o_fast) < 1e-10, "w={w} forward");
+            for (i, (a, b)) in g_ref.iter().zip(&g_fast).enumerate() {
+                assert!(max_diff(a, b) < 1e-10, "w={w} grad of input {i}: {}", max_diff(a, b));
+            }
+        }
+    }
+
+    /// Hand-computed case: T = 2, hd = 1, w = 1. Query 1 sees key 0 through the bottleneck version.
+    #[test]
+    fn reference_matches_hand_computation() {
+        let t = |v: &[f64]| Tensor::from_slice(v).view([1, 1, 2, 1]);
+        let (q, kl, vl, kg, vg) = (t(&[1.0, 2.0]), t(&[0.5, 1.0]), t(&[10.0, 20.0]), t(&[-1.0, 3.0]), t(&[100.0, 200.0]));
+        let o = dar(&q, &kl, &vl, &kg, &vg, 1, AttentionImpl::Reference);
+        // Row 0: only key 0 (local) → v_l[0] = 10. Row 1: key 0 global (score 2·(−1) = −2), key 1 local (2·1 = 2).
+        let (p0, p1) = ((-2f64).exp(), 2f64.exp());
+        let want1 = (p0 * 100.0 + p1 * 20.0) / (p0 + p1);
+        let got: Vec<f64> = Vec::<f64>::try_from(o.flatten(0, -1)).unwrap();
+        assert!((got[0] - 10.0).abs() < 1e-12 && (got[1] - want1).abs() < 1e-12, "{got:?} vs [10, {want1}]");
+    }
+}

@@ -1,0 +1,170 @@
+//! `attnlab bench`: time training steps (or the attention op alone) on synthetic tokens, and report
+//! tokens/s, MFU (PaLM convention, pythia.md §6) and peak GPU memory. Speed goals live here, never
+//! in unit tests.
+use crate::attention;
+use crate::model::GptNeox;
+use crate::spec::{AttentionImpl, AttentionKind, Spec};
+use crate::train::{self, optim};
+use crate::Result;
+use serde::Serialize;
+use std::time::Instant;
+use tch::{nn::VarStore, Device, Kind, Tensor};
+
+/// H100/H200 SXM dense bf16 peak (pythia.md §6).
+pub const PEAK_FLOPS: f64 = 989e12;
+
+#[derive(Debug, Serialize)]
+pub struct TrainBench {
+    pub name: String,
+    /// `pythia-70m`, … or `custom`.
+    pub flavor: String,
+    pub attention: String,
+    pub device: String,
+    pub micro_batch: usize,
+    pub seq_len: usize,
+    pub steps: usize,
+    pub step_ms: f64,
+    pub tokens_per_s: f64,
+    pub mfu: f64,
+    pub peak_mem_gib: f64,
+    pub params: i64,
+}
+
+fn sync(device: Device) {
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
+/// Time `steps` training steps of batch `batch_size` (one micro-batch, as the peers) after `warmup`.
+pub fn train_bench(spec: &Spec, vocab: usize, warmup: usize, steps: usize) -> Result<TrainBench> {
+    let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
+    let autocast = train::use_autocast(spec, device)?;
+    tch::manual_seed(spec.seed() as i64);
+    let mut spec = spec.clone();
+    spec.model.vocab.get_or_insert(vocab);
+    let vs = VarStore::new(device);
+    let model = GptNeox::new(&vs.root(), train::run::model_config(&spec));
+    let params = crate::train::named_parameters(&vs);
+    let n_params: i64 = params.iter().map(|p| p.1.numel() as i64).sum();
+    let [b1, b2] = spec.train.betas.expect("resolved");
+    let mut opt = optim::AdamW::new(params, optim::Hyper { betas: (b1, b2), eps: 1e-8, weight_decay: 0.1 });
+    let (b, t) = (spec.batch_size() as i64, spec.seq_len() as i64);
+    let v = model.cfg.vocab as i64;
+    let batch = || {
+        let ids = Tensor::randint(v.min(50277), [b, t + 1], (Kind::Int64, device));
+        Ok((ids.narrow(1, 0, t), ids.narrow(1, 1, t)))
+    };
+    for _ in 0..warmup {
+        let _ = train::step_once(&model, &mut opt, std::iter::once(batch()), autocast, 1.0, 1e-4, device)?;
+    }
+    sync(device);
+    crate::kernels::reset_cuda_peak_memory(device);
+    let start = Instant::now();
+    let mut last = Tensor::zeros([], (Kind::Float, device));
+    for _ in 0..steps {
+        last = train::step_once(&model, &mut opt, std::iter::once(batch()), autocast, 1.0, 1e-4, device)?.0;
+    }
+    sync(device);
+    let secs = start.elapsed().as_secs_f64();
+    let loss = last.double_value(&[]);
+    if !loss.is_finite() {
+        return Err(crate::Error::Diverged { step: steps as u64, msg: format!("bench loss {loss}") });
+    }
+    let tokens = (b * t) as f64 * steps as f64;
+    let tps = tokens / secs;
+    Ok(TrainBench {
+        name: spec.name.clone().unwrap_or_default(),
+        flavor: spec.model.flavor.map(|f| serde_yaml::to_string(&f).unwrap_or_default().trim().to_string()).unwrap_or_else(|| "custom".into()),
+        attention: format!("{:?}", spec.attention.kind).to_lowercase(),
+        device: format!("{device:?}"),
+        micro_batch: b as usize,
+        seq_len: t as usize,
+        steps,
+        step_ms: 1e3 * secs / steps as f64,
+        tokens_per_s: tps,
+        mfu: model.cfg.flops_per_token(t as usize) * tps / PEAK_FLOPS,
+        peak_mem_gib: crate::device::peak_memory(device) as f64 / (1u64 << 30) as f64,
+        params: n_params,
+    })
+}
+
+#[derive(Debug, Serialize)]
+pub struct OpBench {
+    pub attention: String,
+    pub implementation: String,
+    pub batch_heads: i64,
+    pub seq_len: i64,
+    pub head_dim: i64,
+    pub window: i64,
+    pub fwd_bwd_ms: f64,
+}
+
+/// Time the attention op alone, forward + backward, on `[b, h, t, hd]` inputs.
+pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4], window: i64, device: Device, reps: usize) -> Result<OpBench> {
+    let kind_t = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
+    let mk = || Tensor::randn(shape, (kind_t, device)).set_requires_grad(true);
+    let (q, kl, vl, kg, vg) = (mk(), mk(), mk(), mk(), mk());
+    let go = Tensor::randn(shape, (kind_t, device));
+    let run = || {
+        let o = match kind {
+            AttentionKind::Vanilla => attention::causal(&q, &kl, &vl, imp),
+            AttentionKind::Dar => attention::dar(&q, &kl, &vl, &kg, &vg, window, imp),
+            AttentionKind::Uniform => attention::dar(&q, &kl, &vl, &kg, &vg, 0, imp),
+        };
+        (o * &go).sum(Kind::Float).backward();
+    };
+    for _ in 0..3 {
+        run();
+    }
+    sync(device);
+    let start = Instant::now();
+    for _ in 0..reps {
+        run();
+    }
+    sync(device);
+    Ok(OpBench {
+        attention: format!("{kind:?}").to_lowercase(),
+        implementation: format!("{imp:?}").to_lowercase(),
+        batch_heads: shape[0] * shape[1],
+        seq_len: shape[2],
+        head_dim: shape[3],
+        window: if kind == AttentionKind::Uniform { 0 } else { window },
+        fwd_bwd_ms: 1e3 * start.elapsed().as_secs_f64() / reps as f64,
+    })
+}
+
+#[derive(Debug, Serialize)]
+pub struct CheckRow {
+    pub implementation: String,
+    pub shape: [i64; 4],
+    pub window: i64,
+    /// Max |error| relative to the reference's max |value|, for the output and each input gradient.
+    pub rel_err: [f64; 6],
+    pub pass: bool,
+}
+
+/// Compare a fast DAR implementation with the fp32 reference on the same (device-dtype) inputs:
+/// output and the gradients of q, k_l, v_l, k_g, v_g. Pass if every relative error < `tol`.
+pub fn attention_check(imp: AttentionImpl, shape: [i64; 4], window: i64, device: Device, tol: f64) -> CheckRow {
+    let kind = if device.is_cuda() { Kind::BFloat16 } else { Kind::Double };
+    tch::manual_seed(window + 17 * shape[2]);
+    let inputs: Vec<Tensor> = (0..5).map(|_| Tensor::randn(shape, (kind, device)).set_requires_grad(true)).collect();
+    let go = Tensor::randn(shape, (kind, device));
+    let run = |imp: AttentionImpl, xs: &[Tensor]| {
+        let o = attention::dar(&xs[0], &xs[1], &xs[2], &xs[3], &xs[4], window, imp);
+        let g = Tensor::run_backward(&[(&o.to_kind(Kind::Float) * go.to_kind(Kind::Float)).sum(Kind::Float)], &xs.iter().collect::<Vec<_>>(), false, false);
+        let g = g.into_iter().zip(xs).map(|(g, x)| if g.defined() { g } else { x.zeros_like() });
+        std::iter::once(o.detach()).chain(g).map(|t| t.to_kind(Kind::Float)).collect::<Vec<_>>()
+    };
+    let fast = run(imp, &inputs);
+    // The reference computes in fp32 from the very same values.
+    let f32_inputs: Vec<Tensor> = inputs.iter().map(|t| t.detach().to_kind(Kind::Float).set_requires_grad(true)).collect();
+    let reference = run(AttentionImpl::Reference, &f32_inputs);
+    let mut rel_err = [0.0; 6];
+    for (i, (a, b)) in fast.iter().zip(&reference).enumerate() {
+        let scale = b.abs().max().double_value(&[]).max(1e-6);
+        rel_err[i] = (a - b).abs().max().double_value(&[]) / scale;
+    }
+    CheckRow { implementation: format!("{imp:?}").to_lowercase(), shape, window, pass: rel_err.iter().all(|e| e.is_finite() && *e < tol), rel_err }
+}

@@ -1,0 +1,207 @@
+//! Tokenized corpora on disk: `tokens-NNNNN.bin` (little-endian u16 ids, every document followed by
+//! EOD) plus `index.json`. Training reads them through a memory map as one token stream.
+use super::sources::Doc;
+use super::{Tok, EOD};
+use crate::{Error, IoContext, Result};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Tokens per shard file (128 Mi tokens = 256 MiB).
+const SHARD_TOKENS: usize = 1 << 27;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Index {
+    pub format: String,
+    pub dtype: String,
+    pub eod: u32,
+    pub tokenizer: String,
+    pub tokenizer_fingerprint: String,
+    pub vocab_size: usize,
+    pub source: String,
+    pub n_docs: usize,
+    pub n_tokens: usize,
+    pub shards: Vec<ShardInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShardInfo {
+    pub file: String,
+    pub tokens: usize,
+}
+
+/// Summary of a `prepare` call.
+pub struct Prepared {
+    pub dir: PathBuf,
+    pub index: Index,
+    pub seconds: f64,
+}
+
+/// Tokenize `docs` in parallel (rayon) with a progress bar and write shards + index.json into `out`
+/// (written under a temporary name, then renamed, so a crash never leaves a half-written corpus).
+pub fn prepare(docs: &[Doc], tok: &Tok, source: &str, out: &Path, quiet: bool) -> Result<Prepared> {
+    if tok.vocab_size() > u16::MAX as usize + 1 {
+        return Err(Error::Data(format!("tokenizer {} has {} ids; u16 shards hold at most 65536", tok.origin, tok.vocab_size())));
+    }
+    let start = std::time::Instant::now();
+    let bar = crate::progress::bar(docs.len() as u64, "tokenizing", quiet);
+    let encoded: Vec<Vec<u32>> = docs
+        .par_iter()
+        .map(|d| {
+            let ids = tok.encode(&d.text);
+            bar.inc(1);
+            ids
+        })
+        .collect::<Result<_>>()?;
+    bar.finish_and_clear();
+    let tmp = out.with_extension("tmp-prepare");
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).at(&tmp)?;
+    let mut shards = Vec::new();
+    let mut buf: Vec<u8> = Vec::with_capacity(2 * SHARD_TOKENS.min(1 << 24));
+    let flush = |buf: &mut Vec<u8>, shards: &mut Vec<ShardInfo>| -> Result<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let file = format!("tokens-{:05}.bin", shards.len());
+        let p = tmp.join(&file);
+        std::fs::File::create(&p).and_then(|mut f| f.write_all(buf)).at(&p)?;
+        shards.push(ShardInfo { file, tokens: buf.len() / 2 });
+        buf.clear();
+        Ok(())
+    };
+    let mut n_tokens = 0;
+    for ids in &encoded {
+        for &id in ids.iter().chain(std::iter::once(&EOD)) {
+            buf.extend_from_slice(&(id as u16).to_le_bytes());
+            if buf.len() / 2 == SHARD_TOKENS {
+                flush(&mut buf, &mut shards)?;
+            }
+        }
+        n_tokens += ids.len() + 1;
+    }
+    flush(&mut buf, &mut shards)?;
+    let index = Index {
+        format: "attnlab-shards-v1".into(),
+        dtype: "u16".into(),
+        eod: EOD,
+        tokenizer: tok.origin.clone(),
+        tokenizer_fingerprint: tok.fingerprint.clone(),
+        vocab_size: tok.vocab_size(),
+        source: source.to_string(),
+        n_docs: docs.len(),
+        n_tokens,
+        shards,
+    };
+    let ip = tmp.join("index.json");
+    std::fs::write(&ip, serde_json::to_string_pretty(&index)?).at(&ip)?;
+    let _ = std::fs::remove_dir_all(out);
+    if let Some(parent) = out.parent() {
+        std::fs::create_dir_all(parent).at(parent)?;
+    }
+    std::fs::rename(&tmp, out).at(out)?;
+    Ok(Prepared { dir: out.to_path_buf(), index, seconds: start.elapsed().as_secs_f64() })
+}
+
+/// All shards of a prepared corpus as one read-only token stream.
+pub struct TokenStream {
+    pub index: Index,
+    maps: Vec<Mmap>,
+    /// Start offset of each shard in the stream.
+    starts: Vec<usize>,
+}
+
+impl TokenStream {
+    pub fn open(dir: &Path) -> Result<TokenStream> {
+        let ip = dir.join("index.json");
+        let text = std::fs::read_to_string(&ip).at(&ip)?;
+        let index: Index = serde_json::from_str(&text).map_err(|e| Error::Data(format!("{}: {e}", ip.display())))?;
+        if index.dtype != "u16" {
+            return Err(Error::Data(format!("{}: dtype {} is not supported", ip.display(), index.dtype)));
+        }
+        let (mut maps, mut starts, mut at) = (Vec::new(), Vec::new(), 0);
+        for s in &index.shards {
+            let p = dir.join(&s.file);
+            let f = std::fs::File::open(&p).at(&p)?;
+            // SAFETY: shard files are written once (then renamed into place) and never modified.
+            let m = unsafe { Mmap::map(&f) }.at(&p)?;
+            if m.len() != 2 * s.tokens {
+                return Err(Error::Data(format!("{}: {} bytes, index says {} tokens", p.display(), m.len(), s.tokens)));
+            }
+            maps.push(m);
+            starts.push(at);
+            at += s.tokens;
+        }
+        Ok(TokenStream { index, maps, starts })
+    }
+
+    pub fn len(&self) -> usize {
+        self.index.n_tokens
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.n_tokens == 0
+    }
+
+    /// Tokens `[start, start + n)` of the stream, as i64 (may cross shard boundaries).
+    pub fn read(&self, start: usize, n: usize, out: &mut Vec<i64>) {
+        assert!(start + n <= self.len(), "read past the end of the token stream");
+        let mut pos = start;
+        while pos < start + n {
+            let s = self.starts.partition_point(|&x| x <= pos) - 1;
+            let local = pos - self.starts[s];
+            let take = (self.index.shards[s].tokens - local).min(start + n - pos);
+            let bytes = &self.maps[s][2 * local..2 * (local + take)];
+            out.extend(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as i64));
+            pos += take;
+        }
+    }
+}
+
+/// Shards for a training source: a prepared directory as is, otherwise tokenized once into
+/// `cache/<hash of source + tokenizer>/` and reused by every later run.
+pub fn ensure_prepared(src: &crate::spec::SourceSpec, tok: &Tok, cache: &Path, quiet: bool) -> Result<PathBuf> {
+    if let crate::spec::SourceSpec::Local(l) = src {
+        if l.path.join("index.json").is_file() {
+            return Ok(l.path.clone());
+        }
+    }
+    let key = serde_json::to_string(src)?;
+    let hash = crate::util::short_hash(&format!("{key}|{}", tok.fingerprint));
+    let dir = cache.join(hash);
+    if dir.join("index.json").is_file() {
+        return Ok(dir);
+    }
+    let docs = super::sources::read_documents(src)?;
+    let p = prepare(&docs, tok, &key, &dir, quiet)?;
+    if !quiet {
+        eprintln!("prepared {} documents, {} tokens in {:.1}s → {}", p.index.n_docs, p.index.n_tokens, p.seconds, dir.display());
+    }
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prepare_then_read_back_across_shards() {
+        let tok = Tok::from_json(&super::super::tokenizer::builtin_json(), "builtin").unwrap();
+        let docs: Vec<Doc> = ["oslo lima", "red", "the tree"].iter().map(|t| Doc { text: t.to_string(), words: 0, bytes: 0 }).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("c");
+        let p = prepare(&docs, &tok, "test", &out, true).unwrap();
+        assert_eq!((p.index.n_docs, p.index.n_tokens), (3, 2 + 1 + 1 + 1 + 2 + 1));
+        let s = TokenStream::open(&out).unwrap();
+        let mut got = Vec::new();
+        s.read(0, s.len(), &mut got);
+        let want: Vec<i64> = [tok.encode("oslo lima").unwrap(), vec![0], tok.encode("red").unwrap(), vec![0], tok.encode("the tree").unwrap(), vec![0]]
+            .concat()
+            .into_iter()
+            .map(i64::from)
+            .collect();
+        assert_eq!(got, want);
+    }
+}

@@ -1,0 +1,158 @@
+//! The built-in corpus: seeded, text-like documents with strong local structure and long-range
+//! dependencies, so that vanilla, DAR and uniform attention differ even on a tiny model.
+//!
+//! Each document introduces 3–5 people and states three facts about each near its start:
+//! `mira lives in oslo . mira likes red . the code of mira is 4 1 7 .`
+//! The body then mixes
+//! - filler sentences from a fixed random grammar (adjective → noun → verb → object are each drawn
+//!   from a small per-word successor set, so the next word is locally predictable),
+//! - counting runs (`count : 3 4 5 6 7 .`), predictable from the previous token alone, and
+//! - questions whose answers are facts stated tens to hundreds of tokens earlier:
+//!   `question : where does mira live ? answer : oslo .` — the answer token can only be predicted
+//!   by attending far back, beyond any small window, to the exact identity of a distant token.
+//!
+//! Documents are 100–250 words. Words are single tokens of the built-in word-level tokenizer
+//! (`vocabulary()`), whose id 0 is `<|endoftext|>`. Document i depends only on (seed, i).
+use rand::{seq::IndexedRandom, Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const SYLLABLES: [&str; 12] = ["ka", "to", "mi", "re", "su", "no", "la", "vi", "do", "ne", "ri", "po"];
+const CITIES: [&str; 20] = [
+    "oslo", "lima", "cairo", "delhi", "paris", "quito", "rome", "seoul", "tokyo", "kyiv", "accra", "baku", "bern", "dakar", "hanoi", "lagos", "minsk", "nairobi", "riga", "sofia",
+];
+const COLORS: [&str; 12] = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "pink", "brown", "gray", "gold"];
+const DIGITS: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+const FUNCTION: [&str; 24] = [
+    ".", "?", ":", "the", "of", "is", "in", "lives", "likes", "code", "question", "answer", "where", "does", "live", "what", "color", "like", "count", "a", "and", "then", "saw", "near",
+];
+const ADJ: [&str; 16] = ["old", "tall", "quiet", "bright", "small", "warm", "dark", "quick", "soft", "loud", "cold", "deep", "wild", "calm", "thin", "wide"];
+const NOUN: [&str; 16] = ["tree", "river", "house", "stone", "bird", "road", "cloud", "field", "boat", "wall", "lamp", "door", "hill", "ship", "bell", "cart"];
+const VERB: [&str; 12] = ["moves", "stands", "falls", "sings", "waits", "turns", "rests", "shines", "breaks", "grows", "burns", "opens"];
+
+/// Person names: all two-syllable combinations (144).
+fn names() -> Vec<String> {
+    SYLLABLES.iter().flat_map(|a| SYLLABLES.iter().map(move |b| format!("{a}{b}"))).collect()
+}
+
+/// The word-level vocabulary in id order; id 0 = `<|endoftext|>`, 1 = `<|padding|>`, 2 = `<unk>`.
+pub fn vocabulary() -> Vec<String> {
+    let mut v: Vec<String> = ["<|endoftext|>", "<|padding|>", "<unk>"].iter().map(|s| s.to_string()).collect();
+    for group in [&CITIES[..], &COLORS, &DIGITS, &FUNCTION, &ADJ, &NOUN, &VERB] {
+        v.extend(group.iter().map(|s| s.to_string()));
+    }
+    v.extend(names());
+    v
+}
+
+struct Person {
+    name: String,
+    city: &'static str,
+    color: &'static str,
+    code: [usize; 3],
+}
+
+/// Successor sets of the filler grammar: fixed per corpus (seed-independent) so the local
+/// structure is learnable across documents.
+fn successors<const N: usize>(from: usize, to: &[&'static str; N], salt: u64) -> [&'static str; 3] {
+    let mut r = ChaCha8Rng::seed_from_u64(0x5eed ^ salt ^ (from as u64) << 8);
+    [to[r.random_range(0..N)], to[r.random_range(0..N)], to[r.random_range(0..N)]]
+}
+
+/// Document `index` of the corpus with `seed`.
+pub fn document(seed: u64, index: u64) -> String {
+    let mut r = ChaCha8Rng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index);
+    let all_names = names();
+    let n_people = r.random_range(3..=5);
+    let people: Vec<Person> = all_names
+        .choose_multiple(&mut r, n_people)
+        .map(|n| Person {
+            name: n.clone(),
+            city: CITIES[r.random_range(0..CITIES.len())],
+            color: COLORS[r.random_range(0..COLORS.len())],
+            code: [r.random_range(0..10), r.random_range(0..10), r.random_range(0..10)],
+        })
+        .collect();
+    let mut w: Vec<String> = Vec::new();
+    let say = |w: &mut Vec<String>, s: &str| w.extend(s.split(' ').map(str::to_string));
+    for p in &people {
+        say(&mut w, &format!("{} lives in {} .", p.name, p.city));
+        say(&mut w, &format!("{} likes {} .", p.name, p.color));
+        let [a, b, c] = p.code;
+        say(&mut w, &format!("the code of {} is {a} {b} {c} .", p.name));
+    }
+    let target_len = r.random_range(100..=250);
+    while w.len() < target_len {
+        match r.random_range(0..10) {
+            0..=4 => {
+                let a = r.random_range(0..ADJ.len());
+                let noun = successors(a, &NOUN, 1)[r.random_range(0..3)];
+                let ni = NOUN.iter().position(|x| *x == noun).unwrap();
+                let verb = successors(ni, &VERB, 2)[r.random_range(0..3)];
+                let vi = VERB.iter().position(|x| *x == verb).unwrap();
+                let obj = successors(vi, &NOUN, 3)[r.random_range(0..3)];
+                say(&mut w, &format!("the {} {noun} {verb} near the {obj} .", ADJ[a]));
+            }
+            5 => {
+                let start = r.random_range(0..5);
+                let len = r.random_range(3..6);
+                let digits: Vec<&str> = (start..start + len).map(|d| DIGITS[d]).collect();
+                say(&mut w, &format!("count : {} .", digits.join(" ")));
+            }
+            _ => {
+                let p = &people[r.random_range(0..people.len())];
+                let q = match r.random_range(0..3) {
+                    0 => format!("question : where does {} live ? answer : {} .", p.name, p.city),
+                    1 => format!("question : what color does {} like ? answer : {} .", p.name, p.color),
+                    _ => {
+                        let [a, b, c] = p.code;
+                        format!("question : what is the code of {} ? answer : {a} {b} {c} .", p.name)
+                    }
+                };
+                say(&mut w, &q);
+            }
+        }
+    }
+    w.join(" ")
+}
+
+/// Documents `0..n` of the corpus with `seed`.
+pub fn documents(seed: u64, n: usize) -> Vec<String> {
+    (0..n as u64).map(|i| document(seed, i)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn documents_are_deterministic_and_in_vocabulary() {
+        let vocab: HashSet<String> = vocabulary().into_iter().collect();
+        assert_eq!(vocab.len(), vocabulary().len(), "vocabulary has duplicates");
+        for i in 0..50 {
+            let d = document(7, i);
+            assert_eq!(d, document(7, i));
+            for word in d.split(' ') {
+                assert!(vocab.contains(word), "`{word}` not in vocabulary");
+            }
+        }
+        assert_ne!(document(7, 0), document(8, 0));
+    }
+
+    /// Every answer in a document is the fact stated for that person at the start.
+    #[test]
+    fn answers_restate_earlier_facts_far_back() {
+        let mut far = 0;
+        for i in 0..100 {
+            let words: Vec<&str> = document(3, i).leak().split(' ').collect();
+            for (pos, _) in words.iter().enumerate().filter(|(_, w)| **w == "where") {
+                let name = words[pos + 2];
+                let answer = words[pos + 7]; // where does NAME live ? answer : CITY
+                let fact = words.windows(4).position(|f| f[0] == name && f[1] == "lives" && f[2] == "in").unwrap();
+                assert_eq!(words[fact + 3], answer);
+                far += usize::from(pos - fact > 32);
+            }
+        }
+        assert!(far > 50, "too few long-range questions: {far}");
+    }
+}

@@ -1,0 +1,142 @@
+//! Rust side of csrc/attn_ops.cpp: aten ops that tch 0.24 does not wrap. Each call returns the C++
+//! exception text as an error instead of aborting.
+use crate::{Error, Result};
+use tch::{Device, Tensor};
+use torch_sys::C_tensor;
+
+extern "C" {
+    fn attnlab_set_autocast_bf16() -> *mut libc::c_char;
+    fn attnlab_fused_adamw(
+        params: *const *mut C_tensor,
+        grads: *const *mut C_tensor,
+        exp_avgs: *const *mut C_tensor,
+        exp_avg_sqs: *const *mut C_tensor,
+        steps: *const *mut C_tensor,
+        n: i64,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+    ) -> *mut libc::c_char;
+    fn attnlab_clip_grad_norm(grads: *const *mut C_tensor, n: i64, max_norm: f64, norm_out: *mut *mut C_tensor) -> *mut libc::c_char;
+    fn attnlab_flash_fwd(
+        q: *mut C_tensor,
+        k: *mut C_tensor,
+        v: *mut C_tensor,
+        is_causal: i32,
+        scale: f64,
+        wl: i64,
+        wr: i64,
+        out: *mut *mut C_tensor,
+        lse: *mut *mut C_tensor,
+        rng: *mut *mut C_tensor,
+        unused: *mut *mut C_tensor,
+    ) -> *mut libc::c_char;
+    fn attnlab_dar_split_merge(q: *mut C_tensor, kl: *mut C_tensor, vl: *mut C_tensor, kg: *mut C_tensor, vg: *mut C_tensor, window: i64, backend: i64, out: *mut *mut C_tensor) -> *mut libc::c_char;
+    fn attnlab_cuda_peak_memory(device: i64, reset: i32, out: *mut i64) -> *mut libc::c_char;
+}
+
+fn check(err: *mut libc::c_char) -> Result<()> {
+    if err.is_null() {
+        return Ok(());
+    }
+    // SAFETY: the shim returns a strdup'ed NUL-terminated string that we own and free here.
+    let msg = unsafe { std::ffi::CStr::from_ptr(err) }.to_string_lossy().into_owned();
+    unsafe { libc::free(err as *mut libc::c_void) };
+    Err(Error::Kernel(msg.lines().next().unwrap_or("").to_string()))
+}
+
+fn ptrs(ts: &[&Tensor]) -> Vec<*mut C_tensor> {
+    ts.iter().map(|t| t.as_ptr() as *mut C_tensor).collect()
+}
+
+/// Make CUDA autocast produce bf16 (its default is fp16).
+pub fn set_autocast_bf16() -> Result<()> {
+    check(unsafe { attnlab_set_autocast_bf16() })
+}
+
+/// Slices of one AdamW parameter group, all the same length.
+pub struct AdamwGroup<'a> {
+    pub params: Vec<&'a Tensor>,
+    pub grads: Vec<&'a Tensor>,
+    pub exp_avgs: Vec<&'a Tensor>,
+    pub exp_avg_sqs: Vec<&'a Tensor>,
+    pub steps: Vec<&'a Tensor>,
+}
+
+/// One in-place AdamW update with aten's fused kernel (`_fused_adamw_`).
+pub fn fused_adamw(g: &AdamwGroup, lr: f64, betas: (f64, f64), weight_decay: f64, eps: f64) -> Result<()> {
+    let n = g.params.len();
+    assert!([g.grads.len(), g.exp_avgs.len(), g.exp_avg_sqs.len(), g.steps.len()].iter().all(|&l| l == n));
+    let (p, gr, m, v, s) = (ptrs(&g.params), ptrs(&g.grads), ptrs(&g.exp_avgs), ptrs(&g.exp_avg_sqs), ptrs(&g.steps));
+    check(unsafe {
+        attnlab_fused_adamw(p.as_ptr(), gr.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), n as i64, lr, betas.0, betas.1, weight_decay, eps)
+    })
+}
+
+/// Clip gradients in place to a global L2 norm of `max_norm` (no clipping when ≤ 0) without a host
+/// synchronisation; returns the pre-clip global norm as a 0-dim tensor.
+pub fn clip_grad_norm(grads: &[&Tensor], max_norm: f64) -> Result<Tensor> {
+    let g = ptrs(grads);
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    check(unsafe { attnlab_clip_grad_norm(g.as_ptr(), g.len() as i64, max_norm, &mut out) })?;
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// FlashAttention forward (CUDA, bf16/fp16, layout `[B, S, H, D]`) with a sliding window:
+/// query i sees key j iff `i − wl ≤ j ≤ i + wr` (−1 = unbounded). Returns (out, lse `[B,H,S]` f32, rng, unused).
+pub fn flash_fwd(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64, wl: i64, wr: i64) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    let mut o = [std::ptr::null_mut(); 4];
+    let [o0, o1, o2, o3] = &mut o;
+    check(unsafe {
+        attnlab_flash_fwd(
+            q.as_ptr() as *mut _,
+            k.as_ptr() as *mut _,
+            v.as_ptr() as *mut _,
+            causal as i32,
+            scale,
+            wl,
+            wr,
+            o0,
+            o1,
+            o2,
+            o3,
+        )
+    })?;
+    Ok(unsafe { (Tensor::from_ptr(o[0]), Tensor::from_ptr(o[1]), Tensor::from_ptr(o[2]), Tensor::from_ptr(o[3])) })
+}
+
+/// Kernel that computes DAR's global (distance ≥ w) part in the split-merge construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GlobalBackend {
+    Flash = 0,
+    Cudnn = 1,
+}
+
+/// DAR attention by split-merge with stock CUDA kernels and an exact custom backward
+/// (csrc/dar_attention.cpp). Inputs `[B, T, H, D]` bf16/fp16 on CUDA, `0 < window < T`; the result
+/// carries its autograd graph.
+pub fn dar_split_merge(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64, backend: GlobalBackend) -> Result<Tensor> {
+    let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    check(unsafe { attnlab_dar_split_merge(p(q), p(kl), p(vl), p(kg), p(vg), window, backend as i64, &mut out) })?;
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// Peak bytes allocated by the CUDA caching allocator (torch.cuda.max_memory_allocated); `None` on CPU.
+pub fn cuda_peak_memory(device: Device) -> Option<u64> {
+    cuda_peak(device, false)
+}
+
+/// Reset the CUDA allocator's peak statistic (no-op on CPU).
+pub fn reset_cuda_peak_memory(device: Device) {
+    let _ = cuda_peak(device, true);
+}
+
+fn cuda_peak(device: Device, reset: bool) -> Option<u64> {
+    let Device::Cuda(i) = device else { return None };
+    let mut out = 0i64;
+    check(unsafe { attnlab_cuda_peak_memory(i as i64, reset as i32, &mut out) }).ok()?;
+    Some(out as u64)
+}

@@ -1,0 +1,23 @@
+//! attnlab: experiments with attention variants that spend less memory on distant tokens.
+//!
+//! Data flow (ARCHITECTURE.md): spec (YAML) → data (tokenize, shard, batch) → model (GPT-NeoX with
+//! vanilla / DAR / uniform attention) → train (AdamW, checkpoints, metrics) → eval (perplexity).
+pub mod attention;
+pub mod bench;
+pub mod data;
+pub mod device;
+pub mod error;
+pub mod eval;
+pub mod hub;
+pub mod kernels;
+pub mod model;
+pub mod progress;
+pub mod spec;
+#[cfg(feature = "sweep-wip")] pub mod sweep;
+pub mod train;
+pub mod util;
+
+#[cfg(test)]
+pub mod testutil;
+
+pub use error::{Error, IoContext, Result};

@@ -1,0 +1,352 @@
+//! The `attnlab` command line. Errors print their cause chain and exit non-zero.
+use anyhow::{bail, Context, Result};
+use attnlab::spec::{self, AttentionImpl, AttentionKind, Spec};
+use attnlab::train::{self, TrainOptions};
+use clap::{Args, Parser, Subcommand};
+use std::path::{Path, PathBuf};
+
+#[derive(Parser)]
+#[command(name = "attnlab", version, about = "Attention variants that spend less memory on distant tokens (DAR, uniform, vanilla) on GPT-NeoX/Pythia.", long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Args, Clone)]
+struct SpecArgs {
+    /// Experiment spec (YAML). Omit for the built-in tiny model on the synthetic corpus.
+    spec: Option<PathBuf>,
+    /// Override any key: --set attention.window=64 (repeatable; values are YAML).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Run directory (overrides `output:` in the spec).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Train (or resume) one run from a spec: writes config.yaml, metrics.jsonl, checkpoints/, eval.json, DONE.
+    Train {
+        #[command(flatten)]
+        spec: SpecArgs,
+        /// No progress bars.
+        #[arg(long)]
+        quiet: bool,
+        /// Stop after this many steps in total (as if interrupted; re-run to resume).
+        #[arg(long, hide = true)]
+        stop_after: Option<u64>,
+    },
+    /// Train one spec as vanilla, DAR and uniform (into OUT/<kind>) and print their perplexities side by side.
+    Compare {
+        #[command(flatten)]
+        spec: SpecArgs,
+        /// Attention kinds to train, comma-separated.
+        #[arg(long, default_value = "vanilla,dar,uniform", value_delimiter = ',')]
+        kinds: Vec<String>,
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Rolling perplexity of a run's checkpoint on its eval corpora (and any --corpus); writes eval.json.
+    Eval {
+        run: PathBuf,
+        /// Checkpoint step (default: the newest complete one).
+        #[arg(long)]
+        step: Option<u64>,
+        /// Extra corpus: NAME=PATH, or NAME=wikitext:PATH for lm-eval's WikiText split + detokenizer.
+        #[arg(long = "corpus", value_name = "NAME=PATH")]
+        corpora: Vec<String>,
+        /// Device (default: the run's).
+        #[arg(long)]
+        device: Option<String>,
+    },
+    /// Write float32 logits [n, vocab] for whitespace-separated token ids in FILE to a safetensors file.
+    Forward {
+        run: PathBuf,
+        #[arg(long)]
+        tokens: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long)]
+        step: Option<u64>,
+        #[arg(long)]
+        device: Option<String>,
+    },
+    /// Data tools.
+    #[command(subcommand)]
+    Data(DataCmd),
+    /// Time training steps (or the attention op) on synthetic tokens: step time, tokens/s, MFU, peak memory.
+    Bench {
+        #[command(flatten)]
+        spec: SpecArgs,
+        /// Timed steps (after warm-up).
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        #[arg(long, default_value_t = 3)]
+        warmup: usize,
+        /// Vocabulary rows when the spec does not fix them (Pythia: 50304).
+        #[arg(long, default_value_t = 50304)]
+        vocab: usize,
+        /// Time only the attention op (forward + backward) for vanilla, DAR and uniform.
+        #[arg(long)]
+        attention_only: bool,
+        /// Check every fast DAR path against the reference (outputs and all input gradients) for
+        /// windows 0, 1, 4, 64, 128, 256, T and > T; exits non-zero on a failure.
+        #[arg(long)]
+        check: bool,
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a spec with every default filled in, as a run directory would record it.
+    Config {
+        #[command(flatten)]
+        spec: SpecArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum DataCmd {
+    /// Tokenize a source in parallel into u16 shards + index.json (documents separated by EOD = 0).
+    Prepare {
+        /// A file or directory (.txt, .jsonl[.zst|.gz], .json.gz, .parquet); omit with --synthetic.
+        source: Option<PathBuf>,
+        /// tokenizer.json path, `builtin`, or hf:OWNER/NAME.
+        #[arg(long)]
+        tokenizer: String,
+        #[arg(long)]
+        out: PathBuf,
+        /// JSON/parquet text field.
+        #[arg(long, default_value = "text")]
+        field: String,
+        /// `wikitext` applies lm-eval's WikiText document split and detokenizer.
+        #[arg(long, default_value = "text")]
+        format: String,
+        /// Use N documents of the built-in synthetic corpus instead of a source.
+        #[arg(long)]
+        synthetic: Option<usize>,
+    },
+}
+
+fn main() {
+    let _ = attnlab::device::preload_torch_cuda();
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e}");
+        for cause in e.chain().skip(1) {
+            eprintln!("  caused by: {cause}");
+        }
+        std::process::exit(1);
+    }
+}
+
+fn load_spec(a: &SpecArgs) -> Result<Spec> {
+    let mut spec = match &a.spec {
+        Some(p) => spec::load(p, &a.sets)?,
+        None => spec::from_str(spec::BUILTIN_TINY, "<builtin tiny-synthetic>", &a.sets)?,
+    };
+    if let Some(out) = &a.out {
+        spec.output = Some(out.clone());
+        spec.name.get_or_insert_with(|| out.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
+    }
+    Ok(spec)
+}
+
+fn tokenizer_spec(s: &str) -> spec::TokenizerSpec {
+    match s.strip_prefix("hf:") {
+        Some(repo) => spec::TokenizerSpec::Hub { hf: repo.to_string() },
+        None => spec::TokenizerSpec::Path(s.to_string()),
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Train { spec, quiet, stop_after } => {
+            let spec = load_spec(&spec)?;
+            let o = train::train(spec, &TrainOptions { quiet, stop_after })?;
+            if o.already_done {
+                println!("{} is finished (DONE); nothing to do", o.dir.display());
+            } else {
+                println!("trained {} to step {}", o.dir.display(), o.step);
+            }
+            print_eval_table(&[(o.dir.display().to_string(), o.eval)]);
+        }
+        Cmd::Compare { spec, kinds, quiet } => {
+            let base = load_spec(&spec)?;
+            let root = match (&spec.out, &base.output) {
+                (Some(o), _) => o.clone(),
+                (None, Some(o)) => o.parent().map(Path::to_path_buf).unwrap_or_else(|| o.clone()),
+                (None, None) => PathBuf::from("results/compare"),
+            };
+            let mut rows = Vec::new();
+            for k in &kinds {
+                let kind: AttentionKind = serde_yaml::from_str(k).with_context(|| format!("unknown attention kind `{k}`"))?;
+                let mut s = base.with_attention(kind).map_err(|(key, msg)| anyhow::anyhow!("{key}: {msg}"))?;
+                s.output = Some(root.join(k));
+                s.name = Some(k.clone());
+                if !quiet {
+                    eprintln!("== {k}: {}", s.attention.note.clone().unwrap_or_else(|| "full-width keys everywhere".into()));
+                }
+                let o = train::train(s, &TrainOptions { quiet, stop_after: None })?;
+                rows.push((k.clone(), o.eval));
+            }
+            print_eval_table(&rows);
+        }
+        Cmd::Eval { run, step, corpora, device } => {
+            let loaded = train::run::load(&run, step, device.as_deref())?;
+            let mut spec = loaded.spec.clone();
+            for c in &corpora {
+                let (name, path) = c.split_once('=').with_context(|| format!("--corpus `{c}` is not NAME=PATH"))?;
+                let (format, path) = match path.strip_prefix("wikitext:") {
+                    Some(p) => (spec::TextFormat::Wikitext, p),
+                    None => (spec::TextFormat::Text, path),
+                };
+                spec.data.eval.insert(name.to_string(), spec::SourceSpec::Local(spec::LocalSource { path: path.into(), field: "text".into(), format }));
+            }
+            let corpora = train::load_eval_corpora(&spec, &loaded.tok)?;
+            if corpora.is_empty() {
+                bail!("no evaluation corpora: the run's spec lists none; add --corpus NAME=PATH");
+            }
+            let results = train::evaluate_all(&loaded.model, &corpora, &spec, loaded.device);
+            train::run::RunDir { path: run.clone() }.write_eval(loaded.step, &results)?;
+            println!("{} at step {}:", run.display(), loaded.step);
+            print_eval_table(&[(run.display().to_string(), results)]);
+        }
+        Cmd::Forward { run, tokens, out, step, device } => {
+            let loaded = train::run::load(&run, step, device.as_deref())?;
+            let text = std::fs::read_to_string(&tokens).with_context(|| format!("reading {}", tokens.display()))?;
+            let ids: Vec<i64> = text
+                .split_whitespace()
+                .enumerate()
+                .map(|(i, w)| w.parse::<i64>().with_context(|| format!("{}: token {} (`{w}`) is not an integer", tokens.display(), i + 1)))
+                .collect::<Result<_>>()?;
+            let vocab = loaded.model.cfg.vocab as i64;
+            if let Some(bad) = ids.iter().find(|&&i| i < 0 || i >= vocab) {
+                bail!("{}: token id {bad} is outside the vocabulary [0, {vocab})", tokens.display());
+            }
+            let x = tch::Tensor::from_slice(&ids).view([1, -1]).to_device(loaded.device);
+            let logits = tch::no_grad(|| loaded.model.forward(&x)).squeeze_dim(0).to_kind(tch::Kind::Float).to_device(tch::Device::Cpu);
+            tch::Tensor::write_safetensors(&[("logits", &logits)], &out)?;
+            println!("wrote logits {:?} to {}", logits.size(), out.display());
+        }
+        Cmd::Data(DataCmd::Prepare { source, tokenizer, out, field, format, synthetic }) => {
+            let tok = attnlab::data::Tok::load(&tokenizer_spec(&tokenizer))?;
+            let format: spec::TextFormat = serde_yaml::from_str(&format).with_context(|| format!("--format `{format}`: want text or wikitext"))?;
+            let src = match (synthetic, source) {
+                (Some(n), None) => spec::SourceSpec::Synthetic { synthetic: spec::SyntheticSpec { seed: 1, docs: n } },
+                (None, Some(p)) => spec::SourceSpec::Local(spec::LocalSource { path: p, field, format }),
+                _ => bail!("give either a SOURCE path or --synthetic N"),
+            };
+            let docs = attnlab::data::sources::read_documents(&src)?;
+            let p = attnlab::data::shards::prepare(&docs, &tok, &serde_json::to_string(&src)?, &out, false)?;
+            println!(
+                "{} documents, {} tokens in {:.1}s ({:.0} tokens/s) → {}",
+                p.index.n_docs,
+                p.index.n_tokens,
+                p.seconds,
+                p.index.n_tokens as f64 / p.seconds.max(1e-9),
+                p.dir.display()
+            );
+        }
+        Cmd::Bench { spec, steps, warmup, vocab, attention_only, check, json } => {
+            let base = load_spec(&spec)?;
+            if check {
+                check_attention(&base, json)?;
+            } else if attention_only {
+                bench_attention(&base, steps, json)?;
+            } else {
+                let r = attnlab::bench::train_bench(&base, vocab, warmup, steps)?;
+                if json {
+                    println!("{}", serde_json::to_string(&r)?);
+                } else {
+                    println!(
+                        "{} ({}), micro-batch {} × T {} on {}: {:.1} ms/step, {:.0} tokens/s, MFU {:.1}%, peak {:.2} GiB, {} params",
+                        r.name, r.attention, r.micro_batch, r.seq_len, r.device, r.step_ms, r.tokens_per_s, 100.0 * r.mfu, r.peak_mem_gib, r.params
+                    );
+                }
+            }
+        }
+        Cmd::Config { spec } => print!("{}", load_spec(&spec)?.to_yaml()),
+    }
+    Ok(())
+}
+
+fn check_attention(spec: &Spec, json: bool) -> Result<()> {
+    let device = attnlab::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
+    let s = spec.shape();
+    let (t, hd) = (spec.seq_len() as i64, (s.d_model / s.heads) as i64);
+    let shapes = [[spec.batch_size() as i64, s.heads as i64, t, hd], [1, 3, t / 2 + 3, hd]];
+    let imps: &[AttentionImpl] = if device.is_cuda() { &[AttentionImpl::Sdpa, AttentionImpl::SplitMerge, AttentionImpl::SplitMergeCudnn] } else { &[AttentionImpl::Sdpa] };
+    // bf16 kernels against an fp32 reference: 3e-2 relative (as ../shared/bench); fp64 on CPU: 1e-9.
+    let tol = if device.is_cuda() { 3e-2 } else { 1e-9 };
+    let mut failed = 0;
+    for shape in shapes {
+        for w in [0, 1, 4, 64, 128, 256, shape[2], shape[2] + 5] {
+            for &imp in imps {
+                let r = attnlab::bench::attention_check(imp, shape, w, device, tol);
+                failed += usize::from(!r.pass);
+                if json {
+                    println!("{}", serde_json::to_string(&r)?);
+                } else {
+                    let e = r.rel_err.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ");
+                    println!("{:18} {:?} w {:5}: rel err out/dq/dkl/dvl/dkg/dvg {e}  {}", r.implementation, r.shape, r.window, if r.pass { "ok" } else { "FAIL" });
+                }
+            }
+        }
+    }
+    if failed > 0 {
+        bail!("{failed} attention checks failed");
+    }
+    Ok(())
+}
+
+fn bench_attention(spec: &Spec, reps: usize, json: bool) -> Result<()> {
+    let device = attnlab::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
+    let s = spec.shape();
+    let hd = (s.d_model / s.heads) as i64;
+    let shape = [spec.batch_size() as i64, s.heads as i64, spec.seq_len() as i64, hd];
+    let window = spec.attention.window.unwrap_or(128);
+    let imps: Vec<AttentionImpl> = if device.is_cuda() {
+        vec![AttentionImpl::Auto, AttentionImpl::SplitMerge, AttentionImpl::Sdpa]
+    } else {
+        vec![AttentionImpl::Auto, AttentionImpl::Reference]
+    };
+    let mut base_ms = None;
+    for kind in [AttentionKind::Vanilla, AttentionKind::Dar, AttentionKind::Uniform] {
+        for &imp in &imps {
+            if kind == AttentionKind::Vanilla && imp != AttentionImpl::Auto && device.is_cuda() {
+                continue;
+            }
+            let r = attnlab::bench::attention_bench(kind, imp, shape, window, device, reps)?;
+            let base = *base_ms.get_or_insert(r.fwd_bwd_ms);
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!("{:8} {:10} B·H {} T {} hd {} w {:4}: {:8.3} ms fwd+bwd ({:.2}× vanilla)", r.attention, r.implementation, r.batch_heads, r.seq_len, r.head_dim, r.window, r.fwd_bwd_ms, r.fwd_bwd_ms / base);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn print_eval_table(rows: &[(String, std::collections::BTreeMap<String, attnlab::eval::CorpusResult>)]) {
+    let corpora: std::collections::BTreeSet<&String> = rows.iter().flat_map(|r| r.1.keys()).collect();
+    if corpora.is_empty() {
+        return;
+    }
+    let width = rows.iter().map(|r| r.0.len()).max().unwrap_or(3).max(3);
+    print!("{:width$}", "run");
+    for c in &corpora {
+        print!("  {:>14} {:>9}", format!("{c} ppl"), "tokens");
+    }
+    println!();
+    for (name, res) in rows {
+        print!("{name:width$}");
+        for c in &corpora {
+            match res.get(*c) {
+                Some(r) => print!("  {:>14.3} {:>9}", r.ppl, r.tokens),
+                None => print!("  {:>14} {:>9}", "-", "-"),
+            }
+        }
+        println!();
+    }
+}

@@ -1,0 +1,590 @@
+//! Spec structs, their defaults (pythia.md §3, dar.md §4.1) and validation. Field names are the
+//! YAML contract: add keys, never rename them.
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// A validation failure: (dotted key path, message).
+pub type Invalid = (String, String);
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Spec {
+    /// Human-readable run name (defaults to the output folder's name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub model: ModelSpec,
+    #[serde(default)]
+    pub attention: AttentionSpec,
+    pub data: DataSpec,
+    #[serde(default)]
+    pub train: TrainSpec,
+    #[serde(default)]
+    pub eval: EvalSpec,
+    #[serde(default)]
+    pub checkpoint: CheckpointSpec,
+    /// Run directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Flavor {
+    #[serde(rename = "tiny")]
+    Tiny,
+    #[serde(rename = "pythia-14m")]
+    Pythia14m,
+    #[serde(rename = "pythia-70m")]
+    Pythia70m,
+    #[serde(rename = "pythia-160m")]
+    Pythia160m,
+    #[serde(rename = "pythia-410m")]
+    Pythia410m,
+}
+
+impl Flavor {
+    /// (layers, d_model, heads, peak lr, min lr) from the Pythia configs (pythia.md §3).
+    pub fn shape(self) -> (usize, usize, usize, f64, f64) {
+        match self {
+            Flavor::Tiny => (2, 64, 4, 1e-3, 1e-4),
+            Flavor::Pythia14m => (6, 128, 4, 1e-3, 1e-4),
+            Flavor::Pythia70m => (6, 512, 8, 1e-3, 1e-4),
+            Flavor::Pythia160m => (12, 768, 12, 6e-4, 6e-5),
+            Flavor::Pythia410m => (24, 1024, 16, 3e-4, 3e-5),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Gelu {
+    /// Exact erf GELU, as Hugging Face GPT-NeoX (pythia.md §1.4).
+    #[default]
+    Erf,
+    /// tanh approximation, as GPT-NeoX's fused bias-GELU used in the original Pythia runs.
+    Tanh,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flavor: Option<Flavor>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub d_model: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heads: Option<usize>,
+    /// Embedding rows; default: the tokenizer's vocabulary padded up to a multiple of 128.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocab: Option<usize>,
+    /// MLP width (default 4·d_model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ffn: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotary_pct: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotary_base: Option<f64>,
+    #[serde(default)]
+    pub gelu: Gelu,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionKind {
+    #[default]
+    Vanilla,
+    Dar,
+    Uniform,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DarAct {
+    #[default]
+    Linear,
+    Sigmoid,
+}
+
+/// Which implementation computes DAR attention (all compute the same function).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum AttentionImpl {
+    /// Fastest available: split-merge with cuDNN on CUDA (bf16/fp16, head dim a multiple of 8, ≤ 256),
+    /// masked SDPA otherwise.
+    #[default]
+    Auto,
+    /// Explicit masked scores (slow, O(T²) memory): the oracle.
+    Reference,
+    /// SDPA over concatenated local + global keys with a boolean mask (dar-kernels.md §2).
+    Sdpa,
+    /// Sliding-window flash call (local) + causal flash call over the bottleneck keys (global),
+    /// merged by log-sum-exp, exact custom backward (dar-kernels.md §3; CUDA only).
+    SplitMerge,
+    /// As split-merge, with cuDNN attention for the global part.
+    SplitMergeCudnn,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct AttentionSpec {
+    #[serde(default)]
+    pub kind: AttentionKind,
+    /// Bottleneck width for distant keys (default d_model/4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub d_down: Option<i64>,
+    /// Keys at distance < window use full width (default 128; `uniform` forces 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<i64>,
+    #[serde(default)]
+    pub dar_act: DarAct,
+    #[serde(default, rename = "impl")]
+    pub implementation: AttentionImpl,
+    /// Set in the resolved config to explain how the kind was interpreted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// Where a tokenizer comes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TokenizerSpec {
+    /// `builtin` (the synthetic corpus's word-level vocabulary) or a path to a tokenizer.json.
+    Path(String),
+    /// `{hf: EleutherAI/pythia-70m}`: tokenizer.json of a Hugging Face model repo.
+    Hub { hf: String },
+}
+
+/// A text source: local files, Hugging Face dataset files, or the built-in synthetic corpus.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SourceSpec {
+    Local(LocalSource),
+    Hub { hf: HubSource },
+    Synthetic { synthetic: SyntheticSpec },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LocalSource {
+    /// A file (.txt, .jsonl, .jsonl.zst, .jsonl.gz, .json.gz, .parquet), a directory of them, or a
+    /// directory prepared by `attnlab data prepare` (holds index.json).
+    pub path: PathBuf,
+    /// Text field of JSON lines / parquet rows.
+    #[serde(default = "default_field")]
+    pub field: String,
+    /// `text`: one document per file/row; `wikitext`: lm-eval's WikiText document split + detokenizer.
+    #[serde(default)]
+    pub format: TextFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TextFormat {
+    #[default]
+    Text,
+    Wikitext,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HubSource {
+    pub repo: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    pub files: Vec<String>,
+    #[serde(default = "default_field")]
+    pub field: String,
+}
+
+fn default_field() -> String {
+    "text".into()
+}
+
+/// The built-in corpus (data::synthetic documents what it generates).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SyntheticSpec {
+    #[serde(default = "default_syn_seed")]
+    pub seed: u64,
+    #[serde(default = "default_syn_docs")]
+    pub docs: usize,
+}
+
+fn default_syn_seed() -> u64 {
+    1
+}
+fn default_syn_docs() -> usize {
+    4000
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<TokenizerSpec>,
+    pub train: SourceSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<usize>,
+    /// Evaluation corpora by name.
+    #[serde(default)]
+    pub eval: BTreeMap<String, SourceSpec>,
+    /// Where tokenized shards of non-prepared sources are cached (default data/cache).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// bf16 autocast on CUDA, fp32 on CPU.
+    #[default]
+    Auto,
+    Fp32,
+    Bf16,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSpec {
+    /// Optimizer steps (or give `tokens`; one of the two).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<i64>,
+    /// Token budget; steps = ceil(tokens / (batch_size · seq_len)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
+    /// Sequences per optimizer step (global batch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<i64>,
+    /// Micro-batches per step (gradient accumulation); batch_size must divide evenly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_accum: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_lr: Option<f64>,
+    /// Warmup: a fraction of the decay steps when < 1, else a number of steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup: Option<f64>,
+    /// Steps of the cosine decay (default = steps).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decay_steps: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub betas: Option<[f64; 2]>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eps: Option<f64>,
+    /// Global-norm gradient clipping (0 = off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clip: Option<f64>,
+    #[serde(default)]
+    pub precision: Precision,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// auto | cpu | cuda | cuda:N
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// Log a metrics row every N steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_every: Option<i64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum EvalProtocol {
+    /// Convention A (evaluation.md §2.2): per-document rolling windows, every token scored once.
+    #[default]
+    Rolling,
+    /// Packed stream of T+1-token blocks: fast tracking only, reported as `stream_ppl`.
+    Stream,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct EvalSpec {
+    /// Evaluate every N steps during training (0 = only at the end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub every: Option<i64>,
+    /// Stop scoring a corpus after this many tokens (finishing the current document).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<usize>,
+    /// Windows per forward pass.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<i64>,
+    #[serde(default)]
+    pub protocol: EvalProtocol,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSpec {
+    /// Save every N steps (0 = only at the end); the final step is always saved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub every: Option<i64>,
+    /// Keep the newest K checkpoints (the final one is never deleted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep: Option<i64>,
+}
+
+/// Model shape after defaults: everything explicit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shape {
+    pub layers: usize,
+    pub d_model: usize,
+    pub heads: usize,
+}
+
+impl Spec {
+    fn flavor_or_tiny(&self) -> Flavor {
+        self.model.flavor.unwrap_or(Flavor::Tiny)
+    }
+
+    /// Model shape, from explicit keys or the flavor.
+    pub fn shape(&self) -> Shape {
+        let (l, d, h, _, _) = self.flavor_or_tiny().shape();
+        Shape { layers: self.model.layers.unwrap_or(l), d_model: self.model.d_model.unwrap_or(d), heads: self.model.heads.unwrap_or(h) }
+    }
+
+    /// Fill every default and check every value. Returns the resolved spec (what config.yaml records)
+    /// or the first invalid key with a message. `vocab` stays unresolved until the tokenizer is known.
+    pub fn resolve(mut self) -> Result<Spec, Invalid> {
+        let bad = |k: &str, m: String| Err((k.to_string(), m));
+        let flavor = self.flavor_or_tiny();
+        let (_, _, _, lr, min_lr) = flavor.shape();
+        let tiny = flavor == Flavor::Tiny;
+        let shape = self.shape();
+        for (k, v) in [("model.layers", shape.layers), ("model.d_model", shape.d_model), ("model.heads", shape.heads)] {
+            if v == 0 {
+                return bad(k, "must be > 0".into());
+            }
+        }
+        if shape.d_model % shape.heads != 0 {
+            return bad("model.heads", format!("d_model {} is not divisible by {} heads", shape.d_model, shape.heads));
+        }
+        self.model.layers = Some(shape.layers);
+        self.model.d_model = Some(shape.d_model);
+        self.model.heads = Some(shape.heads);
+        let ffn = *self.model.ffn.get_or_insert(4 * shape.d_model);
+        if ffn == 0 {
+            return bad("model.ffn", "must be > 0".into());
+        }
+        let pct = *self.model.rotary_pct.get_or_insert(0.25);
+        if !(0.0..=1.0).contains(&pct) {
+            return bad("model.rotary_pct", format!("{pct} is not in [0, 1]"));
+        }
+        let hd = shape.d_model / shape.heads;
+        let r = (hd as f64 * pct) as usize;
+        if r % 2 != 0 {
+            return bad("model.rotary_pct", format!("gives an odd number of rotary dims ({r}) for head dim {hd}"));
+        }
+        self.model.rotary_base.get_or_insert(10000.0);
+        if self.model.vocab == Some(0) {
+            return bad("model.vocab", "must be > 0".into());
+        }
+
+        // Attention.
+        let a = &mut self.attention;
+        match a.kind {
+            AttentionKind::Vanilla => {
+                if a.d_down.is_some() || a.window.is_some() {
+                    let k = if a.d_down.is_some() { "attention.d_down" } else { "attention.window" };
+                    return bad(k, "is meaningless for kind: vanilla (use dar or uniform)".into());
+                }
+            }
+            AttentionKind::Dar | AttentionKind::Uniform => {
+                let d_down = *a.d_down.get_or_insert((shape.d_model / 4) as i64);
+                if d_down <= 0 || d_down as usize > shape.d_model {
+                    return bad("attention.d_down", format!("{d_down} is not in 1..={} (d_model)", shape.d_model));
+                }
+                if a.kind == AttentionKind::Uniform {
+                    if let Some(w) = a.window.filter(|&w| w != 0) {
+                        return bad("attention.window", format!("kind: uniform is DAR with window 0; got window {w}"));
+                    }
+                    a.window = Some(0);
+                    a.note = Some("uniform = DAR with window 0: every key, the current token's included, uses the d_down bottleneck".into());
+                } else {
+                    let w = *a.window.get_or_insert(128);
+                    if w < 0 {
+                        return bad("attention.window", format!("{w} is negative"));
+                    }
+                    a.note = Some(format!("dar: keys at distance < {w} (the current token included) full width, farther keys through the d_down bottleneck"));
+                }
+            }
+        }
+
+        // Data.
+        let seq_len = *self.data.seq_len.get_or_insert(if tiny { 128 } else { 2048 });
+        if seq_len < 2 {
+            return bad("data.seq_len", format!("{seq_len} is too short (need ≥ 2)"));
+        }
+        if self.data.tokenizer.is_none() {
+            self.data.tokenizer = Some(match &self.data.train {
+                SourceSpec::Synthetic { .. } => TokenizerSpec::Path("builtin".into()),
+                _ => TokenizerSpec::Hub { hf: "EleutherAI/pythia-70m".into() },
+            });
+        }
+        if let SourceSpec::Synthetic { synthetic } = &self.data.train {
+            if synthetic.docs == 0 {
+                return bad("data.train.synthetic.docs", "must be > 0".into());
+            }
+        }
+        for (name, src) in &self.data.eval {
+            if name.is_empty() || name.contains('/') || name.contains('=') {
+                return bad(&format!("data.eval.{name}"), "corpus names must be non-empty and contain no '/' or '='".into());
+            }
+            if let SourceSpec::Hub { hf } = src {
+                if hf.files.is_empty() {
+                    return bad(&format!("data.eval.{name}.hf.files"), "lists no files".into());
+                }
+            }
+        }
+        self.data.cache.get_or_insert_with(|| PathBuf::from("data/cache"));
+
+        // Training.
+        let t = &mut self.train;
+        let batch = *t.batch_size.get_or_insert(if tiny { 16 } else { 1024 });
+        if batch <= 0 {
+            return bad("train.batch_size", format!("{batch} must be > 0"));
+        }
+        let accum = *t.grad_accum.get_or_insert(1);
+        if accum <= 0 || batch % accum != 0 {
+            return bad("train.grad_accum", format!("{accum} must be > 0 and divide batch_size {batch}"));
+        }
+        let steps = match (t.steps, t.tokens) {
+            (Some(_), Some(_)) => return bad("train.tokens", "give either train.steps or train.tokens, not both".into()),
+            (Some(s), None) => s,
+            (None, Some(tok)) => tok.div_ceil(batch as u64 * seq_len as u64) as i64,
+            (None, None) => return bad("train.steps", "is required (or give train.tokens)".into()),
+        };
+        if steps <= 0 {
+            return bad(if t.tokens.is_some() { "train.tokens" } else { "train.steps" }, format!("gives {steps} steps; need > 0"));
+        }
+        t.steps = Some(steps);
+        t.tokens = None;
+        let peak = *t.lr.get_or_insert(lr);
+        let floor = *t.min_lr.get_or_insert(min_lr);
+        if !(peak > 0.0) || !peak.is_finite() {
+            return bad("train.lr", format!("{peak} must be > 0"));
+        }
+        if !(0.0..=peak).contains(&floor) {
+            return bad("train.min_lr", format!("{floor} is not in [0, lr = {peak}]"));
+        }
+        let decay = *t.decay_steps.get_or_insert(steps);
+        if decay <= 0 {
+            return bad("train.decay_steps", format!("{decay} must be > 0"));
+        }
+        let warm = *t.warmup.get_or_insert(0.01);
+        if !(warm >= 0.0) || (warm >= 1.0 && warm.fract() != 0.0) || warm > decay as f64 {
+            return bad("train.warmup", format!("{warm} must be a fraction in [0, 1) or a whole number of steps ≤ decay_steps"));
+        }
+        let wd = *t.weight_decay.get_or_insert(0.1);
+        if !(wd >= 0.0) {
+            return bad("train.weight_decay", format!("{wd} must be ≥ 0"));
+        }
+        let [b1, b2] = *t.betas.get_or_insert([0.9, 0.95]);
+        if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
+            return bad("train.betas", format!("[{b1}, {b2}] must lie in [0, 1)"));
+        }
+        let eps = *t.eps.get_or_insert(1e-8);
+        if !(eps > 0.0) {
+            return bad("train.eps", format!("{eps} must be > 0"));
+        }
+        let clip = *t.clip.get_or_insert(1.0);
+        if !(clip >= 0.0) {
+            return bad("train.clip", format!("{clip} must be ≥ 0 (0 = off)"));
+        }
+        t.seed.get_or_insert(1234);
+        let dev = t.device.get_or_insert_with(|| "auto".into()).clone();
+        if !(dev == "auto" || dev == "cpu" || dev == "cuda" || dev.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok())) {
+            return bad("train.device", format!("`{dev}` is not auto, cpu, cuda or cuda:N"));
+        }
+        let log = *t.log_every.get_or_insert(if tiny { 10 } else { 10 });
+        if log <= 0 {
+            return bad("train.log_every", format!("{log} must be > 0"));
+        }
+
+        // Evaluation and checkpoints.
+        let every = *self.eval.every.get_or_insert(if tiny { 0 } else { 500 });
+        if every < 0 {
+            return bad("eval.every", format!("{every} must be ≥ 0"));
+        }
+        if self.eval.max_tokens == Some(0) {
+            return bad("eval.max_tokens", "must be > 0 (omit it for no limit)".into());
+        }
+        let eb = *self.eval.batch_size.get_or_insert(if tiny { 32 } else { 8 });
+        if eb <= 0 {
+            return bad("eval.batch_size", format!("{eb} must be > 0"));
+        }
+        let ce = *self.checkpoint.every.get_or_insert(if tiny { 0 } else { 1000 });
+        if ce < 0 {
+            return bad("checkpoint.every", format!("{ce} must be ≥ 0"));
+        }
+        let keep = *self.checkpoint.keep.get_or_insert(3);
+        if keep <= 0 {
+            return bad("checkpoint.keep", format!("{keep} must be ≥ 1"));
+        }
+        if self.name.is_none() {
+            self.name = self.output.as_ref().and_then(|o| o.file_name()).map(|s| s.to_string_lossy().into_owned());
+        }
+        Ok(self)
+    }
+
+    // Accessors for resolved specs (resolve() filled every Option these unwrap).
+    pub fn steps(&self) -> u64 {
+        self.train.steps.expect("resolved") as u64
+    }
+    pub fn seq_len(&self) -> usize {
+        self.data.seq_len.expect("resolved")
+    }
+    pub fn batch_size(&self) -> usize {
+        self.train.batch_size.expect("resolved") as usize
+    }
+    pub fn grad_accum(&self) -> usize {
+        self.train.grad_accum.expect("resolved") as usize
+    }
+    pub fn seed(&self) -> u64 {
+        self.train.seed.expect("resolved")
+    }
+    /// Warmup in steps (fractions are of decay_steps, as Pythia's `warmup: 0.01`).
+    pub fn warmup_steps(&self) -> u64 {
+        let w = self.train.warmup.expect("resolved");
+        let decay = self.train.decay_steps.expect("resolved") as f64;
+        if w < 1.0 { (w * decay).round() as u64 } else { w as u64 }
+    }
+    pub fn window(&self) -> usize {
+        self.attention.window.unwrap_or(0) as usize
+    }
+    pub fn d_down(&self) -> usize {
+        self.attention.d_down.unwrap_or(0) as usize
+    }
+    /// The spec as YAML (what config.yaml holds).
+    pub fn to_yaml(&self) -> String {
+        serde_yaml::to_string(self).expect("spec serializes")
+    }
+}
+
+impl Spec {
+    /// The same experiment with another attention kind (for side-by-side comparisons): vanilla drops
+    /// the bottleneck keys, uniform forces window 0, dar keeps d_down and window (default 128).
+    pub fn with_attention(&self, kind: AttentionKind) -> Result<Spec, Invalid> {
+        let mut s = self.clone();
+        s.attention.kind = kind;
+        s.attention.note = None;
+        match kind {
+            AttentionKind::Vanilla => {
+                s.attention.d_down = None;
+                s.attention.window = None;
+            }
+            AttentionKind::Uniform => s.attention.window = None,
+            AttentionKind::Dar => {
+                if self.attention.kind != AttentionKind::Dar {
+                    s.attention.window = None;
+                }
+            }
+        }
+        s.resolve()
+    }
+}

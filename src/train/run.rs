@@ -1,0 +1,103 @@
+//! A run directory and what can be rebuilt from it (spec, tokenizer, model at a checkpoint).
+use super::checkpoint;
+use crate::data::Tok;
+use crate::eval::perplexity::CorpusResult;
+use crate::model::{GptNeox, NeoxConfig};
+use crate::spec::Spec;
+use crate::{Error, IoContext, Result};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use tch::nn::VarStore;
+
+pub struct RunDir {
+    pub path: PathBuf,
+}
+
+/// Record the embedding size in the spec (the tokenizer's vocabulary padded to a multiple of 128).
+pub fn with_vocab(mut spec: Spec, tok: &Tok) -> Spec {
+    spec.model.vocab.get_or_insert(tok.padded_vocab());
+    spec
+}
+
+pub fn model_config(spec: &Spec) -> NeoxConfig {
+    NeoxConfig::from_spec(spec, spec.model.vocab.expect("vocab resolved"))
+}
+
+impl RunDir {
+    /// Create the run directory for `spec` (or reopen it): writes config.yaml on first use and
+    /// refuses a directory whose recorded config differs.
+    pub fn prepare(spec: &Spec) -> Result<RunDir> {
+        let path = spec.output.clone().ok_or_else(|| Error::Spec { file: "spec".into(), key: "output".into(), line: None, msg: "no run directory: set `output:` or pass --out".into() })?;
+        std::fs::create_dir_all(&path).at(&path)?;
+        let cfg = path.join("config.yaml");
+        let yaml = spec.to_yaml();
+        if cfg.is_file() {
+            let old = std::fs::read_to_string(&cfg).at(&cfg)?;
+            if old != yaml {
+                let diff = first_difference(&old, &yaml);
+                return Err(Error::Run { dir: path, msg: format!("holds a run with a different config ({diff}); choose another output directory") });
+            }
+        } else {
+            std::fs::write(&cfg, &yaml).at(&cfg)?;
+        }
+        Ok(RunDir { path })
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.path.join("DONE").is_file()
+    }
+
+    pub fn mark_done(&self) -> Result<()> {
+        let p = self.path.join("DONE");
+        std::fs::write(&p, "").at(&p)
+    }
+
+    pub fn write_eval(&self, step: u64, results: &BTreeMap<String, CorpusResult>) -> Result<()> {
+        let p = self.path.join("eval.json");
+        let v = serde_json::json!({"step": step, "corpora": results});
+        std::fs::write(&p, serde_json::to_string_pretty(&v)?).at(&p)
+    }
+
+    pub fn read_eval(&self) -> Result<BTreeMap<String, CorpusResult>> {
+        let p = self.path.join("eval.json");
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).at(&p)?)?;
+        Ok(serde_json::from_value(v["corpora"].clone())?)
+    }
+}
+
+fn first_difference(a: &str, b: &str) -> String {
+    for (la, lb) in a.lines().zip(b.lines()) {
+        if la != lb {
+            return format!("recorded `{}`, now `{}`", la.trim(), lb.trim());
+        }
+    }
+    "different length".into()
+}
+
+/// A trained run loaded back: its spec, tokenizer and model at a checkpoint.
+pub struct Loaded {
+    pub spec: Spec,
+    pub tok: Tok,
+    pub vs: VarStore,
+    pub model: GptNeox,
+    pub step: u64,
+    pub device: tch::Device,
+}
+
+/// Load `run` at checkpoint `step` (default: the newest complete one) on the spec's device.
+pub fn load(run: &Path, step: Option<u64>, device: Option<&str>) -> Result<Loaded> {
+    let cfg = run.join("config.yaml");
+    let text = std::fs::read_to_string(&cfg).at(&cfg)?;
+    let spec = crate::spec::from_str(&text, &cfg.display().to_string(), &[])?;
+    let tok = Tok::load(spec.data.tokenizer.as_ref().expect("resolved"))?;
+    let device = crate::device::parse_device(device.unwrap_or(spec.train.device.as_deref().unwrap_or("auto")))?;
+    let ckpts = checkpoint::list(run);
+    let (step, dir) = match step {
+        Some(s) => ckpts.into_iter().find(|c| c.0 == s).ok_or_else(|| Error::Run { dir: run.into(), msg: format!("has no complete checkpoint for step {s}") })?,
+        None => ckpts.into_iter().last().ok_or_else(|| Error::Run { dir: run.into(), msg: "has no complete checkpoint".into() })?,
+    };
+    let vs = VarStore::new(device);
+    let model = GptNeox::new(&vs.root(), model_config(&spec));
+    checkpoint::load_weights(&vs, &dir.join("model.safetensors"))?;
+    Ok(Loaded { spec, tok, vs, model, step, device })
+}

@@ -1,0 +1,128 @@
+//! End-to-end tests of the `attnlab` binary on the built-in tiny spec (CPU, seconds each).
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn attnlab(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_attnlab")).args(args).current_dir(cwd).output().expect("attnlab runs")
+}
+
+fn ok(out: &Output) -> String {
+    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "exit {:?}\nstdout:\n{so}\nstderr:\n{se}", out.status.code());
+    so.into_owned()
+}
+
+fn fails(out: &Output) -> String {
+    assert!(!out.status.success(), "expected failure, got success: {}", String::from_utf8_lossy(&out.stdout));
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Per-step training losses of a run directory (last row wins when a resumed run logged a step twice).
+fn losses(run: &Path) -> std::collections::BTreeMap<u64, f64> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v.get("loss").is_some())
+        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+const SMALL: [&str; 10] = ["--set", "train.steps=24", "--set", "train.log_every=1", "--set", "checkpoint.every=8", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=300"];
+
+#[test]
+fn interrupted_and_resumed_run_matches_uninterrupted_bit_for_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let (a, b) = (cwd.join("a"), cwd.join("b"));
+    let run = |dir: &Path, extra: &[&str]| {
+        let mut args = vec!["train", "--quiet", "--out", dir.to_str().unwrap()];
+        args.extend(SMALL);
+        args.extend(extra);
+        attnlab(&args, cwd)
+    };
+    ok(&run(&a, &[]));
+    ok(&run(&b, &["--stop-after", "12"]));
+    assert!(!b.join("DONE").exists() && b.join("checkpoints/8/state.json").is_file());
+    ok(&run(&b, &[]));
+    let (la, lb) = (losses(&a), losses(&b));
+    assert_eq!(la.len(), 24);
+    assert_eq!(la, lb, "resumed run diverged from the uninterrupted one");
+    assert!(la[&24] < la[&1], "loss did not decrease: {} → {}", la[&1], la[&24]);
+    let eval = |d: &Path| std::fs::read_to_string(d.join("eval.json")).unwrap();
+    assert_eq!(eval(&a), eval(&b));
+    // Checkpoints kept: the newest `keep` (2 in the built-in spec).
+    let mut kept: Vec<String> = std::fs::read_dir(a.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    kept.sort();
+    assert_eq!(kept, ["16", "24"]);
+
+    // A finished run is never overwritten; a different config in the same directory is refused.
+    let again = ok(&run(&a, &[]));
+    assert!(again.contains("finished"), "{again}");
+    let err = fails(&run(&a, &["--set", "train.lr=0.01"]));
+    assert!(err.contains("different config") && err.contains("lr"), "{err}");
+
+    // forward writes [n, vocab] logits; eval rewrites eval.json at a chosen step.
+    let toks = cwd.join("toks.txt");
+    std::fs::write(&toks, "3 4 5\n6 7").unwrap();
+    let out = ok(&attnlab(&["forward", a.to_str().unwrap(), "--tokens", toks.to_str().unwrap(), "--out", cwd.join("l.safetensors").to_str().unwrap()], cwd));
+    assert!(out.contains("[5, 384]"), "{out}");
+    let out = ok(&attnlab(&["eval", a.to_str().unwrap(), "--step", "16"], cwd));
+    assert!(out.contains("step 16") && out.contains("synthetic"), "{out}");
+    std::fs::write(&toks, "3 x").unwrap();
+    let err = fails(&attnlab(&["forward", a.to_str().unwrap(), "--tokens", toks.to_str().unwrap(), "--out", "l2.safetensors"], cwd));
+    assert!(err.contains("token 2"), "{err}");
+}
+
+#[test]
+fn bad_specs_are_rejected_with_key_and_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let write = |name: &str, body: &str| {
+        let p = cwd.join(name);
+        std::fs::write(&p, body).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let base = "data: {train: {synthetic: {docs: 10}}}\ntrain: {steps: 5}\n";
+    let cases = [
+        (format!("{base}attention:\n  kind: dar\n  d_down: 0\n"), "attention.d_down", "line 5"),
+        (format!("{base}attention:\n  kind: dar\n  d_down: 65\n"), "attention.d_down", "line 5"),
+        (format!("{base}attention:\n  kind: dar\n  window: -1\n"), "attention.window", "line 5"),
+        ("data: {train: {synthetic: {docs: 10}}}\ntrain: {steps: 0}\n".to_string(), "train.steps", "line 2"),
+        (format!("{base}model: {{flavor: tiny, colour: red}}\n"), "colour", "line 3"),
+        (format!("{base}attention: {{kind: uniform, window: 4}}\n"), "attention.window", "line 3"),
+        (format!("{base}model: {{flavor: pythia-7b}}\n"), "pythia-7b", "line 3"),
+    ];
+    for (i, (body, key, line)) in cases.iter().enumerate() {
+        let p = write(&format!("s{i}.yaml"), body);
+        let err = fails(&attnlab(&["config", &p], cwd));
+        assert!(err.contains(key) && err.contains(line), "case {i}: {err}");
+    }
+    // --set values are validated too, and uniform is recorded as DAR with window 0.
+    let p = write("ok.yaml", base);
+    let err = fails(&attnlab(&["config", &p, "--set", "train.grad_accum=3", "--set", "train.batch_size=16"], cwd));
+    assert!(err.contains("train.grad_accum"), "{err}");
+    let resolved = ok(&attnlab(&["config", &p, "--set", "attention.kind=uniform"], cwd));
+    assert!(resolved.contains("window: 0") && resolved.contains("uniform = DAR with window 0"), "{resolved}");
+}
+
+#[test]
+fn help_lists_every_command() {
+    let out = ok(&attnlab(&["--help"], Path::new(".")));
+    for cmd in ["train", "compare", "eval", "forward", "data", "bench"] {
+        assert!(out.lines().any(|l| l.trim_start().starts_with(cmd)), "--help lacks {cmd}:\n{out}");
+    }
+}
+
+#[test]
+fn data_prepare_and_bench_run_on_cpu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let out = ok(&attnlab(&["data", "prepare", "--synthetic", "50", "--tokenizer", "builtin", "--out", "shards"], cwd));
+    assert!(out.contains("50 documents") && out.contains("tokens/s"), "{out}");
+    assert!(cwd.join("shards/index.json").is_file());
+    let out = ok(&attnlab(&["bench", "--steps", "2", "--warmup", "1", "--vocab", "384", "--json", "--set", "train.device=cpu"], cwd));
+    let v: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0 && v["micro_batch"] == 16);
+    let out = ok(&attnlab(&["bench", "--attention-only", "--steps", "1", "--set", "train.device=cpu", "--set", "train.batch_size=1"], cwd));
+    assert_eq!(out.lines().count(), 6, "{out}");
+}
