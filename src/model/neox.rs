@@ -162,6 +162,12 @@ impl GptNeox {
 
     /// Mean next-token cross-entropy of `targets` (`[B, T]`) given `inputs` (`[B, T]`).
     pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
+        let h = self.hidden(inputs).flatten(0, 1);
+        chunked_cross_entropy(&h, &self.embed_out, &targets.reshape([-1]), LOSS_CHUNK)
+    }
+
+    /// The same loss through full `[B·T, V]` logits (the plain formulation, kept as the test oracle).
+    pub fn loss_unchunked(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
         let logits = self.forward(inputs);
         logits.reshape([-1, self.cfg.vocab as i64]).cross_entropy_for_logits(&targets.reshape([-1]))
     }
@@ -226,6 +232,42 @@ impl GptNeox {
         let qkv = self.split_heads(&layer.query_key_value.forward(&h_prime), 3);
         (qkv[1].shallow_clone(), qkv[2].shallow_clone())
     }
+}
+
+/// Rows of the output projection materialised at once by the loss.
+const LOSS_CHUNK: i64 = 8192;
+
+/// Mean cross-entropy of `logits = h·wᵀ` against `targets` without ever holding all `[N, V]` logits:
+/// each chunk's loss and its exact gradients (dh = (softmax − onehot)/N · w, dw = Σ (softmax − onehot)ᵀ/N · h)
+/// are computed together without autograd, then attached through a surrogate whose gradient is
+/// exactly those tensors. Peak extra memory is one `[chunk, V]` fp32 block instead of `[N, V]`.
+pub fn chunked_cross_entropy(h: &Tensor, w: &Tensor, targets: &Tensor, chunk: i64) -> Tensor {
+    let n = h.size()[0];
+    let (loss, dh, dw) = tch::no_grad(|| {
+        let hd = h.detach();
+        let mut loss = Tensor::zeros([], (tch::Kind::Float, h.device()));
+        let mut dh = Vec::new();
+        let mut dw = w.zeros_like().to_kind(tch::Kind::Float);
+        for start in (0..n).step_by(chunk as usize) {
+            let len = chunk.min(n - start);
+            let hc = hd.narrow(0, start, len);
+            let tc = targets.narrow(0, start, len).unsqueeze(1);
+            let logits = hc.matmul(&w.tr()).to_kind(tch::Kind::Float);
+            let lse = logits.logsumexp([1], true);
+            loss += (&lse - logits.gather(1, &tc, false)).sum(tch::Kind::Float);
+            // d loss / d logits = (softmax − onehot) / N, formed in place in the logits buffer.
+            let mut g = (logits - lse).exp_();
+            let _ = g.scatter_add_(1, &tc, &Tensor::full([len, 1], -1.0, (tch::Kind::Float, h.device())));
+            let _ = g.g_div_scalar_(n as f64);
+            let gk = g.to_kind(hc.kind());
+            dh.push(gk.matmul(w).to_kind(h.kind()));
+            dw += gk.tr().matmul(&hc).to_kind(tch::Kind::Float);
+        }
+        (loss / n as f64, Tensor::cat(&dh, 0), dw)
+    });
+    // value = loss; gradient w.r.t. h and w = dh and dw.
+    let surrogate = (h * dh).sum(tch::Kind::Float) + (w * dw.to_kind(w.kind())).sum(tch::Kind::Float);
+    &surrogate - surrogate.detach() + loss
 }
 
 /// HF checkpoint entries that are buffers, not parameters (pythia.md §2); loaders skip them.

@@ -236,3 +236,27 @@ fn gelu_is_the_erf_form() {
     // Hand value: gelu(1) = 0.5·(1 + erf(1/√2)) = 0.8413447460685429.
     assert!((got[4] - 0.841_344_746_068_542_9).abs() < 1e-12);
 }
+
+/// The chunked loss equals the plain one in value and in every parameter gradient.
+#[test]
+fn chunked_loss_matches_full_logits_loss() {
+    let (vs, m) = build(cfg(AttentionKind::Dar, 8, 4), 11);
+    let x = ids(3, 9);
+    let y = ids(3, 9).roll([1], [1]);
+    let grads = |chunked: bool| {
+        for (_, mut v) in vs.variables() {
+            v.zero_grad();
+        }
+        let loss = if chunked { chunked_cross_entropy(&m.hidden(&x).flatten(0, 1), &m.embed_out, &y.reshape([-1]), 5) } else { m.loss_unchunked(&x, &y) };
+        loss.backward();
+        let mut g: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, v)| (n, v.grad().copy())).collect();
+        g.sort_by(|a, b| a.0.cmp(&b.0));
+        (loss.double_value(&[]), g)
+    };
+    let (l1, g1) = grads(true);
+    let (l2, g2) = grads(false);
+    assert!((l1 - l2).abs() < 1e-6, "{l1} vs {l2}");
+    for ((n, a), (_, b)) in g1.iter().zip(&g2) {
+        assert!(max_diff(a, b) < 1e-6, "{n}: {}", max_diff(a, b));
+    }
+}
