@@ -1,5 +1,5 @@
 //! Partial rotary position embedding, GPT-NeoX style (pythia.md §1.3): only the first `r` dims of
-//! each head rotate, in the half-split ("rotate_half") layout; cos/sin and the rotation in fp32.
+//! each head rotate, in the half-split ("rotate_half") layout; cos/sin tables in fp32.
 use tch::{Device, Kind, Tensor};
 
 #[derive(Debug)]
@@ -26,15 +26,16 @@ impl Rope {
     }
 
     /// Rotate `x` (`[B, H, T, hd]`) with tables for its T positions; dims ≥ r pass through.
+    /// The tables are computed in fp32 and applied in x's dtype, as Hugging Face does.
     pub fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
         if self.dims == 0 {
             return x.shallow_clone();
         }
         let hd = x.size()[3];
         let half = self.dims / 2;
-        let rot = x.narrow(3, 0, self.dims).to_kind(Kind::Float);
-        let (x1, x2) = (rot.narrow(3, 0, half), rot.narrow(3, half, half));
-        let y = Tensor::cat(&[&x1 * cos - &x2 * sin, &x2 * cos + &x1 * sin], 3).to_kind(x.kind());
+        let (cos, sin) = (cos.to_kind(x.kind()), sin.to_kind(x.kind()));
+        let (x1, x2) = (x.narrow(3, 0, half), x.narrow(3, half, half));
+        let y = Tensor::cat(&[&x1 * &cos - &x2 * &sin, &x2 * &cos + &x1 * &sin], 3);
         if self.dims == hd {
             y
         } else {
