@@ -16,6 +16,7 @@
 #include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 using at::Tensor;
@@ -37,9 +38,18 @@ Part flash_fwd(const Tensor& q, const Tensor& k, const Tensor& v, double scale, 
 
 // cuDNN takes [B, H, L, D]-shaped tensors; we hand it transposed views of [B, L, H, D] storage and
 // return its outputs in the [B, L, H, D] / [B, H, L] convention of the flash calls.
+// Experiment switch (bench only): ATTNLAB_SM_CONTIG=1 hands cuDNN contiguous [B, H, L, D] copies.
+static bool contiguous_cudnn() {
+  static const bool on = std::getenv("ATTNLAB_SM_CONTIG") != nullptr;
+  return on;
+}
+
+static Tensor bhld(const Tensor& x) {
+  return contiguous_cudnn() ? x.transpose(1, 2).contiguous() : x.transpose(1, 2);
+}
+
 Part cudnn_fwd(const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
-  auto r = at::_scaled_dot_product_cudnn_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                   v.transpose(1, 2), std::nullopt, true, 0.0,
+  auto r = at::_scaled_dot_product_cudnn_attention(bhld(q), bhld(k), bhld(v), std::nullopt, true, 0.0,
                                                    /*is_causal=*/true, false, scale);
   auto lse = std::get<1>(r);
   return {std::get<0>(r).transpose(1, 2), lse.reshape({q.size(0), q.size(2), q.size(1)}),
@@ -88,9 +98,8 @@ struct DarSplitMerge : public torch::autograd::Function<DarSplitMerge> {
     Tensor dq2, dk2, dv2;
     if (backend == 1) {
       auto r = at::_scaled_dot_product_cudnn_attention_backward(
-          do2.transpose(1, 2), q2.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2),
-          o2.transpose(1, 2), lse2.unsqueeze(-1), s[9], s[10], undef, undef, undef, L, L, 0.0,
-          true, scale);
+          bhld(do2), bhld(q2), bhld(k2), bhld(v2), bhld(o2), lse2.unsqueeze(-1), s[9], s[10], undef,
+          undef, undef, L, L, 0.0, true, scale);
       dq2 = std::get<0>(r).transpose(1, 2);
       dk2 = std::get<1>(r).transpose(1, 2);
       dv2 = std::get<2>(r).transpose(1, 2);

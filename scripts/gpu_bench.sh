@@ -27,6 +27,13 @@ for what in "${@:-all}"; do
             --set train.batch_size=$b --set "attention=$att" | grep '^{' >> "$OUT/train.jsonl"
         done
       done ;;&
+    smprobe)
+      # Where split-merge spends its time: w = 1 (global part + merge only) vs w = 128, with and
+      # without contiguous cuDNN inputs.
+      for c in 0 1; do for w in 1 128; do
+        if [ $c = 1 ]; then export ATTNLAB_SM_CONTIG=1; else unset ATTNLAB_SM_CONTIG; fi
+        run $A bench --attention-only --json --steps 50 --set model.flavor=pythia-70m --set train.batch_size=16 --set data.seq_len=2048 --set attention.window=$w | grep '^{' | sed "s/^{/{\"contig\":$c,/" >> "$OUT/smprobe.jsonl"
+      done; done; unset ATTNLAB_SM_CONTIG ;;
     peers|all)
       for f in 70m 160m 410m; do
         (cd .gpu/bench && PYTHONUNBUFFERED=1 run $PY hf_pythia_train.py --size $f --compile 1 --json) | grep '^{' >> "$OUT/peers.jsonl"

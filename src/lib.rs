@@ -12,8 +12,10 @@ pub mod hub;
 pub mod kernels;
 pub mod model;
 pub mod progress;
+#[cfg(feature = "analysis")]
+pub mod report;
 pub mod spec;
-#[cfg(feature = "sweep-wip")] pub mod sweep;
+pub mod sweep;
 pub mod train;
 pub mod util;
 

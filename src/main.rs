@@ -98,6 +98,44 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Expand a sweep file into runs and train them (one per GPU, N CPU processes, or a Slurm array); re-running skips finished runs and resumes partial ones.
+    Sweep {
+        /// Sweep file (YAML; see sweeps/README.md).
+        file: PathBuf,
+        /// Print the table of runs (name, overrides, run dir, status) and exit.
+        #[arg(long)]
+        dry_run: bool,
+        /// GPUs to spread runs over, one run per GPU at a time: --gpus 0,1,2,3.
+        #[arg(long, value_delimiter = ',')]
+        gpus: Vec<String>,
+        /// Without --gpus: how many CPU runs at once.
+        #[arg(long, default_value_t = 1)]
+        max_parallel: usize,
+        /// Write a batch script instead of running anything (slurm: OUTPUT/sweep.sbatch, one array task per run).
+        #[arg(long, value_enum)]
+        emit: Option<attnlab::sweep::Emit>,
+        /// Override any key in every run: --set train.steps=10 (repeatable; values are YAML; null deletes).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+        /// Sweep output folder (overrides `output:` in the sweep file).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Tables 1–3 of the DAR paper next to its numbers, Figure 3 and training curves from every run below RESULTS (writes runs.parquet, tables/, plots/, report.md).
+    #[cfg(feature = "analysis")]
+    Report {
+        /// Folder searched recursively for run directories (folders holding config.yaml).
+        results: PathBuf,
+        /// Output folder (default: RESULTS/report).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Table files to write besides report.md: any of md, tex, csv.
+        #[arg(long, default_value = "md,tex,csv", value_delimiter = ',')]
+        format: Vec<String>,
+        /// Perplexity the tables compare: word (lm-eval's word_perplexity; the paper's numbers look word-level) or token; the other is shown beside it.
+        #[arg(long, default_value = "word", value_parser = ["word", "token"])]
+        unit: String,
+    },
     /// Print a spec with every default filled in, as a run directory would record it.
     Config {
         #[command(flatten)]
@@ -266,6 +304,18 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Config { spec } => print!("{}", load_spec(&spec)?.to_yaml()),
+        Cmd::Sweep { file, dry_run, gpus, max_parallel, emit, sets, out } => {
+            let opts = attnlab::sweep::SweepOptions { dry_run, gpus, max_parallel, emit, sets, out, exe: None };
+            let summary = attnlab::sweep::run_sweep(&file, &opts)?;
+            if summary.failed() > 0 {
+                bail!("{} of {} runs failed (logs listed above)", summary.failed(), summary.runs.len());
+            }
+        }
+        #[cfg(feature = "analysis")]
+        Cmd::Report { results, out, format, unit } => {
+            let out = out.unwrap_or_else(|| results.join("report"));
+            println!("{}", attnlab::report::run_report(&results, &out, &format, &unit)?);
+        }
     }
     Ok(())
 }

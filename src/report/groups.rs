@@ -1,0 +1,194 @@
+//! Which runs may be compared: decided from the resolved config, never from directory names.
+//! Two runs are "like with like" when their configs differ only in the attention section and in
+//! bookkeeping (output, name, device, precision, logging/eval cadence, checkpoints, cache): same
+//! model shape, training data, tokenizer, T, steps, batch, optimizer, seed and evaluation corpora.
+use super::load::Run;
+use crate::spec::{AttentionKind, AttentionSpec, CheckpointSpec, DarAct, Flavor, ModelSpec, Precision, SourceSpec, Spec};
+use serde_json::Value;
+use std::collections::BTreeMap;
+
+/// Flattened config: dotted key → value (compact JSON), so that keys compare and differences can be named.
+pub type Key = BTreeMap<String, String>;
+
+/// The scale a run belongs to: its flavor's name when the shape is the flavor's, else the shape.
+pub fn scale(spec: &Spec) -> String {
+    let s = spec.shape();
+    if let Some(f) = spec.model.flavor {
+        let (l, d, h, _, _) = f.shape();
+        if (l, d, h) == (s.layers, s.d_model, s.heads) {
+            return flavor_name(f);
+        }
+    }
+    format!("d{}-L{}-H{}", s.d_model, s.layers, s.heads)
+}
+
+pub fn flavor_name(f: Flavor) -> String {
+    serde_json::to_value(f).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
+}
+
+/// A scale in words for captions and "missing" messages.
+pub fn scale_words(spec: &Spec) -> String {
+    let s = spec.shape();
+    match spec.model.flavor.map(flavor_name).filter(|f| *f == scale(spec)) {
+        Some(f) => format!("flavor {f} (d_model {})", s.d_model),
+        None => format!("d_model {}, layers {}, heads {}", s.d_model, s.layers, s.heads),
+    }
+}
+
+/// What must be equal for two runs to be compared at one scale.
+pub fn recipe_key(spec: &Spec) -> Key {
+    let mut s = spec.clone();
+    s.name = None;
+    s.output = None;
+    s.attention = AttentionSpec::default();
+    s.train.device = None;
+    s.train.precision = Precision::Auto;
+    s.train.log_every = None;
+    s.eval.every = None;
+    s.eval.batch_size = None;
+    s.checkpoint = CheckpointSpec::default();
+    s.data.cache = None;
+    flatten(&s)
+}
+
+/// As `recipe_key` without the model and its size-dependent learning rates: for Table 2, which
+/// compares scales trained on the same data for the same number of steps.
+pub fn cross_scale_key(spec: &Spec) -> Key {
+    let mut s = spec.clone();
+    s.model = ModelSpec::default();
+    s.train.lr = None;
+    s.train.min_lr = None;
+    let mut k = recipe_key(&s);
+    k.retain(|name, _| !name.starts_with("model."));
+    k
+}
+
+/// Short stable id of a key (names recipe groups in tables and file names).
+pub fn key_id(key: &Key) -> String {
+    let text: String = key.iter().map(|(k, v)| format!("{k}={v}\n")).collect();
+    crate::util::short_hash(&text)[..6].to_string()
+}
+
+/// "train.steps: 336 here, 300 there" for every key whose value differs (at most `max`).
+pub fn differences(here: &Key, there: &Key, max: usize) -> Vec<String> {
+    let keys: std::collections::BTreeSet<&String> = here.keys().chain(there.keys()).collect();
+    let none = "(unset)".to_string();
+    keys.into_iter()
+        .filter(|k| here.get(*k) != there.get(*k))
+        .take(max)
+        .map(|k| format!("{k}: {} vs {}", here.get(k).unwrap_or(&none), there.get(k).unwrap_or(&none)))
+        .collect()
+}
+
+fn flatten(spec: &Spec) -> Key {
+    let mut out = Key::new();
+    flatten_into(&serde_json::to_value(spec).unwrap_or(Value::Null), String::new(), &mut out);
+    out
+}
+
+fn flatten_into(v: &Value, prefix: String, out: &mut Key) {
+    match v {
+        Value::Object(m) => {
+            for (k, v) in m {
+                let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                flatten_into(v, key, out);
+            }
+        }
+        Value::Null => {}
+        other => {
+            out.insert(prefix, other.to_string());
+        }
+    }
+}
+
+/// One line describing a recipe: T, steps × batch, training data and evaluation corpora.
+pub fn recipe_summary(spec: &Spec) -> String {
+    let corpora: Vec<&str> = spec.data.eval.keys().map(String::as_str).collect();
+    format!(
+        "T = {}, {} steps × {} sequences, seed {}, train data: {}, eval: {}",
+        spec.seq_len(),
+        spec.steps(),
+        spec.batch_size(),
+        spec.seed(),
+        source_words(&spec.data.train),
+        if corpora.is_empty() { "none".to_string() } else { corpora.join(", ") }
+    )
+}
+
+fn source_words(src: &SourceSpec) -> String {
+    match src {
+        SourceSpec::Local(l) => format!("`{}`", l.path.display()),
+        SourceSpec::Hub { hf } => format!("hf `{}` ({} files)", hf.repo, hf.files.len()),
+        SourceSpec::Synthetic { synthetic } => format!("synthetic (seed {}, {} docs)", synthetic.seed, synthetic.docs),
+    }
+}
+
+/// A run's attention configuration as the tables see it: uniform is DAR with window 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Config {
+    pub kind: AttentionKind,
+    pub d_down: Option<usize>,
+    pub window: Option<usize>,
+}
+
+impl Config {
+    pub fn of(spec: &Spec) -> Config {
+        match spec.attention.kind {
+            AttentionKind::Vanilla => Config::vanilla(),
+            _ => Config::bottleneck(spec.d_down(), spec.window()),
+        }
+    }
+
+    pub fn vanilla() -> Config {
+        Config { kind: AttentionKind::Vanilla, d_down: None, window: None }
+    }
+
+    /// DAR with a bottleneck of `d_down` beyond `window`; window 0 is uniform (dar.md §1.1).
+    pub fn bottleneck(d_down: usize, window: usize) -> Config {
+        let kind = if window == 0 { AttentionKind::Uniform } else { AttentionKind::Dar };
+        Config { kind, d_down: Some(d_down), window: Some(window) }
+    }
+
+    /// Whether a run with config `other` fills the row asking for `self` (`of` already maps DAR at
+    /// window 0 to uniform, so plain equality is enough).
+    pub fn accepts(&self, other: &Config) -> bool {
+        self == other
+    }
+
+    /// "DAR (d_down 128, w 128)", "uniform (d_down 128)", "vanilla": legends and run lists.
+    pub fn label(&self) -> String {
+        match (self.kind, self.d_down, self.window) {
+            (AttentionKind::Vanilla, _, _) => "vanilla".into(),
+            (_, Some(d), Some(0)) => format!("uniform (d_down {d})"),
+            (_, Some(d), Some(w)) => format!("DAR (d_down {d}, w {w})"),
+            _ => "?".into(),
+        }
+    }
+}
+
+/// Runs with the variant the paper uses (linear bottleneck): sigmoid runs are listed, not tabulated.
+pub fn tabulated(run: &Run) -> bool {
+    run.spec.attention.dar_act == DarAct::Linear || run.spec.attention.kind == AttentionKind::Vanilla
+}
+
+/// Runs grouped by recipe key (same scale and recipe), in order of first appearance.
+pub fn by_recipe<'a>(runs: &[&'a Run]) -> Vec<(Key, Vec<&'a Run>)> {
+    group(runs, recipe_key)
+}
+
+/// Runs grouped by cross-scale key (Table 2).
+pub fn by_cross_scale<'a>(runs: &[&'a Run]) -> Vec<(Key, Vec<&'a Run>)> {
+    group(runs, cross_scale_key)
+}
+
+fn group<'a>(runs: &[&'a Run], key: fn(&Spec) -> Key) -> Vec<(Key, Vec<&'a Run>)> {
+    let mut out: Vec<(Key, Vec<&'a Run>)> = Vec::new();
+    for &r in runs {
+        let k = key(&r.spec);
+        match out.iter_mut().find(|(g, _)| *g == k) {
+            Some((_, members)) => members.push(r),
+            None => out.push((k, vec![r])),
+        }
+    }
+    out
+}

@@ -1,0 +1,154 @@
+//! `attnlab report RESULTS_DIR`: every run directory below RESULTS_DIR → runs.parquet, the DAR
+//! paper's Tables 1–3 next to the paper's numbers (Markdown / LaTeX / CSV), Figure 3 (Rel.(%) vs
+//! step), loss and perplexity curves (PNG + SVG), and report.md tying them together and saying
+//! which rows are missing and why.
+//!
+//! load (run dirs → Run) → groups (which runs compare: same scale and recipe) → tables (rows, Rel.%)
+//! → render (md/tex/csv); frame (polars → parquet); figures + plots (plotters); document (report.md).
+pub mod document;
+pub mod figures;
+pub mod frame;
+pub mod groups;
+pub mod load;
+pub mod paper;
+pub mod plots;
+pub mod render;
+pub mod tables;
+
+#[cfg(test)]
+mod tests;
+
+pub use tables::{rel, Unit};
+
+use crate::{Error, IoContext, Result};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// What a report produced (for the command line) — report.md has the details.
+#[derive(Debug)]
+pub struct ReportSummary {
+    pub report: PathBuf,
+    pub runs: usize,
+    pub finished: usize,
+    /// Folders with a config.yaml that could not be read.
+    pub skipped: usize,
+    /// (title, rows with results, rows).
+    pub tables: Vec<(String, usize, usize)>,
+    /// One line per table row without a result, with the reason.
+    pub missing: Vec<String>,
+    /// Every file written.
+    pub files: Vec<PathBuf>,
+}
+
+impl std::fmt::Display for ReportSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{} runs ({} finished{}) → {}",
+            self.runs,
+            self.finished,
+            if self.skipped > 0 { format!(", {} unreadable", self.skipped) } else { String::new() },
+            self.report.display()
+        )?;
+        for (title, filled, rows) in &self.tables {
+            writeln!(f, "  {title}: {filled}/{rows} rows")?;
+        }
+        if !self.missing.is_empty() {
+            writeln!(f, "  {} rows missing (listed in report.md)", self.missing.len())?;
+        }
+        write!(f, "  {} files written", self.files.len())
+    }
+}
+
+const FORMATS: [&str; 3] = ["md", "tex", "csv"];
+
+/// Table file formats from `--format md,tex,csv` (repeated flags and commas both work).
+fn parse_formats(formats: &[String]) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for f in formats.iter().flat_map(|f| f.split(',')).map(|f| f.trim().to_ascii_lowercase()).filter(|f| !f.is_empty()) {
+        if !FORMATS.contains(&f.as_str()) {
+            return Err(Error::Other(format!("--format `{f}`: want a comma-separated list of md, tex, csv")));
+        }
+        if !out.contains(&f) {
+            out.push(f);
+        }
+    }
+    Ok(out)
+}
+
+fn write_file(path: &Path, text: &str, files: &mut Vec<PathBuf>) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).at(dir)?;
+    }
+    std::fs::write(path, text).at(path)?;
+    files.push(path.to_path_buf());
+    Ok(())
+}
+
+/// Build the report of every run below `results_dir` into `out`. `formats`: table files to write
+/// (md, tex, csv; report.md is always written); `unit`: `word` or `token` perplexity for the tables.
+pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str) -> Result<ReportSummary> {
+    let unit = Unit::parse(unit).ok_or_else(|| Error::Other(format!("--unit `{unit}`: want word or token")))?;
+    let formats = parse_formats(formats)?;
+    let (runs, skipped) = load::discover(results_dir)?;
+    std::fs::create_dir_all(out).at(out)?;
+    let mut files = Vec::new();
+
+    let mut df = frame::build(&runs)?;
+    let parquet = out.join("runs.parquet");
+    frame::write_parquet(&mut df, &parquet)?;
+    files.push(parquet);
+
+    let tables = tables::build(&runs, &paper::dar()?, unit);
+    let mut table_files: BTreeMap<String, Vec<PathBuf>> = BTreeMap::new();
+    for t in &tables {
+        for f in &formats {
+            let text = match f.as_str() {
+                "md" => render::markdown_file(t),
+                "tex" => render::latex(t),
+                _ => render::csv(t),
+            };
+            let rel = PathBuf::from(format!("tables/{}.{f}", t.id));
+            write_file(&out.join(&rel), &text, &mut files)?;
+            table_files.entry(t.id.clone()).or_default().push(rel);
+        }
+    }
+
+    let (mut figure3, mut sweeps, mut per_run) = (Vec::new(), Vec::new(), Vec::new());
+    let all: Vec<&load::Run> = runs.iter().collect();
+    for (key, members) in groups::by_recipe(&all) {
+        figure3.extend(figures::figure3(&key, &members, out, unit)?);
+        if members.len() > 1 {
+            sweeps.extend(figures::sweep_figures(&key, &members, out, unit)?);
+        }
+    }
+    for r in &runs {
+        per_run.extend(figures::run_figures(r, out, unit)?);
+    }
+    for f in figure3.iter().chain(&sweeps).chain(&per_run) {
+        files.extend(f.files.iter().map(|p| out.join(p)));
+    }
+
+    let text = document::write(&document::Inputs {
+        results_dir,
+        runs: &runs,
+        skipped: &skipped,
+        tables: &tables,
+        table_files: &table_files,
+        figure3: &figure3,
+        sweeps: &sweeps,
+        per_run: &per_run,
+        unit,
+    });
+    let report = out.join("report.md");
+    write_file(&report, &text, &mut files)?;
+    Ok(ReportSummary {
+        report,
+        runs: runs.len(),
+        finished: runs.iter().filter(|r| r.done).count(),
+        skipped: skipped.len(),
+        tables: tables.iter().map(|t| (t.title.clone(), t.filled(), t.rows.len())).collect(),
+        missing: tables.iter().flat_map(|t| t.missing()).collect(),
+        files,
+    })
+}

@@ -1,0 +1,197 @@
+//! Line charts as PNG and SVG (plotters): title, labelled axes, legend, optional log y axis.
+//! plotters is built without system-font support, so the text font (DejaVu Sans, see
+//! assets/fonts/LICENSE-DejaVu.txt) is embedded and registered once as "sans-serif".
+use crate::{Error, Result};
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+static FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans.ttf");
+const FAMILY: &str = "sans-serif";
+const SIZE: (u32, u32) = (960, 600);
+
+pub struct Line {
+    pub label: String,
+    pub points: Vec<(f64, f64)>,
+    /// Index into the palette: the same configuration keeps its colour across a sweep's charts.
+    pub color: usize,
+    /// A reference line (vanilla = 100%): dashed black.
+    pub reference: bool,
+}
+
+/// Matplotlib's "tab10" colours: distinct, and readable on white (unlike pure yellow).
+const PALETTE: [(u8, u8, u8); 10] = [
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+    (188, 189, 34),
+    (23, 190, 207),
+];
+
+pub struct Chart {
+    pub title: String,
+    pub x_label: String,
+    pub y_label: String,
+    pub lines: Vec<Line>,
+    pub log_y: bool,
+}
+
+impl Chart {
+    /// Log y when the values span more than a factor of 3 (perplexity early vs late in training).
+    pub fn log_y_if_wide(mut self) -> Self {
+        let ys = self.lines.iter().flat_map(|l| l.points.iter().map(|p| p.1));
+        let (lo, hi) = ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), y| (lo.min(y), hi.max(y)));
+        self.log_y = lo > 0.0 && hi / lo > 3.0;
+        self
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lines.iter().all(|l| l.points.is_empty())
+    }
+}
+
+fn register_font() -> Result<()> {
+    static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *REGISTERED.get_or_init(|| plotters::style::register_font(FAMILY, FontStyle::Normal, FONT).is_ok()) {
+        Ok(())
+    } else {
+        Err(Error::Other("the embedded font assets/fonts/DejaVuSans.ttf could not be read".into()))
+    }
+}
+
+/// Write `stem.png` and `stem.svg`; returns their paths.
+pub fn save(chart: &Chart, stem: &Path) -> Result<Vec<PathBuf>> {
+    register_font()?;
+    if let Some(dir) = stem.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    }
+    let png = PathBuf::from(format!("{}.png", stem.display()));
+    let svg = PathBuf::from(format!("{}.svg", stem.display()));
+    let fail = |p: &Path, e: String| Error::Other(format!("plot {}: {e}", p.display()));
+    {
+        let root = BitMapBackend::new(&png, SIZE).into_drawing_area();
+        draw(&root, chart).map_err(|e| fail(&png, e))?;
+        root.present().map_err(|e| fail(&png, e.to_string()))?;
+    }
+    {
+        let root = SVGBackend::new(&svg, SIZE).into_drawing_area();
+        draw(&root, chart).map_err(|e| fail(&svg, e))?;
+        root.present().map_err(|e| fail(&svg, e.to_string()))?;
+    }
+    Ok(vec![png, svg])
+}
+
+fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &Chart) -> std::result::Result<(), String> {
+    let (x, y) = bounds(chart);
+    if chart.log_y {
+        // plotters' own log ticks skip whole decades of a narrow range: place 1-2-5 ticks ourselves.
+        let ticks = log_ticks(y.start, y.end);
+        draw_in(root, chart, x, y.log_scale().with_key_points(ticks))
+    } else {
+        draw_in(root, chart, x, y)
+    }
+}
+
+/// Axis ranges over every point, padded so that lines do not sit on the frame.
+fn bounds(chart: &Chart) -> (Range<f64>, Range<f64>) {
+    let pts: Vec<(f64, f64)> = chart.lines.iter().flat_map(|l| l.points.iter().copied()).filter(|p| p.0.is_finite() && p.1.is_finite()).collect();
+    let span = |v: &mut dyn Iterator<Item = f64>| v.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
+    let (x0, x1) = span(&mut pts.iter().map(|p| p.0));
+    let (y0, y1) = span(&mut pts.iter().map(|p| p.1));
+    if pts.is_empty() {
+        return (0.0..1.0, 1.0..2.0);
+    }
+    let pad = |lo: f64, hi: f64, frac: f64| {
+        let d = if hi > lo { (hi - lo) * frac } else { lo.abs().max(1.0) * frac.max(0.05) };
+        (lo - d, hi + d)
+    };
+    let (x0, x1) = pad(x0, x1, 0.02);
+    let (y0, y1) = if chart.log_y { (y0 / 1.08, y1 * 1.08) } else { pad(y0, y1, 0.06) };
+    (x0..x1, y0..y1)
+}
+
+/// 1, 2, 5 × 10^k inside [lo, hi] (every integer multiple when that gives fewer than 4 ticks).
+fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let decades = lo.log10().floor() as i32..=hi.log10().ceil() as i32;
+    let within =
+        |ms: &[f64]| -> Vec<f64> { decades.clone().flat_map(|k| ms.iter().map(move |m| m * 10f64.powi(k))).filter(|v| (lo..=hi).contains(v)).collect() };
+    let ticks = within(&[1.0, 2.0, 5.0]);
+    if ticks.len() >= 4 {
+        ticks
+    } else {
+        within(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
+    }
+}
+
+/// Tick labels without float noise: 12,000 → "12000", 0.5 → "0.5", 123.456 → "123.5".
+fn tick(v: f64) -> String {
+    let a = v.abs();
+    let s = if a >= 100.0 || v == v.round() {
+        format!("{v:.0}")
+    } else if a >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    };
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
+}
+
+fn draw_in<DB, Y>(root: &DrawingArea<DB, Shift>, c: &Chart, x: Range<f64>, y: Y) -> std::result::Result<(), String>
+where
+    DB: DrawingBackend,
+    Y: AsRangedCoord<Value = f64>,
+    Y::CoordDescType: ValueFormatter<f64>,
+{
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    root.fill(&WHITE).map_err(err)?;
+    let mut chart =
+        ChartBuilder::on(root).caption(&c.title, (FAMILY, 22)).margin(18).x_label_area_size(52).y_label_area_size(78).build_cartesian_2d(x, y).map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc(&c.x_label)
+        .y_desc(&c.y_label)
+        .x_label_formatter(&|v| tick(*v))
+        .y_label_formatter(&|v| tick(*v))
+        .axis_desc_style((FAMILY, 18))
+        .label_style((FAMILY, 14))
+        .light_line_style(RGBColor(248, 248, 248))
+        .bold_line_style(RGBColor(220, 220, 220))
+        .draw()
+        .map_err(err)?;
+    // Lines without points (a run not evaluated yet) would only clutter the legend.
+    for line in c.lines.iter().filter(|l| !l.points.is_empty()) {
+        let (r, g, b) = PALETTE[line.color % PALETTE.len()];
+        let color: RGBAColor = if line.reference { BLACK.to_rgba() } else { RGBColor(r, g, b).to_rgba() };
+        let style = color.stroke_width(2);
+        let anno = if line.reference {
+            chart.draw_series(DashedLineSeries::new(line.points.clone(), 10, 6, style)).map_err(err)?
+        } else {
+            chart.draw_series(LineSeries::new(line.points.clone(), style)).map_err(err)?
+        };
+        anno.label(line.label.as_str()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], style));
+        // Markers only where points are few (evaluations), so dense loss curves stay clean.
+        if !line.reference && line.points.len() <= 40 {
+            chart.draw_series(line.points.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(err)?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .label_font((FAMILY, 14))
+        .background_style(WHITE.mix(0.85))
+        .border_style(RGBColor(160, 160, 160))
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(err)?;
+    Ok(())
+}

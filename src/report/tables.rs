@@ -1,0 +1,456 @@
+//! Tables 1–3 of the DAR paper rebuilt from whatever runs exist. The rows a table expects come from
+//! the paper's rows (data/papers/dar.csv) translated to the scale at hand: d_down keeps its fraction
+//! of d_model, and at a scale other than the paper's (or when the paper's window is ≥ T) Tables 1
+//! and 2 use the window most of our DAR runs use. A row is filled by the run whose resolved config
+//! matches and whose recipe equals the other rows' (groups.rs); Rel.(%) divides by the vanilla row.
+use super::groups::{self, Config, Key};
+use super::load::Run;
+use super::paper::{self, PaperRow};
+use crate::spec::AttentionKind;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Which perplexity the tables compare: word-level (lm-eval's word_perplexity; the paper's numbers
+/// look word-level, evaluation.md §2.4) or token-level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    Word,
+    Token,
+}
+
+impl Unit {
+    pub fn parse(s: &str) -> Option<Unit> {
+        match s {
+            "word" => Some(Unit::Word),
+            "token" => Some(Unit::Token),
+            _ => None,
+        }
+    }
+    /// The field of eval.json / `eval/<corpus>/…` in metrics.jsonl.
+    pub fn field(self) -> &'static str {
+        match self {
+            Unit::Word => "word_ppl",
+            Unit::Token => "ppl",
+        }
+    }
+    pub fn other(self) -> Unit {
+        match self {
+            Unit::Word => Unit::Token,
+            Unit::Token => Unit::Word,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Unit::Word => "word",
+            Unit::Token => "token",
+        }
+    }
+}
+
+/// Rel.(%) (dar.md §6): 100 · arithmetic mean over corpora of PPL(model) / PPL(vanilla), over the
+/// corpora both have. Returns the value and those corpora; None when they share none.
+pub fn rel(model: &BTreeMap<String, f64>, vanilla: &BTreeMap<String, f64>) -> Option<(f64, Vec<String>)> {
+    let common: Vec<String> = model.keys().filter(|c| vanilla.contains_key(*c)).cloned().collect();
+    if common.is_empty() {
+        return None;
+    }
+    let mean = common.iter().map(|c| model[c] / vanilla[c]).sum::<f64>() / common.len() as f64;
+    Some((100.0 * mean, common))
+}
+
+pub struct Row {
+    pub scale: String,
+    /// The configuration this row asks for.
+    pub config: Config,
+    /// The run that filled it (path relative to the results directory).
+    pub run: Option<String>,
+    /// Final PPL per corpus in the table's unit, and in the other unit.
+    pub ppl: BTreeMap<String, f64>,
+    pub ppl_alt: BTreeMap<String, f64>,
+    pub rel: Option<f64>,
+    pub rel_alt: Option<f64>,
+    /// The corpora `rel` averages over.
+    pub rel_corpora: Vec<String>,
+    pub paper: Option<PaperRow>,
+    /// The paper's Rel.(%) recomputed over only the corpora `rel` used, when that is fewer than the paper's.
+    pub paper_rel_same: Option<f64>,
+    /// Why the row has no numbers.
+    pub missing: Option<String>,
+    /// Other remarks (another run also matched, …).
+    pub note: Option<String>,
+}
+
+impl Row {
+    pub fn model(&self) -> &'static str {
+        match self.config.kind {
+            AttentionKind::Vanilla => "Vanilla",
+            AttentionKind::Dar => "DAR",
+            AttentionKind::Uniform => "Uniform",
+        }
+    }
+    pub fn describe(&self) -> String {
+        format!("{} {}", self.scale, self.config.label())
+    }
+}
+
+pub struct Table {
+    pub number: u8,
+    /// File stem: table1-pythia-70m-1a2b3c.
+    pub id: String,
+    pub title: String,
+    /// Caption lines: the runs' setting, what Rel.(%) averages over, substitutions made.
+    pub notes: Vec<String>,
+    /// Our corpora, in column order.
+    pub corpora: Vec<String>,
+    /// Our corpus → the paper's column for it.
+    pub paper_cols: BTreeMap<String, String>,
+    pub unit: Unit,
+    pub rows: Vec<Row>,
+}
+
+impl Table {
+    /// One line per row without numbers: "Table 2 (…), pythia-160m DAR (d_down 192, w 128): why".
+    pub fn missing(&self) -> Vec<String> {
+        self.rows.iter().filter_map(|r| r.missing.as_ref().map(|m| format!("Table {} ({}), {}: {m}", self.number, self.id, r.describe()))).collect()
+    }
+    pub fn filled(&self) -> usize {
+        self.rows.iter().filter(|r| r.missing.is_none()).count()
+    }
+    /// Whether any row's Rel.(%) uses fewer corpora than the paper's.
+    pub fn has_paper_rel_same(&self) -> bool {
+        self.rows.iter().any(|r| r.paper_rel_same.is_some())
+    }
+}
+
+/// Runs of one scale and one recipe: the rows of one Table 1 or 3, or one scale of a Table 2.
+struct Section<'a> {
+    key: Key,
+    runs: Vec<&'a Run>,
+}
+
+impl Section<'_> {
+    fn spec(&self) -> &crate::spec::Spec {
+        &self.runs[0].spec
+    }
+    fn scale(&self) -> String {
+        groups::scale(self.spec())
+    }
+    fn d_model(&self) -> usize {
+        self.spec().shape().d_model
+    }
+    fn id(&self) -> String {
+        format!("{}-{}", self.scale(), groups::key_id(&self.key))
+    }
+}
+
+/// Build every table the runs allow.
+pub fn build(all_runs: &[Run], paper: &[PaperRow], unit: Unit) -> Vec<Table> {
+    let runs: Vec<&Run> = all_runs.iter().filter(|r| groups::tabulated(r)).collect();
+    let sections: Vec<Section> = groups::by_recipe(&runs).into_iter().map(|(key, runs)| Section { key, runs }).collect();
+    let rows_of = |t: u8| paper.iter().filter(|p| p.table == t).collect::<Vec<_>>();
+    let mut tables = Vec::new();
+    for s in &sections {
+        tables.extend(within_scale(1, s, &rows_of(1), &runs, unit));
+    }
+    for (key, members) in groups::by_cross_scale(&runs) {
+        tables.extend(scaling(&key, &members, &rows_of(2), &runs, unit));
+    }
+    for s in &sections {
+        tables.extend(within_scale(3, s, &rows_of(3), &runs, unit));
+    }
+    tables
+}
+
+/// The paper's local window for Tables 1 and 2 (its DAR rows' window).
+fn paper_window(prows: &[&PaperRow]) -> Option<usize> {
+    prows.iter().filter_map(|p| p.window).filter(|&w| w > 0).max()
+}
+
+/// The window Tables 1/2 use for a section: the paper's, unless this is another scale (or the
+/// paper's window is ≥ T, i.e. vanilla) and our DAR runs use another one.
+fn table_window(sec: &Section, paper_w: usize, at_paper_scale: bool) -> (usize, Option<String>) {
+    let mut counts: BTreeMap<usize, usize> = BTreeMap::new();
+    for r in &sec.runs {
+        let c = Config::of(&r.spec);
+        if let (AttentionKind::Dar, Some(w)) = (c.kind, c.window) {
+            *counts.entry(w).or_default() += 1;
+        }
+    }
+    let vanilla_like = paper_w >= sec.spec().seq_len();
+    if (at_paper_scale && !vanilla_like) || counts.is_empty() || counts.contains_key(&paper_w) {
+        return (paper_w, None);
+    }
+    // Most runs; ties go to the larger window (max_by_key keeps the last maximum).
+    let w = *counts.iter().max_by_key(|e| *e.1).expect("non-empty").0;
+    (w, Some(format!("w = {w} (the window most DAR runs here use) stands in for the paper's w = {paper_w}")))
+}
+
+/// The configuration a paper row asks for at width `d` (None when d_down does not scale to a whole number).
+fn translate(p: &PaperRow, d: usize, window: Option<usize>) -> Option<Config> {
+    if p.kind == AttentionKind::Vanilla {
+        return Some(Config::vanilla());
+    }
+    let scaled = p.d_down? * d;
+    if scaled % p.d_model != 0 || scaled == 0 {
+        return None;
+    }
+    let w = match p.window? {
+        0 => 0,
+        w => window.unwrap_or(w),
+    };
+    Some(Config::bottleneck(scaled / p.d_model, w))
+}
+
+/// Table 1 (bottleneck sweep) or Table 3 (window ablation) for one section.
+fn within_scale(number: u8, sec: &Section, prows: &[&PaperRow], all: &[&Run], unit: Unit) -> Option<Table> {
+    let paper_scale = &prows.first()?.scale;
+    let (scale, d, seq) = (sec.scale(), sec.d_model(), sec.spec().seq_len());
+    let at_paper_scale = scale == *paper_scale;
+    let mut notes = Vec::new();
+    let mut slots: Vec<(Config, Option<&PaperRow>)> = Vec::new();
+    if number == 1 {
+        let (tw, note) = table_window(sec, paper_window(prows)?, at_paper_scale);
+        notes.extend(note);
+        slots.extend(prows.iter().filter_map(|p| translate(p, d, Some(tw)).map(|c| (c, Some(*p)))));
+    } else {
+        // Windows ≥ T make DAR identical to vanilla: not worth a row.
+        let mut dropped = Vec::new();
+        for p in prows {
+            match translate(p, d, None) {
+                Some(c) if c.window.is_some_and(|w| w >= seq) => dropped.push(c.window.unwrap_or(0).to_string()),
+                Some(c) => slots.push((c, Some(*p))),
+                None => {}
+            }
+        }
+        if !dropped.is_empty() {
+            notes.push(format!("w = {} ≥ T = {seq} would equal vanilla: those paper rows are left out", dropped.join(", ")));
+        }
+    }
+    let fits = |c: &Config| c.kind != AttentionKind::Vanilla && slots.iter().any(|(s, _)| s.accepts(c));
+    if !at_paper_scale && !sec.runs.iter().any(|r| fits(&Config::of(&r.spec))) {
+        return None;
+    }
+    if number == 3 {
+        // Our other windows at the ablation's d_down get rows too (no paper value).
+        let d_downs: BTreeSet<usize> = slots.iter().filter_map(|(c, _)| c.d_down).collect();
+        for r in &sec.runs {
+            let c = Config::of(&r.spec);
+            if c.kind == AttentionKind::Dar && c.d_down.is_some_and(|x| d_downs.contains(&x)) && !slots.iter().any(|(s, _)| s.accepts(&c)) {
+                slots.push((c, None));
+            }
+        }
+        // Vanilla first, then windows from wide to none (uniform last).
+        slots.sort_by_key(|(c, _)| (c.kind != AttentionKind::Vanilla, std::cmp::Reverse(c.window)));
+    }
+    let mut rows: Vec<Row> = slots.into_iter().map(|(c, p)| fill(sec, c, p.cloned(), all, unit)).collect();
+    add_rel(&mut rows);
+    let name = if number == 1 { "bottleneck sweep" } else { "window ablation" };
+    let what = if number == 1 {
+        format!("w = {}", rows.iter().filter_map(|r| r.config.window).find(|&w| w > 0).map_or("–".into(), |w| w.to_string()))
+    } else {
+        format!("d_down = {}", rows.iter().filter_map(|r| r.config.d_down).next().map_or("–".into(), |x| x.to_string()))
+    };
+    notes.insert(0, format!("Runs: {} (recipe `{}`).", groups::recipe_summary(sec.spec()), groups::key_id(&sec.key)));
+    if !at_paper_scale {
+        notes.push(format!("Paper columns: the paper's {paper_scale} rows, matched by d_down / d_model and window."));
+    }
+    Some(finish(
+        number,
+        format!("table{number}-{}", sec.id()),
+        format!("Table {number}: {name}, {} (d_model {d}), {what}", scale),
+        notes,
+        sec_corpora(&[sec]),
+        rows,
+        unit,
+    ))
+}
+
+/// Table 2 (scaling): vanilla vs DAR at d_down = d/4 for every scale trained the same way.
+fn scaling(cross_key: &Key, members: &[&Run], prows: &[&PaperRow], all: &[&Run], unit: Unit) -> Option<Table> {
+    let paper_w = paper_window(prows)?;
+    let mut paper_scales: Vec<&str> = Vec::new();
+    for p in prows {
+        if !paper_scales.contains(&p.scale.as_str()) {
+            paper_scales.push(&p.scale);
+        }
+    }
+    let sections: Vec<Section> = groups::by_recipe(members).into_iter().map(|(key, runs)| Section { key, runs }).collect();
+    // Expected scales: the paper's (when we train any of them) and every scale we have, by width.
+    let mut scales: Vec<(String, usize)> = sections.iter().map(|s| (s.scale(), s.d_model())).collect();
+    if scales.iter().any(|(s, _)| paper_scales.contains(&s.as_str())) {
+        for p in prows {
+            scales.push((p.scale.clone(), p.d_model));
+        }
+    }
+    scales.sort_by_key(|(s, d)| (*d, s.clone()));
+    scales.dedup();
+
+    let (mut rows, mut notes, mut used) = (Vec::new(), Vec::new(), Vec::new());
+    let mut fits_any = false;
+    for (scale, d) in &scales {
+        let own: Vec<&PaperRow> = prows.iter().copied().filter(|p| p.scale == *scale).collect();
+        // A scale the paper lacks asks for the pattern of its first scale, without paper values.
+        let pattern: Vec<&PaperRow> = if own.is_empty() { prows.iter().copied().filter(|p| p.scale == prows[0].scale).collect() } else { own.clone() };
+        let at_paper_scale = !own.is_empty();
+        let candidates: Vec<&Section> = sections.iter().filter(|s| s.scale() == *scale).collect();
+        let slots_for = |tw: usize| -> Vec<(Config, Option<PaperRow>)> {
+            pattern.iter().filter_map(|p| translate(p, *d, Some(tw)).map(|c| (c, at_paper_scale.then(|| (*p).clone())))).collect()
+        };
+        // Prefer the recipe that has the DAR row, then the one with any matching run.
+        let score = |s: &Section| {
+            let slots = slots_for(table_window(s, paper_w, at_paper_scale).0);
+            let hit = |k: AttentionKind| s.runs.iter().any(|r| slots.iter().any(|(c, _)| c.kind == k && c.accepts(&Config::of(&r.spec))));
+            (hit(AttentionKind::Dar), hit(AttentionKind::Vanilla))
+        };
+        let best = candidates.iter().copied().max_by_key(|s| score(*s));
+        let mut scale_rows: Vec<Row> = match best {
+            Some(sec) => {
+                let (tw, note) = table_window(sec, paper_w, at_paper_scale);
+                notes.extend(note.map(|n| format!("{scale}: {n}")));
+                fits_any |= score(sec).0;
+                used.push(sec);
+                slots_for(tw).into_iter().map(|(c, p)| fill(sec, c, p, all, unit)).collect()
+            }
+            None => slots_for(paper_w).into_iter().map(|(c, p)| absent(scale, *d, c, p, cross_key, all)).collect(),
+        };
+        add_rel(&mut scale_rows);
+        rows.extend(scale_rows);
+    }
+    let trains_paper_scale = sections.iter().any(|s| paper_scales.contains(&s.scale().as_str()));
+    if used.is_empty() || !(fits_any || trains_paper_scale) {
+        return None;
+    }
+    let ratio = prows.iter().find_map(|p| p.d_down.map(|x| p.d_model / x.max(1))).unwrap_or(4);
+    notes.insert(0, format!("Runs: {} (scale-independent recipe `{}`).", groups::recipe_summary(used[0].spec()), groups::key_id(cross_key)));
+    let title = format!("Table 2: scaling, vanilla vs DAR at d_down = d_model/{ratio}, w = {paper_w}");
+    Some(finish(2, format!("table2-{}", groups::key_id(cross_key)), title, notes, sec_corpora(&used), rows, unit))
+}
+
+/// Our corpora: every evaluation corpus the sections' specs name.
+fn sec_corpora(secs: &[&Section]) -> Vec<String> {
+    let set: BTreeSet<String> = secs.iter().flat_map(|s| s.runs.iter().flat_map(|r| r.spec.data.eval.keys().cloned())).collect();
+    set.into_iter().collect()
+}
+
+/// Fill one row from a section: the matching run (an evaluated one first), or why there is none.
+fn fill(sec: &Section, want: Config, paper: Option<PaperRow>, all: &[&Run], unit: Unit) -> Row {
+    let mut row = empty_row(sec.scale(), want, paper);
+    let matching: Vec<&Run> = sec.runs.iter().copied().filter(|r| want.accepts(&Config::of(&r.spec))).collect();
+    let evaluated = |r: &Run| !r.final_eval(unit.field()).is_empty() || !r.final_eval(unit.other().field()).is_empty();
+    let Some(run) = matching.iter().copied().find(|r| evaluated(*r)).or(matching.first().copied()) else {
+        let want_words = wanted(&groups::scale_words(sec.spec()), &want);
+        row.missing =
+            Some(format!("{want_words} in recipe `{}`{}", groups::key_id(&sec.key), near_miss(&sec.scale(), &want, &sec.key, groups::recipe_key, all)));
+        return row;
+    };
+    row.run = Some(run.rel.clone());
+    let others: Vec<&str> = matching.iter().filter(|r| r.rel != run.rel).map(|r| r.rel.as_str()).collect();
+    if !others.is_empty() {
+        row.note = Some(format!("also matches: {}", others.join(", ")));
+    }
+    row.ppl = run.final_eval(unit.field());
+    row.ppl_alt = run.final_eval(unit.other().field());
+    if row.ppl.is_empty() {
+        let state = if run.done {
+            "finished (DONE)".to_string()
+        } else {
+            format!("not finished: last logged step {}", run.last_step().map_or("none".into(), |s| s.to_string()))
+        };
+        let has_other = if row.ppl_alt.is_empty() { "" } else { " (only the other unit was recorded)" };
+        row.missing = Some(format!("`{}` has no {} perplexity at its final step {}{has_other}; {state}", run.rel, unit.name(), run.steps()));
+    }
+    row
+}
+
+/// A row of a Table 2 scale with no runs at all.
+fn absent(scale: &str, d: usize, want: Config, paper: Option<PaperRow>, cross_key: &Key, all: &[&Run]) -> Row {
+    let mut row = empty_row(scale.to_string(), want, paper);
+    let words = match scale.starts_with('d') && scale.contains("-L") {
+        true => format!("d_model {d}"),
+        false => format!("flavor {scale} (d_model {d})"),
+    };
+    row.missing = Some(format!("{} trained like the other rows{}", wanted(&words, &want), near_miss(scale, &want, cross_key, groups::cross_scale_key, all)));
+    row
+}
+
+fn empty_row(scale: String, config: Config, paper: Option<PaperRow>) -> Row {
+    Row {
+        scale,
+        config,
+        run: None,
+        ppl: BTreeMap::new(),
+        ppl_alt: BTreeMap::new(),
+        rel: None,
+        rel_alt: None,
+        rel_corpora: Vec::new(),
+        paper,
+        paper_rel_same: None,
+        missing: None,
+        note: None,
+    }
+}
+
+/// "no run with flavor pythia-160m (d_model 768), kind dar, d_down 192, window 128".
+fn wanted(scale_words: &str, c: &Config) -> String {
+    match (c.kind, c.d_down, c.window) {
+        (AttentionKind::Vanilla, _, _) => format!("no run with {scale_words}, kind vanilla,"),
+        (_, Some(d), Some(0)) => format!("no run with {scale_words}, kind uniform (or dar with window 0), d_down {d},"),
+        (_, d, w) => format!("no run with {scale_words}, kind dar, d_down {}, window {},", d.unwrap_or(0), w.unwrap_or(0)),
+    }
+}
+
+/// When a run with the wanted config and scale exists under another recipe, name it and how it differs.
+fn near_miss(scale: &str, want: &Config, key: &Key, key_of: fn(&crate::spec::Spec) -> Key, all: &[&Run]) -> String {
+    let best = all
+        .iter()
+        .filter(|r| groups::scale(&r.spec) == scale && want.accepts(&Config::of(&r.spec)))
+        .map(|r| (r, groups::differences(&key_of(&r.spec), key, 3)))
+        .filter(|(_, d)| !d.is_empty())
+        .min_by_key(|(_, d)| d.len());
+    match best {
+        Some((r, diffs)) => format!("; `{}` has this configuration but another recipe ({})", r.rel, diffs.join("; ")),
+        None => String::new(),
+    }
+}
+
+/// Rel.(%) of every row against the vanilla row among them (rows of one scale), in both units,
+/// and the paper's Rel.(%) over the same corpora when ours averages over fewer.
+fn add_rel(rows: &mut [Row]) {
+    let Some(v) = rows.iter().position(|r| r.config.kind == AttentionKind::Vanilla) else { return };
+    let (vanilla, vanilla_alt, vanilla_paper) = (rows[v].ppl.clone(), rows[v].ppl_alt.clone(), rows[v].paper.clone());
+    for row in rows.iter_mut() {
+        if let Some((r, corpora)) = rel(&row.ppl, &vanilla) {
+            row.rel = Some(r);
+            row.rel_corpora = corpora;
+        }
+        row.rel_alt = rel(&row.ppl_alt, &vanilla_alt).map(|(r, _)| r);
+        if let (Some(p), Some(pv)) = (&row.paper, &vanilla_paper) {
+            let cols: BTreeSet<String> = row.rel_corpora.iter().filter_map(|c| paper::paper_column(c, p.ppl.keys())).collect();
+            if !cols.is_empty() && cols.len() < p.ppl.len() {
+                let pick = |m: &BTreeMap<String, f64>| m.iter().filter(|(k, _)| cols.contains(*k)).map(|(k, v)| (k.clone(), *v)).collect::<BTreeMap<_, _>>();
+                row.paper_rel_same = rel(&pick(&p.ppl), &pick(&pv.ppl)).map(|(r, _)| r);
+            }
+        }
+    }
+}
+
+fn finish(number: u8, id: String, title: String, mut notes: Vec<String>, corpora: Vec<String>, rows: Vec<Row>, unit: Unit) -> Table {
+    let paper_columns: BTreeSet<String> = rows.iter().filter_map(|r| r.paper.as_ref()).flat_map(|p| p.ppl.keys().cloned()).collect();
+    let paper_cols: BTreeMap<String, String> = corpora.iter().filter_map(|c| paper::paper_column(c, &paper_columns).map(|p| (c.clone(), p))).collect();
+    notes.push(format!(
+        "PPL: {}-level (`{}`), {}-level beside it. Rel.(%) = 100 · mean over corpora of PPL / PPL(vanilla of the same scale and recipe) (dar.md §6).",
+        unit.name(),
+        unit.field(),
+        unit.other().name()
+    ));
+    let used: BTreeSet<&String> = rows.iter().flat_map(|r| r.rel_corpora.iter()).collect();
+    if !paper_columns.is_empty() && used.len() < paper_columns.len() {
+        let ours: Vec<&str> = used.iter().map(|s| s.as_str()).collect();
+        let theirs: Vec<&str> = paper_columns.iter().map(|c| paper::column_title(c)).collect();
+        notes.push(format!(
+            "Our Rel.(%) averages over {} only (the corpora we evaluated); the paper's over {}. \"paper Rel. (same corpora)\" recomputes the paper's over ours.",
+            if ours.is_empty() { "no corpus".to_string() } else { ours.join(", ") },
+            theirs.join(", ")
+        ));
+    }
+    Table { number, id, title, notes, corpora, paper_cols, unit, rows }
+}

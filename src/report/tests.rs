@@ -1,0 +1,300 @@
+//! Report tests on fake run directories written with the trainer's own writers (RunDir: config.yaml,
+//! metrics.jsonl, eval.json, DONE), so the format is the one `attnlab train` produces.
+use super::groups::Config;
+use super::tables::{self, Table, Unit};
+use super::*;
+use crate::eval::perplexity::CorpusResult;
+use crate::spec::{AttentionKind, Spec};
+use crate::train::run::RunDir;
+use polars::prelude::*;
+use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
+
+/// A resolved spec like a real sweep's: `flavor`, `attention` (YAML), two eval corpora (wikitext, c4).
+fn spec(flavor: &str, attention: &str, steps: u64, eval: &[&str], out: &Path) -> Spec {
+    let corpora: String = eval.iter().enumerate().map(|(i, c)| format!("    {c}: {{synthetic: {{seed: {}, docs: 5}}}}\n", i + 2)).collect();
+    let yaml = format!(
+        "model: {{flavor: {flavor}}}\nattention: {attention}\ndata:\n  train: {{synthetic: {{seed: 1, docs: 10}}}}\n  eval:\n{corpora}train: {{steps: {steps}, batch_size: 4}}\neval: {{every: 20}}\n"
+    );
+    let mut s = crate::spec::from_str(&yaml, "test spec", &[]).expect("test spec is valid");
+    s.output = Some(out.to_path_buf());
+    s.model.vocab = Some(384);
+    s
+}
+
+/// A CorpusResult with the given token- and word-level perplexities.
+fn result(ppl: f64, word_ppl: f64) -> CorpusResult {
+    let (tokens, words, bytes) = (1000usize, 800usize, 4000usize);
+    let nll = ppl.ln() * tokens as f64;
+    CorpusResult {
+        protocol: "rolling".into(),
+        docs: 5,
+        tokens,
+        words,
+        bytes,
+        nll,
+        loss: ppl.ln(),
+        ppl,
+        word_ppl,
+        byte_ppl: (nll / bytes as f64).exp(),
+        bits_per_byte: nll / bytes as f64 / std::f64::consts::LN_2,
+    }
+}
+
+fn train_row(dir: &RunDir, step: u64, loss: f64) {
+    let row = json!({"step": step, "tokens": step * 8192, "loss": loss, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0, "elapsed_s": step as f64});
+    dir.append_metrics(row.as_object().unwrap()).unwrap();
+}
+
+/// An evaluation row as the trainer writes it (eval_row in train/mod.rs).
+fn eval_row(dir: &RunDir, step: u64, results: &BTreeMap<String, CorpusResult>) {
+    let mut row = Map::new();
+    row.insert("step".into(), json!(step));
+    row.insert("tokens".into(), json!(step * 8192));
+    row.insert("elapsed_s".into(), json!(step as f64));
+    for (name, r) in results {
+        for (k, v) in r.metrics(name) {
+            row.insert(k, Value::from(v));
+        }
+    }
+    dir.append_metrics(&row).unwrap();
+}
+
+/// corpus → (token ppl, word ppl)
+fn results(v: &[(&str, f64, f64)]) -> BTreeMap<String, CorpusResult> {
+    v.iter().map(|&(c, p, w)| (c.to_string(), result(p, w))).collect()
+}
+
+/// A finished run: train rows every 10 steps, evaluations at 20 and at the end, eval.json, DONE.
+fn finished(s: &Spec, mid: &[(&str, f64, f64)], end: &[(&str, f64, f64)]) -> RunDir {
+    let dir = RunDir::prepare(s).unwrap();
+    let steps = s.steps();
+    for step in (10..=steps).step_by(10) {
+        train_row(&dir, step, 6.0 - step as f64 / 20.0);
+        if step == 20 {
+            eval_row(&dir, step, &results(mid));
+        }
+    }
+    eval_row(&dir, steps, &results(end));
+    dir.write_eval(steps, &results(end)).unwrap();
+    dir.mark_done().unwrap();
+    dir
+}
+
+/// Pythia-70M sweep with neutral directory names (matching must come from config.yaml):
+/// a = vanilla, b = DAR d128 w128 (resumed: step 20 logged twice), c = uniform d128,
+/// d = DAR d256 w128 unfinished, broken = unreadable config.
+fn pythia_sweep(root: &Path) {
+    let eval = ["wikitext", "c4"];
+    let s = |att: &str, dir: &str| spec("pythia-70m", att, 40, &eval, &root.join(dir));
+    finished(&s("{kind: vanilla}", "t/a"), &[("wikitext", 40.0, 60.0), ("c4", 80.0, 120.0)], &[("wikitext", 30.0, 50.0), ("c4", 60.0, 100.0)]);
+
+    // b: interrupted after step 20 (checkpoint at 10), resumed: steps 20 and its evaluation logged again.
+    let b = RunDir::prepare(&s("{kind: dar, d_down: 128, window: 128}", "t/b")).unwrap();
+    train_row(&b, 10, 5.0);
+    train_row(&b, 20, 9.0);
+    eval_row(&b, 20, &results(&[("wikitext", 99.0, 99.0), ("c4", 99.0, 99.0)]));
+    train_row(&b, 20, 3.5);
+    eval_row(&b, 20, &results(&[("wikitext", 36.0, 54.0), ("c4", 88.0, 132.0)]));
+    train_row(&b, 30, 3.0);
+    train_row(&b, 40, 2.5);
+    let end = results(&[("wikitext", 24.0, 40.0), ("c4", 63.0, 110.0)]);
+    eval_row(&b, 40, &end);
+    b.write_eval(40, &end).unwrap();
+    b.mark_done().unwrap();
+
+    finished(&s("{kind: uniform, d_down: 128}", "t/c"), &[("wikitext", 45.0, 70.0), ("c4", 90.0, 140.0)], &[("wikitext", 36.0, 60.0), ("c4", 75.0, 130.0)]);
+
+    let d = RunDir::prepare(&s("{kind: dar, d_down: 256, window: 128}", "t/d")).unwrap();
+    train_row(&d, 10, 5.5);
+    train_row(&d, 20, 4.5);
+
+    std::fs::create_dir_all(root.join("broken")).unwrap();
+    std::fs::write(root.join("broken/config.yaml"), "model: {flavor: pythia-9000}\n").unwrap();
+}
+
+fn table(tables: &[Table], n: u8) -> &Table {
+    tables.iter().find(|t| t.number == n).unwrap_or_else(|| panic!("no Table {n}; have {:?}", tables.iter().map(|t| &t.title).collect::<Vec<_>>()))
+}
+
+fn row<'a>(t: &'a Table, c: Config) -> &'a tables::Row {
+    t.rows.iter().find(|r| r.config == c).unwrap_or_else(|| panic!("{}: no row {}", t.title, c.label()))
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-9
+}
+
+#[test]
+fn last_logged_value_wins_and_rows_merge_per_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    pythia_sweep(tmp.path());
+    let (runs, skipped) = load::discover(tmp.path()).unwrap();
+    assert_eq!(runs.len(), 4);
+    assert_eq!(skipped.len(), 1, "the broken config is reported, not fatal");
+    assert_eq!(skipped[0].rel, "broken");
+
+    let mut df = frame::build(&runs).unwrap();
+    let path = tmp.path().join("runs.parquet");
+    frame::write_parquet(&mut df, &path).unwrap();
+    let back = ParquetReader::new(std::fs::File::open(&path).unwrap()).finish().unwrap();
+    for df in [&df, &back] {
+        let run = df.column("run").unwrap().str().unwrap();
+        let step = df.column("step").unwrap().i64().unwrap();
+        let loss = df.column("loss").unwrap().f64().unwrap();
+        let wiki = df.column("eval/wikitext/word_ppl").unwrap().f64().unwrap();
+        let kind = df.column("kind").unwrap().str().unwrap();
+        let b: Vec<usize> = (0..df.height()).filter(|&i| run.get(i) == Some("t/b")).collect();
+        // Steps 10, 20, 30, 40: the repeated step 20 and the evaluation rows are merged into one row each.
+        assert_eq!(b.iter().map(|&i| step.get(i).unwrap()).collect::<Vec<_>>(), vec![10, 20, 30, 40]);
+        let at20 = b.iter().copied().find(|&i| step.get(i) == Some(20)).unwrap();
+        assert_eq!(loss.get(at20), Some(3.5));
+        assert_eq!(wiki.get(at20), Some(54.0));
+        assert_eq!(kind.get(at20), Some("dar"));
+        assert_eq!(df.column("d_down").unwrap().i64().unwrap().get(at20), Some(128));
+        assert_eq!(df.column("flavor").unwrap().str().unwrap().get(at20), Some("pythia-70m"));
+        assert_eq!(df.column("done").unwrap().bool().unwrap().get(at20), Some(true));
+    }
+    assert_eq!(df.height(), 4 + 4 + 4 + 2, "a, b, c log steps 10..40; d logged 10 and 20");
+}
+
+#[test]
+fn rel_matches_hand_computation_and_rows_are_matched_by_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    pythia_sweep(tmp.path());
+    let (runs, _) = load::discover(tmp.path()).unwrap();
+    let paper = paper::dar().unwrap();
+    let tables = tables::build(&runs, &paper, Unit::Word);
+
+    let t1 = table(&tables, 1);
+    assert!(t1.title.contains("pythia-70m"), "{}", t1.title);
+    let dar = row(t1, Config::bottleneck(128, 128));
+    assert_eq!(dar.run.as_deref(), Some("t/b"));
+    // word PPL: (40/50 + 110/100) / 2 = 0.95; token PPL: (24/30 + 63/60) / 2 = 0.925.
+    assert!(close(dar.rel.unwrap(), 95.0), "{:?}", dar.rel);
+    assert!(close(dar.rel_alt.unwrap(), 92.5), "{:?}", dar.rel_alt);
+    let uni = row(t1, Config::bottleneck(128, 0));
+    assert_eq!(uni.run.as_deref(), Some("t/c"));
+    assert!(close(uni.rel.unwrap(), 100.0 * (60.0 / 50.0 + 130.0 / 100.0) / 2.0));
+    assert!(close(row(t1, Config::vanilla()).rel.unwrap(), 100.0));
+
+    // The paper's value sits beside ours, and its Rel over only our corpora (c4, wikitext) is recomputed
+    // from the paper's own rows.
+    let p = dar.paper.as_ref().expect("paper row for DAR 128");
+    let pv = paper.iter().find(|r| r.table == 1 && r.kind == AttentionKind::Vanilla).unwrap();
+    let want = 100.0 * (p.ppl["c4"] / pv.ppl["c4"] + p.ppl["wikitext103"] / pv.ppl["wikitext103"]) / 2.0;
+    assert!(close(dar.paper_rel_same.unwrap(), want));
+    assert_eq!(t1.paper_cols.get("wikitext").map(String::as_str), Some("wikitext103"));
+    assert!(t1.notes.iter().any(|n| n.contains("averages over c4, wikitext only")), "{:?}", t1.notes);
+
+    // Unfinished DAR d256: the run is found, but has no result, and the reason says so.
+    let d256 = row(t1, Config::bottleneck(256, 128));
+    assert_eq!(d256.run.as_deref(), Some("t/d"));
+    assert!(d256.missing.as_deref().unwrap().contains("not finished: last logged step 20"), "{:?}", d256.missing);
+    assert!(row(t1, Config::bottleneck(64, 128)).missing.as_deref().unwrap().contains("kind dar, d_down 64, window 128"));
+
+    // With token units the primary Rel is the token one.
+    let tok = tables::build(&runs, &paper, Unit::Token);
+    assert!(close(row(table(&tok, 1), Config::bottleneck(128, 128)).rel.unwrap(), 92.5));
+
+    // Table 3: uniform is the w = 0 row; Table 2 expects the paper's three scales.
+    let t3 = table(&tables, 3);
+    assert_eq!(row(t3, Config::bottleneck(128, 0)).run.as_deref(), Some("t/c"));
+    assert_eq!(t3.rows.last().unwrap().config.window, Some(0));
+    let t2 = table(&tables, 2);
+    let scales: Vec<&str> = t2.rows.iter().map(|r| r.scale.as_str()).collect();
+    assert_eq!(scales, ["pythia-70m", "pythia-70m", "pythia-160m", "pythia-160m", "pythia-410m", "pythia-410m"]);
+}
+
+#[test]
+fn figure3_curve_is_rel_at_each_common_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    pythia_sweep(tmp.path());
+    let (runs, _) = load::discover(tmp.path()).unwrap();
+    let by = |rel: &str| runs.iter().find(|r| r.rel == rel).unwrap();
+    let curve = figures::rel_curve(by("t/b"), by("t/a"), Unit::Word);
+    // step 20 (the resumed values): (54/60 + 132/120) / 2; step 40: 95.
+    assert_eq!(curve.len(), 2);
+    assert_eq!(curve[0].0, 20.0);
+    assert!(close(curve[0].1, 100.0 * (54.0 / 60.0 + 132.0 / 120.0) / 2.0));
+    assert!(close(curve[1].1, 95.0));
+}
+
+#[test]
+fn report_writes_tables_figures_and_says_what_is_missing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, out) = (tmp.path().join("results"), tmp.path().join("report"));
+    pythia_sweep(&root);
+    let summary = run_report(&root, &out, &["md,tex".into(), "csv".into()], "word").unwrap();
+    assert_eq!((summary.runs, summary.finished, summary.skipped), (4, 3, 1));
+
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("no run with flavor pythia-160m (d_model 768), kind dar, d_down 192, window 128"), "{md}");
+    assert!(md.contains("no run with flavor pythia-70m (d_model 512), kind dar, d_down 64, window 128"));
+    assert!(md.contains("`t/d` has no word perplexity at its final step 40"));
+    assert!(md.contains("| DAR | 128 | 128 |"), "DAR row in the Markdown table");
+    assert!(md.contains("95.00"));
+    assert!(md.contains("`broken` skipped"));
+    assert!(summary.missing.iter().any(|m| m.contains("pythia-160m")));
+
+    let figure3 = md.lines().find(|l| l.starts_with("![Figure 3")).expect("Figure 3 embedded");
+    let png = figure3.rsplit_once("](").unwrap().1.trim_end_matches(')');
+    let png = out.join(png);
+    let bytes = std::fs::read(&png).unwrap();
+    assert!(bytes.len() > 1000 && bytes.starts_with(b"\x89PNG"), "{} is a PNG", png.display());
+    let svg = std::fs::read_to_string(png.with_extension("svg")).unwrap();
+    assert!(svg.contains("<svg") && svg.contains("Rel.(%)"), "SVG with its axis label");
+    for f in ["plots/runs/t_b/loss.png", "plots/runs/t_b/ppl.svg", "plots/sweeps/pythia-70m-", "tables/table1-pythia-70m-"] {
+        assert!(summary.files.iter().any(|p| p.strip_prefix(&out).unwrap().to_string_lossy().starts_with(f)), "no file {f}*");
+    }
+    for p in &summary.files {
+        assert!(std::fs::metadata(p).unwrap().len() > 0, "{} is empty", p.display());
+    }
+    let csv = summary.files.iter().find(|p| p.to_string_lossy().contains("table1-") && p.extension().unwrap() == "csv").unwrap();
+    let csv = std::fs::read_to_string(csv).unwrap();
+    let head: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let col = head.iter().position(|h| *h == "Rel.% (word)").unwrap();
+    let dar: Vec<&str> = csv.lines().find(|l| l.starts_with("DAR,128,128,")).unwrap().split(',').collect();
+    assert!(close(dar[col].parse::<f64>().unwrap(), 95.0), "{csv}");
+    assert!(run_report(&root, &out, &["pdf".into()], "word").is_err());
+    assert!(run_report(&root, &out, &["md".into()], "bytes").is_err());
+}
+
+#[test]
+fn reduced_scale_sweep_gets_its_own_tables() {
+    // A tiny sweep (d_model 64, T = 128) at window 16: Tables 1 and 3 are labelled tiny, d_down
+    // keeps its fraction of d_model (512/128 → 64/16), and w = 16 stands in for 128 (≥ T).
+    let tmp = tempfile::tempdir().unwrap();
+    let s = |att: &str, dir: &str| spec("tiny", att, 40, &["synthetic"], &tmp.path().join(dir));
+    finished(&s("{kind: vanilla}", "x"), &[], &[("synthetic", 10.0, 20.0)]);
+    finished(&s("{kind: dar, d_down: 16, window: 16}", "y"), &[], &[("synthetic", 11.0, 22.0)]);
+    finished(&s("{kind: uniform, d_down: 16}", "z"), &[], &[("synthetic", 12.0, 26.0)]);
+    let (runs, _) = load::discover(tmp.path()).unwrap();
+    let tables = tables::build(&runs, &paper::dar().unwrap(), Unit::Word);
+    let t1 = table(&tables, 1);
+    assert!(t1.title.contains("tiny") && t1.title.contains("w = 16"), "{}", t1.title);
+    assert!(close(row(t1, Config::bottleneck(16, 16)).rel.unwrap(), 110.0));
+    assert!(close(row(t1, Config::bottleneck(16, 0)).rel.unwrap(), 130.0));
+    assert!(row(t1, Config::bottleneck(16, 16)).paper.is_some(), "paper 70M row matched by d_down / d_model");
+    assert!(row(t1, Config::bottleneck(8, 16)).missing.is_some());
+    let t3 = table(&tables, 3);
+    assert!(t3.rows.iter().all(|r| r.config.window.is_none_or(|w| w < 128)), "w ≥ T rows left out");
+    let t2 = table(&tables, 2);
+    assert!(t2.rows.iter().all(|r| r.scale == "tiny"), "no paper scales expected for a tiny-only sweep");
+}
+
+#[test]
+fn paper_file_reproduces_its_rel_column_except_the_flagged_rows() {
+    // dar.md §6: the mean of per-corpus ratios reproduces the reported Rel.(%) within rounding; the rows
+    // that do not must carry a note saying so. This catches transcription errors in dar.csv.
+    let rows = paper::dar().unwrap();
+    assert_eq!(rows.iter().map(|r| r.table).collect::<std::collections::BTreeSet<_>>().len(), 3);
+    for r in &rows {
+        let v = rows.iter().find(|v| v.table == r.table && v.scale == r.scale && v.kind == AttentionKind::Vanilla).unwrap();
+        let (ours, corpora) = rel(&r.ppl, &v.ppl).unwrap();
+        assert_eq!(corpora.len(), 3);
+        if (ours - r.rel).abs() > 0.011 {
+            assert!(r.note.contains("give"), "table {} {:?} w {:?}: recomputed {ours:.3}, reported {}", r.table, r.d_down, r.window, r.rel);
+        }
+    }
+}

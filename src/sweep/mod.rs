@@ -1,0 +1,287 @@
+//! Sweeps: one YAML file names a base experiment spec and the axes to vary; `attnlab sweep` expands
+//! it into runs, gives each its own run directory and launches `attnlab train` on each (one per GPU,
+//! or sequentially, or as a Slurm array).
+//!
+//! ## The sweep file
+//!
+//! ```yaml
+//! base: ../experiments/pythia-70m-dar.yaml   # the spec every run starts from (relative to this file)
+//! output: results/table1                     # sweep output folder (relative to the current directory)
+//! name: "{attention.kind}-d{attention.d_down}-w{attention.window}"   # run name template
+//! set: {train.steps: 100}                    # overrides for every run
+//! grid: {attention.d_down: [256, 128, 64]}   # Cartesian product over these lists
+//! zip: {train.seed: [1, 2], train.lr: [1.0e-3, 6.0e-4]}   # lock-step lists (same length)
+//! runs:                                      # optional; default: one empty entry
+//!   - {name: "vanilla", attention.kind: vanilla, attention.d_down: null, attention.window: null}
+//!   - {attention.kind: dar}
+//!   - {attention.kind: uniform, attention.window: null, grid: {attention.d_down: [32, 16]}}
+//! ```
+//!
+//! * Keys of `set`, `grid`, `zip` and `runs` entries are dotted paths into the spec (as `--set`);
+//!   values are YAML. A `null` value deletes the key, so the spec's default (or nothing, e.g. no
+//!   `d_down` for vanilla) applies.
+//! * Runs = `runs` entries × top-level points × the entry's own points, where the points of a
+//!   level are `grid` (Cartesian product, first key slowest) × `zip` (the i-th value of every list).
+//!   In a `runs` entry, `name`, `grid` and `zip` are reserved: they give that entry its own name
+//!   template and axes; every other key is an override.
+//! * Precedence, lowest first: base spec < `set` < top-level `grid`/`zip` < the entry's overrides <
+//!   the entry's `grid`/`zip` < `attnlab sweep --set`. So an entry can undo an axis (vanilla with
+//!   `attention.d_down: null` under a top-level d_down grid).
+//! * Every run is resolved and validated like `attnlab train` (errors name the sweep file, the run
+//!   and the key). Runs whose resolved configs are identical are merged (the first one is kept).
+//! * Names: `{dotted.path}` placeholders are filled from the *resolved* spec, so defaults count
+//!   (`d{attention.d_down}` renders `d128` for a 70M DAR run that set no d_down). A placeholder
+//!   with no value (d_down of vanilla) is an error: give that entry its own `name:`. Names must be
+//!   unique within a sweep. The spec's own `name:` and `output:` are always set by the sweep.
+//!
+//! ## What a sweep writes
+//!
+//! ```text
+//! <output>/<name>-<hash>/        run directory (hash = crate::util::short_hash of the resolved
+//!                                config without name/output): same config → same folder, so a
+//!                                re-launch skips DONE runs, resumes partial ones, and a changed
+//!                                config gets a new folder
+//! <output>/<name>-<hash>/train.log   the child's stdout + stderr (appended on every launch)
+//!                                (with --gpus: CUDA_VISIBLE_DEVICES=<gpu>, --set train.device=cuda:0;
+//!                                a partial run resumes with the train.device its config.yaml records)
+//! <output>/specs/<name>-<hash>.yaml  the resolved spec the child runs (`attnlab train FILE --quiet`)
+//! <output>/specs.txt, sweep.sbatch   with `--emit slurm` only
+//! ```
+mod launch;
+mod plan;
+mod slurm;
+#[cfg(test)]
+mod tests;
+
+pub use plan::{apply, plan, remove_path, render, PlannedRun, SweepPlan};
+pub use slurm::sbatch_script;
+
+use crate::{IoContext, Result};
+use std::path::{Path, PathBuf};
+
+/// How `attnlab sweep` runs a sweep (the CLI flags).
+#[derive(Debug, Clone, Default)]
+pub struct SweepOptions {
+    /// Print the table of runs (name, overrides, run dir, status) and do nothing else.
+    pub dry_run: bool,
+    /// GPUs to spread runs over, one run per GPU at a time (CUDA_VISIBLE_DEVICES values).
+    pub gpus: Vec<String>,
+    /// Without GPUs: how many CPU runs at once (0 or 1 = sequential).
+    pub max_parallel: usize,
+    /// Write a batch-system script instead of running anything.
+    pub emit: Option<Emit>,
+    /// `key=value` overrides applied to every run, after the sweep file's own.
+    pub sets: Vec<String>,
+    /// Replace the sweep file's `output:`.
+    pub out: Option<PathBuf>,
+    /// The `attnlab` executable for child runs (default: the current executable).
+    pub exe: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Emit {
+    /// `<output>/sweep.sbatch`: a Slurm array job, one task (one GPU) per run.
+    Slurm,
+}
+
+/// State of a run directory on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunStatus {
+    /// No config.yaml yet.
+    New,
+    /// config.yaml but no DONE: `attnlab train` resumes it.
+    Partial,
+    /// DONE exists.
+    Done,
+}
+
+impl RunStatus {
+    pub fn of(dir: &Path) -> RunStatus {
+        if dir.join("DONE").is_file() {
+            RunStatus::Done
+        } else if dir.join("config.yaml").is_file() {
+            RunStatus::Partial
+        } else {
+            RunStatus::New
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            RunStatus::New => "new",
+            RunStatus::Partial => "partial",
+            RunStatus::Done => "done",
+        }
+    }
+}
+
+/// What the sweep did with a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Nothing launched (dry run, or a script was emitted).
+    Planned,
+    /// Already DONE: not launched.
+    Skipped,
+    /// Launched and exited 0.
+    Trained,
+    /// Launched and failed (non-zero exit, or could not start).
+    Failed,
+}
+
+#[derive(Debug, Clone)]
+pub struct RunReport {
+    pub name: String,
+    pub dir: PathBuf,
+    pub overrides: String,
+    /// The run directory's state before the sweep acted.
+    pub before: RunStatus,
+    pub outcome: Outcome,
+    pub exit: Option<i32>,
+    pub wall_s: Option<f64>,
+    /// Last training loss in metrics.jsonl.
+    pub final_loss: Option<f64>,
+    /// `<run dir>/train.log`, when the run was launched.
+    pub log: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone)]
+pub struct SweepSummary {
+    pub output: PathBuf,
+    pub runs: Vec<RunReport>,
+    pub merged_duplicates: usize,
+    /// `<output>/sweep.sbatch` when a script was emitted.
+    pub script: Option<PathBuf>,
+}
+
+impl SweepSummary {
+    pub fn failed(&self) -> usize {
+        self.runs.iter().filter(|r| r.outcome == Outcome::Failed).count()
+    }
+}
+
+/// Expand `file` and run it as `opts` says; prints the run table (dry run) or a summary table at
+/// the end. Failed runs do not stop the others: check `SweepSummary::failed()`.
+pub fn run_sweep(file: &Path, opts: &SweepOptions) -> Result<SweepSummary> {
+    let plan = plan::plan(file, &opts.sets, opts.out.as_deref())?;
+    let exe = match &opts.exe {
+        Some(e) => e.clone(),
+        None => std::env::current_exe().map_err(|e| crate::Error::Other(format!("cannot locate the attnlab executable: {e}")))?,
+    };
+    let planned = |outcome| plan.runs.iter().map(|r| report(r, outcome)).collect::<Vec<_>>();
+    let mut summary = SweepSummary { output: plan.output.clone(), runs: Vec::new(), merged_duplicates: plan.merged_duplicates, script: None };
+    println!("{}", headline(&plan));
+    if opts.dry_run {
+        summary.runs = planned(Outcome::Planned);
+        print!("{}", plan_table(&summary.runs));
+        return Ok(summary);
+    }
+    if let Some(Emit::Slurm) = opts.emit {
+        let cwd = std::env::current_dir().map_err(|e| crate::Error::io(".", e))?;
+        let script = slurm::emit(&plan, &exe, &cwd)?;
+        summary.runs = planned(Outcome::Planned);
+        print!("{}", plan_table(&summary.runs));
+        println!("wrote {} ({} array tasks; specs in {})", script.display(), plan.runs.len(), plan.output.join("specs").display());
+        println!("submit with: sbatch {}", script.display());
+        summary.script = Some(script);
+        return Ok(summary);
+    }
+    write_specs(&plan)?;
+    summary.runs = launch::run_all(&plan, opts, &exe);
+    print!("{}", summary_table(&summary.runs));
+    if summary.failed() > 0 {
+        println!("{} of {} runs failed; their logs:", summary.failed(), summary.runs.len());
+        for r in summary.runs.iter().filter(|r| r.outcome == Outcome::Failed) {
+            println!("  {}: {}", r.name, r.log.as_ref().map(|l| l.display().to_string()).unwrap_or_default());
+        }
+    }
+    Ok(summary)
+}
+
+/// Write every run's resolved spec to `<output>/specs/<id>.yaml` (what the child runs).
+pub fn write_specs(plan: &SweepPlan) -> Result<()> {
+    for r in &plan.runs {
+        if let Some(parent) = r.spec_path.parent() {
+            std::fs::create_dir_all(parent).at(parent)?;
+        }
+        let text = format!("# run `{}` of sweep {} (base {}); resolved: run it with `attnlab train THIS_FILE`\n{}", r.name, plan.file.display(), plan.base.display(), r.spec.to_yaml());
+        std::fs::write(&r.spec_path, text).at(&r.spec_path)?;
+    }
+    Ok(())
+}
+
+fn report(r: &PlannedRun, outcome: Outcome) -> RunReport {
+    RunReport {
+        name: r.name.clone(),
+        dir: r.dir.clone(),
+        overrides: r.overrides.clone(),
+        before: RunStatus::of(&r.dir),
+        outcome,
+        exit: None,
+        wall_s: None,
+        final_loss: final_loss(&r.dir),
+        log: None,
+    }
+}
+
+fn headline(plan: &SweepPlan) -> String {
+    let merged = match plan.merged_duplicates {
+        0 => String::new(),
+        n => format!(" ({n} duplicate config{} merged)", if n == 1 { "" } else { "s" }),
+    };
+    format!("sweep {}: {} runs{merged} → {}", plan.file.display(), plan.runs.len(), plan.output.display())
+}
+
+/// The last training loss logged in `<dir>/metrics.jsonl` (eval rows have no `loss` key).
+pub fn final_loss(dir: &Path) -> Option<f64> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).ok()?;
+    text.lines().rev().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).find_map(|v| v.get("loss").and_then(|l| l.as_f64()))
+}
+
+/// The dry-run table: name, overrides, run dir, status.
+pub fn plan_table(runs: &[RunReport]) -> String {
+    let rows: Vec<Vec<String>> = runs.iter().map(|r| vec![r.name.clone(), r.overrides.clone(), r.dir.display().to_string(), r.before.label().into()]).collect();
+    table(&["name", "overrides", "run dir", "status"], &rows)
+}
+
+/// The end-of-sweep table: name, status, exit, wall time, final loss.
+pub fn summary_table(runs: &[RunReport]) -> String {
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .map(|r| {
+            let status = match r.outcome {
+                Outcome::Planned => r.before.label(),
+                Outcome::Skipped => "done (skipped)",
+                Outcome::Trained if r.before == RunStatus::Partial => "resumed, done",
+                Outcome::Trained => "done",
+                Outcome::Failed => "FAILED",
+            };
+            vec![
+                r.name.clone(),
+                status.into(),
+                r.exit.map_or("-".into(), |c| c.to_string()),
+                r.wall_s.map_or("-".into(), |s| format!("{s:.1}s")),
+                r.final_loss.map_or("-".into(), |l| format!("{l:.4}")),
+            ]
+        })
+        .collect();
+    table(&["name", "status", "exit", "wall", "final loss"], &rows)
+}
+
+/// Left-aligned columns separated by two spaces.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, &w)| format!("{c:w$}")).collect();
+        padded.join("  ").trim_end().to_string() + "\n"
+    };
+    let mut out = line(header.to_vec());
+    for row in rows {
+        out += &line(row.iter().map(String::as_str).collect());
+    }
+    out
+}
