@@ -37,7 +37,9 @@ for what in "${@:-all}"; do
     peers|all)
       for f in 70m 160m 410m; do
         (cd .gpu/bench && PYTHONUNBUFFERED=1 run $PY hf_pythia_train.py --size $f --compile 1 --json) | grep '^{' >> "$OUT/peers.jsonl"
-      done ;;
+      done
+      (cd .gpu/bench && PYTHONUNBUFFERED=1 run $PY attn_peers.py --json-out "$OUT/attn_peers.json") ;;
   esac
 done
+$PY scripts/bench_table.py "$OUT" | tee "$OUT/table.md"
 ls -la "$OUT"
