@@ -2,7 +2,6 @@
 //! tokens/s, MFU (PaLM convention, pythia.md §6) and peak GPU memory. Speed goals live here, never
 //! in unit tests.
 use crate::attention;
-use crate::model::GptNeox;
 use crate::spec::{AttentionImpl, AttentionKind, Spec};
 use crate::train::{self, optim};
 use crate::Result;
@@ -44,13 +43,13 @@ pub fn train_bench(spec: &Spec, vocab: usize, warmup: usize, steps: usize) -> Re
     let mut spec = spec.clone();
     spec.model.vocab.get_or_insert(vocab);
     let vs = VarStore::new(device);
-    let model = GptNeox::new(&vs.root(), train::run::model_config(&spec));
+    let model = train::run::build_model(&spec, &vs);
     let params = crate::train::named_parameters(&vs);
     let n_params: i64 = params.iter().map(|p| p.1.numel() as i64).sum();
     let [b1, b2] = spec.train.betas.expect("resolved");
     let mut opt = optim::AdamW::new(params, optim::Hyper { betas: (b1, b2), eps: 1e-8, weight_decay: 0.1 });
     let (b, t) = (spec.batch_size() as i64, spec.seq_len() as i64);
-    let v = model.cfg.vocab as i64;
+    let v = model.vocab() as i64;
     let batch = || {
         let ids = Tensor::randint(v.min(50277), [b, t + 1], (Kind::Int64, device));
         Ok((ids.narrow(1, 0, t), ids.narrow(1, 1, t)))
@@ -83,7 +82,7 @@ pub fn train_bench(spec: &Spec, vocab: usize, warmup: usize, steps: usize) -> Re
         steps,
         step_ms: 1e3 * secs / steps as f64,
         tokens_per_s: tps,
-        mfu: model.cfg.flops_per_token(t as usize) * tps / PEAK_FLOPS,
+        mfu: model.flops_per_token(t as usize) * tps / PEAK_FLOPS,
         peak_mem_gib: crate::device::peak_memory(device) as f64 / (1u64 << 30) as f64,
         params: n_params,
     })

@@ -72,6 +72,15 @@ enum Cmd {
         #[arg(long)]
         device: Option<String>,
     },
+    /// Write a run's checkpoint as a Hugging Face folder (config.json + model.safetensors + tokenizer.json)
+    /// that transformers loads (GPTNeoXForCausalLM or LlamaForCausalLM; vanilla attention only).
+    Export {
+        run: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long)]
+        step: Option<u64>,
+    },
     /// Data tools.
     #[command(subcommand)]
     Data(DataCmd),
@@ -257,7 +266,7 @@ fn run(cli: Cli) -> Result<()> {
                 .enumerate()
                 .map(|(i, w)| w.parse::<i64>().with_context(|| format!("{}: token {} (`{w}`) is not an integer", tokens.display(), i + 1)))
                 .collect::<Result<_>>()?;
-            let vocab = loaded.model.cfg.vocab as i64;
+            let vocab = loaded.model.vocab() as i64;
             if let Some(bad) = ids.iter().find(|&&i| i < 0 || i >= vocab) {
                 bail!("{}: token id {bad} is outside the vocabulary [0, {vocab})", tokens.display());
             }
@@ -265,6 +274,17 @@ fn run(cli: Cli) -> Result<()> {
             let logits = tch::no_grad(|| loaded.model.forward(&x)).squeeze_dim(0).to_kind(tch::Kind::Float).to_device(tch::Device::Cpu);
             tch::Tensor::write_safetensors(&[("logits", &logits)], &out)?;
             println!("wrote logits {:?} to {}", logits.size(), out.display());
+        }
+        Cmd::Export { run, out, step } => {
+            let loaded = train::run::load(&run, step, Some("cpu"))?;
+            let config = match &loaded.model {
+                attnlab::model::Model::Llama(m) => m.cfg.to_hf_json(),
+                attnlab::model::Model::Neox(m) if m.cfg.attention == AttentionKind::Vanilla => attnlab::model::hf::neox_config_json(&m.cfg, loaded.spec.seq_len()),
+                attnlab::model::Model::Neox(_) => bail!("{}: {:?} attention has no Hugging Face architecture; only vanilla runs export", run.display(), loaded.spec.attention.kind),
+            };
+            attnlab::model::hf::save_folder(&loaded.vs, &config, &out)?;
+            std::fs::write(out.join("tokenizer.json"), loaded.tok.inner.to_string(true).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?)?;
+            println!("wrote {} (step {}) to {}", run.display(), loaded.step, out.display());
         }
         Cmd::Data(DataCmd::Prepare { source, tokenizer, out, field, format, synthetic }) => {
             let tok = attnlab::data::Tok::load(&tokenizer_spec(&tokenizer))?;

@@ -126,3 +126,27 @@ fn data_prepare_and_bench_run_on_cpu() {
     let out = ok(&attnlab(&["bench", "--attention-only", "--steps", "1", "--set", "train.device=cpu", "--set", "train.batch_size=1"], cwd));
     assert_eq!(out.lines().count(), 6, "{out}");
 }
+
+/// A tiny Llama teacher trains on the built-in corpus and exports as a Hugging Face folder;
+/// a DAR run refuses to export (no HF architecture has its bottleneck).
+#[test]
+fn llama_teacher_trains_and_exports() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let run = cwd.join("llama");
+    let args = ["train", "--quiet", "--out", run.to_str().unwrap(), "--set", "model.flavor=llama-tiny", "--set", "attention={kind: vanilla}", "--set", "train.steps=20", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=200"];
+    let out = ok(&attnlab(&args, cwd));
+    assert!(out.contains("synthetic"), "{out}");
+    let l = losses(&run);
+    assert!(l[&20] < l[&10], "loss did not decrease: {l:?}");
+    ok(&attnlab(&["export", run.to_str().unwrap(), "--out", cwd.join("hf").to_str().unwrap()], cwd));
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("hf/config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "LlamaForCausalLM");
+    assert_eq!((cfg["num_key_value_heads"].as_u64(), cfg["tie_word_embeddings"].as_bool()), (Some(2), Some(true)));
+    assert!(cwd.join("hf/model.safetensors").is_file() && cwd.join("hf/tokenizer.json").is_file());
+    // DAR has no Hugging Face architecture.
+    let dar = cwd.join("dar");
+    ok(&attnlab(&["train", "--quiet", "--out", dar.to_str().unwrap(), "--set", "train.steps=2", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=50"], cwd));
+    let err = fails(&attnlab(&["export", dar.to_str().unwrap(), "--out", cwd.join("x").to_str().unwrap()], cwd));
+    assert!(err.contains("only vanilla"), "{err}");
+}

@@ -4,7 +4,7 @@
 //! as context. Convention B ("stream PPL", fast tracking only): documents joined with EOD, blocks of
 //! T+1 tokens with stride T. Token-level PPL, word-level PPL and bits/byte come from the same summed NLL.
 use super::super::data::{sources::Doc, Tok, EOD};
-use crate::model::GptNeox;
+use crate::model::Model;
 use crate::spec::{EvalProtocol, SourceSpec};
 use crate::Result;
 use rayon::prelude::*;
@@ -108,7 +108,7 @@ impl CorpusResult {
 }
 
 /// Sum of −log p(target) over the last `scored[i]` positions of each row of a right-padded batch.
-fn batch_nll(model: &GptNeox, inputs: &[Vec<i64>], targets: &[Vec<i64>], scored: &[usize], device: Device) -> f64 {
+fn batch_nll(model: &Model, inputs: &[Vec<i64>], targets: &[Vec<i64>], scored: &[usize], device: Device) -> f64 {
     let t = inputs.iter().map(Vec::len).max().unwrap_or(0);
     let pad = |rows: &[Vec<i64>]| -> Tensor {
         let flat: Vec<i64> = rows.iter().flat_map(|r| r.iter().copied().chain(std::iter::repeat(0).take(t - r.len()))).collect();
@@ -139,7 +139,7 @@ fn batch_nll(model: &GptNeox, inputs: &[Vec<i64>], targets: &[Vec<i64>], scored:
 
 /// Evaluate `corpus` with context length `t`, `batch` windows per forward, stopping after the
 /// document during which `max_tokens` scored tokens is reached.
-pub fn evaluate(model: &GptNeox, corpus: &EvalCorpus, t: usize, batch: usize, max_tokens: Option<usize>, protocol: EvalProtocol, device: Device) -> CorpusResult {
+pub fn evaluate(model: &Model, corpus: &EvalCorpus, t: usize, batch: usize, max_tokens: Option<usize>, protocol: EvalProtocol, device: Device) -> CorpusResult {
     let limit = max_tokens.unwrap_or(usize::MAX);
     let (mut docs, mut tokens, mut words, mut bytes, mut nll) = (0, 0, 0, 0, 0.0);
     let mut pending: (Vec<Vec<i64>>, Vec<Vec<i64>>, Vec<usize>) = Default::default();

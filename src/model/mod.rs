@@ -1,6 +1,67 @@
-//! Model architectures. `neox` is GPT-NeoX / Pythia (pythia.md) with the attention variants of
-//! `crate::attention`; parameter names are Hugging Face's.
+//! Model architectures, one file each, parameter names as Hugging Face checkpoints: `neox` (GPT-NeoX
+//! / Pythia with the vanilla, DAR and uniform attention of `crate::attention`) and `llama`.
+//! `Model` is what the trainer, evaluation and benches hold.
+pub mod hf;
+pub mod llama;
 pub mod neox;
 pub mod rope;
 
+pub use llama::{Llama, LlamaConfig};
 pub use neox::{GptNeox, NeoxConfig};
+
+use tch::Tensor;
+
+pub enum Model {
+    Neox(GptNeox),
+    Llama(Llama),
+}
+
+impl Model {
+    /// Final hidden states `[B, T, d]`.
+    pub fn hidden(&self, ids: &Tensor) -> Tensor {
+        match self {
+            Model::Neox(m) => m.hidden(ids),
+            Model::Llama(m) => m.hidden(ids),
+        }
+    }
+
+    /// The output projection `[V, d]`.
+    pub fn head_weight(&self) -> &Tensor {
+        match self {
+            Model::Neox(m) => m.head_weight(),
+            Model::Llama(m) => m.head_weight(),
+        }
+    }
+
+    pub fn logits(&self, hidden: &Tensor) -> Tensor {
+        hidden.matmul(&self.head_weight().tr())
+    }
+
+    pub fn forward(&self, ids: &Tensor) -> Tensor {
+        self.logits(&self.hidden(ids))
+    }
+
+    /// Mean next-token cross-entropy, never materialising `[B·T, V]` logits (neox::chunked_cross_entropy).
+    pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
+        let h = self.hidden(inputs).flatten(0, 1);
+        neox::chunked_cross_entropy(&h, self.head_weight(), &targets.reshape([-1]), neox::LOSS_CHUNK)
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.head_weight().size()[0] as usize
+    }
+
+    /// Training FLOPs per token for MFU (PaLM convention: 6·N_mm + 12·L·d·T).
+    pub fn flops_per_token(&self, seq_len: usize) -> f64 {
+        match self {
+            Model::Neox(m) => m.cfg.flops_per_token(seq_len),
+            Model::Llama(m) => {
+                let c = &m.cfg;
+                let (d, l, hd) = (c.hidden_size as f64, c.num_hidden_layers as f64, c.head_dim() as f64);
+                let attn = d * hd * (2.0 * c.num_attention_heads as f64 + 2.0 * c.num_key_value_heads as f64);
+                let n_mm = l * (attn + 3.0 * d * c.intermediate_size as f64) + c.vocab_size as f64 * d;
+                6.0 * n_mm + 12.0 * l * d * seq_len as f64
+            }
+        }
+    }
+}

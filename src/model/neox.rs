@@ -160,13 +160,13 @@ impl GptNeox {
         hidden.matmul(&self.embed_out.tr())
     }
 
-    /// Mean next-token cross-entropy of `targets` (`[B, T]`) given `inputs` (`[B, T]`).
-    pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
-        let h = self.hidden(inputs).flatten(0, 1);
-        chunked_cross_entropy(&h, &self.embed_out, &targets.reshape([-1]), LOSS_CHUNK)
+    /// The output projection `embed_out.weight` `[V, d]`.
+    pub fn head_weight(&self) -> &Tensor {
+        &self.embed_out
     }
 
-    /// The same loss through full `[B·T, V]` logits (the plain formulation, kept as the test oracle).
+    /// Next-token loss through full `[B·T, V]` logits (the plain formulation, kept as the test oracle;
+    /// training uses `Model::loss`, which never materialises them).
     pub fn loss_unchunked(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
         let logits = self.forward(inputs);
         logits.reshape([-1, self.cfg.vocab as i64]).cross_entropy_for_logits(&targets.reshape([-1]))
@@ -235,7 +235,7 @@ impl GptNeox {
 }
 
 /// Rows of the output projection materialised at once by the loss.
-const LOSS_CHUNK: i64 = 8192;
+pub const LOSS_CHUNK: i64 = 8192;
 
 /// Mean cross-entropy of `logits = h·wᵀ` against `targets` without ever holding all `[N, V]` logits:
 /// each chunk's loss and its exact gradients (dh = (softmax − onehot)·w / N, dw = (softmax − onehot)ᵀ·h / N)

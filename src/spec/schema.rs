@@ -41,6 +41,25 @@ pub enum Flavor {
     Pythia160m,
     #[serde(rename = "pythia-410m")]
     Pythia410m,
+    /// Llama architecture, tests and CPU teachers: 2 × 64, 4 heads, 2 KV heads, tied embeddings.
+    #[serde(rename = "llama-tiny")]
+    LlamaTiny,
+    /// Llama teacher for GPU runs: 8 × 384, 6 heads, 2 KV heads, SwiGLU 1024, tied (≈ 32M params with a 50k vocab).
+    #[serde(rename = "llama-30m")]
+    Llama30m,
+    /// Llama teacher for GPU runs: 12 × 768, 12 heads, 4 KV heads, SwiGLU 2048, tied (≈ 115M params with a 50k vocab).
+    #[serde(rename = "llama-120m")]
+    Llama120m,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// GPT-NeoX / Pythia (pythia.md).
+    #[default]
+    Neox,
+    /// Llama (RMSNorm, SwiGLU, full-head RoPE, grouped-query attention).
+    Llama,
 }
 
 impl Flavor {
@@ -52,7 +71,25 @@ impl Flavor {
             Flavor::Pythia70m => (6, 512, 8, 1e-3, 1e-4),
             Flavor::Pythia160m => (12, 768, 12, 6e-4, 6e-5),
             Flavor::Pythia410m => (24, 1024, 16, 3e-4, 3e-5),
+            Flavor::LlamaTiny => (2, 64, 4, 1e-3, 1e-4),
+            Flavor::Llama30m => (8, 384, 6, 1e-3, 1e-4),
+            Flavor::Llama120m => (12, 768, 12, 6e-4, 6e-5),
         }
+    }
+
+    /// (architecture, KV heads, MLP width) for the flavor.
+    pub fn arch(self) -> (Arch, Option<usize>, Option<usize>) {
+        match self {
+            Flavor::LlamaTiny => (Arch::Llama, Some(2), Some(176)),
+            Flavor::Llama30m => (Arch::Llama, Some(2), Some(1024)),
+            Flavor::Llama120m => (Arch::Llama, Some(4), Some(2048)),
+            _ => (Arch::Neox, None, None),
+        }
+    }
+
+    /// Small flavors default to short sequences and batches (CPU-sized).
+    fn is_tiny(self) -> bool {
+        matches!(self, Flavor::Tiny | Flavor::LlamaTiny)
     }
 }
 
@@ -71,6 +108,9 @@ pub enum Gelu {
 pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flavor: Option<Flavor>,
+    /// neox (default for pythia flavors and explicit shapes) or llama (default for llama flavors).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arch: Option<Arch>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -89,6 +129,12 @@ pub struct ModelSpec {
     pub rotary_base: Option<f64>,
     #[serde(default)]
     pub gelu: Gelu,
+    /// Llama: key/value heads (grouped-query attention; default = heads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_heads: Option<usize>,
+    /// Llama: tie lm_head to embed_tokens (default true for llama flavors).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tie_embeddings: Option<bool>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -354,7 +400,9 @@ impl Spec {
         let bad = |k: &str, m: String| Err((k.to_string(), m));
         let flavor = self.flavor_or_tiny();
         let (_, _, _, lr, min_lr) = flavor.shape();
-        let tiny = flavor == Flavor::Tiny;
+        let tiny = flavor.is_tiny();
+        let (flavor_arch, flavor_kv, flavor_ffn) = flavor.arch();
+        let arch = *self.model.arch.get_or_insert(flavor_arch);
         let shape = self.shape();
         for (k, v) in [("model.layers", shape.layers), ("model.d_model", shape.d_model), ("model.heads", shape.heads)] {
             if v == 0 {
@@ -367,11 +415,36 @@ impl Spec {
         self.model.layers = Some(shape.layers);
         self.model.d_model = Some(shape.d_model);
         self.model.heads = Some(shape.heads);
-        let ffn = *self.model.ffn.get_or_insert(4 * shape.d_model);
+        let ffn = *self.model.ffn.get_or_insert(flavor_ffn.filter(|_| arch == flavor_arch).unwrap_or(4 * shape.d_model));
         if ffn == 0 {
             return bad("model.ffn", "must be > 0".into());
         }
-        let pct = *self.model.rotary_pct.get_or_insert(0.25);
+        if arch == Arch::Llama {
+            let kv = *self.model.kv_heads.get_or_insert(flavor_kv.unwrap_or(shape.heads));
+            if kv == 0 || shape.heads % kv != 0 {
+                return bad("model.kv_heads", format!("{kv} must divide heads = {}", shape.heads));
+            }
+            self.model.tie_embeddings.get_or_insert(true);
+            if (shape.d_model / shape.heads) % 2 != 0 {
+                return bad("model.heads", "Llama RoPE needs an even head dimension".into());
+            }
+            if self.attention.kind != AttentionKind::Vanilla {
+                return bad("attention.kind", "arch llama supports vanilla attention here (DAR on Llama is a later issue)".into());
+            }
+            for (k, set) in [("model.rotary_pct", self.model.rotary_pct.is_some()), ("model.gelu", self.model.gelu != Gelu::Erf)] {
+                if set {
+                    return bad(k, "is a GPT-NeoX option; Llama rotates the whole head and uses SwiGLU".into());
+                }
+            }
+            self.model.rotary_base.get_or_insert(10000.0);
+        } else {
+            for (k, set) in [("model.kv_heads", self.model.kv_heads.is_some()), ("model.tie_embeddings", self.model.tie_embeddings.is_some())] {
+                if set {
+                    return bad(k, "is a Llama option (GPT-NeoX has full multi-head attention and an untied head)".into());
+                }
+            }
+        }
+        let pct = if arch == Arch::Llama { 1.0 } else { *self.model.rotary_pct.get_or_insert(0.25) };
         if !(0.0..=1.0).contains(&pct) {
             return bad("model.rotary_pct", format!("{pct} is not in [0, 1]"));
         }

@@ -7,7 +7,7 @@ pub mod run;
 
 use crate::data::{shards, Batcher, TokenStream};
 use crate::eval::perplexity::{self, CorpusResult, EvalCorpus};
-use crate::model::GptNeox;
+use crate::model::Model;
 use crate::spec::{Precision, Spec};
 use crate::{Error, IoContext, Result};
 use optim::{AdamW, Hyper};
@@ -60,7 +60,7 @@ pub fn load_eval_corpora(spec: &Spec, tok: &crate::data::Tok) -> Result<Vec<Eval
     spec.data.eval.iter().map(|(name, src)| EvalCorpus::load(name, src, tok)).collect()
 }
 
-pub fn evaluate_all(model: &GptNeox, corpora: &[EvalCorpus], spec: &Spec, device: Device) -> BTreeMap<String, CorpusResult> {
+pub fn evaluate_all(model: &Model, corpora: &[EvalCorpus], spec: &Spec, device: Device) -> BTreeMap<String, CorpusResult> {
     corpora
         .iter()
         .map(|c| {
@@ -83,7 +83,7 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
     let autocast = use_autocast(&spec, device)?;
     tch::manual_seed(spec.seed() as i64);
     let vs = VarStore::new(device);
-    let model = GptNeox::new(&vs.root(), run::model_config(&spec));
+    let model = run::build_model(&spec, &vs);
     let params = named_parameters(&vs);
     let [b1, b2] = spec.train.betas.expect("resolved");
     let hyper = Hyper { betas: (b1, b2), eps: spec.train.eps.expect("resolved"), weight_decay: spec.train.weight_decay.expect("resolved") };
@@ -168,7 +168,7 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
 /// One optimizer step over the given micro-batches: forward/backward each (loss scaled by 1/n),
 /// clip, AdamW. Returns (mean loss, pre-clip grad norm) as device scalars: nothing waits for the GPU.
 pub fn step_once(
-    model: &GptNeox,
+    model: &Model,
     opt: &mut AdamW,
     micro_batches: impl ExactSizeIterator<Item = Result<(Tensor, Tensor)>>,
     autocast: bool,

@@ -2,8 +2,8 @@
 use super::checkpoint;
 use crate::data::Tok;
 use crate::eval::perplexity::CorpusResult;
-use crate::model::{GptNeox, NeoxConfig};
-use crate::spec::Spec;
+use crate::model::{GptNeox, LlamaConfig, Model, NeoxConfig};
+use crate::spec::{Arch, Spec};
 use crate::{Error, IoContext, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -23,6 +23,32 @@ pub fn model_config(spec: &Spec) -> NeoxConfig {
     NeoxConfig::from_spec(spec, spec.model.vocab.expect("vocab resolved"))
 }
 
+/// The Llama config a resolved spec describes.
+pub fn llama_config(spec: &Spec) -> LlamaConfig {
+    let s = spec.shape();
+    LlamaConfig {
+        vocab_size: spec.model.vocab.expect("vocab resolved"),
+        hidden_size: s.d_model,
+        intermediate_size: spec.model.ffn.expect("resolved"),
+        num_hidden_layers: s.layers,
+        num_attention_heads: s.heads,
+        num_key_value_heads: spec.model.kv_heads.unwrap_or(s.heads),
+        rms_norm_eps: 1e-5,
+        rope_theta: spec.model.rotary_base.unwrap_or(10000.0),
+        rope_scaling: crate::model::llama::RopeScaling::Default,
+        tie_word_embeddings: spec.model.tie_embeddings.unwrap_or(true),
+        max_position_embeddings: spec.seq_len(),
+    }
+}
+
+/// Build the model a resolved spec describes under `vs` (parameters initialised as the architecture's recipe).
+pub fn build_model(spec: &Spec, vs: &VarStore) -> Model {
+    match spec.model.arch.unwrap_or_default() {
+        Arch::Neox => Model::Neox(GptNeox::new(&vs.root(), model_config(spec))),
+        Arch::Llama => Model::Llama(crate::model::Llama::new(&vs.root(), llama_config(spec))),
+    }
+}
+
 impl RunDir {
     /// Create the run directory for `spec` (or reopen it): writes config.yaml on first use and
     /// refuses a directory whose recorded config differs.
@@ -32,9 +58,17 @@ impl RunDir {
         let cfg = path.join("config.yaml");
         let yaml = spec.to_yaml();
         if cfg.is_file() {
-            let old = std::fs::read_to_string(&cfg).at(&cfg)?;
-            if old != yaml {
-                let diff = first_difference(&old, &yaml);
+            // Compare meaning, not text: an older config without a key added since resolves to the
+            // same spec. The device may differ (a run may resume on another GPU or on the CPU).
+            let old_text = std::fs::read_to_string(&cfg).at(&cfg)?;
+            let old = crate::spec::from_str(&old_text, &cfg.display().to_string(), &[])?;
+            let same_device = |s: &Spec| {
+                let mut s = s.clone();
+                s.train.device = None;
+                s
+            };
+            if same_device(&old) != same_device(spec) {
+                let diff = first_difference(&old.to_yaml(), &yaml);
                 return Err(Error::Run { dir: path, msg: format!("holds a run with a different config ({diff}); choose another output directory") });
             }
         } else {
@@ -79,7 +113,7 @@ pub struct Loaded {
     pub spec: Spec,
     pub tok: Tok,
     pub vs: VarStore,
-    pub model: GptNeox,
+    pub model: Model,
     pub step: u64,
     pub device: tch::Device,
 }
@@ -97,7 +131,7 @@ pub fn load(run: &Path, step: Option<u64>, device: Option<&str>) -> Result<Loade
         None => ckpts.into_iter().last().ok_or_else(|| Error::Run { dir: run.into(), msg: "has no complete checkpoint".into() })?,
     };
     let vs = VarStore::new(device);
-    let model = GptNeox::new(&vs.root(), model_config(&spec));
+    let model = build_model(&spec, &vs);
     checkpoint::load_weights(&vs, &dir.join("model.safetensors"))?;
     Ok(Loaded { spec, tok, vs, model, step, device })
 }

@@ -1,0 +1,169 @@
+//! LoLCATs attention, STILL's baseline (`../shared/specs/still.md` §7): the terrace window of
+//! still.md §3 (chunk c−1 plus chunk c causally, chunks of `window` = 64 tokens) in softmax, Hedgehog
+//! linear attention over everything older, and a per-head factor γ_h = σ(θ_h) on the softmax terms:
+//!
+//! y_t = (γ_h Σ_Win e^{s_tj−m_t} v_j + φ_q(q_t)ᵀS) / (γ_h Σ_Win e^{s_tj−m_t} + φ_q(q_t)·z),
+//!
+//! m_t over Win only and not compensated in the linear terms, no epsilon, no gate (LoLCATs Eq. 7).
+//! This is STILL's operator with κ = 0, the Hedgehog map, no gate and the γ factor: the fast path
+//! and the decode cache are `still.rs`'s; [`Lolcats::reference`] is written separately here.
+//!
+//! Parameters (relative to the layer's path, e.g. `model.layers.N.self_attn.`):
+//! `feature_map_q.mlp.layer` and `feature_map_k.mlp.layer` `[H, D, F]` (untied; F = 64, so φ has 128
+//! features), `window_factors` `[1, H, 1, 1]` (θ, initialised to −2.1972245773362196, γ = 0.1).
+//!
+//! The reference's decode uses a plain sliding window of 64 tokens, folding one token per step, which
+//! differs from its prefill; our default is the terrace in decode too (`decode_window: sliding` is the
+//! compat switch, §7).
+use super::feature_maps::{FeatureMap, ParamInit};
+use super::still::{compute_kind, dims4, Hybrid, HybridCache, Selection};
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use tch::{nn, Device, Kind, Tensor};
+
+/// θ at init: σ(θ) = 0.1.
+pub const WINDOW_FACTOR_INIT: f64 = -2.1972245773362196;
+
+/// LoLCATs options.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LolcatsConfig {
+    /// Terrace chunk size w (64).
+    #[serde(default = "default_window")]
+    pub window: i64,
+    /// F of the Hedgehog map (64; φ has 2F features).
+    #[serde(default = "default_feature_dim")]
+    pub feature_dim: i64,
+    /// W_h init; LoLCATs converts after loading, so its kaiming-uniform constructor init stands.
+    #[serde(default = "constructor")]
+    pub init: ParamInit,
+    #[serde(default)]
+    pub decode_window: DecodeWindow,
+}
+
+/// The decode-time window (§7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DecodeWindow {
+    /// The same terrace as prefill: decode equals prefill.
+    #[default]
+    Terrace,
+    /// The reference decode: the `window` most recent tokens (the current one included); older tokens
+    /// are folded into the state one at a time.
+    #[serde(alias = "sliding64")]
+    Sliding,
+}
+
+fn default_window() -> i64 {
+    64
+}
+fn default_feature_dim() -> i64 {
+    64
+}
+fn constructor() -> ParamInit {
+    ParamInit::Constructor
+}
+
+impl Default for LolcatsConfig {
+    fn default() -> Self {
+        serde_yaml::from_str("{}").expect("defaults")
+    }
+}
+
+/// LoLCATs' attention parameters for one layer.
+#[derive(Debug)]
+pub struct Lolcats {
+    pub cfg: LolcatsConfig,
+    pub heads: i64,
+    pub head_dim: i64,
+    pub feature_map_q: FeatureMap,
+    pub feature_map_k: FeatureMap,
+    /// θ `[1, H, 1, 1]`; γ = σ(θ).
+    pub window_factors: Tensor,
+}
+
+impl Lolcats {
+    pub fn new(p: &nn::Path, cfg: &LolcatsConfig, heads: i64, head_dim: i64) -> Result<Self> {
+        if cfg.window < 1 || cfg.feature_dim < 1 {
+            return Err(Error::Other(format!("attention: window ({}) and feature_dim ({}) must be ≥ 1", cfg.window, cfg.feature_dim)));
+        }
+        let map = |name: &str| FeatureMap::hedgehog(&(p / name), heads, head_dim, cfg.feature_dim, cfg.init);
+        let window_factors = p.var("window_factors", &[1, heads, 1, 1], nn::Init::Const(WINDOW_FACTOR_INIT));
+        Ok(Lolcats { cfg: cfg.clone(), heads, head_dim, feature_map_q: map("feature_map_q"), feature_map_k: map("feature_map_k"), window_factors })
+    }
+
+    /// γ_h = σ(θ_h) `[H]`.
+    pub fn gamma(&self) -> Tensor {
+        self.window_factors.sigmoid().flatten(0, -1)
+    }
+
+    fn hybrid(&self) -> Hybrid<'_> {
+        Hybrid {
+            chunk: self.cfg.window,
+            fq: &self.feature_map_q,
+            fk: &self.feature_map_k,
+            selection: Selection::NONE,
+            scorer: None,
+            gamma: Some(self.gamma()),
+            eps: 0.0,
+            phantom_chunk0_keys: false,
+            sliding_decode: self.cfg.decode_window == DecodeWindow::Sliding,
+        }
+    }
+
+    /// Prefill / training output `[B, H, T, hd]` of q, k, v `[B, H, T, hd]`.
+    pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+        self.hybrid().prefill(q, k, v, None, false).0
+    }
+
+    /// [`Lolcats::forward`] plus the decode cache after the last token.
+    pub fn prefill(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> (Tensor, HybridCache) {
+        let (y, cache) = self.hybrid().prefill(q, k, v, None, true);
+        (y, cache.expect("cache requested"))
+    }
+
+    pub fn new_cache(&self, batch: i64, kind: Kind, device: Device) -> HybridCache {
+        HybridCache::empty(batch, self.heads, self.head_dim, self.feature_map_k.dim(), kind, device)
+    }
+
+    /// Decode one token (`[B, H, 1, hd]` each); returns `[B, H, 1, hd]`.
+    pub fn step(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+        self.hybrid().step(cache, q, k, v, None)
+    }
+
+    /// Explicit reference: dense masks of the terrace window, Eq. 7 with γ.
+    pub fn reference(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+        self.dense(q, k, v, DecodeWindow::Terrace)
+    }
+
+    /// Dense Eq. 7 with either window rule; `Sliding` is what the reference's decode computes.
+    fn dense(&self, q: &Tensor, k: &Tensor, v: &Tensor, rule: DecodeWindow) -> Tensor {
+        let (_, _, t, d) = dims4(q);
+        let w = self.cfg.window;
+        let kind = compute_kind(q);
+        let (qf, kf, vf) = (q.to_kind(kind), k.to_kind(kind), v.to_kind(kind));
+        let mut win = vec![false; (t * t) as usize];
+        let mut lin = vec![false; (t * t) as usize];
+        for i in 0..t {
+            for j in 0..=i {
+                let in_window = match rule {
+                    DecodeWindow::Terrace => j / w + 1 >= i / w,
+                    DecodeWindow::Sliding => i - j < w,
+                };
+                win[(i * t + j) as usize] = in_window;
+                lin[(i * t + j) as usize] = !in_window;
+            }
+        }
+        let mask = |m: &[bool]| Tensor::from_slice(m).view([t, t]).to_device(q.device());
+        let (win, lin) = (mask(&win), mask(&lin));
+        let s = (qf.matmul(&kf.transpose(-2, -1)) / (d as f64).sqrt()).masked_fill(&win.logical_not(), f64::NEG_INFINITY);
+        let gamma = self.gamma().to_kind(kind).view([1, self.heads, 1, 1]);
+        let a_sm = (&s - s.amax(-1, true)).exp() * gamma;
+        let a_lin = self.feature_map_q.forward(&qf).matmul(&self.feature_map_k.forward(&kf).transpose(-2, -1)).masked_fill(&lin.logical_not(), 0.0);
+        let a = a_sm + a_lin;
+        (a.matmul(&vf) / a.sum_dim_intlist(-1, true, kind)).to_kind(q.kind())
+    }
+}
+
+#[cfg(test)]
+mod tests {}

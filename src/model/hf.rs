@@ -1,0 +1,115 @@
+//! Hugging Face checkpoint folders: `config.json` + `model.safetensors`, or a sharded
+//! `model.safetensors.index.json`; from a local directory or a hub repo id.
+use super::{Llama, LlamaConfig};
+use crate::{Error, IoContext, Result};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use tch::{nn::VarStore, Tensor};
+
+/// The safetensors files of a checkpoint folder (one file, or the shards its index names).
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&index).map_err(|_| Error::Data(format!("{}: neither model.safetensors nor model.safetensors.index.json", dir.display())))?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let map = v["weight_map"].as_object().ok_or_else(|| Error::Data(format!("{}: no weight_map", index.display())))?;
+    let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
+    files.sort();
+    files.dedup();
+    Ok(files)
+}
+
+/// All tensors of a checkpoint folder by name.
+pub fn read_weights(dir: &Path) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    for f in weight_files(dir)? {
+        for (name, t) in Tensor::read_safetensors(&f).map_err(|e| Error::Data(format!("{}: {e}", f.display())))? {
+            out.insert(name, t);
+        }
+    }
+    Ok(out)
+}
+
+/// A local folder as is, or `hf:owner/name` fetched through the hub (config, index, shards, tokenizer).
+pub fn resolve(source: &str) -> Result<PathBuf> {
+    let Some(repo) = source.strip_prefix("hf:") else { return Ok(PathBuf::from(source)) };
+    let config = crate::hub::model_file(repo, "config.json")?;
+    let dir = config.parent().expect("file has a folder").to_path_buf();
+    if crate::hub::model_file(repo, "model.safetensors").is_err() {
+        let index = crate::hub::model_file(repo, "model.safetensors.index.json")?;
+        for f in weight_files(index.parent().expect("folder"))? {
+            crate::hub::model_file(repo, &f.file_name().expect("file").to_string_lossy())?;
+        }
+    }
+    let _ = crate::hub::model_file(repo, "tokenizer.json");
+    Ok(dir)
+}
+
+/// Load a Llama checkpoint folder into a new model on `device`.
+pub fn load_llama(dir: &Path, device: tch::Device) -> Result<(VarStore, Llama)> {
+    let cp = dir.join("config.json");
+    let cfg = LlamaConfig::from_hf_json(&std::fs::read_to_string(&cp).at(&cp)?)?;
+    let vs = VarStore::new(device);
+    let model = Llama::new(&vs.root(), cfg);
+    copy_into(&vs, read_weights(dir)?, dir)?;
+    Ok((vs, model))
+}
+
+/// Copy named tensors into `vs`: every variable must be present with its shape; a tied `lm_head`
+/// may be absent or present (then equal to the embedding); other extras are errors.
+pub fn copy_into(vs: &VarStore, mut tensors: HashMap<String, Tensor>, origin: &Path) -> Result<()> {
+    let vars = vs.variables();
+    if !vars.contains_key("lm_head.weight") {
+        tensors.remove("lm_head.weight");
+    }
+    tensors.retain(|n, _| !n.ends_with("rotary_emb.inv_freq"));
+    let mut missing: Vec<&String> = vars.keys().filter(|k| !tensors.contains_key(*k)).collect();
+    let mut extra: Vec<&String> = tensors.keys().filter(|k| !vars.contains_key(*k)).collect();
+    missing.sort();
+    extra.sort();
+    if !missing.is_empty() || !extra.is_empty() {
+        return Err(Error::Data(format!("{}: missing {missing:?}, unexpected {extra:?}", origin.display())));
+    }
+    tch::no_grad(|| {
+        for (name, var) in &vars {
+            let src = &tensors[name];
+            if src.size() != var.size() {
+                return Err(Error::Data(format!("{}: {name} has shape {:?}, model wants {:?}", origin.display(), src.size(), var.size())));
+            }
+            var.shallow_clone().copy_(src);
+        }
+        Ok(())
+    })
+}
+
+/// Write a Llama model as a Hugging Face folder: config.json + model.safetensors (fp32).
+pub fn save_llama(vs: &VarStore, cfg: &LlamaConfig, dir: &Path) -> Result<()> {
+    save_folder(vs, &cfg.to_hf_json(), dir)
+}
+
+/// Hugging Face `config.json` of a vanilla GPT-NeoX model (GPTNeoXForCausalLM).
+pub fn neox_config_json(c: &super::NeoxConfig, max_positions: usize) -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",
+        "vocab_size": c.vocab, "hidden_size": c.d_model, "num_hidden_layers": c.layers,
+        "num_attention_heads": c.heads, "intermediate_size": c.ffn, "rotary_pct": c.rotary_pct,
+        "rotary_emb_base": c.rotary_base, "layer_norm_eps": c.ln_eps, "use_parallel_residual": true,
+        "hidden_act": if c.gelu == crate::spec::Gelu::Erf { "gelu" } else { "gelu_new" },
+        "tie_word_embeddings": false, "max_position_embeddings": max_positions,
+        "bos_token_id": 0, "eos_token_id": 0, "attention_bias": true, "torch_dtype": "float32"
+    })
+}
+
+/// Write `vs` as a Hugging Face folder with the given config.json (fp32 safetensors).
+pub fn save_folder(vs: &VarStore, config: &serde_json::Value, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).at(dir)?;
+    let cp = dir.join("config.json");
+    std::fs::write(&cp, serde_json::to_string_pretty(config)?).at(&cp)?;
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    Tensor::write_safetensors(&vars, dir.join("model.safetensors"))?;
+    Ok(())
+}

@@ -1,0 +1,237 @@
+//! Llama (Llama-2/3.x, and the small teachers attnlab trains): RMSNorm, SwiGLU MLP, RoPE over the
+//! whole head with the `rope_scaling` variants of Llama-3.x configs, grouped-query attention, tied
+//! or untied embeddings. Parameter names are Hugging Face's (`model.layers.N.self_attn.q_proj.weight`,
+//! …, `lm_head.weight`), so checkpoints load as they are.
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use tch::nn::{self, Init, Module};
+use tch::{Device, Kind, Tensor};
+
+/// RoPE frequency scaling (HF `rope_scaling` / `rope_parameters`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// No scaling.
+    Default,
+    /// Positions divided by `factor` (all frequencies / factor).
+    Linear { factor: f64 },
+    /// Llama 3.1: low frequencies / factor, high ones kept, a smooth ramp between.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub tie_word_embeddings: bool,
+    pub max_position_embeddings: usize,
+}
+
+impl LlamaConfig {
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads
+    }
+
+    /// Read a Hugging Face `config.json` (`rope_scaling` of transformers 4, or `rope_parameters` of 5).
+    pub fn from_hf_json(text: &str) -> Result<LlamaConfig> {
+        let v: serde_json::Value = serde_json::from_str(text)?;
+        let get = |k: &str| v.get(k).filter(|x| !x.is_null());
+        let num = |k: &str| get(k).and_then(|x| x.as_f64()).ok_or_else(|| Error::Data(format!("config.json: missing number `{k}`")));
+        let heads = num("num_attention_heads")? as usize;
+        let scaling = get("rope_scaling").or_else(|| get("rope_parameters"));
+        let theta = scaling.and_then(|s| s.get("rope_theta")).and_then(|x| x.as_f64()).or_else(|| get("rope_theta").and_then(|x| x.as_f64())).unwrap_or(10000.0);
+        let rope_scaling = match scaling {
+            None => RopeScaling::Default,
+            Some(s) => {
+                let mut s = s.clone();
+                let obj = s.as_object_mut().ok_or_else(|| Error::Data("config.json: rope_scaling is not an object".into()))?;
+                // transformers 4 used `type`, 5 uses `rope_type`; drop keys our enum does not model.
+                if let Some(t) = obj.remove("type") {
+                    obj.entry("rope_type").or_insert(t);
+                }
+                obj.remove("rope_theta");
+                obj.remove("partial_rotary_factor");
+                serde_json::from_value(s).map_err(|e| Error::Data(format!("config.json: unsupported rope scaling: {e}")))?
+            }
+        };
+        if let Some(hd) = get("head_dim").and_then(|x| x.as_u64()) {
+            if hd as usize * heads != num("hidden_size")? as usize {
+                return Err(Error::Data("config.json: head_dim × heads ≠ hidden_size is not supported".into()));
+            }
+        }
+        Ok(LlamaConfig {
+            vocab_size: num("vocab_size")? as usize,
+            hidden_size: num("hidden_size")? as usize,
+            intermediate_size: num("intermediate_size")? as usize,
+            num_hidden_layers: num("num_hidden_layers")? as usize,
+            num_attention_heads: heads,
+            num_key_value_heads: get("num_key_value_heads").and_then(|x| x.as_u64()).map_or(heads, |x| x as usize),
+            rms_norm_eps: get("rms_norm_eps").and_then(|x| x.as_f64()).unwrap_or(1e-6),
+            rope_theta: theta,
+            rope_scaling,
+            tie_word_embeddings: get("tie_word_embeddings").and_then(|x| x.as_bool()).unwrap_or(false),
+            max_position_embeddings: get("max_position_embeddings").and_then(|x| x.as_u64()).unwrap_or(2048) as usize,
+        })
+    }
+
+    /// A Hugging Face `config.json` for this model (architectures LlamaForCausalLM).
+    pub fn to_hf_json(&self) -> serde_json::Value {
+        let scaling = match &self.rope_scaling {
+            RopeScaling::Default => serde_json::Value::Null,
+            s => serde_json::to_value(s).expect("serializes"),
+        };
+        serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim(), "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": scaling, "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+            "attention_bias": false, "mlp_bias": false, "bos_token_id": serde_json::Value::Null, "torch_dtype": "float32"
+        })
+    }
+
+    /// Inverse frequencies `[hd/2]` (fp32) after scaling (HF `modeling_rope_utils`).
+    pub fn inv_freq(&self, device: Device) -> Tensor {
+        let hd = self.head_dim() as i64;
+        let k = Tensor::arange_start_step(0, hd, 2, (Kind::Float, device));
+        let inv = (k * (-self.rope_theta.ln() / hd as f64)).exp();
+        match &self.rope_scaling {
+            RopeScaling::Default => inv,
+            RopeScaling::Linear { factor } => inv / *factor,
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old } => {
+                let (low_wl, high_wl) = (old / low_freq_factor, old / high_freq_factor);
+                let wavelen = (inv.reciprocal() * (2.0 * std::f64::consts::PI)).to_kind(Kind::Float);
+                // Long wavelengths (low frequencies) are slowed by `factor`; short ones kept.
+                let scaled = inv.where_self(&wavelen.le(low_wl), &(&inv / *factor));
+                let smooth = (wavelen.reciprocal() * *old - *low_freq_factor) / (high_freq_factor - low_freq_factor);
+                let smoothed: Tensor = (smooth.ones_like() - &smooth) * &scaled / *factor + &smooth * &scaled;
+                let medium = wavelen.ge(high_wl).logical_and(&wavelen.le(low_wl));
+                smoothed.where_self(&medium, &scaled)
+            }
+        }
+    }
+}
+
+struct Block {
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    q_proj: nn::Linear,
+    k_proj: nn::Linear,
+    v_proj: nn::Linear,
+    o_proj: nn::Linear,
+    gate_proj: nn::Linear,
+    up_proj: nn::Linear,
+    down_proj: nn::Linear,
+}
+
+pub struct Llama {
+    pub cfg: LlamaConfig,
+    embed_tokens: Tensor,
+    layers: Vec<Block>,
+    norm: Tensor,
+    /// None when tied to embed_tokens.
+    lm_head: Option<Tensor>,
+}
+
+fn linear(p: nn::Path, i: usize, o: usize) -> nn::Linear {
+    nn::linear(p, i as i64, o as i64, nn::LinearConfig { ws_init: Init::Randn { mean: 0.0, stdev: 0.02 }, bs_init: None, bias: false })
+}
+
+/// HF LlamaRMSNorm: statistics in fp32, weight applied after casting back to the input dtype.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    let xf = x.to_kind(Kind::Float);
+    let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    w * (xf * (var + eps).rsqrt()).to_kind(x.kind())
+}
+
+fn rotate_half(x: &Tensor) -> Tensor {
+    let h = x.size()[3] / 2;
+    Tensor::cat(&[x.narrow(3, h, h).neg(), x.narrow(3, 0, h)], 3)
+}
+
+impl Llama {
+    /// Build under `root` with HF's init (N(0, 0.02) matrices, unit norms).
+    pub fn new(root: &nn::Path, cfg: LlamaConfig) -> Llama {
+        let (d, hd) = (cfg.hidden_size, cfg.head_dim());
+        let m = root / "model";
+        let init = Init::Randn { mean: 0.0, stdev: 0.02 };
+        let embed_tokens = (&m / "embed_tokens").var("weight", &[cfg.vocab_size as i64, d as i64], init);
+        let ones = |p: nn::Path| p.var("weight", &[d as i64], Init::Const(1.0));
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let l = &m / "layers" / i;
+                let (a, f) = (&l / "self_attn", &l / "mlp");
+                Block {
+                    input_layernorm: ones(&l / "input_layernorm"),
+                    post_attention_layernorm: ones(&l / "post_attention_layernorm"),
+                    q_proj: linear(&a / "q_proj", d, cfg.num_attention_heads * hd),
+                    k_proj: linear(&a / "k_proj", d, cfg.num_key_value_heads * hd),
+                    v_proj: linear(&a / "v_proj", d, cfg.num_key_value_heads * hd),
+                    o_proj: linear(&a / "o_proj", cfg.num_attention_heads * hd, d),
+                    gate_proj: linear(&f / "gate_proj", d, cfg.intermediate_size),
+                    up_proj: linear(&f / "up_proj", d, cfg.intermediate_size),
+                    down_proj: linear(&f / "down_proj", cfg.intermediate_size, d),
+                }
+            })
+            .collect();
+        let norm = ones(&m / "norm");
+        let lm_head = (!cfg.tie_word_embeddings).then(|| (root / "lm_head").var("weight", &[cfg.vocab_size as i64, d as i64], init));
+        Llama { cfg, embed_tokens, layers, norm, lm_head }
+    }
+
+    /// The output projection `[V, d]` (the embedding when tied).
+    pub fn head_weight(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// (cos, sin) `[T, hd]` fp32 for positions 0..t (HF: cat(freqs, freqs)).
+    fn rope(&self, t: i64, device: Device) -> (Tensor, Tensor) {
+        let pos = Tensor::arange(t, (Kind::Float, device));
+        let freqs = pos.unsqueeze(1) * self.cfg.inv_freq(device).unsqueeze(0);
+        let emb = Tensor::cat(&[&freqs, &freqs], 1);
+        (emb.cos(), emb.sin())
+    }
+
+    /// Final hidden states `[B, T, d]` (after the last RMSNorm).
+    pub fn hidden(&self, ids: &Tensor) -> Tensor {
+        let t = ids.size()[1];
+        let (cos, sin) = self.rope(t, ids.device());
+        let mut x = Tensor::embedding(&self.embed_tokens, ids, -1, false, false);
+        for b in &self.layers {
+            let h = &x + self.attention(b, &rms_norm(&x, &b.input_layernorm, self.cfg.rms_norm_eps), &cos, &sin);
+            let m = rms_norm(&h, &b.post_attention_layernorm, self.cfg.rms_norm_eps);
+            x = &h + b.down_proj.forward(&(b.gate_proj.forward(&m).silu() * b.up_proj.forward(&m)));
+        }
+        rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
+    }
+
+    fn attention(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let (bs, t) = (a.size()[0], a.size()[1]);
+        let (h, kvh, hd) = (self.cfg.num_attention_heads as i64, self.cfg.num_key_value_heads as i64, self.cfg.head_dim() as i64);
+        let heads = |x: Tensor, n: i64| x.view([bs, t, n, hd]).transpose(1, 2);
+        let (q, k, v) = (heads(b.q_proj.forward(a), h), heads(b.k_proj.forward(a), kvh), heads(b.v_proj.forward(a), kvh));
+        // RoPE tables in fp32, applied in the activation dtype (HF casts cos/sin to q's dtype).
+        let (c, s) = (cos.to_kind(q.kind()), sin.to_kind(q.kind()));
+        let q = &q * &c + rotate_half(&q) * &s;
+        let k = &k * &c + rotate_half(&k) * &s;
+        // Grouped-query attention: each KV head serves h / kvh consecutive query heads (HF repeat_kv).
+        let (k, v) = if kvh == h { (k, v) } else { (k.repeat_interleave_self_int(h / kvh, 1, None), v.repeat_interleave_self_int(h / kvh, 1, None)) };
+        let o = crate::attention::causal(&q, &k, &v, crate::spec::AttentionImpl::Auto);
+        b.o_proj.forward(&o.transpose(1, 2).reshape([bs, t, h * hd]))
+    }
+
+    pub fn logits(&self, hidden: &Tensor) -> Tensor {
+        hidden.matmul(&self.head_weight().tr())
+    }
+}
+
+#[cfg(test)]
+mod tests;
