@@ -81,6 +81,41 @@ enum Cmd {
         #[arg(long)]
         step: Option<u64>,
     },
+    /// Continue a prompt with a trained run (KV cache per variant: DAR keeps d_down-wide latents for distant tokens).
+    Generate {
+        run: PathBuf,
+        /// Prompt text (or --prompt-file).
+        #[arg(long, conflicts_with = "prompt_file")]
+        prompt: Option<String>,
+        #[arg(long)]
+        prompt_file: Option<PathBuf>,
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: usize,
+        /// 0 = greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        step: Option<u64>,
+        #[arg(long)]
+        device: Option<String>,
+    },
+    /// Decode benchmark: cache bytes per token, prefill time and decode tokens/s for vanilla, DAR and
+    /// uniform at the spec's size, for several context lengths (random weights and tokens).
+    BenchDecode {
+        #[command(flatten)]
+        spec: SpecArgs,
+        /// Context lengths, comma-separated.
+        #[arg(long, default_value = "1024,2048,4096", value_delimiter = ',')]
+        lengths: Vec<i64>,
+        #[arg(long, default_value_t = 32)]
+        new_tokens: usize,
+        #[arg(long, default_value_t = 50304)]
+        vocab: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Data tools.
     #[command(subcommand)]
     Data(DataCmd),
@@ -274,6 +309,51 @@ fn run(cli: Cli) -> Result<()> {
             let logits = tch::no_grad(|| loaded.model.forward(&x)).squeeze_dim(0).to_kind(tch::Kind::Float).to_device(tch::Device::Cpu);
             tch::Tensor::write_safetensors(&[("logits", &logits)], &out)?;
             println!("wrote logits {:?} to {}", logits.size(), out.display());
+        }
+        Cmd::Generate { run, prompt, prompt_file, max_new_tokens, temperature, seed, step, device } => {
+            let loaded = train::run::load(&run, step, device.as_deref())?;
+            let text = match (prompt, prompt_file) {
+                (Some(p), _) => p,
+                (None, Some(f)) => std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?,
+                (None, None) => bail!("give --prompt TEXT or --prompt-file FILE"),
+            };
+            let ids = loaded.tok.encode(&text)?;
+            if ids.is_empty() {
+                bail!("the prompt encodes to no tokens");
+            }
+            let sampling = attnlab::eval::generate::Sampling { temperature, seed };
+            let g = attnlab::eval::generate::generate(&loaded.model, &ids, max_new_tokens, sampling, Some(attnlab::data::EOD), loaded.device);
+            println!("{}{}", text, loaded.tok.decode(&g.tokens)?);
+            eprintln!(
+                "{} prompt + {} new tokens; prefill {:.3}s, decode {:.1} tokens/s, cache {} bytes",
+                g.prompt_tokens, g.tokens.len(), g.prefill_s, g.decode_tokens_per_s, g.cache_bytes
+            );
+        }
+        Cmd::BenchDecode { spec, lengths, new_tokens, vocab, json } => {
+            let base = load_spec(&spec)?;
+            let device = attnlab::device::parse_device(base.train.device.as_deref().unwrap_or("auto"))?;
+            for kind in [AttentionKind::Vanilla, AttentionKind::Dar, AttentionKind::Uniform] {
+                let mut s = base.with_attention(kind).map_err(|(k, m)| anyhow::anyhow!("{k}: {m}"))?;
+                s.model.vocab.get_or_insert(vocab);
+                let vs = tch::nn::VarStore::new(device);
+                let mut vs = vs;
+                let model = train::run::build_model(&s, &vs);
+                if device.is_cuda() {
+                    vs.bfloat16();
+                }
+                let name = format!("{kind:?}").to_lowercase();
+                for &t in &lengths {
+                    let r = attnlab::eval::generate::decode_bench(&model, &name, t, new_tokens, device);
+                    if json {
+                        println!("{}", serde_json::to_string(&r)?);
+                    } else {
+                        println!(
+                            "{:8} context {:6}: cache {:>12} bytes ({:8.1} B/token), prefill {:7.3}s, decode {:8.1} tokens/s",
+                            r.attention, r.context, r.cache_bytes, r.cache_bytes_per_token, r.prefill_s, r.decode_tokens_per_s
+                        );
+                    }
+                }
+            }
         }
         Cmd::Export { run, out, step } => {
             let loaded = train::run::load(&run, step, Some("cpu"))?;

@@ -68,6 +68,9 @@ fn interrupted_and_resumed_run_matches_uninterrupted_bit_for_bit() {
     assert!(out.contains("[5, 384]"), "{out}");
     let out = ok(&attnlab(&["eval", a.to_str().unwrap(), "--step", "16"], cwd));
     assert!(out.contains("step 16") && out.contains("synthetic"), "{out}");
+    let out = attnlab(&["generate", a.to_str().unwrap(), "--prompt", "mira lives in oslo . question :", "--max-new-tokens", "5"], cwd);
+    assert!(ok(&out).starts_with("mira lives in oslo . question :"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("decode"), "generation stats missing");
     std::fs::write(&toks, "3 x").unwrap();
     let err = fails(&attnlab(&["forward", a.to_str().unwrap(), "--tokens", toks.to_str().unwrap(), "--out", "l2.safetensors"], cwd));
     assert!(err.contains("token 2"), "{err}");
@@ -125,6 +128,13 @@ fn data_prepare_and_bench_run_on_cpu() {
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0 && v["micro_batch"] == 16);
     let out = ok(&attnlab(&["bench", "--attention-only", "--steps", "1", "--set", "train.device=cpu", "--set", "train.batch_size=1"], cwd));
     assert_eq!(out.lines().count(), 6, "{out}");
+    // Decode cache sizes follow dar.md §3: DAR ≈ (d_down + 2·d·w/T)/(2·d) of vanilla per token.
+    let out = ok(&attnlab(&["bench-decode", "--json", "--lengths", "256", "--new-tokens", "2", "--vocab", "384", "--set", "train.device=cpu"], cwd));
+    let rows: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let bytes = |k: &str| rows.iter().find(|r| r["attention"] == k).unwrap()["cache_bytes"].as_f64().unwrap();
+    let (d, d_down, w, t) = (64.0, 16.0, 16.0, 258.0); // 256 prompt + 2 generated tokens cached
+    let predicted = (d_down * t + 2.0 * d * w) / (2.0 * d * t);
+    assert!((bytes("dar") / bytes("vanilla") - predicted).abs() < 1e-6, "{} vs {predicted}", bytes("dar") / bytes("vanilla"));
 }
 
 /// A tiny Llama teacher trains on the built-in corpus and exports as a Hugging Face folder;

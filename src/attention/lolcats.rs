@@ -166,4 +166,112 @@ impl Lolcats {
 }
 
 #[cfg(test)]
-mod tests {}
+mod tests {
+    use super::*;
+
+    fn layer(yaml: &str, h: i64, d: i64, seed: i64) -> (nn::VarStore, Lolcats) {
+        tch::manual_seed(seed);
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let l = Lolcats::new(&vs.root(), &serde_yaml::from_str(yaml).unwrap(), h, d).unwrap();
+        vs.double();
+        (vs, l)
+    }
+
+    fn qkv(b: i64, h: i64, t: i64, d: i64, seed: i64) -> Vec<Tensor> {
+        tch::manual_seed(seed);
+        (0..3).map(|_| Tensor::randn([b, h, t, d], (Kind::Double, Device::Cpu)).set_requires_grad(true)).collect()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        assert_eq!(a.size(), b.size());
+        if a.numel() == 0 {
+            return 0.0;
+        }
+        (a - b).abs().max().double_value(&[])
+    }
+
+    #[test]
+    fn config_parameters_and_init() {
+        let c = LolcatsConfig::default();
+        assert_eq!((c.window, c.feature_dim, c.init, c.decode_window), (64, 64, ParamInit::Constructor, DecodeWindow::Terrace));
+        assert!(serde_yaml::from_str::<LolcatsConfig>("{window_size: 64}").is_err());
+        assert_eq!(serde_yaml::from_str::<LolcatsConfig>("{decode_window: sliding64}").unwrap().decode_window, DecodeWindow::Sliding);
+        let (vs, l) = layer("{}", 4, 16, 0);
+        let mut names: Vec<(String, Vec<i64>)> = vs.variables().into_iter().map(|(k, v)| (k, v.size())).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [("feature_map_k.mlp.layer", vec![4, 16, 64]), ("feature_map_q.mlp.layer", vec![4, 16, 64]), ("window_factors", vec![1, 4, 1, 1])]
+                .map(|(k, s)| (k.to_string(), s))
+                .to_vec()
+        );
+        // σ(θ_init) = 0.1 (θ is stored in fp32); kaiming-uniform bound √(6/(D·F)) for the 3-d layer; φ has 2F = 128 features.
+        assert!((l.gamma() - 0.1).abs().max().double_value(&[]) < 1e-8);
+        let bound = (6.0f64 / (16.0 * 64.0)).sqrt();
+        let wmax = l.feature_map_q.layer.abs().max().double_value(&[]);
+        assert!(wmax <= bound && wmax > 0.9 * bound);
+        assert_eq!(l.feature_map_q.dim(), 128);
+        assert!(max_diff(&l.feature_map_q.layer, &l.feature_map_k.layer) > 0.0, "untied q and k maps");
+    }
+
+    /// still.md §12.9: the shared operator with κ = 0, the Hedgehog map, no gate and γ equals the dense
+    /// LoLCATs terrace formula, in outputs and in the gradients of q, k, v, both maps and θ.
+    #[test]
+    fn fast_matches_reference() {
+        let (vs, l) = layer("{window: 8, feature_dim: 4}", 3, 8, 1);
+        for t in [1i64, 7, 8, 9, 16, 17, 40] {
+            let x = qkv(2, 3, t, 8, t);
+            let go = Tensor::randn([2, 3, t, 8], (Kind::Double, Device::Cpu));
+            let mut wrt: Vec<Tensor> = x.iter().map(|t| t.shallow_clone()).collect();
+            wrt.extend(vs.trainable_variables());
+            let run = |out: Tensor| {
+                let gs = Tensor::run_backward(&[(&out * &go).sum(Kind::Double)], &wrt.iter().collect::<Vec<_>>(), false, false);
+                (out.detach(), gs.into_iter().zip(&wrt).map(|(g, x)| if g.defined() { g } else { x.zeros_like() }).collect::<Vec<_>>())
+            };
+            let (o_f, g_f) = run(l.forward(&x[0], &x[1], &x[2]));
+            let (o_r, g_r) = run(l.reference(&x[0], &x[1], &x[2]));
+            assert!(max_diff(&o_f, &o_r) < 1e-10, "T={t}");
+            for (i, (a, b)) in g_f.iter().zip(&g_r).enumerate() {
+                assert!(max_diff(a, b) < 1e-10, "T={t}: gradient {i}: {}", max_diff(a, b));
+            }
+            if t > 16 {
+                assert!(g_f[3..].iter().all(|g| g.abs().max().double_value(&[]) > 0.0), "every parameter gets a gradient");
+            }
+        }
+        // The default width (w = 64) on a longer sequence.
+        let (_, l) = layer("{}", 2, 16, 2);
+        let x = qkv(1, 2, 200, 16, 3);
+        assert!(max_diff(&tch::no_grad(|| l.forward(&x[0], &x[1], &x[2])), &tch::no_grad(|| l.reference(&x[0], &x[1], &x[2]))) < 1e-10);
+    }
+
+    fn decode(l: &Lolcats, cache: &mut HybridCache, x: &[Tensor], from: i64, to: i64) -> Tensor {
+        let outs: Vec<Tensor> = (from..to).map(|p| l.step(cache, &x[0].narrow(2, p, 1), &x[1].narrow(2, p, 1), &x[2].narrow(2, p, 1))).collect();
+        Tensor::cat(&outs, 2)
+    }
+
+    /// Terrace decode equals prefill (outputs and cache) from any prefix; the sliding compat decode equals
+    /// the dense sliding-window formula instead, and so differs from prefill.
+    #[test]
+    fn decode_matches_prefill_or_the_sliding_formula() {
+        let x: Vec<Tensor> = qkv(2, 2, 40, 8, 4).iter().map(|t| t.detach()).collect();
+        let cut = |l: i64| -> Vec<Tensor> { x.iter().map(|t| t.narrow(2, 0, l)).collect() };
+        for yaml in ["{window: 8, feature_dim: 4}", "{window: 8, feature_dim: 4, decode_window: sliding}"] {
+            let (_, l) = layer(yaml, 2, 8, 5);
+            let sliding = l.cfg.decode_window == DecodeWindow::Sliding;
+            let want = if sliding { l.dense(&x[0], &x[1], &x[2], DecodeWindow::Sliding) } else { l.forward(&x[0], &x[1], &x[2]) };
+            let (_, full_cache) = l.prefill(&x[0], &x[1], &x[2]);
+            for l0 in [0i64, 1, 8, 9, 16, 23] {
+                let mut cache = if l0 == 0 { l.new_cache(2, Kind::Double, Device::Cpu) } else { let c = cut(l0); l.prefill(&c[0], &c[1], &c[2]).1 };
+                let y = decode(&l, &mut cache, &x, l0, 40);
+                assert!(max_diff(&y, &want.narrow(2, l0, 40 - l0)) < 1e-10, "{yaml} L0={l0}: {}", max_diff(&y, &want.narrow(2, l0, 40 - l0)));
+                for (a, b) in [(&cache.win_k, &full_cache.win_k), (&cache.s, &full_cache.s), (&cache.z, &full_cache.z)] {
+                    assert!(max_diff(a, b) < 1e-10, "{yaml} L0={l0}: cache");
+                }
+                assert!(cache.win_k.size()[2] <= if sliding { 8 } else { 16 });
+            }
+            if sliding {
+                assert!(max_diff(&want, &l.forward(&x[0], &x[1], &x[2])) > 1e-3, "the reference's decode differs from its prefill");
+            }
+        }
+    }
+}

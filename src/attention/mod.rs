@@ -88,24 +88,27 @@ pub fn dar_sdpa(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, 
     Tensor::scaled_dot_product_attention(q, &k, &v, Some(mask), 0.0, false, None, false)
 }
 
-/// The oracle: scores of every (key version, mask) pair, one joint fp32 softmax over the union of
-/// the masks (which must partition the causal triangle), outputs mixed accordingly.
+/// The oracle: one joint softmax over the union of several key sets. Each part is (keys
+/// `[B, H, S_p, hd]`, values, boolean mask `[T, S_p]` of the keys each query may read); parts may have
+/// different lengths (a decode step reads a window of full-width keys and a prefix of bottleneck
+/// keys). Statistics in fp32 (fp64 inputs stay fp64). No (query, key position) pair may be visible in
+/// two parts, and every query must see at least one key.
 pub fn masked_softmax_attention(q: &Tensor, parts: &[(&Tensor, &Tensor, &Tensor)]) -> Tensor {
     let hd = q.size()[3];
     let scale = 1.0 / (hd as f64).sqrt();
-    // fp32 statistics for low-precision inputs; fp64 inputs stay fp64 (the gold reference).
     let kind = if q.kind() == Kind::Double { Kind::Double } else { Kind::Float };
     let qf = q.to_kind(kind);
-    let neg_inf = Tensor::from(f64::NEG_INFINITY).to_device(q.device());
-    let mut scores = neg_inf.shallow_clone();
-    for (k, _, mask) in parts {
-        let s = qf.matmul(&k.to_kind(kind).transpose(-2, -1)) * scale;
-        scores = s.where_self(mask, &scores);
-    }
-    let p = scores.softmax(-1, kind);
+    let scores: Vec<Tensor> = parts
+        .iter()
+        .map(|(k, _, mask)| (qf.matmul(&k.to_kind(kind).transpose(-2, -1)) * scale).masked_fill(&mask.logical_not(), f64::NEG_INFINITY))
+        .collect();
+    let p = Tensor::cat(&scores, -1).softmax(-1, kind);
     let mut out: Option<Tensor> = None;
-    for (_, v, mask) in parts {
-        let o = (&p * mask.to_kind(kind)).matmul(&v.to_kind(kind));
+    let mut at = 0;
+    for (k, v, _) in parts {
+        let len = k.size()[2];
+        let o = p.narrow(-1, at, len).matmul(&v.to_kind(kind));
+        at += len;
         out = Some(match out {
             Some(acc) => acc + o,
             None => o,

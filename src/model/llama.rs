@@ -132,6 +132,18 @@ struct Block {
     down_proj: nn::Linear,
 }
 
+/// Keys and values per layer `[B, H_kv, T, hd]` (rotated keys).
+pub struct LlamaCache {
+    pub layers: Vec<(Tensor, Tensor)>,
+    pub len: i64,
+}
+
+impl LlamaCache {
+    pub fn bytes(&self) -> i64 {
+        self.layers.iter().map(|(k, v)| (k.numel() + v.numel()) as i64 * k.kind().elt_size_in_bytes() as i64).sum()
+    }
+}
+
 pub struct Llama {
     pub cfg: LlamaConfig,
     embed_tokens: Tensor,
@@ -213,7 +225,8 @@ impl Llama {
         rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
     }
 
-    fn attention(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    /// Rotated q `[B, H, n, hd]`, rotated k and v `[B, H_kv, n, hd]` for `a` at positions given by (cos, sin).
+    fn qkv(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
         let (bs, t) = (a.size()[0], a.size()[1]);
         let (h, kvh, hd) = (self.cfg.num_attention_heads as i64, self.cfg.num_key_value_heads as i64, self.cfg.head_dim() as i64);
         let heads = |x: Tensor, n: i64| x.view([bs, t, n, hd]).transpose(1, 2);
@@ -222,10 +235,52 @@ impl Llama {
         let (c, s) = (cos.to_kind(q.kind()), sin.to_kind(q.kind()));
         let q = &q * &c + rotate_half(&q) * &s;
         let k = &k * &c + rotate_half(&k) * &s;
-        // Grouped-query attention: each KV head serves h / kvh consecutive query heads (HF repeat_kv).
-        let (k, v) = if kvh == h { (k, v) } else { (k.repeat_interleave_self_int(h / kvh, 1, None), v.repeat_interleave_self_int(h / kvh, 1, None)) };
-        let o = crate::attention::causal(&q, &k, &v, crate::spec::AttentionImpl::Auto);
-        b.o_proj.forward(&o.transpose(1, 2).reshape([bs, t, h * hd]))
+        (q, k, v)
+    }
+
+    /// Grouped-query attention: each KV head serves h / kvh consecutive query heads (HF repeat_kv).
+    fn repeat_kv(&self, x: &Tensor) -> Tensor {
+        let rep = (self.cfg.num_attention_heads / self.cfg.num_key_value_heads) as i64;
+        if rep == 1 { x.shallow_clone() } else { x.repeat_interleave_self_int(rep, 1, None) }
+    }
+
+    fn attention(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let (bs, t) = (a.size()[0], a.size()[1]);
+        let (q, k, v) = self.qkv(b, a, cos, sin);
+        let o = crate::attention::causal(&q, &self.repeat_kv(&k), &self.repeat_kv(&v), crate::spec::AttentionImpl::Auto);
+        b.o_proj.forward(&o.transpose(1, 2).reshape([bs, t, self.cfg.hidden_size as i64]))
+    }
+
+    /// An empty KV cache (keys/values per KV head, so grouped-query attention keeps its saving).
+    pub fn new_cache(&self, batch: i64, kind: Kind, device: Device) -> LlamaCache {
+        let shape = [batch, self.cfg.num_key_value_heads as i64, 0, self.cfg.head_dim() as i64];
+        LlamaCache { layers: (0..self.cfg.num_hidden_layers).map(|_| (Tensor::zeros(shape, (kind, device)), Tensor::zeros(shape, (kind, device)))).collect(), len: 0 }
+    }
+
+    /// Run `ids` (`[B, n]`, after the cached tokens): logits `[B, n, V]`, cache extended.
+    pub fn extend(&self, cache: &mut LlamaCache, ids: &Tensor) -> Tensor {
+        let (bs, n) = (ids.size()[0], ids.size()[1]);
+        let p0 = cache.len;
+        let device = ids.device();
+        let pos = Tensor::arange_start(p0, p0 + n, (Kind::Float, device));
+        let freqs = pos.unsqueeze(1) * self.cfg.inv_freq(device).unsqueeze(0);
+        let emb = Tensor::cat(&[&freqs, &freqs], 1);
+        let (cos, sin) = (emb.cos(), emb.sin());
+        let qpos = Tensor::arange_start(p0, p0 + n, (Kind::Int64, device)).unsqueeze(1);
+        let causal = (&qpos - Tensor::arange(p0 + n, (Kind::Int64, device)).unsqueeze(0)).ge(0);
+        let mut x = Tensor::embedding(&self.embed_tokens, ids, -1, false, false);
+        for (b, (ck, cv)) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let a = rms_norm(&x, &b.input_layernorm, self.cfg.rms_norm_eps);
+            let (q, k, v) = self.qkv(b, &a, &cos, &sin);
+            *ck = Tensor::cat(&[&*ck, &k], 2);
+            *cv = Tensor::cat(&[&*cv, &v], 2);
+            let o = crate::attention::masked_softmax_attention(&q, &[(&self.repeat_kv(ck), &self.repeat_kv(cv), &causal)]);
+            let h = &x + b.o_proj.forward(&o.transpose(1, 2).reshape([bs, n, self.cfg.hidden_size as i64]));
+            let m = rms_norm(&h, &b.post_attention_layernorm, self.cfg.rms_norm_eps);
+            x = &h + b.down_proj.forward(&(b.gate_proj.forward(&m).silu() * b.up_proj.forward(&m)));
+        }
+        cache.len += n;
+        self.logits(&rms_norm(&x, &self.norm, self.cfg.rms_norm_eps))
     }
 
     pub fn logits(&self, hidden: &Tensor) -> Tensor {

@@ -293,5 +293,7 @@ pub fn no_weight_decay(name: &str, t: &Tensor) -> bool {
     name.ends_with(".bias") || t.dim() == 1
 }
 
+pub mod decode;
+
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -71,3 +71,21 @@ fn save_and_reload_round_trip() {
     let d = (model.logits(&model.hidden(&x)) - again.logits(&again.hidden(&x))).abs().max().double_value(&[]);
     assert_eq!(d, 0.0);
 }
+
+/// Prefill then token-by-token decoding with the KV cache equals the full forward pass.
+#[test]
+fn cached_decoding_equals_full_forward() {
+    let (_vs, model) = hf::load_llama(&fixture("llama_tiny"), Device::Cpu).unwrap();
+    let x = (Tensor::arange(24, (Kind::Int64, Device::Cpu)).view([2, 12]) * 5).remainder(128);
+    let full = tch::no_grad(|| model.logits(&model.hidden(&x)));
+    let mut cache = model.new_cache(2, Kind::Float, Device::Cpu);
+    let mut got = vec![tch::no_grad(|| model.extend(&mut cache, &x.narrow(1, 0, 4)))];
+    for t in 4..12 {
+        got.push(tch::no_grad(|| model.extend(&mut cache, &x.narrow(1, t, 1))));
+    }
+    let got = Tensor::cat(&got, 1);
+    let d = (&got - &full).abs().max().double_value(&[]);
+    assert!(d < 1e-4, "{d}");
+    // GQA: the cache holds 2 KV heads, not 4 query heads.
+    assert_eq!(cache.bytes(), 2 * 2 * (2 * 2 * 12 * 16) * 4);
+}

@@ -2,7 +2,7 @@ use super::*;
 use crate::train::checkpoint::load_weights;
 use tch::{nn::VarStore, Device, Kind};
 
-fn cfg(kind: AttentionKind, d_down: usize, window: usize) -> NeoxConfig {
+pub(super) fn cfg(kind: AttentionKind, d_down: usize, window: usize) -> NeoxConfig {
     NeoxConfig {
         vocab: 97,
         d_model: 32,
@@ -21,7 +21,7 @@ fn cfg(kind: AttentionKind, d_down: usize, window: usize) -> NeoxConfig {
     }
 }
 
-fn build(c: NeoxConfig, seed: i64) -> (VarStore, GptNeox) {
+pub(super) fn build(c: NeoxConfig, seed: i64) -> (VarStore, GptNeox) {
     tch::manual_seed(seed);
     let mut vs = VarStore::new(Device::Cpu);
     let m = GptNeox::new(&vs.root(), c);
@@ -41,7 +41,7 @@ fn copy_shared(src: &VarStore, dst: &VarStore) {
     });
 }
 
-fn ids(b: i64, t: i64) -> Tensor {
+pub(super) fn ids(b: i64, t: i64) -> Tensor {
     tch::manual_seed(7);
     Tensor::randint(97, [b, t], (Kind::Int64, Device::Cpu))
 }

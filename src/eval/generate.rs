@@ -1,0 +1,145 @@
+//! Text generation with a KV cache per model and attention variant (vanilla: keys/values of every
+//! token; DAR / uniform: dar.md §3's latent cache; Llama: per KV head), and the decode benchmark.
+use crate::model::llama::LlamaCache;
+use crate::model::neox::decode::NeoxCache;
+use crate::model::Model;
+use serde::Serialize;
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+pub enum Cache {
+    Neox(NeoxCache),
+    Llama(LlamaCache),
+}
+
+impl Cache {
+    pub fn bytes(&self) -> i64 {
+        match self {
+            Cache::Neox(c) => c.bytes(),
+            Cache::Llama(c) => c.bytes(),
+        }
+    }
+
+    pub fn len(&self) -> i64 {
+        match self {
+            Cache::Neox(c) => c.len,
+            Cache::Llama(c) => c.len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Model {
+    pub fn new_cache(&self, batch: i64, kind: Kind, device: Device) -> Cache {
+        match self {
+            Model::Neox(m) => Cache::Neox(m.new_cache(batch, kind, device)),
+            Model::Llama(m) => Cache::Llama(m.new_cache(batch, kind, device)),
+        }
+    }
+
+    /// Logits `[B, n, V]` of `ids` (`[B, n]`) following the cached tokens; extends the cache.
+    pub fn extend(&self, cache: &mut Cache, ids: &Tensor) -> Tensor {
+        tch::no_grad(|| match (self, cache) {
+            (Model::Neox(m), Cache::Neox(c)) => m.extend(c, ids),
+            (Model::Llama(m), Cache::Llama(c)) => m.extend(c, ids),
+            _ => panic!("cache of another model family"),
+        })
+    }
+}
+
+/// Greedy when `temperature` is 0, else sampling from softmax(logits / temperature) with `seed`.
+#[derive(Debug, Clone, Copy)]
+pub struct Sampling {
+    pub temperature: f64,
+    pub seed: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Generated {
+    pub tokens: Vec<u32>,
+    pub prompt_tokens: usize,
+    pub prefill_s: f64,
+    pub decode_tokens_per_s: f64,
+    pub cache_bytes: i64,
+    /// Tokens held by the cache at the end.
+    pub cache_tokens: i64,
+}
+
+/// Prefill in blocks of this many tokens: the explicit attention of a block over the cache costs
+/// O(block × context) memory.
+const PREFILL_BLOCK: i64 = 1024;
+
+fn prefill(model: &Model, cache: &mut Cache, ids: &Tensor) -> Tensor {
+    let n = ids.size()[1];
+    let mut last = Tensor::new();
+    let mut at = 0;
+    while at < n {
+        let len = PREFILL_BLOCK.min(n - at);
+        last = model.extend(cache, &ids.narrow(1, at, len)).narrow(1, len - 1, 1);
+        at += len;
+    }
+    last
+}
+
+fn sync(device: Device) {
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
+/// Continue `prompt` by up to `max_new` tokens (stopping after `stop` if given).
+pub fn generate(model: &Model, prompt: &[u32], max_new: usize, sampling: Sampling, stop: Option<u32>, device: Device) -> Generated {
+    let kind = model.head_weight().kind();
+    let mut cache = model.new_cache(1, kind, device);
+    let ids = Tensor::from_slice(&prompt.iter().map(|&t| t as i64).collect::<Vec<_>>()).view([1, -1]).to_device(device);
+    let t0 = Instant::now();
+    let mut logits = prefill(model, &mut cache, &ids);
+    sync(device);
+    let prefill_s = t0.elapsed().as_secs_f64();
+    tch::manual_seed(sampling.seed as i64);
+    let mut out = Vec::new();
+    let t1 = Instant::now();
+    for _ in 0..max_new {
+        let l = logits.view([-1]).to_kind(Kind::Float);
+        let next = if sampling.temperature <= 0.0 { l.argmax(0, false) } else { (l / sampling.temperature).softmax(0, Kind::Float).multinomial(1, false).view([]) };
+        let id = next.int64_value(&[]) as u32;
+        out.push(id);
+        if Some(id) == stop {
+            break;
+        }
+        logits = model.extend(&mut cache, &Tensor::from_slice(&[id as i64]).view([1, 1]).to_device(device));
+    }
+    sync(device);
+    let secs = t1.elapsed().as_secs_f64().max(1e-9);
+    Generated { decode_tokens_per_s: out.len() as f64 / secs, tokens: out, prompt_tokens: prompt.len(), prefill_s, cache_bytes: cache.bytes(), cache_tokens: cache.len() }
+}
+
+#[derive(Debug, Serialize)]
+pub struct DecodeBench {
+    pub attention: String,
+    pub context: i64,
+    pub cache_bytes: i64,
+    pub cache_bytes_per_token: f64,
+    pub prefill_s: f64,
+    pub decode_tokens_per_s: f64,
+}
+
+/// Prefill `context` random tokens, then decode `new_tokens` greedily; report cache size and speed.
+pub fn decode_bench(model: &Model, attention: &str, context: i64, new_tokens: usize, device: Device) -> DecodeBench {
+    let vocab = model.vocab() as i64;
+    tch::manual_seed(0);
+    let prompt: Vec<u32> = Vec::<i64>::try_from(Tensor::randint(vocab.min(50277), [context], (Kind::Int64, Device::Cpu))).expect("ids").into_iter().map(|x| x as u32).collect();
+    let g = generate(model, &prompt, new_tokens, Sampling { temperature: 0.0, seed: 0 }, None, device);
+    let total = g.cache_tokens;
+    DecodeBench {
+        attention: attention.to_string(),
+        context,
+        cache_bytes: g.cache_bytes,
+        cache_bytes_per_token: g.cache_bytes as f64 / total as f64,
+        prefill_s: g.prefill_s,
+        decode_tokens_per_s: g.decode_tokens_per_s,
+    }
+}
