@@ -160,3 +160,16 @@ fn llama_teacher_trains_and_exports() {
     let err = fails(&attnlab(&["export", dar.to_str().unwrap(), "--out", cwd.join("x").to_str().unwrap()], cwd));
     assert!(err.contains("only vanilla"), "{err}");
 }
+
+/// A diverging run stops with a clear message and keeps its last good checkpoint.
+#[test]
+fn nan_loss_stops_the_run_keeping_the_last_good_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("nan");
+    let args = ["train", "--quiet", "--out", run.to_str().unwrap(), "--set", "train.lr=1e12", "--set", "train.clip=0", "--set", "train.steps=40", "--set", "train.log_every=1", "--set", "checkpoint.every=1", "--set", "checkpoint.keep=40", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=100"];
+    let err = fails(&attnlab(&args, tmp.path()));
+    let step: u64 = err.split("training stopped at step ").nth(1).and_then(|s| s.split(':').next()).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("{err}"));
+    assert!(err.contains("loss is") && err.contains(&format!("last good checkpoint: step {}", step - 1)), "{err}");
+    assert!(run.join(format!("checkpoints/{}/state.json", step - 1)).is_file());
+    assert!(!run.join(format!("checkpoints/{step}")).exists() && !run.join("DONE").exists());
+}
