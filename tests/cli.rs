@@ -144,7 +144,7 @@ fn llama_teacher_trains_and_exports() {
     let tmp = tempfile::tempdir().unwrap();
     let cwd = tmp.path();
     let run = cwd.join("llama");
-    let args = ["train", "--quiet", "--out", run.to_str().unwrap(), "--set", "model.flavor=llama-tiny", "--set", "attention={kind: vanilla}", "--set", "train.steps=20", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=200"];
+    let args = ["train", "--quiet", "--out", run.to_str().unwrap(), "--set", "model.flavor=llama-tiny", "--set", "model.tie_embeddings=false", "--set", "attention={kind: vanilla}", "--set", "train.steps=20", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=200"];
     let out = ok(&attnlab(&args, cwd));
     assert!(out.contains("synthetic"), "{out}");
     let l = losses(&run);
@@ -152,7 +152,10 @@ fn llama_teacher_trains_and_exports() {
     ok(&attnlab(&["export", run.to_str().unwrap(), "--out", cwd.join("hf").to_str().unwrap()], cwd));
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("hf/config.json")).unwrap()).unwrap();
     assert_eq!(cfg["architectures"][0], "LlamaForCausalLM");
-    assert_eq!((cfg["num_key_value_heads"].as_u64(), cfg["tie_word_embeddings"].as_bool()), (Some(2), Some(true)));
+    assert_eq!((cfg["num_key_value_heads"].as_u64(), cfg["tie_word_embeddings"].as_bool()), (Some(2), Some(false)));
+    // An untied Llama run's checkpoint (with lm_head.weight) loads back for evaluation.
+    let out = ok(&attnlab(&["eval", run.to_str().unwrap()], cwd));
+    assert!(out.contains("step 20"), "{out}");
     assert!(cwd.join("hf/model.safetensors").is_file() && cwd.join("hf/tokenizer.json").is_file());
     // DAR has no Hugging Face architecture.
     let dar = cwd.join("dar");

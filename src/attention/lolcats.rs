@@ -261,7 +261,12 @@ mod tests {
             let want = if sliding { l.dense(&x[0], &x[1], &x[2], DecodeWindow::Sliding) } else { l.forward(&x[0], &x[1], &x[2]) };
             let (_, full_cache) = l.prefill(&x[0], &x[1], &x[2]);
             for l0 in [0i64, 1, 8, 9, 16, 23] {
-                let mut cache = if l0 == 0 { l.new_cache(2, Kind::Double, Device::Cpu) } else { let c = cut(l0); l.prefill(&c[0], &c[1], &c[2]).1 };
+                let mut cache = if l0 == 0 {
+                    l.new_cache(2, Kind::Double, Device::Cpu)
+                } else {
+                    let c = cut(l0);
+                    l.prefill(&c[0], &c[1], &c[2]).1
+                };
                 let y = decode(&l, &mut cache, &x, l0, 40);
                 assert!(max_diff(&y, &want.narrow(2, l0, 40 - l0)) < 1e-10, "{yaml} L0={l0}: {}", max_diff(&y, &want.narrow(2, l0, 40 - l0)));
                 for (a, b) in [(&cache.win_k, &full_cache.win_k), (&cache.s, &full_cache.s), (&cache.z, &full_cache.z)] {

@@ -272,19 +272,21 @@ impl Still {
 
     /// Routing scores `[B, H, T]` (fp32/fp64) of every token (§4).
     pub fn scores(&self, q: &Tensor, k: &Tensor) -> Tensor {
-        let h = self.hybrid();
-        let t = q.size()[2];
-        tch::no_grad(|| h.scores(&h.window_logits(&pad_to(q, h.chunk), &pad_to(k, h.chunk)), &pad_to(k, h.chunk))).narrow(2, 0, t)
+        self.padded_scores(q, k).narrow(2, 0, q.size()[2])
     }
 
     /// Which tokens join Sel `[B, H, T]` (bool) by the end of the sequence (chunks ≤ c(T−1)−2).
     pub fn selected(&self, q: &Tensor, k: &Tensor) -> Tensor {
+        let scores = self.padded_scores(q, k);
+        let none = scores.zeros_like().to_kind(Kind::Bool);
+        let routed = tch::no_grad(|| self.hybrid().route(&scores));
+        routed.map_or(none.shallow_clone(), |r| none.scatter_value(2, &r.pos, 1)).narrow(2, 0, q.size()[2])
+    }
+
+    fn padded_scores(&self, q: &Tensor, k: &Tensor) -> Tensor {
         let h = self.hybrid();
-        let t = q.size()[2];
         let (qf, kf) = (pad_to(q, h.chunk), pad_to(k, h.chunk));
-        let routed = tch::no_grad(|| h.route(&h.scores(&h.window_logits(&qf, &kf), &kf)));
-        let none = Tensor::zeros([q.size()[0], q.size()[1], qf.size()[2]], (Kind::Bool, q.device()));
-        routed.map_or(none.shallow_clone(), |r| none.scatter_value(2, &r.pos, 1)).narrow(2, 0, t)
+        tch::no_grad(|| h.scores(&h.window_logits(&qf, &kf), &kf))
     }
 
     /// An empty decode cache for `batch` sequences whose K/V are stored in `kind` (the model dtype).
@@ -552,10 +554,10 @@ impl Hybrid<'_> {
         let m = s_all.amax(-1, true); // over Sel ∪ Win only (and not compensated below, §3)
         let e = (s_all - &m).exp();
         let mut z_sm = e.sum_dim_intlist(-1, true, kind);
-        let nw = e.size()[4] - 2 * c;
-        let mut n_sm = e.narrow(-1, nw, 2 * c).matmul(&two_chunks(&chunks(&vf)));
+        let n_sel = e.size()[4] - 2 * c;
+        let mut n_sm = e.narrow(-1, n_sel, 2 * c).matmul(&two_chunks(&chunks(&vf)));
         if let Some(vs) = &sel_kv {
-            n_sm = n_sm + e.narrow(-1, 0, nw).matmul(&vs.unsqueeze(2));
+            n_sm = n_sm + e.narrow(-1, 0, n_sel).matmul(&vs.unsqueeze(2));
         }
         if let Some(gamma) = &self.gamma {
             let gamma = gamma.to_kind(kind).view([1, h, 1, 1, 1]);
@@ -1026,7 +1028,15 @@ mod tests {
 
     fn assert_same_cache(a: &HybridCache, b: &HybridCache, what: &str) {
         assert_eq!(a.pos, b.pos, "{what}: pos");
-        let pairs = [(&a.sel_k, &b.sel_k, "sel_k"), (&a.sel_v, &b.sel_v, "sel_v"), (&a.win_k, &b.win_k, "win_k"), (&a.win_v, &b.win_v, "win_v"), (&a.win_scores, &b.win_scores, "scores"), (&a.s, &b.s, "S"), (&a.z, &b.z, "z")];
+        let pairs = [
+            (&a.sel_k, &b.sel_k, "sel_k"),
+            (&a.sel_v, &b.sel_v, "sel_v"),
+            (&a.win_k, &b.win_k, "win_k"),
+            (&a.win_v, &b.win_v, "win_v"),
+            (&a.win_scores, &b.win_scores, "scores"),
+            (&a.s, &b.s, "S"),
+            (&a.z, &b.z, "z"),
+        ];
         for (x, y, name) in pairs {
             assert!(max_diff(x, y) < 1e-10, "{what}: {name} differs by {}", max_diff(x, y));
         }
@@ -1037,7 +1047,12 @@ mod tests {
     #[test]
     fn prefill_then_decode_matches_prefill() {
         let lens = [0i64, 1, 7, 8, 9, 15, 16, 17, 30, 45];
-        for y in ["{chunk: 8, tokens_per_chunk: 2}", "{chunk: 8, budget: {m: 20, max_len: 24}, routing: self_saliency_reference_code}", "{chunk: 8, tokens_per_chunk: 3, routing: random}", "{chunk: 8, routing: uniform, tokens_per_chunk: 3, gate: false}"] {
+        for y in [
+            "{chunk: 8, tokens_per_chunk: 2}",
+            "{chunk: 8, budget: {m: 20, max_len: 24}, routing: self_saliency_reference_code}",
+            "{chunk: 8, tokens_per_chunk: 3, routing: random}",
+            "{chunk: 8, routing: uniform, tokens_per_chunk: 3, gate: false}",
+        ] {
             let (_, st) = layer(&cfg(y), 2, 8, 5);
             let x = inputs(2, 2, 45, 8, 6);
             let x = tch::no_grad(|| x.iter().map(|t| t.detach()).collect::<Vec<_>>());
@@ -1047,7 +1062,10 @@ mod tests {
                 let g = st.gate(&xl[3]);
                 st.prefill(&xl[0], &xl[1], &xl[2], g.as_ref())
             };
-            let full: Vec<(Tensor, HybridCache)> = lens.iter().map(|&l| if l == 0 { (Tensor::zeros([0], (Kind::Double, Device::Cpu)), st.new_cache(2, Kind::Double, Device::Cpu)) } else { prefill(l) }).collect();
+            let full: Vec<(Tensor, HybridCache)> = lens
+                .iter()
+                .map(|&l| if l == 0 { (Tensor::zeros([0], (Kind::Double, Device::Cpu)), st.new_cache(2, Kind::Double, Device::Cpu)) } else { prefill(l) })
+                .collect();
             // From each L0, decode to the end, checking outputs and cache whenever a listed L is reached.
             for (a, &l0) in lens.iter().enumerate() {
                 let mut cache = if l0 == 0 { st.new_cache(2, Kind::Double, Device::Cpu) } else { prefill(l0).1 };
@@ -1170,7 +1188,9 @@ mod tests {
                 let want = if i == c - 1 {
                     pp * (cf * pp).ln() + (1.0 - pp) * ((1.0 - pp).ln() + (1.0 + 1.0 / cf).ln())
                 } else {
-                    pp * (pp / (eps * (2.0 * cf + 1.0) / (cf + 1.0))).ln() + a_x * (cf * a_x).ln() + (1.0 - pp - a_x) * ((1.0 - pp).ln() + (1.0 + 1.0 / cf).ln())
+                    pp * (pp / (eps * (2.0 * cf + 1.0) / (cf + 1.0))).ln()
+                        + a_x * (cf * a_x).ln()
+                        + (1.0 - pp - a_x) * ((1.0 - pp).ln() + (1.0 + 1.0 / cf).ln())
                 };
                 worst = worst.max((code[n] - want).abs());
             }
@@ -1200,7 +1220,13 @@ mod tests {
     #[test]
     fn exact_softmax_limits() {
         let teacher = |x: &[Tensor]| causal(&x[0], &x[1], &x[2], AttentionImpl::Reference);
-        for (y, t) in [("{chunk: 8, tokens_per_chunk: 2}", 16i64), ("{chunk: 8, tokens_per_chunk: 2}", 11), ("{chunk: 64}", 60), ("{chunk: 8, tokens_per_chunk: 8}", 50), ("{chunk: 8, budget: {m: 1000, max_len: 50}}", 50)] {
+        for (y, t) in [
+            ("{chunk: 8, tokens_per_chunk: 2}", 16i64),
+            ("{chunk: 8, tokens_per_chunk: 2}", 11),
+            ("{chunk: 64}", 60),
+            ("{chunk: 8, tokens_per_chunk: 8}", 50),
+            ("{chunk: 8, budget: {m: 1000, max_len: 50}}", 50),
+        ] {
             let (_, st) = layer(&cfg(y), 2, 8, 7);
             let x = inputs(2, 2, t, 8, 7);
             let g = st.gate(&x[3]);

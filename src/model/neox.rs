@@ -211,14 +211,22 @@ impl GptNeox {
     /// `(k^g, v^g) = (a·W_down)·(W_kv·W_up)ᵀ + b_kv` — the same function as projecting
     /// `h' = a·W_down·W_up` with the k/v rows of query_key_value, at 6·d·d_down FLOPs per token.
     fn bottleneck_kv(&self, layer: &Layer, down: &Tensor, up: &Tensor, a: &Tensor) -> (Tensor, Tensor) {
+        self.kv_from_latent(layer, up, &self.latent(down, a))
+    }
+
+    /// h^D = a·W_down (σ of it for `dar_act: sigmoid`): what DAR's decode cache keeps per token.
+    fn latent(&self, down: &Tensor, a: &Tensor) -> Tensor {
+        let low = a.linear::<Tensor>(down, None);
+        if self.cfg.dar_act == DarAct::Sigmoid { low.sigmoid() } else { low }
+    }
+
+    /// Keys and values (before RoPE) of the global path from latents: `h^D·(W_kv·W_up)ᵀ + b_kv`,
+    /// with W_kv, b_kv the k/v rows of query_key_value (head-major).
+    fn kv_from_latent(&self, layer: &Layer, up: &Tensor, latent: &Tensor) -> (Tensor, Tensor) {
         let (h, hd, d) = (self.cfg.heads as i64, self.cfg.head_dim() as i64, self.cfg.d_model as i64);
         let w = layer.query_key_value.ws.view([h, 3, hd, d]).narrow(1, 1, 2).reshape([2 * d, d]);
         let bias = layer.query_key_value.bs.as_ref().expect("qkv has a bias").view([h, 3, hd]).narrow(1, 1, 2).reshape([2 * d]);
-        let mut low = a.linear::<Tensor>(down, None);
-        if self.cfg.dar_act == DarAct::Sigmoid {
-            low = low.sigmoid();
-        }
-        let kv = low.linear(&w.matmul(up), Some(&bias));
+        let kv = latent.linear(&w.matmul(up), Some(&bias));
         let mut parts = self.split_heads(&kv, 2).into_iter();
         (parts.next().unwrap(), parts.next().unwrap())
     }
@@ -283,10 +291,6 @@ pub fn is_ignored_buffer(name: &str) -> bool {
     name.ends_with(".attention.bias") || name.ends_with(".attention.masked_bias") || name.ends_with("rotary_emb.inv_freq")
 }
 
-/// transformers ≥ 5 names the head `lm_head` in memory; checkpoints say `embed_out`.
-pub fn canonical_name(name: &str) -> &str {
-    if name == "lm_head.weight" { "embed_out.weight" } else { name }
-}
 
 /// Parameters that get no weight decay: biases and LayerNorm (every 1-D tensor), as GPT-NeoX.
 pub fn no_weight_decay(name: &str, t: &Tensor) -> bool {

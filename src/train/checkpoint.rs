@@ -2,7 +2,7 @@
 //! `optimizer.safetensors` (`exp_avg.<name>`, `exp_avg_sq.<name>`) and `state.json`. Written into a
 //! temporary folder and renamed, so a folder named by a number is always complete.
 use super::optim::AdamW;
-use crate::model::neox::{canonical_name, is_ignored_buffer};
+use crate::model::neox::is_ignored_buffer;
 use crate::{Error, IoContext, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -59,37 +59,18 @@ pub fn save(run: &Path, vs: &VarStore, opt: &AdamW, state: &State, keep: usize) 
     Ok(fin)
 }
 
-/// Copy weights from a safetensors file into `vs`: every variable must be present with its shape;
-/// extra entries other than known HF buffers are errors.
+/// Copy weights from a safetensors file into `vs` (HF GPT-NeoX buffers skipped, `lm_head` read as
+/// `embed_out`): every variable must be present with its shape; other extras are errors.
 pub fn load_weights(vs: &VarStore, file: &Path) -> Result<()> {
     let tensors = Tensor::read_safetensors(file).map_err(|e| Error::Data(format!("{}: {e}", file.display())))?;
-    let mut by_name: HashMap<String, Tensor> = HashMap::new();
-    for (n, t) in tensors {
-        if !is_ignored_buffer(&n) {
-            by_name.insert(canonical_name(&n).to_string(), t);
+    let mut by_name: HashMap<String, Tensor> = tensors.into_iter().filter(|(n, _)| !is_ignored_buffer(n)).collect();
+    // transformers ≥ 5 names GPT-NeoX's head `lm_head` in memory; checkpoints say `embed_out`.
+    if vs.variables().contains_key("embed_out.weight") && !by_name.contains_key("embed_out.weight") {
+        if let Some(t) = by_name.remove("lm_head.weight") {
+            by_name.insert("embed_out.weight".into(), t);
         }
     }
-    let vars = vs.variables();
-    let mut missing: Vec<&String> = vars.keys().filter(|k| !by_name.contains_key(*k)).collect();
-    missing.sort();
-    if !missing.is_empty() {
-        return Err(Error::Data(format!("{}: missing {missing:?}", file.display())));
-    }
-    let mut extra: Vec<&String> = by_name.keys().filter(|k| !vars.contains_key(*k)).collect();
-    extra.sort();
-    if !extra.is_empty() {
-        return Err(Error::Data(format!("{}: unexpected tensors {extra:?}", file.display())));
-    }
-    tch::no_grad(|| -> Result<()> {
-        for (name, var) in &vars {
-            let src = &by_name[name];
-            if src.size() != var.size() {
-                return Err(Error::Data(format!("{}: {name} has shape {:?}, model wants {:?}", file.display(), src.size(), var.size())));
-            }
-            var.shallow_clone().copy_(src);
-        }
-        Ok(())
-    })
+    crate::model::hf::copy_into(vs, by_name, file)
 }
 
 /// Restore model, optimizer moments and step counter from a checkpoint folder.

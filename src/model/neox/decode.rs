@@ -10,7 +10,6 @@
 //! tokens); decoding token by token equals the full forward pass on the growing sequence (tested).
 use super::{GptNeox, Layer};
 use crate::attention::masked_softmax_attention;
-use crate::spec::DarAct;
 use tch::nn::Module;
 use tch::{Kind, Tensor};
 
@@ -93,11 +92,7 @@ impl GptNeox {
             LayerCache::Dar { k: ck, v: cv, latent } => {
                 let (down, up) = layer.bottleneck.as_ref().expect("DAR layer has a bottleneck");
                 let w = self.cfg.window as i64;
-                let mut new_latent = a.linear::<Tensor>(down, None);
-                if self.cfg.dar_act == DarAct::Sigmoid {
-                    new_latent = new_latent.sigmoid();
-                }
-                *latent = Tensor::cat(&[&*latent, &new_latent], 1);
+                *latent = Tensor::cat(&[&*latent, &self.latent(down, a)], 1);
                 let local_k = Tensor::cat(&[&*ck, &k], 2);
                 let local_v = Tensor::cat(&[&*cv, &qkv[2]], 2);
                 let local_start = p0 + n - local_k.size()[2];
@@ -109,7 +104,7 @@ impl GptNeox {
                 // Global keys: every position the newest query sees at distance ≥ w.
                 let g = (p0 + n - w).max(0);
                 if g > 0 {
-                    let (kg, vg) = self.bottleneck_kv_from_latent(layer, up, &latent.narrow(1, 0, g));
+                    let (kg, vg) = self.kv_from_latent(layer, up, &latent.narrow(1, 0, g));
                     let (gcos, gsin) = self.rope.tables(0, g, device);
                     parts.push((self.rope.apply(&kg, &gcos, &gsin), vg, dist(0, g).ge(w)));
                 }
@@ -124,16 +119,6 @@ impl GptNeox {
         };
         let o = o.transpose(1, 2).reshape([b, n, self.cfg.d_model as i64]);
         layer.dense.forward(&o)
-    }
-
-    /// Global-path keys/values (before RoPE) from cached latents: `h^D·(W_kv·W_up)ᵀ + b_kv`.
-    fn bottleneck_kv_from_latent(&self, layer: &Layer, up: &Tensor, latent: &Tensor) -> (Tensor, Tensor) {
-        let (h, hd, d) = (self.cfg.heads as i64, self.cfg.head_dim() as i64, self.cfg.d_model as i64);
-        let w = layer.query_key_value.ws.view([h, 3, hd, d]).narrow(1, 1, 2).reshape([2 * d, d]);
-        let bias = layer.query_key_value.bs.as_ref().expect("qkv has a bias").view([h, 3, hd]).narrow(1, 1, 2).reshape([2 * d]);
-        let kv = latent.linear(&w.matmul(up), Some(&bias));
-        let mut parts = self.split_heads(&kv, 2).into_iter();
-        (parts.next().unwrap(), parts.next().unwrap())
     }
 }
 
