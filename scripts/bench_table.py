@@ -38,3 +38,12 @@ if attn:
     base = {r["seq_len"]: r["fwd_bwd_ms"] for r in attn if r["attention"] == "vanilla"}
     for r in attn:
         print(f"| {r['seq_len']} | {r['attention']} | {r['implementation']} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_ms'] / base[r['seq_len']]:.2f} |")
+
+decode = rows("decode.jsonl")
+if decode:
+    print()
+    print("| context | attention | cache bytes | bytes/token | × vanilla cache | prefill s | decode tok/s |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    van = {r["context"]: r["cache_bytes"] for r in decode if r["attention"] == "vanilla"}
+    for r in sorted(decode, key=lambda r: (r["context"], r["attention"] != "vanilla", r["attention"])):
+        print(f"| {r['context']} | {r['attention']} | {r['cache_bytes']:,} | {r['cache_bytes_per_token']:,.0f} | {r['cache_bytes'] / van[r['context']]:.3f} | {r['prefill_s']:.3f} | {r['decode_tokens_per_s']:.1f} |")

@@ -3,7 +3,7 @@
 # throughput for vanilla / DAR / uniform at Pythia 70M, 160M, 410M, and the Hugging Face peer
 # (../shared/bench/hf_pythia_train.py, torch.compile) beside it. Writes logs and JSON lines to $OUT.
 # Expects: .gpu/attnlab (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|peers|all]...
+#   scripts/gpu_bench.sh [check|attn|train|decode|peers|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -27,6 +27,8 @@ for what in "${@:-all}"; do
             --set train.batch_size=$b --set "attention=$att" | grep '^{' >> "$OUT/train.jsonl"
         done
       done ;;&
+    decode|all)
+      run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths 1024,4096,16384 --new-tokens 64 | grep '^{' >> "$OUT/decode.jsonl" ;;&
     smprobe)
       # Where split-merge spends its time: w = 1 (global part + merge only) vs w = 128, with and
       # without contiguous cuDNN inputs.
