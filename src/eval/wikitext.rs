@@ -164,42 +164,11 @@ pub fn wikitext_docs(raw: &str) -> Vec<EvalDoc> {
 mod tests {
     use super::*;
     use sha2::{Digest, Sha256};
-    use std::path::PathBuf;
 
-    const REL_DIR: &str = "data/text/wikitext-2";
-
-    /// Finds `<shared>/data/text/wikitext-2/<name>`: first `$CARGO_MANIFEST_DIR/../shared`, then
-    /// `$ATTNLAB_SHARED`. Panics naming every path tried when neither has it (never skips).
-    fn shared_file(name: &str) -> PathBuf {
-        let primary = PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../shared/data/text/wikitext-2"
-        ))
-        .join(name);
-        if primary.is_file() {
-            return primary;
-        }
-        let mut tried = vec![primary.display().to_string()];
-        match std::env::var_os("ATTNLAB_SHARED") {
-            Some(dir) => {
-                let p = PathBuf::from(dir).join(REL_DIR).join(name);
-                if p.is_file() {
-                    return p;
-                }
-                tried.push(p.display().to_string());
-            }
-            None => tried.push("$ATTNLAB_SHARED (not set)".to_string()),
-        }
-        panic!(
-            "WikiText test data `{name}` not found; tried: {}. Set ATTNLAB_SHARED to the shared \
-             folder (the one containing data/text/wikitext-2/).",
-            tried.join(", ")
-        );
-    }
-
+    /// `<shared>/data/text/wikitext-2/<name>` (crate::testutil: $ATTNLAB_SHARED, ../shared, or the
+    /// vendored copy in tests/fixtures/shared).
     fn read(name: &str) -> String {
-        let p = shared_file(name);
-        std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()))
+        crate::testutil::shared_text(&format!("data/text/wikitext-2/{name}"))
     }
 
     fn sha256_hex(s: &str) -> String {
