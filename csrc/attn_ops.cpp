@@ -39,6 +39,24 @@ char* attnlab_set_autocast_bf16() {
   GUARD_END
 }
 
+// Enter (enabled = 1) or leave (enabled = 0) a CUDA autocast region with the non-deprecated API
+// (tch's autocast calls the deprecated one, which prints a warning on every call). Entering writes
+// the previous state to *prev; leaving restores `restore` and clears the cast cache at nesting 0.
+char* attnlab_autocast_enter(int* prev) {
+  GUARD_BEGIN
+  *prev = at::autocast::is_autocast_enabled(at::kCUDA) ? 1 : 0;
+  at::autocast::set_autocast_enabled(at::kCUDA, true);
+  at::autocast::increment_nesting();
+  GUARD_END
+}
+
+char* attnlab_autocast_leave(int restore) {
+  GUARD_BEGIN
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  at::autocast::set_autocast_enabled(at::kCUDA, restore != 0);
+  GUARD_END
+}
+
 // One AdamW step over a parameter group with aten's fused kernel (CPU and CUDA). `steps` are f32
 // scalar tensors on the parameters' device holding the 1-based update count (the caller increments).
 char* attnlab_fused_adamw(tensor* params, tensor* grads, tensor* exp_avgs, tensor* exp_avg_sqs,

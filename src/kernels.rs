@@ -6,6 +6,8 @@ use torch_sys::C_tensor;
 
 extern "C" {
     fn attnlab_set_autocast_bf16() -> *mut libc::c_char;
+    fn attnlab_autocast_enter(prev: *mut i32) -> *mut libc::c_char;
+    fn attnlab_autocast_leave(restore: i32) -> *mut libc::c_char;
     fn attnlab_fused_adamw(
         params: *const *mut C_tensor,
         grads: *const *mut C_tensor,
@@ -54,6 +56,19 @@ fn ptrs(ts: &[&Tensor]) -> Vec<*mut C_tensor> {
 /// Make CUDA autocast produce bf16 (its default is fp16).
 pub fn set_autocast_bf16() -> Result<()> {
     check(unsafe { attnlab_set_autocast_bf16() })
+}
+
+/// Run `f` under CUDA autocast when `enabled` (bf16 after `set_autocast_bf16`); a plain call otherwise.
+/// Same semantics as `tch::autocast`, through the non-deprecated libtorch API.
+pub fn autocast<T>(enabled: bool, f: impl FnOnce() -> T) -> T {
+    if !enabled {
+        return f();
+    }
+    let mut prev = 0;
+    check(unsafe { attnlab_autocast_enter(&mut prev) }).expect("autocast enter");
+    let out = f();
+    check(unsafe { attnlab_autocast_leave(prev) }).expect("autocast leave");
+    out
 }
 
 /// Slices of one AdamW parameter group, all the same length.

@@ -123,7 +123,7 @@ fn batch_nll(model: &Model, inputs: &[Vec<i64>], targets: &[Vec<i64>], scored: &
     let pos = Tensor::from_slice(&pos).to_device(device);
     tch::no_grad(|| {
         let autocast = device.is_cuda();
-        tch::autocast(autocast, || {
+        crate::kernels::autocast(autocast, || {
             let h = model.hidden(&x).flatten(0, 1).index_select(0, &pos);
             let y = y.flatten(0, 1).index_select(0, &pos);
             // Logits for at most 4096 positions at a time: never a [B·T, V] fp32 tensor.

@@ -2,6 +2,8 @@
 //! eval.json and DONE. Re-running on an unfinished directory resumes exactly from its newest
 //! complete checkpoint; a finished run is never overwritten; a different config is refused.
 pub mod checkpoint;
+#[cfg(feature = "linearize-wip")]
+pub mod lora;
 pub mod optim;
 pub mod run;
 
@@ -182,7 +184,7 @@ pub fn step_once(
     for mb in micro_batches {
         let (x, y) = mb?;
         let (x, y) = (x.to_device(device), y.to_device(device));
-        let loss = tch::autocast(autocast, || model.loss(&x, &y)) / n;
+        let loss = crate::kernels::autocast(autocast, || model.loss(&x, &y)) / n;
         loss.backward();
         loss_sum += loss.detach().to_kind(Kind::Float);
     }
