@@ -59,6 +59,21 @@ enum Cmd {
         /// Device (default: the run's).
         #[arg(long)]
         device: Option<String>,
+        /// Instead of perplexity: a RULER task, e.g. ruler:niah_single_1 (writes ruler.json).
+        #[arg(long)]
+        task: Option<String>,
+        /// Target lengths (prompt + generation) for --task.
+        #[arg(long, default_value = "512,1024", value_delimiter = ',')]
+        lengths: Vec<usize>,
+        /// Samples per length for --task (RULER: 500; 50 for smoke runs).
+        #[arg(long, default_value_t = 50)]
+        samples: usize,
+        /// Essay haystack for essay tasks (RULER's PaulGrahamEssays JSON, .gz allowed, or plain text).
+        #[arg(long)]
+        essay: Option<PathBuf>,
+        /// Tokens generated per sample for --task (RULER: 128).
+        #[arg(long, default_value_t = 128)]
+        max_new_tokens: usize,
     },
     /// Write float32 logits [n, vocab] for whitespace-separated token ids in FILE to a safetensors file.
     Forward {
@@ -273,7 +288,23 @@ fn run(cli: Cli) -> Result<()> {
             }
             print_eval_table(&rows);
         }
-        Cmd::Eval { run, step, corpora, device } => {
+        Cmd::Eval { run, step, corpora, device, task: Some(task), lengths, samples, essay, max_new_tokens } => {
+            let _ = corpora;
+            let loaded = train::run::load(&run, step, device.as_deref())?;
+            let name = task.strip_prefix("ruler:").with_context(|| format!("--task `{task}`: only ruler:<task> tasks exist"))?;
+            let essay = essay.as_deref().map(attnlab::eval::ruler::read_essay).transpose()?;
+            let cells = attnlab::eval::ruler::evaluate(&loaded.model, &loaded.tok, name, &lengths, samples, essay.as_deref(), max_new_tokens, loaded.device, false)?;
+            let path = run.join("ruler.json");
+            let mut all: Vec<attnlab::eval::ruler::Cell> = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
+            all.retain(|c| !cells.iter().any(|n| n.task == c.task && n.length == c.length));
+            all.extend(cells.iter().cloned());
+            std::fs::write(&path, serde_json::to_string_pretty(&all)?)?;
+            println!("{} at step {} ({}):", run.display(), loaded.step, path.display());
+            for c in &cells {
+                println!("{:16} length {:6}: {:6.2}% over {} samples (mean prompt {:.0} tokens)", c.task, c.length, c.score, c.samples, c.mean_prompt_tokens);
+            }
+        }
+        Cmd::Eval { run, step, corpora, device, task: None, .. } => {
             let loaded = train::run::load(&run, step, device.as_deref())?;
             let mut spec = loaded.spec.clone();
             for c in &corpora {

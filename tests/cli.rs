@@ -71,6 +71,10 @@ fn interrupted_and_resumed_run_matches_uninterrupted_bit_for_bit() {
     let out = attnlab(&["generate", a.to_str().unwrap(), "--prompt", "mira lives in oslo . question :", "--max-new-tokens", "5"], cwd);
     assert!(ok(&out).starts_with("mira lives in oslo . question :"));
     assert!(String::from_utf8_lossy(&out.stderr).contains("decode"), "generation stats missing");
+    let out = ok(&attnlab(&["eval", a.to_str().unwrap(), "--task", "ruler:niah_single_1", "--lengths", "300", "--samples", "2", "--max-new-tokens", "4"], cwd));
+    assert!(out.contains("niah_single_1") && out.contains("2 samples"), "{out}");
+    let cells: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(a.join("ruler.json")).unwrap()).unwrap();
+    assert_eq!((cells[0]["length"].as_u64(), cells[0]["samples"].as_u64()), (Some(300), Some(2)));
     std::fs::write(&toks, "3 x").unwrap();
     let err = fails(&attnlab(&["forward", a.to_str().unwrap(), "--tokens", toks.to_str().unwrap(), "--out", "l2.safetensors"], cwd));
     assert!(err.contains("token 2"), "{err}");

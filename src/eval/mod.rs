@@ -1,6 +1,7 @@
 //! Evaluation: rolling perplexity (evaluation.md §2), the WikiText document rules, generation with KV caches.
 pub mod generate;
 pub mod perplexity;
+pub mod ruler;
 pub mod wikitext;
 
 pub use perplexity::{CorpusResult, EvalCorpus};
