@@ -10,6 +10,7 @@ pub mod error;
 pub mod eval;
 pub mod hub;
 pub mod kernels;
+pub mod linearize;
 pub mod model;
 pub mod progress;
 #[cfg(feature = "analysis")]

@@ -37,6 +37,19 @@ enum Cmd {
         #[arg(long, hide = true)]
         stop_after: Option<u64>,
     },
+    /// Linearize a Llama teacher into a STILL / LoLCATs hybrid: stage 1 attention transfer, stage 2 LoRA
+    /// (config.yaml, metrics.jsonl, checkpoints/, lora.safetensors, export/, eval.json, DONE; resumes).
+    Linearize {
+        spec: PathBuf,
+        /// Run directory (overrides `output:` in the spec).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Stop after this many optimizer steps of both stages (as if interrupted; re-run to resume).
+        #[arg(long, hide = true)]
+        stop_after: Option<u64>,
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Train one spec as vanilla, DAR and uniform (into OUT/<kind>) and print their perplexities side by side.
     Compare {
         #[command(flatten)]
@@ -266,6 +279,22 @@ fn run(cli: Cli) -> Result<()> {
                 println!("trained {} to step {}", o.dir.display(), o.step);
             }
             print_eval_table(&[(o.dir.display().to_string(), o.eval)]);
+        }
+        Cmd::Linearize { spec, out, stop_after, quiet } => {
+            use attnlab::linearize::{linearize, LinearizeOptions, LinearizeSpec};
+            let mut s = LinearizeSpec::from_file(&spec)?;
+            if let Some(o) = out {
+                s.output = o;
+            }
+            let o = linearize(s, &LinearizeOptions { quiet, stop_after })?;
+            if o.already_done {
+                println!("{} is finished (DONE); nothing to do", o.dir.display());
+            } else {
+                println!("linearized {} to step {}", o.dir.display(), o.step);
+            }
+            if !o.eval.is_null() {
+                println!("{}", serde_json::to_string_pretty(&o.eval)?);
+            }
         }
         Cmd::Compare { spec, kinds, quiet } => {
             let base = load_spec(&spec)?;

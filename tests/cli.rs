@@ -161,6 +161,11 @@ fn llama_teacher_trains_and_exports() {
     let out = ok(&attnlab(&["eval", run.to_str().unwrap()], cwd));
     assert!(out.contains("step 20"), "{out}");
     assert!(cwd.join("hf/model.safetensors").is_file() && cwd.join("hf/tokenizer.json").is_file());
+    // The teacher linearizes into a STILL hybrid (both stages) through the CLI.
+    let spec = cwd.join("still.yaml");
+    std::fs::write(&spec, format!("teacher: {}\nattention: {{kind: still, chunk: 16, tokens_per_chunk: 2}}\nlora: {{rank: 4, alpha: 4}}\ndata: {{train: {{synthetic: {{seed: 1, docs: 60}}}}, eval: {{synthetic: {{seed: 2, docs: 8}}}}, seq_len: 64, batch_size: 4}}\nstage1: {{steps: 3}}\nstage2: {{steps: 3}}\ntrain: {{device: cpu}}\noutput: {}\n", run.display(), cwd.join("lin").display())).unwrap();
+    let out = ok(&attnlab(&["linearize", spec.to_str().unwrap(), "--quiet"], cwd));
+    assert!(out.contains("linearized") && cwd.join("lin/DONE").is_file() && cwd.join("lin/lora.safetensors").is_file(), "{out}");
     // DAR has no Hugging Face architecture.
     let dar = cwd.join("dar");
     ok(&attnlab(&["train", "--quiet", "--out", dar.to_str().unwrap(), "--set", "train.steps=2", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=50"], cwd));

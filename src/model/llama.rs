@@ -288,5 +288,52 @@ impl Llama {
     }
 }
 
+/// Per-layer pieces for layer surgery (`model::hybrid`): the same computations `hidden` chains.
+impl Llama {
+    pub(crate) fn embed(&self, ids: &Tensor) -> Tensor {
+        Tensor::embedding(&self.embed_tokens, ids, -1, false, false)
+    }
+
+    /// (cos, sin) `[T, hd]` for positions 0..t.
+    pub(crate) fn rope_tables(&self, t: i64, device: Device) -> (Tensor, Tensor) {
+        self.rope(t, device)
+    }
+
+    /// The attention input of layer `i`: RMSNorm(x).
+    pub(crate) fn input_norm(&self, i: usize, x: &Tensor) -> Tensor {
+        rms_norm(x, &self.layers[i].input_layernorm, self.cfg.rms_norm_eps)
+    }
+
+    /// Rotated q and rotated, GQA-expanded k and v `[B, H, T, hd]` of layer `i` for its attention input `a`.
+    pub(crate) fn layer_qkv(&self, i: usize, a: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
+        let (q, k, v) = self.qkv(&self.layers[i], a, cos, sin);
+        (q, self.repeat_kv(&k), self.repeat_kv(&v))
+    }
+
+    /// h + MLP(post_attention_layernorm(h)) of layer `i`.
+    pub(crate) fn mlp_residual(&self, i: usize, h: &Tensor) -> Tensor {
+        let b = &self.layers[i];
+        let m = rms_norm(h, &b.post_attention_layernorm, self.cfg.rms_norm_eps);
+        h + b.down_proj.forward(&(b.gate_proj.forward(&m).silu() * b.up_proj.forward(&m)))
+    }
+
+    /// One whole (softmax-attention) layer, as in `hidden`.
+    pub(crate) fn layer_forward(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let b = &self.layers[i];
+        let h = x + self.attention(b, &self.input_norm(i, x), cos, sin);
+        self.mlp_residual(i, &h)
+    }
+
+    pub(crate) fn final_norm(&self, x: &Tensor) -> Tensor {
+        rms_norm(x, &self.norm, self.cfg.rms_norm_eps)
+    }
+}
+
+/// RoPE on `[B, H, T, hd]` with (cos, sin) `[T, hd]` fp32 tables (as `qkv` applies it).
+pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let (c, s) = (cos.to_kind(x.kind()), sin.to_kind(x.kind()));
+    x * &c + rotate_half(x) * &s
+}
+
 #[cfg(test)]
 mod tests;

@@ -2,6 +2,7 @@
 //! / Pythia with the vanilla, DAR and uniform attention of `crate::attention`) and `llama`.
 //! `Model` is what the trainer, evaluation and benches hold.
 pub mod hf;
+pub mod hybrid;
 pub mod llama;
 pub mod neox;
 pub mod rope;

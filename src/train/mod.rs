@@ -2,7 +2,6 @@
 //! eval.json and DONE. Re-running on an unfinished directory resumes exactly from its newest
 //! complete checkpoint; a finished run is never overwritten; a different config is refused.
 pub mod checkpoint;
-#[cfg(feature = "linearize-wip")]
 pub mod lora;
 pub mod optim;
 pub mod run;

@@ -1,0 +1,546 @@
+//! `attnlab linearize SPEC.yaml`: turn a softmax-attention Llama (the teacher) into a STILL or LoLCATs
+//! hybrid in two stages (`../shared/specs/still.md` §8):
+//! 1. attention transfer: teacher-forced, only the new attention parameters train, loss =
+//!    1000 · mean over layers of MSE(student per-head output, teacher softmax output);
+//! 2. LoRA on the attention projections with next-token cross-entropy, everything else frozen.
+//!
+//! Same run-directory contract as `train`: config.yaml (resolved spec; a different one is refused),
+//! metrics.jsonl (rows carry `stage`), atomic checkpoints (`train::checkpoint`), exact resume, DONE.
+//! At the end: `lora.safetensors` (adapters alone), `export/model.safetensors` (every weight, LoRA
+//! merged) with `export/config.json` + `export/hybrid.yaml`, and `eval.json` (teacher vs student loss /
+//! perplexity on held-out rows).
+//!
+//! Simplifications: the learning rate is constant within a stage (no ReduceLROnPlateau); held-out
+//! perplexity is over non-overlapping `seq_len` rows, not lm-eval's rolling windows; no grad clipping
+//! (as the reference code).
+use crate::data::Tok;
+use crate::model::hybrid::{is_attention_param, Hybrid, Variant};
+use crate::model::LlamaConfig;
+use crate::spec::{SourceSpec, TokenizerSpec};
+use crate::train::checkpoint;
+use crate::train::lora::LoraConfig;
+use crate::train::optim::{AdamW, Hyper};
+use crate::train::run::RunDir;
+use crate::{Error, IoContext, Result};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use tch::{nn::VarStore, Device, Kind, Tensor};
+
+/// The linearize spec (YAML).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinearizeSpec {
+    /// A local HF Llama folder, `hf:owner/name`, or an attnlab run directory of a llama flavor.
+    pub teacher: String,
+    /// Default: the teacher folder's tokenizer.json, or the run directory's tokenizer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<TokenizerSpec>,
+    /// `{kind: still, chunk: 64, …}` (StillConfig) or `{kind: lolcats, window: 64, …}` (LolcatsConfig).
+    pub attention: Variant,
+    pub data: LinData,
+    #[serde(default = "stage1_default")]
+    pub stage1: StageSpec,
+    #[serde(default = "stage2_default")]
+    pub stage2: StageSpec,
+    #[serde(default)]
+    pub lora: LoraConfig,
+    #[serde(default)]
+    pub train: LinTrain,
+    #[serde(default)]
+    pub checkpoint: LinCheckpoint,
+    pub output: PathBuf,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinData {
+    pub train: TrainData,
+    /// Held-out plain text for the final teacher-vs-student perplexity. Default: `val_rows` rows held
+    /// out from the training rows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<SourceSpec>,
+    /// Tokens per training row (1024).
+    #[serde(default = "default_seq")]
+    pub seq_len: usize,
+    /// Rows per optimizer step (8 = micro 1 × accumulation 8 of the reference).
+    #[serde(default = "default_batch")]
+    pub batch_size: usize,
+    /// Use only the first N examples / documents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_examples: Option<usize>,
+    /// Rows held out for the final evaluation when `eval` is not given.
+    #[serde(default = "default_val_rows")]
+    pub val_rows: usize,
+    /// Cap on the evaluated rows.
+    #[serde(default = "default_eval_rows")]
+    pub eval_rows: usize,
+}
+
+/// Training data: Alpaca-format instructions (`{alpaca: PATH}`, JSON array or JSON lines with
+/// instruction / input / output) or any plain-text source of `crate::data`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TrainData {
+    Alpaca { alpaca: PathBuf },
+    Text(SourceSpec),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageSpec {
+    /// Passes over the training rows (2); ignored when `steps` is given.
+    #[serde(default = "default_epochs")]
+    pub epochs: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<u64>,
+    /// Stage 1: 1e-2, stage 2: 1e-4 (constant).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
+    /// STILL 0.01, LoLCATs 0.0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinTrain {
+    #[serde(default = "default_device")]
+    pub device: String,
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default = "default_log_every")]
+    pub log_every: u64,
+}
+
+impl Default for LinTrain {
+    fn default() -> Self {
+        serde_yaml::from_str("{}").expect("defaults")
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinCheckpoint {
+    #[serde(default = "default_ckpt_every")]
+    pub every: u64,
+    #[serde(default = "default_keep")]
+    pub keep: usize,
+}
+
+impl Default for LinCheckpoint {
+    fn default() -> Self {
+        serde_yaml::from_str("{}").expect("defaults")
+    }
+}
+
+fn stage1_default() -> StageSpec {
+    StageSpec { epochs: 2.0, steps: None, lr: None, weight_decay: None }
+}
+fn stage2_default() -> StageSpec {
+    stage1_default()
+}
+fn default_seq() -> usize {
+    1024
+}
+fn default_batch() -> usize {
+    8
+}
+fn default_val_rows() -> usize {
+    8
+}
+fn default_eval_rows() -> usize {
+    64
+}
+fn default_epochs() -> f64 {
+    2.0
+}
+fn default_device() -> String {
+    "auto".into()
+}
+fn default_log_every() -> u64 {
+    10
+}
+fn default_ckpt_every() -> u64 {
+    200
+}
+fn default_keep() -> usize {
+    2
+}
+
+impl LinearizeSpec {
+    pub fn from_yaml(text: &str) -> Result<LinearizeSpec> {
+        serde_yaml::from_str(text).map_err(|e| Error::Other(format!("linearize spec: {e}")))
+    }
+
+    pub fn from_file(path: &Path) -> Result<LinearizeSpec> {
+        Self::from_yaml(&std::fs::read_to_string(path).at(path)?)
+    }
+
+    /// Fill in the per-stage defaults that depend on the stage / variant (lr, weight decay).
+    pub fn resolved(mut self) -> LinearizeSpec {
+        let wd = match self.attention {
+            Variant::Still(_) => 0.01,
+            Variant::Lolcats(_) => 0.0,
+        };
+        self.stage1.lr.get_or_insert(1e-2);
+        self.stage2.lr.get_or_insert(1e-4);
+        self.stage1.weight_decay.get_or_insert(wd);
+        self.stage2.weight_decay.get_or_insert(wd);
+        self
+    }
+
+    pub fn to_yaml(&self) -> String {
+        serde_yaml::to_string(self).expect("serializes")
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data
+// ---------------------------------------------------------------------------------------------
+
+/// One packed row: `inputs` and `targets` (`-100` = not scored), both `seq_len` long.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    pub inputs: Vec<i64>,
+    pub targets: Vec<i64>,
+}
+
+pub const IGNORE: i64 = -100;
+
+/// The Alpaca prompt (§8).
+pub fn alpaca_prompt(instruction: &str, input: &str) -> String {
+    if input.is_empty() {
+        format!("Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+    } else {
+        format!("Below is an instruction that describes a task, paired with an input that provides further context. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+    }
+}
+
+/// (tokens, labels) of one example: [BOS] prompt answer EOS, labels −100 on BOS and the prompt.
+pub fn alpaca_example(prompt: &[u32], answer: &[u32], bos: Option<u32>, eos: u32) -> (Vec<i64>, Vec<i64>) {
+    let mut toks: Vec<i64> = bos.into_iter().chain(prompt.iter().copied()).map(|t| t as i64).collect();
+    let mut labels = vec![IGNORE; toks.len()];
+    for &t in answer.iter().chain(std::iter::once(&eos)) {
+        toks.push(t as i64);
+        labels.push(t as i64);
+    }
+    (toks, labels)
+}
+
+/// Concatenate examples and cut into rows of `seq_len + 1` tokens (no attention reset); each row gives
+/// inputs = tokens[..seq_len] and targets = labels[1..]. The tail is dropped, as are rows with no
+/// scored target.
+pub fn pack(examples: &[(Vec<i64>, Vec<i64>)], seq_len: usize) -> Vec<Row> {
+    let toks: Vec<i64> = examples.iter().flat_map(|e| e.0.iter().copied()).collect();
+    let labels: Vec<i64> = examples.iter().flat_map(|e| e.1.iter().copied()).collect();
+    let n = seq_len + 1;
+    (0..toks.len() / n)
+        .map(|r| Row { inputs: toks[r * n..r * n + seq_len].to_vec(), targets: labels[r * n + 1..(r + 1) * n].to_vec() })
+        .filter(|row| row.targets.iter().any(|&t| t != IGNORE))
+        .collect()
+}
+
+fn special(tok: &Tok, names: &[&str]) -> Option<u32> {
+    names.iter().find_map(|n| tok.inner.token_to_id(n))
+}
+
+/// EOS of the tokenizer (`</s>`, `<|end_of_text|>`, `<|endoftext|>`, `<|eot_id|>`; else id 0).
+pub fn eos_id(tok: &Tok) -> u32 {
+    special(tok, &["</s>", "<|end_of_text|>", "<|endoftext|>", "<|eot_id|>"]).unwrap_or(crate::data::EOD)
+}
+
+/// BOS of the tokenizer if it has one.
+pub fn bos_id(tok: &Tok) -> Option<u32> {
+    special(tok, &["<s>", "<|begin_of_text|>"])
+}
+
+/// Read Alpaca records from a JSON array or JSON-lines file.
+pub fn read_alpaca(path: &Path) -> Result<Vec<(String, String, String)>> {
+    let text = std::fs::read_to_string(path).at(path)?;
+    let values: Vec<serde_json::Value> = if text.trim_start().starts_with('[') {
+        serde_json::from_str(&text)?
+    } else {
+        text.lines().filter(|l| !l.trim().is_empty()).map(serde_json::from_str).collect::<std::result::Result<_, _>>()?
+    };
+    let field = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string();
+    Ok(values.iter().map(|v| (field(v, "instruction"), field(v, "input"), field(v, "output"))).collect())
+}
+
+/// Tokenised (tokens, labels) examples of the training data.
+pub fn examples(data: &TrainData, tok: &Tok, max: Option<usize>) -> Result<Vec<(Vec<i64>, Vec<i64>)>> {
+    let eos = eos_id(tok);
+    let max = max.unwrap_or(usize::MAX);
+    match data {
+        TrainData::Alpaca { alpaca } => read_alpaca(alpaca)?
+            .iter()
+            .take(max)
+            .map(|(ins, inp, out)| Ok(alpaca_example(&tok.encode(&alpaca_prompt(ins, inp))?, &tok.encode(out)?, bos_id(tok), eos)))
+            .collect(),
+        TrainData::Text(src) => text_examples(src, tok, max),
+    }
+}
+
+/// Plain documents + EOS, every token scored.
+fn text_examples(src: &SourceSpec, tok: &Tok, max: usize) -> Result<Vec<(Vec<i64>, Vec<i64>)>> {
+    let eos = eos_id(tok) as i64;
+    crate::data::sources::read_documents(src)?
+        .iter()
+        .take(max)
+        .map(|d| {
+            let mut t: Vec<i64> = tok.encode(&d.text)?.into_iter().map(|x| x as i64).collect();
+            t.push(eos);
+            Ok((t.clone(), t))
+        })
+        .collect()
+}
+
+fn batch(rows: &[&Row], device: Device) -> (Tensor, Tensor) {
+    let t = rows[0].inputs.len() as i64;
+    let x: Vec<i64> = rows.iter().flat_map(|r| r.inputs.iter().copied()).collect();
+    let y: Vec<i64> = rows.iter().flat_map(|r| r.targets.iter().copied()).collect();
+    (Tensor::from_slice(&x).view([-1, t]).to_device(device), Tensor::from_slice(&y).view([-1, t]).to_device(device))
+}
+
+/// Rows of step `step` of a stage: epochs of `rows` shuffled by (seed, stage, epoch), `b` per step.
+fn step_rows(rows: &[Row], step: u64, b: usize, seed: u64, stage: u64) -> Vec<&Row> {
+    let n = rows.len();
+    (0..b)
+        .map(|j| {
+            let k = step as usize * b + j;
+            let (epoch, i) = (k / n, k % n);
+            let mut order: Vec<usize> = (0..n).collect();
+            order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ (stage << 32) ^ epoch as u64));
+            &rows[order[i]]
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Teacher
+// ---------------------------------------------------------------------------------------------
+
+/// The teacher's VarStore, config and tokenizer.
+pub fn load_teacher(teacher: &str, tokenizer: Option<&TokenizerSpec>, device: Device) -> Result<(VarStore, LlamaConfig, Tok)> {
+    let local = Path::new(teacher);
+    let (vs, cfg, tok) = if local.join("config.yaml").is_file() {
+        let loaded = crate::train::run::load(local, None, Some(if device.is_cuda() { "cuda" } else { "cpu" }))?;
+        let crate::model::Model::Llama(m) = loaded.model else {
+            return Err(Error::Other(format!("{teacher}: the teacher must be a llama-flavor run")));
+        };
+        (loaded.vs, m.cfg.clone(), Some(loaded.tok))
+    } else {
+        let dir = crate::model::hf::resolve(teacher)?;
+        let (vs, m) = crate::model::hf::load_llama(&dir, device)?;
+        let tj = dir.join("tokenizer.json");
+        let tok = if tj.is_file() { Some(Tok::load(&TokenizerSpec::Path(tj.display().to_string()))?) } else { None };
+        (vs, m.cfg.clone(), tok)
+    };
+    let tok = match (tokenizer, tok) {
+        (Some(spec), _) => Tok::load(spec)?,
+        (None, Some(t)) => t,
+        (None, None) => return Err(Error::Other(format!("{teacher}: no tokenizer.json; set `tokenizer:` in the spec"))),
+    };
+    Ok((vs, cfg, tok))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The two stages
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Default, Clone)]
+pub struct LinearizeOptions {
+    pub quiet: bool,
+    /// Stop (as if interrupted) after this many optimizer steps in total (both stages): resume tests.
+    pub stop_after: Option<u64>,
+}
+
+#[derive(Debug)]
+pub struct LinearizeOutcome {
+    pub dir: PathBuf,
+    /// Optimizer steps done, both stages.
+    pub step: u64,
+    pub already_done: bool,
+    /// Final evaluation (null when stopped early).
+    pub eval: serde_json::Value,
+}
+
+fn is_lora(name: &str) -> bool {
+    name.ends_with(".lora_A") || name.ends_with(".lora_B")
+}
+
+/// Make exactly the parameters of `stage` trainable; an optimizer over them (sorted by name).
+fn optimizer_for(vs: &VarStore, stage: u64, wd: f64) -> AdamW {
+    for (name, t) in vs.variables() {
+        let train = if stage == 1 { is_attention_param(&name) } else { is_lora(&name) };
+        let _ = t.shallow_clone().set_requires_grad(train);
+    }
+    AdamW::new(crate::train::named_parameters(vs), Hyper { betas: (0.9, 0.999), eps: 1e-8, weight_decay: wd })
+}
+
+/// Mean loss of teacher and student over rows (no grad): (teacher, student).
+pub fn held_out_loss(h: &Hybrid, rows: &[Row], device: Device) -> (f64, f64) {
+    tch::no_grad(|| {
+        let (mut lt, mut ls, mut n) = (0.0, 0.0, 0.0);
+        for r in rows {
+            let (x, y) = batch(&[r], device);
+            let w = y.ne(IGNORE).sum(Kind::Float).double_value(&[]);
+            lt += h.teacher_loss(&x, &y).double_value(&[]) * w;
+            ls += h.loss(&x, &y, false).double_value(&[]) * w;
+            n += w;
+        }
+        (lt / n.max(1.0), ls / n.max(1.0))
+    })
+}
+
+fn prepare_dir(spec: &LinearizeSpec) -> Result<RunDir> {
+    let path = spec.output.clone();
+    std::fs::create_dir_all(&path).at(&path)?;
+    let cfg = path.join("config.yaml");
+    if cfg.is_file() {
+        let old = LinearizeSpec::from_yaml(&std::fs::read_to_string(&cfg).at(&cfg)?)?;
+        let same = |s: &LinearizeSpec| {
+            let mut s = s.clone();
+            s.train.device = String::new();
+            s
+        };
+        if same(&old) != same(spec) {
+            return Err(Error::Run { dir: path, msg: "holds a linearize run with a different config; choose another output directory".into() });
+        }
+    } else {
+        std::fs::write(&cfg, spec.to_yaml()).at(&cfg)?;
+    }
+    Ok(RunDir { path })
+}
+
+/// Run (or resume, or report finished) the linearization a spec describes.
+pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<LinearizeOutcome> {
+    let device = crate::device::parse_device(&spec.train.device)?;
+    let (teacher_vs, cfg, tok) = load_teacher(&spec.teacher, spec.tokenizer.as_ref(), device)?;
+    let spec = spec.resolved();
+
+    // Data: rows, a held-out part, and the steps per stage.
+    let mut rows = pack(&examples(&spec.data.train, &tok, spec.data.max_examples)?, spec.data.seq_len);
+    let eval_rows: Vec<Row> = match &spec.data.eval {
+        Some(src) => pack(&text_examples(src, &tok, usize::MAX)?, spec.data.seq_len),
+        None => rows.split_off(rows.len().saturating_sub(spec.data.val_rows.min(rows.len() / 2))),
+    };
+    let eval_rows = &eval_rows[..eval_rows.len().min(spec.data.eval_rows)];
+    if rows.is_empty() {
+        return Err(Error::Data(format!("not enough training data for one row of {} tokens", spec.data.seq_len)));
+    }
+    let too_big = rows.iter().chain(eval_rows).flat_map(|r| r.inputs.iter()).any(|&t| t as usize >= cfg.vocab_size);
+    if too_big {
+        return Err(Error::Data(format!("the tokenizer produces ids ≥ the teacher's vocabulary ({})", cfg.vocab_size)));
+    }
+    let b = spec.data.batch_size.max(1);
+    let stage_steps = |s: &StageSpec| s.steps.unwrap_or_else(|| ((s.epochs * rows.len() as f64) / b as f64).ceil() as u64);
+    let (s1, s2) = (stage_steps(&spec.stage1), stage_steps(&spec.stage2));
+    let total = s1 + s2;
+
+    let dir = prepare_dir(&spec)?;
+    if dir.is_done() {
+        let p = dir.path.join("eval.json");
+        let eval = std::fs::read_to_string(&p).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or(serde_json::Value::Null);
+        return Ok(LinearizeOutcome { dir: dir.path, step: total, already_done: true, eval });
+    }
+
+    tch::manual_seed(spec.train.seed as i64);
+    let vs = VarStore::new(device);
+    let hybrid = Hybrid::from_teacher(&vs, &teacher_vs, cfg.clone(), &spec.attention, &spec.lora)?;
+    drop(teacher_vs);
+    let wd = |stage: u64| if stage == 1 { spec.stage1.weight_decay.expect("resolved") } else { spec.stage2.weight_decay.expect("resolved") };
+
+    let mut state = checkpoint::State { step: 0, tokens: 0, elapsed_s: 0.0 };
+    let mut stage = 1;
+    let mut opt = optimizer_for(&vs, 1, wd(1));
+    if let Some((step, path)) = checkpoint::list(&dir.path).pop() {
+        stage = if step <= s1 { 1 } else { 2 };
+        opt = optimizer_for(&vs, stage, wd(stage));
+        state = checkpoint::load(&path, &vs, &mut opt)?;
+        // checkpoint::load sets the optimizer's count to the global step; stage 2's own count starts at s1.
+        if stage == 2 {
+            opt.set_steps_done(state.step - s1);
+        }
+        if !opts.quiet {
+            eprintln!("resuming {} from step {step}", dir.path.display());
+        }
+    }
+    let end = opts.stop_after.map_or(total, |s| s.min(total));
+    let session = std::time::Instant::now();
+    let tokens_per_step = (b * spec.data.seq_len) as u64;
+    for step in state.step..end {
+        if step >= s1 && stage == 1 {
+            stage = 2;
+            opt = optimizer_for(&vs, 2, wd(2));
+        }
+        let in_stage = if stage == 1 { step } else { step - s1 };
+        let (x, y) = batch(&step_rows(&rows, in_stage, b, spec.train.seed, stage), device);
+        opt.zero_grad();
+        let (loss, mse) = if stage == 1 {
+            let (loss, per_layer) = hybrid.attention_transfer_loss(&x);
+            (loss, Some(per_layer))
+        } else {
+            (hybrid.loss(&x, &y, true), None)
+        };
+        loss.backward();
+        let lr = if stage == 1 { spec.stage1.lr } else { spec.stage2.lr }.expect("resolved");
+        opt.step(lr)?;
+        let done = step + 1;
+        state.step = done;
+        state.tokens += tokens_per_step;
+        let stage_end = done == s1 || done == total;
+        if done % spec.train.log_every.max(1) == 0 || stage_end || done == end {
+            let l = loss.double_value(&[]);
+            if !l.is_finite() {
+                return Err(Error::Diverged { step: done, msg: format!("stage {stage} loss is {l}") });
+            }
+            let mut row = json!({"step": done, "stage": stage, "loss": l, "lr": lr, "tokens": state.tokens, "elapsed_s": state.elapsed_s + session.elapsed().as_secs_f64()});
+            if let Some(m) = mse {
+                let per: Vec<f64> = Vec::<f64>::try_from(&m.to_kind(Kind::Double)).unwrap_or_default();
+                row["attn_mse"] = json!(per.iter().sum::<f64>() / per.len().max(1) as f64);
+                row["attn_mse_per_layer"] = json!(per);
+            }
+            dir.append_metrics(row.as_object().expect("object"))?;
+            if !opts.quiet {
+                eprintln!("linearize step {done}/{total} stage {stage} loss {l:.5}");
+            }
+        }
+        if stage_end || (spec.checkpoint.every > 0 && done % spec.checkpoint.every == 0) {
+            let st = checkpoint::State { step: done, tokens: state.tokens, elapsed_s: state.elapsed_s + session.elapsed().as_secs_f64() };
+            checkpoint::save(&dir.path, &vs, &opt, &st, spec.checkpoint.keep.max(1))?;
+        }
+    }
+    if end < total {
+        return Ok(LinearizeOutcome { dir: dir.path, step: end, already_done: false, eval: serde_json::Value::Null });
+    }
+
+    // Outputs: adapters alone, the merged export, and the held-out evaluation.
+    Tensor::write_safetensors(&hybrid.lora_weights(), dir.path.join("lora.safetensors"))?;
+    let export = dir.path.join("export");
+    std::fs::create_dir_all(&export).at(&export)?;
+    Tensor::write_safetensors(&hybrid.merged_weights(), export.join("model.safetensors"))?;
+    let cp = export.join("config.json");
+    std::fs::write(&cp, serde_json::to_string_pretty(&cfg.to_hf_json())?).at(&cp)?;
+    let hp = export.join("hybrid.yaml");
+    std::fs::write(&hp, serde_yaml::to_string(&spec.attention).expect("serializes")).at(&hp)?;
+    let (lt, ls) = held_out_loss(&hybrid, eval_rows, device);
+    let eval = json!({"step": total, "rows": eval_rows.len(), "seq_len": spec.data.seq_len,
+        "teacher": {"loss": lt, "ppl": lt.exp()}, "student": {"loss": ls, "ppl": ls.exp()}});
+    let mut row = serde_json::Map::new();
+    row.insert("step".into(), json!(total));
+    row.insert("stage".into(), json!("eval"));
+    for (k, v) in [("teacher_loss", lt), ("teacher_ppl", lt.exp()), ("student_loss", ls), ("student_ppl", ls.exp())] {
+        row.insert(k.into(), json!(v));
+    }
+    dir.append_metrics(&row)?;
+    let ep = dir.path.join("eval.json");
+    std::fs::write(&ep, serde_json::to_string_pretty(&eval)?).at(&ep)?;
+    dir.mark_done()?;
+    Ok(LinearizeOutcome { dir: dir.path, step: total, already_done: false, eval })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,169 @@
+use super::*;
+use crate::model::{Llama, LlamaConfig};
+
+#[test]
+fn alpaca_prompt_tokens_are_masked_and_packed() {
+    // [BOS=1] prompt(10, 11, 12) answer(20, 21) EOS=2
+    let (t, l) = alpaca_example(&[10, 11, 12], &[20, 21], Some(1), 2);
+    assert_eq!(t, vec![1, 10, 11, 12, 20, 21, 2]);
+    assert_eq!(l, vec![IGNORE, IGNORE, IGNORE, IGNORE, 20, 21, 2]);
+    let (t2, l2) = alpaca_example(&[30, 31], &[40], None, 2);
+    assert_eq!(l2, vec![IGNORE, IGNORE, 40, 2]);
+    // Stream: 1 10 11 12 20 21 2 30 31 40 2 | rows of 4 + 1 tokens; the tail (1 token) is dropped.
+    let rows = pack(&[(t, l), (t2, l2)], 4);
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0].inputs, vec![1, 10, 11, 12]);
+    assert_eq!(rows[0].targets, vec![IGNORE, IGNORE, IGNORE, 20]);
+    assert_eq!(rows[1].inputs, vec![21, 2, 30, 31]);
+    assert_eq!(rows[1].targets, vec![2, IGNORE, IGNORE, 40]);
+    // A row whose targets are all prompt tokens is dropped.
+    let rows = pack(&[(vec![5; 9], vec![IGNORE; 9])], 4);
+    assert!(rows.is_empty());
+    assert!(alpaca_prompt("do it", "").ends_with("### Instruction:\ndo it\n\n### Response:\n"));
+    assert!(alpaca_prompt("do it", "x").contains("### Input:\nx\n\n### Response:\n"));
+}
+
+#[test]
+fn reads_the_shared_alpaca_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("alpaca.jsonl");
+    std::fs::write(&path, crate::testutil::shared_text("data/alpaca/alpaca_200.jsonl")).unwrap();
+    let recs = read_alpaca(&path).unwrap();
+    assert_eq!(recs.len(), 200);
+    assert!(!recs[0].0.is_empty() && !recs[0].2.is_empty());
+}
+
+#[test]
+fn spec_defaults_and_unknown_keys() {
+    let s = LinearizeSpec::from_yaml("{teacher: t, attention: {kind: still}, data: {train: {alpaca: a.jsonl}}, output: o}").unwrap().resolved();
+    assert_eq!(s.data.seq_len, 1024);
+    assert_eq!((s.stage1.lr, s.stage2.lr), (Some(1e-2), Some(1e-4)));
+    assert_eq!(s.stage1.epochs, 2.0);
+    assert_eq!(s.lora.rank, 8);
+    assert_eq!(s.lora.targets, vec!["q_proj", "k_proj", "v_proj", "o_proj"]);
+    assert!(matches!(s.attention, Variant::Still(ref c) if c.chunk == 64));
+    let s2 = LinearizeSpec::from_yaml(&s.to_yaml()).unwrap();
+    assert_eq!(s2, s);
+    assert!(LinearizeSpec::from_yaml("{teacher: t, attention: {kind: still, chunkk: 3}, data: {train: {alpaca: a}}, output: o}").is_err());
+    assert!(LinearizeSpec::from_yaml("{teacher: t, attention: {kind: still}, data: {train: {alpaca: a}}, output: o, bogus: 1}").is_err());
+    let l = LinearizeSpec::from_yaml("{teacher: t, attention: {kind: lolcats, window: 8}, data: {train: {path: x.txt}}, output: o}").unwrap().resolved();
+    assert!(matches!(l.data.train, TrainData::Text(_)));
+    assert_eq!(l.stage1.weight_decay, Some(0.0));
+}
+
+/// A tiny random Llama saved as an HF folder with the builtin tokenizer's vocabulary.
+fn tiny_teacher(dir: &Path) {
+    let tok = Tok::load(&TokenizerSpec::Path("builtin".into())).unwrap();
+    let cfg = LlamaConfig {
+        vocab_size: tok.padded_vocab(),
+        hidden_size: 32,
+        intermediate_size: 64,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: crate::model::llama::RopeScaling::Default,
+        tie_word_embeddings: true,
+        max_position_embeddings: 256,
+    };
+    tch::manual_seed(7);
+    let vs = VarStore::new(Device::Cpu);
+    let _m = Llama::new(&vs.root(), cfg.clone());
+    crate::model::hf::save_llama(&vs, &cfg, dir).unwrap();
+}
+
+fn e2e_spec(teacher: &Path, out: &Path, variant: &str) -> LinearizeSpec {
+    LinearizeSpec::from_yaml(&format!(
+        "{{teacher: '{}', tokenizer: builtin, attention: {variant}, lora: {{targets: [q_proj, v_proj, g_proj]}},
+          data: {{train: {{synthetic: {{seed: 1, docs: 40}}}}, seq_len: 32, batch_size: 2, val_rows: 2}},
+          stage1: {{steps: 4}}, stage2: {{steps: 3}}, train: {{device: cpu, log_every: 1}},
+          checkpoint: {{every: 2, keep: 2}}, output: '{}'}}",
+        teacher.display(),
+        out.display()
+    ))
+    .unwrap()
+}
+
+/// Both stages end to end, interrupted and resumed: metrics rows per stage, checkpoints, DONE,
+/// lora.safetensors, the merged export and the eval.
+#[test]
+fn linearize_end_to_end_with_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let teacher = tmp.path().join("teacher");
+    tiny_teacher(&teacher);
+    let out = tmp.path().join("run");
+    let spec = e2e_spec(&teacher, &out, "{kind: still, chunk: 4, tokens_per_chunk: 1}");
+    // Interrupted at the end of stage 1 and again inside stage 2 (both checkpoint steps).
+    for stop in [4, 6] {
+        let o = linearize(spec.clone(), &LinearizeOptions { quiet: true, stop_after: Some(stop) }).unwrap();
+        assert_eq!(o.step, stop);
+        assert!(!out.join("DONE").exists());
+    }
+    let o = linearize(spec.clone(), &LinearizeOptions { quiet: true, stop_after: None }).unwrap();
+    assert_eq!(o.step, 7);
+    assert!(out.join("DONE").is_file());
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(rows.iter().any(|r| r["stage"] == 1 && r["attn_mse"].is_number()));
+    assert!(rows.iter().any(|r| r["stage"] == 2 && r["loss"].is_number()));
+    let steps: Vec<u64> = rows.iter().filter(|r| r["stage"] != "eval").map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, (1..=7).collect::<Vec<_>>(), "resume repeats or skips no step");
+    let lora: Vec<String> = Tensor::read_safetensors(out.join("lora.safetensors")).unwrap().into_iter().map(|(n, _)| n).collect();
+    assert!(lora.contains(&"model.layers.0.self_attn.q_proj.lora_A".to_string()));
+    assert!(lora.contains(&"model.layers.1.self_attn.g_proj.lora_B".to_string()));
+    assert_eq!(lora.len(), 2 * 3 * 2);
+    let export: Vec<String> = Tensor::read_safetensors(out.join("export/model.safetensors")).unwrap().into_iter().map(|(n, _)| n).collect();
+    assert!(export.iter().all(|n| !n.contains("lora")) && export.iter().any(|n| n.ends_with("g_proj.weight")));
+    assert!(o.eval["student"]["ppl"].as_f64().unwrap().is_finite());
+    // Resuming is exact: the same adapters as one uninterrupted run.
+    let out2 = tmp.path().join("run2");
+    let mut straight = spec.clone();
+    straight.output = out2.clone();
+    linearize(straight, &LinearizeOptions { quiet: true, stop_after: None }).unwrap();
+    let mut a = Tensor::read_safetensors(out.join("lora.safetensors")).unwrap();
+    let mut b = Tensor::read_safetensors(out2.join("lora.safetensors")).unwrap();
+    a.sort_by(|x, y| x.0.cmp(&y.0));
+    b.sort_by(|x, y| x.0.cmp(&y.0));
+    for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        assert!(ta.equal(tb), "{na} differs after resume");
+    }
+    // Finished: left alone. A different config in the same directory: refused.
+    assert!(linearize(spec.clone(), &LinearizeOptions { quiet: true, stop_after: None }).unwrap().already_done);
+    let mut other = spec;
+    other.stage2.steps = Some(9);
+    assert!(linearize(other, &LinearizeOptions { quiet: true, stop_after: None }).is_err());
+}
+
+/// Stage 2 trains the LoRA adapters and nothing else.
+#[test]
+fn stage2_freezes_all_but_lora() {
+    let tmp = tempfile::tempdir().unwrap();
+    let teacher = tmp.path().join("teacher");
+    tiny_teacher(&teacher);
+    let (tvs, cfg, _tok) = load_teacher(teacher.to_str().unwrap(), Some(&TokenizerSpec::Path("builtin".into())), Device::Cpu).unwrap();
+    let vs = VarStore::new(Device::Cpu);
+    let variant: Variant = serde_yaml::from_str("{kind: lolcats, window: 4, feature_dim: 4}").unwrap();
+    let h = Hybrid::from_teacher(&vs, &tvs, cfg, &variant, &LoraConfig::default()).unwrap();
+    let mut opt = optimizer_for(&vs, 2, 0.0);
+    assert!(!opt.slots.is_empty() && opt.slots.iter().all(|s| is_lora(&s.name)));
+    let before: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
+    let x = Tensor::randint(100, [2, 16], (Kind::Int64, Device::Cpu));
+    for _ in 0..2 {
+        opt.zero_grad();
+        h.loss(&x.narrow(1, 0, 15), &x.narrow(1, 1, 15), true).backward();
+        opt.step(1e-2).unwrap();
+    }
+    let now = vs.variables();
+    let mut changed = 0;
+    for (n, b) in &before {
+        let same = now[n].equal(b);
+        if is_lora(n) {
+            changed += (!same) as usize;
+        } else {
+            assert!(same, "{n} changed in stage 2");
+        }
+    }
+    assert!(changed > 0, "no LoRA weight moved");
+}
