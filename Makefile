@@ -12,8 +12,11 @@ build: setup
 demo: build
 	./target/release/attnlab compare
 
+# Library tests run one at a time: libtorch's random generator is process-wide, and tests that seed it
+# (e.g. an interrupted-and-resumed run compared with an uninterrupted one) must not interleave.
 test: setup
-	cargo test --release
+	cargo test --release --lib -- --test-threads=1
+	cargo test --release --test cli
 
 # Lean training binary for the GPU host (no polars/plotters/hf-hub), stripped, in .gpu/.
 gpu-bin: setup
