@@ -318,7 +318,9 @@ fn run(cli: Cli) -> Result<()> {
             print_eval_table(&rows);
         }
         Cmd::Eval { run, step, corpora, device, task: Some(task), lengths, samples, essay, max_new_tokens } => {
-            let _ = corpora;
+            if !corpora.is_empty() {
+                bail!("--corpus is for perplexity; --task {task} evaluates generation (give one or the other)");
+            }
             let loaded = train::run::load(&run, step, device.as_deref())?;
             let name = task.strip_prefix("ruler:").with_context(|| format!("--task `{task}`: only ruler:<task> tasks exist"))?;
             let essay = essay.as_deref().map(attnlab::eval::ruler::read_essay).transpose()?;
@@ -395,8 +397,7 @@ fn run(cli: Cli) -> Result<()> {
             for kind in [AttentionKind::Vanilla, AttentionKind::Dar, AttentionKind::Uniform] {
                 let mut s = base.with_attention(kind).map_err(|(k, m)| anyhow::anyhow!("{k}: {m}"))?;
                 s.model.vocab.get_or_insert(vocab);
-                let vs = tch::nn::VarStore::new(device);
-                let mut vs = vs;
+                let mut vs = tch::nn::VarStore::new(device);
                 let model = train::run::build_model(&s, &vs);
                 if device.is_cuda() {
                     vs.bfloat16();

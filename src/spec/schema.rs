@@ -574,7 +574,7 @@ impl Spec {
         if !(dev == "auto" || dev == "cpu" || dev == "cuda" || dev.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok())) {
             return bad("train.device", format!("`{dev}` is not auto, cpu, cuda or cuda:N"));
         }
-        let log = *t.log_every.get_or_insert(if tiny { 10 } else { 10 });
+        let log = *t.log_every.get_or_insert(10);
         if log <= 0 {
             return bad("train.log_every", format!("{log} must be > 0"));
         }
