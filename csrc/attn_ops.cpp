@@ -4,7 +4,6 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <ATen/autocast_mode.h>
-#include <ATen/ops/_flash_attention_forward.h>
 #include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_foreach_norm.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -82,23 +81,6 @@ char* attnlab_clip_grad_norm(tensor* grads, int64_t n, double max_norm, tensor* 
     at::_foreach_mul_(gs, coef);
   }
   *norm_out = new at::Tensor(total);
-  GUARD_END
-}
-
-// FlashAttention forward with a sliding window; layout [B, S, H, D]; lse is [B, H, S] f32.
-// window: query i sees key j iff i - wl <= j <= i + wr (-1 = unbounded).
-char* attnlab_flash_fwd(tensor q, tensor k, tensor v, int is_causal, double scale, int64_t wl,
-                        int64_t wr, tensor* out, tensor* lse, tensor* rng, tensor* unused) {
-  GUARD_BEGIN
-  auto r = at::_ops::_flash_attention_forward::call(
-      *q, *k, *v, std::nullopt, std::nullopt, q->sym_size(1), k->sym_size(1), 0.0, is_causal != 0,
-      /*return_debug_mask=*/false, std::optional<double>(scale),
-      std::optional<c10::SymInt>(c10::SymInt(wl)), std::optional<c10::SymInt>(c10::SymInt(wr)),
-      std::nullopt, std::nullopt);
-  *out = new at::Tensor(std::get<0>(r));
-  *lse = new at::Tensor(std::get<1>(r));
-  *rng = new at::Tensor(std::get<2>(r));
-  *unused = new at::Tensor(std::get<3>(r));
   GUARD_END
 }
 

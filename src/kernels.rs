@@ -22,19 +22,6 @@ extern "C" {
         eps: f64,
     ) -> *mut libc::c_char;
     fn attnlab_clip_grad_norm(grads: *const *mut C_tensor, n: i64, max_norm: f64, norm_out: *mut *mut C_tensor) -> *mut libc::c_char;
-    fn attnlab_flash_fwd(
-        q: *mut C_tensor,
-        k: *mut C_tensor,
-        v: *mut C_tensor,
-        is_causal: i32,
-        scale: f64,
-        wl: i64,
-        wr: i64,
-        out: *mut *mut C_tensor,
-        lse: *mut *mut C_tensor,
-        rng: *mut *mut C_tensor,
-        unused: *mut *mut C_tensor,
-    ) -> *mut libc::c_char;
     fn attnlab_dar_split_merge(q: *mut C_tensor, kl: *mut C_tensor, vl: *mut C_tensor, kg: *mut C_tensor, vg: *mut C_tensor, window: i64, backend: i64, out: *mut *mut C_tensor) -> *mut libc::c_char;
     fn attnlab_cuda_peak_memory(device: i64, reset: i32, out: *mut i64) -> *mut libc::c_char;
 }
@@ -97,29 +84,6 @@ pub fn clip_grad_norm(grads: &[&Tensor], max_norm: f64) -> Result<Tensor> {
     let mut out: *mut C_tensor = std::ptr::null_mut();
     check(unsafe { attnlab_clip_grad_norm(g.as_ptr(), g.len() as i64, max_norm, &mut out) })?;
     Ok(unsafe { Tensor::from_ptr(out) })
-}
-
-/// FlashAttention forward (CUDA, bf16/fp16, layout `[B, S, H, D]`) with a sliding window:
-/// query i sees key j iff `i − wl ≤ j ≤ i + wr` (−1 = unbounded). Returns (out, lse `[B,H,S]` f32, rng, unused).
-pub fn flash_fwd(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64, wl: i64, wr: i64) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
-    let mut o = [std::ptr::null_mut(); 4];
-    let [o0, o1, o2, o3] = &mut o;
-    check(unsafe {
-        attnlab_flash_fwd(
-            q.as_ptr() as *mut _,
-            k.as_ptr() as *mut _,
-            v.as_ptr() as *mut _,
-            causal as i32,
-            scale,
-            wl,
-            wr,
-            o0,
-            o1,
-            o2,
-            o3,
-        )
-    })?;
-    Ok(unsafe { (Tensor::from_ptr(o[0]), Tensor::from_ptr(o[1]), Tensor::from_ptr(o[2]), Tensor::from_ptr(o[3])) })
 }
 
 /// Kernel that computes DAR's global (distance ≥ w) part in the split-merge construction.

@@ -25,11 +25,6 @@ impl Batcher {
         Ok(Batcher { stream, seq_len, seed, blocks, epoch_cache: None })
     }
 
-    /// Number of distinct samples per epoch.
-    pub fn blocks(&self) -> usize {
-        self.blocks
-    }
-
     fn block_of(&mut self, sample: u64) -> usize {
         let epoch = sample / self.blocks as u64;
         if self.epoch_cache.as_ref().map(|c| c.0) != Some(epoch) {

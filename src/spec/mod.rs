@@ -12,15 +12,6 @@ pub use schema::*;
 use crate::{Error, Result};
 use std::path::Path;
 
-/// A spec as the user wrote it plus where it came from (for error messages).
-pub struct Loaded {
-    pub spec: Spec,
-    /// Name of the file (or `<builtin>`), used in errors.
-    pub origin: String,
-    /// The original text, for finding line numbers of keys.
-    pub text: String,
-}
-
 /// Load, override, resolve and validate a spec file.
 pub fn load(path: &Path, sets: &[String]) -> Result<Spec> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
