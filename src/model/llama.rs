@@ -204,9 +204,9 @@ impl Llama {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
 
-    /// (cos, sin) `[T, hd]` fp32 for positions 0..t (HF: cat(freqs, freqs)).
-    fn rope(&self, t: i64, device: Device) -> (Tensor, Tensor) {
-        let pos = Tensor::arange(t, (Kind::Float, device));
+    /// (cos, sin) `[t, hd]` fp32 for positions start..start+t (HF: cat(freqs, freqs)).
+    fn rope(&self, start: i64, t: i64, device: Device) -> (Tensor, Tensor) {
+        let pos = Tensor::arange_start(start, start + t, (Kind::Float, device));
         let freqs = pos.unsqueeze(1) * self.cfg.inv_freq(device).unsqueeze(0);
         let emb = Tensor::cat(&[&freqs, &freqs], 1);
         (emb.cos(), emb.sin())
@@ -215,14 +215,12 @@ impl Llama {
     /// Final hidden states `[B, T, d]` (after the last RMSNorm).
     pub fn hidden(&self, ids: &Tensor) -> Tensor {
         let t = ids.size()[1];
-        let (cos, sin) = self.rope(t, ids.device());
-        let mut x = Tensor::embedding(&self.embed_tokens, ids, -1, false, false);
-        for b in &self.layers {
-            let h = &x + self.attention(b, &rms_norm(&x, &b.input_layernorm, self.cfg.rms_norm_eps), &cos, &sin);
-            let m = rms_norm(&h, &b.post_attention_layernorm, self.cfg.rms_norm_eps);
-            x = &h + b.down_proj.forward(&(b.gate_proj.forward(&m).silu() * b.up_proj.forward(&m)));
+        let (cos, sin) = self.rope(0, t, ids.device());
+        let mut x = self.embed(ids);
+        for i in 0..self.layers.len() {
+            x = self.layer_forward(i, &x, &cos, &sin);
         }
-        rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
+        self.final_norm(&x)
     }
 
     /// Rotated q `[B, H, n, hd]`, rotated k and v `[B, H_kv, n, hd]` for `a` at positions given by (cos, sin).
@@ -231,11 +229,7 @@ impl Llama {
         let (h, kvh, hd) = (self.cfg.num_attention_heads as i64, self.cfg.num_key_value_heads as i64, self.cfg.head_dim() as i64);
         let heads = |x: Tensor, n: i64| x.view([bs, t, n, hd]).transpose(1, 2);
         let (q, k, v) = (heads(b.q_proj.forward(a), h), heads(b.k_proj.forward(a), kvh), heads(b.v_proj.forward(a), kvh));
-        // RoPE tables in fp32, applied in the activation dtype (HF casts cos/sin to q's dtype).
-        let (c, s) = (cos.to_kind(q.kind()), sin.to_kind(q.kind()));
-        let q = &q * &c + rotate_half(&q) * &s;
-        let k = &k * &c + rotate_half(&k) * &s;
-        (q, k, v)
+        (apply_rope(&q, cos, sin), apply_rope(&k, cos, sin), v)
     }
 
     /// Grouped-query attention: each KV head serves h / kvh consecutive query heads (HF repeat_kv).
@@ -262,25 +256,20 @@ impl Llama {
         let (bs, n) = (ids.size()[0], ids.size()[1]);
         let p0 = cache.len;
         let device = ids.device();
-        let pos = Tensor::arange_start(p0, p0 + n, (Kind::Float, device));
-        let freqs = pos.unsqueeze(1) * self.cfg.inv_freq(device).unsqueeze(0);
-        let emb = Tensor::cat(&[&freqs, &freqs], 1);
-        let (cos, sin) = (emb.cos(), emb.sin());
+        let (cos, sin) = self.rope(p0, n, device);
         let qpos = Tensor::arange_start(p0, p0 + n, (Kind::Int64, device)).unsqueeze(1);
         let causal = (&qpos - Tensor::arange(p0 + n, (Kind::Int64, device)).unsqueeze(0)).ge(0);
-        let mut x = Tensor::embedding(&self.embed_tokens, ids, -1, false, false);
-        for (b, (ck, cv)) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            let a = rms_norm(&x, &b.input_layernorm, self.cfg.rms_norm_eps);
-            let (q, k, v) = self.qkv(b, &a, &cos, &sin);
+        let mut x = self.embed(ids);
+        for (i, (b, (ck, cv))) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
+            let (q, k, v) = self.qkv(b, &self.input_norm(i, &x), &cos, &sin);
             *ck = Tensor::cat(&[&*ck, &k], 2);
             *cv = Tensor::cat(&[&*cv, &v], 2);
             let o = crate::attention::masked_softmax_attention(&q, &[(&self.repeat_kv(ck), &self.repeat_kv(cv), &causal)]);
             let h = &x + b.o_proj.forward(&o.transpose(1, 2).reshape([bs, n, self.cfg.hidden_size as i64]));
-            let m = rms_norm(&h, &b.post_attention_layernorm, self.cfg.rms_norm_eps);
-            x = &h + b.down_proj.forward(&(b.gate_proj.forward(&m).silu() * b.up_proj.forward(&m)));
+            x = self.mlp_residual(i, &h);
         }
         cache.len += n;
-        self.logits(&rms_norm(&x, &self.norm, self.cfg.rms_norm_eps))
+        self.logits(&self.final_norm(&x))
     }
 
     pub fn logits(&self, hidden: &Tensor) -> Tensor {
@@ -288,7 +277,7 @@ impl Llama {
     }
 }
 
-/// Per-layer pieces for layer surgery (`model::hybrid`): the same computations `hidden` chains.
+/// Per-layer pieces, chained by `hidden` and `extend` and reused for layer surgery (`model::hybrid`).
 impl Llama {
     pub(crate) fn embed(&self, ids: &Tensor) -> Tensor {
         Tensor::embedding(&self.embed_tokens, ids, -1, false, false)
@@ -296,7 +285,7 @@ impl Llama {
 
     /// (cos, sin) `[T, hd]` for positions 0..t.
     pub(crate) fn rope_tables(&self, t: i64, device: Device) -> (Tensor, Tensor) {
-        self.rope(t, device)
+        self.rope(0, t, device)
     }
 
     /// The attention input of layer `i`: RMSNorm(x).
@@ -329,7 +318,8 @@ impl Llama {
     }
 }
 
-/// RoPE on `[B, H, T, hd]` with (cos, sin) `[T, hd]` fp32 tables (as `qkv` applies it).
+/// RoPE on `[B, H, T, hd]` with (cos, sin) `[T, hd]` fp32 tables, applied in x's dtype (HF casts
+/// cos/sin to the activation dtype).
 pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     let (c, s) = (cos.to_kind(x.kind()), sin.to_kind(x.kind()));
     x * &c + rotate_half(x) * &s
