@@ -4,6 +4,7 @@
 pub mod hf;
 pub mod hybrid;
 pub mod llama;
+pub mod loss;
 pub mod neox;
 pub mod rope;
 
@@ -42,10 +43,10 @@ impl Model {
         self.logits(&self.hidden(ids))
     }
 
-    /// Mean next-token cross-entropy, never materialising `[B·T, V]` logits (neox::chunked_cross_entropy).
+    /// Mean next-token cross-entropy, never materialising `[B·T, V]` logits (loss::chunked_cross_entropy).
     pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
         let h = self.hidden(inputs).flatten(0, 1);
-        neox::chunked_cross_entropy(&h, self.head_weight(), &targets.reshape([-1]), neox::LOSS_CHUNK)
+        loss::chunked_cross_entropy(&h, self.head_weight(), &targets.reshape([-1]), loss::LOSS_CHUNK)
     }
 
     pub fn vocab(&self) -> usize {

@@ -1,4 +1,5 @@
 use super::*;
+use crate::model::loss::chunked_cross_entropy;
 use crate::train::checkpoint::load_weights;
 use tch::{nn::VarStore, Device, Kind};
 
