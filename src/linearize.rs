@@ -10,16 +10,20 @@
 //! merged) with `export/config.json` + `export/hybrid.yaml`, and `eval.json` (teacher vs student loss /
 //! perplexity on held-out rows).
 //!
-//! Simplifications: the learning rate is constant within a stage (no ReduceLROnPlateau); held-out
-//! perplexity is over non-overlapping `seq_len` rows, not lm-eval's rolling windows; no grad clipping
-//! (as the reference code).
+//! Each stage evaluates its own loss on `val_rows` held-out rows every `eval_every` steps (rows
+//! `stage: 1|2` with `val_loss` in metrics.jsonl) and, with `schedule: plateau`, steps
+//! ReduceLROnPlateau on it (factor 0.1, patience 10, min 1e-5, as both reference codes).
+//!
+//! Simplifications: the last weights of each stage are kept (the references keep stage 2's best
+//! validation checkpoint); held-out perplexity is over non-overlapping `seq_len` rows, not lm-eval's
+//! rolling windows; no grad clipping (as the reference code).
 use crate::data::Tok;
 use crate::model::hybrid::{is_attention_param, Hybrid, Variant};
 use crate::model::LlamaConfig;
 use crate::spec::{SourceSpec, TokenizerSpec};
 use crate::train::checkpoint;
 use crate::train::lora::LoraConfig;
-use crate::train::optim::{AdamW, Hyper};
+use crate::train::optim::{AdamW, Hyper, Plateau};
 use crate::train::run::RunDir;
 use crate::{Error, IoContext, Result};
 use rand::seq::SliceRandom;
@@ -33,6 +37,9 @@ use tch::{nn::VarStore, Device, Kind, Tensor};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LinearizeSpec {
+    /// Human-readable run name (sweeps set it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// A local HF Llama folder, `hf:owner/name`, or an attnlab run directory of a llama flavor.
     pub teacher: String,
     /// Default: the teacher folder's tokenizer.json, or the run directory's tokenizer.
@@ -80,7 +87,8 @@ pub struct LinData {
 }
 
 /// Training data: Alpaca-format instructions (`{alpaca: PATH}`, JSON array or JSON lines with
-/// instruction / input / output) or any plain-text source of `crate::data`.
+/// instruction / input / output; `hf:owner/name[:file]` fetches a hub dataset file, default
+/// `hf:yahma/alpaca-cleaned` = its `alpaca_data_cleaned.json`) or any plain-text source of `crate::data`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum TrainData {
@@ -102,6 +110,37 @@ pub struct StageSpec {
     /// STILL 0.01, LoLCATs 0.0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_decay: Option<f64>,
+    /// `plateau` (ReduceLROnPlateau on the held-out stage loss, as both reference codes) or `constant`.
+    #[serde(default)]
+    pub schedule: Schedule,
+    /// Held-out evaluation (and plateau step) every N optimizer steps: STILL 200, LoLCATs 100.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_every: Option<u64>,
+    /// Plateau: lr ← max(lr·factor, min_lr) after more than `patience` evaluations without improvement.
+    #[serde(default = "default_factor")]
+    pub factor: f64,
+    #[serde(default = "default_patience")]
+    pub patience: u32,
+    #[serde(default = "default_min_lr")]
+    pub min_lr: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    #[default]
+    Plateau,
+    Constant,
+}
+
+fn default_factor() -> f64 {
+    0.1
+}
+fn default_patience() -> u32 {
+    10
+}
+fn default_min_lr() -> f64 {
+    1e-5
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -137,7 +176,7 @@ impl Default for LinCheckpoint {
 }
 
 fn stage1_default() -> StageSpec {
-    StageSpec { epochs: 2.0, steps: None, lr: None, weight_decay: None }
+    serde_yaml::from_str("{}").expect("defaults")
 }
 fn stage2_default() -> StageSpec {
     stage1_default()
@@ -176,7 +215,18 @@ impl LinearizeSpec {
     }
 
     pub fn from_file(path: &Path) -> Result<LinearizeSpec> {
-        Self::from_yaml(&std::fs::read_to_string(path).at(path)?)
+        Self::from_file_with(path, &[])
+    }
+
+    /// Read a spec and apply `--set key=value` overrides (values are YAML, as for `attnlab train`).
+    pub fn from_file_with(path: &Path, sets: &[String]) -> Result<LinearizeSpec> {
+        let text = std::fs::read_to_string(path).at(path)?;
+        let mut value: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| Error::Schema { file: path.display().to_string(), msg: e.to_string() })?;
+        for s in sets {
+            crate::spec::apply_override(&mut value, s).map_err(|msg| Error::Spec { file: path.display().to_string(), key: s.split('=').next().unwrap_or("").to_string(), line: None, msg })?;
+        }
+        let spec: LinearizeSpec = serde_yaml::from_value(value).map_err(|e| Error::Schema { file: path.display().to_string(), msg: e.to_string() })?;
+        Ok(spec)
     }
 
     /// Fill in the per-stage defaults that depend on the stage / variant (lr, weight decay).
@@ -189,6 +239,12 @@ impl LinearizeSpec {
         self.stage2.lr.get_or_insert(1e-4);
         self.stage1.weight_decay.get_or_insert(wd);
         self.stage2.weight_decay.get_or_insert(wd);
+        let every = match self.attention {
+            Variant::Still(_) => 200,
+            Variant::Lolcats(_) => 100,
+        };
+        self.stage1.eval_every.get_or_insert(every);
+        self.stage2.eval_every.get_or_insert(every);
         self
     }
 
@@ -257,6 +313,20 @@ pub fn bos_id(tok: &Tok) -> Option<u32> {
     special(tok, &["<s>", "<|begin_of_text|>"])
 }
 
+/// The local file of an Alpaca source: the path itself, or a hub dataset file for `hf:owner/name[:file]`.
+pub fn alpaca_file(path: &Path) -> Result<PathBuf> {
+    let text = path.to_string_lossy();
+    let Some(repo) = text.strip_prefix("hf:") else {
+        return Ok(path.to_path_buf());
+    };
+    let (repo, file) = match repo.split_once(':') {
+        Some((r, f)) => (r, f),
+        None if repo == "yahma/alpaca-cleaned" => (repo, "alpaca_data_cleaned.json"),
+        None => return Err(Error::Data(format!("`{text}`: name the file in the dataset repo, as hf:{repo}:FILE"))),
+    };
+    crate::hub::dataset_file(repo, None, file)
+}
+
 /// Read Alpaca records from a JSON array or JSON-lines file.
 pub fn read_alpaca(path: &Path) -> Result<Vec<(String, String, String)>> {
     let text = std::fs::read_to_string(path).at(path)?;
@@ -274,7 +344,7 @@ pub fn examples(data: &TrainData, tok: &Tok, max: Option<usize>) -> Result<Vec<(
     let eos = eos_id(tok);
     let max = max.unwrap_or(usize::MAX);
     match data {
-        TrainData::Alpaca { alpaca } => read_alpaca(alpaca)?
+        TrainData::Alpaca { alpaca } => read_alpaca(&alpaca_file(alpaca)?)?
             .iter()
             .take(max)
             .map(|(ins, inp, out)| Ok(alpaca_example(&tok.encode(&alpaca_prompt(ins, inp))?, &tok.encode(out)?, bos_id(tok), eos)))
@@ -395,6 +465,44 @@ pub fn held_out_loss(h: &Hybrid, rows: &[Row], device: Device) -> (f64, f64) {
     })
 }
 
+/// Held-out loss of a stage (no grad): stage 1 the attention-transfer loss, stage 2 cross-entropy.
+fn stage_loss(h: &Hybrid, rows: &[Row], stage: u64, device: Device) -> f64 {
+    tch::no_grad(|| {
+        let total: f64 = rows
+            .iter()
+            .map(|r| {
+                let (x, y) = batch(&[r], device);
+                if stage == 1 { h.attention_transfer_loss(&x).0 } else { h.loss(&x, &y, false) }.double_value(&[])
+            })
+            .sum();
+        total / rows.len().max(1) as f64
+    })
+}
+
+/// The stage's learning-rate schedule at `step`, rebuilt from the held-out losses logged in
+/// metrics.jsonl up to that step (a resumed run continues exactly; rows logged again after a crash
+/// count once).
+fn replay_plateau(dir: &RunDir, s: &StageSpec, stage: u64, step: u64) -> Result<Plateau> {
+    let mut p = Plateau::new(s.lr.expect("resolved"), s.factor, s.patience, s.min_lr);
+    if s.schedule == Schedule::Constant {
+        return Ok(p);
+    }
+    let path = dir.path.join("metrics.jsonl");
+    let text = if path.is_file() { std::fs::read_to_string(&path).at(&path)? } else { String::new() };
+    let mut seen = std::collections::BTreeMap::new();
+    for v in text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()) {
+        if let (Some(at), Some(val), Some(st)) = (v["step"].as_u64(), v["val_loss"].as_f64(), v["stage"].as_u64()) {
+            if st == stage && at <= step {
+                seen.insert(at, val);
+            }
+        }
+    }
+    for val in seen.values() {
+        p.observe(*val);
+    }
+    Ok(p)
+}
+
 fn prepare_dir(spec: &LinearizeSpec) -> Result<RunDir> {
     let path = spec.output.clone();
     std::fs::create_dir_all(&path).at(&path)?;
@@ -470,11 +578,15 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
     }
     let end = opts.stop_after.map_or(total, |s| s.min(total));
     let session = std::time::Instant::now();
+    let stage_spec = |stage: u64| if stage == 1 { &spec.stage1 } else { &spec.stage2 };
+    let val_rows = &eval_rows[..eval_rows.len().min(spec.data.val_rows.max(1))];
+    let mut plateau = replay_plateau(&dir, stage_spec(stage), stage, state.step)?;
     let tokens_per_step = (b * spec.data.seq_len) as u64;
     for step in state.step..end {
         if step >= s1 && stage == 1 {
             stage = 2;
             opt = optimizer_for(&vs, 2, wd(2));
+            plateau = replay_plateau(&dir, stage_spec(2), 2, step)?;
         }
         let in_stage = if stage == 1 { step } else { step - s1 };
         let (x, y) = batch(&step_rows(&rows, in_stage, b, spec.train.seed, stage), device);
@@ -486,7 +598,7 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
             (hybrid.loss(&x, &y, true), None)
         };
         loss.backward();
-        let lr = if stage == 1 { spec.stage1.lr } else { spec.stage2.lr }.expect("resolved");
+        let lr = plateau.lr;
         opt.step(lr)?;
         let done = step + 1;
         state.step = done;
@@ -506,6 +618,15 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
             dir.append_metrics(row.as_object().expect("object"))?;
             if !opts.quiet {
                 eprintln!("linearize step {done}/{total} stage {stage} loss {l:.5}");
+            }
+        }
+        let in_stage_done = if stage == 1 { done } else { done - s1 };
+        if in_stage_done % stage_spec(stage).eval_every.expect("resolved").max(1) == 0 && !val_rows.is_empty() {
+            let val = stage_loss(&hybrid, val_rows, stage, device);
+            let new_lr = if stage_spec(stage).schedule == Schedule::Plateau { plateau.observe(val) } else { lr };
+            dir.append_metrics(json!({"step": done, "stage": stage, "val_loss": val, "lr": new_lr}).as_object().expect("object"))?;
+            if !opts.quiet {
+                eprintln!("linearize step {done} stage {stage} held-out loss {val:.5} (lr {new_lr:.2e})");
             }
         }
         if stage_end || (spec.checkpoint.every > 0 && done % spec.checkpoint.every == 0) {

@@ -41,6 +41,9 @@ enum Cmd {
     /// (config.yaml, metrics.jsonl, checkpoints/, lora.safetensors, export/, eval.json, DONE; resumes).
     Linearize {
         spec: PathBuf,
+        /// Override any key: --set attention.routing=key_norm (repeatable; values are YAML).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
         /// Run directory (overrides `output:` in the spec).
         #[arg(long)]
         out: Option<PathBuf>,
@@ -280,9 +283,9 @@ fn run(cli: Cli) -> Result<()> {
             }
             print_eval_table(&[(o.dir.display().to_string(), o.eval)]);
         }
-        Cmd::Linearize { spec, out, stop_after, quiet } => {
+        Cmd::Linearize { spec, sets, out, stop_after, quiet } => {
             use attnlab::linearize::{linearize, LinearizeOptions, LinearizeSpec};
-            let mut s = LinearizeSpec::from_file(&spec)?;
+            let mut s = LinearizeSpec::from_file_with(&spec, &sets)?;
             if let Some(o) = out {
                 s.output = o;
             }

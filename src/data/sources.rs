@@ -26,6 +26,8 @@ pub fn read_documents(src: &SourceSpec) -> Result<Vec<Doc>> {
     match src {
         SourceSpec::Synthetic { synthetic } => Ok(super::synthetic::documents(synthetic.seed, synthetic.docs).into_iter().map(Doc::plain).collect()),
         SourceSpec::Local(l) => read_local(l),
+        SourceSpec::Needles { needles } => Ok(super::needles::documents(needles)?.into_iter().map(Doc::plain).collect()),
+        SourceSpec::Mix { mix } => Ok(mix.iter().map(read_documents).collect::<Result<Vec<_>>>()?.concat()),
         SourceSpec::Hub { hf } => {
             let mut docs = Vec::new();
             for f in &hf.files {

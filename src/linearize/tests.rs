@@ -77,7 +77,7 @@ fn e2e_spec(teacher: &Path, out: &Path, variant: &str) -> LinearizeSpec {
     LinearizeSpec::from_yaml(&format!(
         "{{teacher: '{}', tokenizer: builtin, attention: {variant}, lora: {{targets: [q_proj, v_proj, g_proj]}},
           data: {{train: {{synthetic: {{seed: 1, docs: 40}}}}, seq_len: 32, batch_size: 2, val_rows: 2}},
-          stage1: {{steps: 4}}, stage2: {{steps: 3}}, train: {{device: cpu, log_every: 1}},
+          stage1: {{steps: 4, eval_every: 1, patience: 0, factor: 0.5}}, stage2: {{steps: 3}}, train: {{device: cpu, log_every: 1}},
           checkpoint: {{every: 2, keep: 2}}, output: '{}'}}",
         teacher.display(),
         out.display()
@@ -107,8 +107,19 @@ fn linearize_end_to_end_with_resume() {
     let rows: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert!(rows.iter().any(|r| r["stage"] == 1 && r["attn_mse"].is_number()));
     assert!(rows.iter().any(|r| r["stage"] == 2 && r["loss"].is_number()));
-    let steps: Vec<u64> = rows.iter().filter(|r| r["stage"] != "eval").map(|r| r["step"].as_u64().unwrap()).collect();
+    let steps: Vec<u64> = rows.iter().filter(|r| r["loss"].is_number()).map(|r| r["step"].as_u64().unwrap()).collect();
     assert_eq!(steps, (1..=7).collect::<Vec<_>>(), "resume repeats or skips no step");
+    // Stage 1 evaluates every step and the plateau schedule (patience 0) sets the next step's lr.
+    let val: Vec<(u64, f64, f64)> = rows.iter().filter(|r| r["val_loss"].is_number()).map(|r| (r["step"].as_u64().unwrap(), r["val_loss"].as_f64().unwrap(), r["lr"].as_f64().unwrap())).collect();
+    assert_eq!(val.iter().map(|v| v.0).collect::<Vec<_>>(), [1, 2, 3, 4]);
+    let mut expect = crate::train::optim::Plateau::new(1e-2, 0.5, 0, 1e-5);
+    for (step, loss, lr) in &val {
+        assert_eq!(*lr, expect.observe(*loss), "lr after the eval at step {step}");
+        if *step < 4 {
+            let next = rows.iter().find(|r| r["loss"].is_number() && r["step"] == step + 1).unwrap();
+            assert_eq!(next["lr"].as_f64().unwrap(), *lr, "step {} trains with the scheduled lr", step + 1);
+        }
+    }
     let lora: Vec<String> = Tensor::read_safetensors(out.join("lora.safetensors")).unwrap().into_iter().map(|(n, _)| n).collect();
     assert!(lora.contains(&"model.layers.0.self_attn.q_proj.lora_A".to_string()));
     assert!(lora.contains(&"model.layers.1.self_attn.g_proj.lora_B".to_string()));

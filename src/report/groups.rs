@@ -120,6 +120,8 @@ fn source_words(src: &SourceSpec) -> String {
         SourceSpec::Local(l) => format!("`{}`", l.path.display()),
         SourceSpec::Hub { hf } => format!("hf `{}` ({} files)", hf.repo, hf.files.len()),
         SourceSpec::Synthetic { synthetic } => format!("synthetic (seed {}, {} docs)", synthetic.seed, synthetic.docs),
+        SourceSpec::Needles { needles } => format!("{} RULER-format needle documents ({})", needles.docs, needles.tasks.join(", ")),
+        SourceSpec::Mix { mix } => mix.iter().map(source_words).collect::<Vec<_>>().join(" + "),
     }
 }
 

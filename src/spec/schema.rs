@@ -210,6 +210,76 @@ pub enum SourceSpec {
     Local(LocalSource),
     Hub { hf: HubSource },
     Synthetic { synthetic: SyntheticSpec },
+    /// RULER-format needle documents (evaluation.md §3): a haystack with needles, the question and
+    /// its answer. Mixed into real text, it teaches a teacher to fetch a fact from far back.
+    Needles { needles: NeedleSpec },
+    /// The documents of several sources (batches shuffle blocks, so they interleave in training).
+    Mix { mix: Vec<SourceSpec> },
+}
+
+impl SourceSpec {
+    /// Problems a reader would only hit later: (key suffix such as `.needles.docs`, message).
+    pub fn check(&self) -> Result<(), Invalid> {
+        match self {
+            SourceSpec::Synthetic { synthetic } if synthetic.docs == 0 => Err((".synthetic.docs".into(), "must be > 0".into())),
+            SourceSpec::Needles { needles: n } => {
+                if n.docs == 0 {
+                    return Err((".needles.docs".into(), "must be > 0".into()));
+                }
+                if n.min_words == 0 || n.min_words > n.max_words {
+                    return Err((".needles.min_words".into(), format!("need 0 < min_words ({}) ≤ max_words ({})", n.min_words, n.max_words)));
+                }
+                if n.tasks.is_empty() {
+                    return Err((".needles.tasks".into(), "lists no task".into()));
+                }
+                for (i, t) in n.tasks.iter().enumerate() {
+                    let Some(task) = crate::eval::ruler::task(t) else {
+                        return Err((format!(".needles.tasks[{i}]"), format!("unknown RULER task `{t}` (one of {})", crate::eval::ruler::TASKS.join(", "))));
+                    };
+                    if task.haystack == crate::eval::ruler::Haystack::Essay && n.essay.is_none() {
+                        return Err((".needles.essay".into(), format!("task `{t}` has an essay haystack: give the essay file")));
+                    }
+                }
+                Ok(())
+            }
+            SourceSpec::Mix { mix } => {
+                if mix.is_empty() {
+                    return Err((".mix".into(), "lists no source".into()));
+                }
+                for (i, s) in mix.iter().enumerate() {
+                    s.check().map_err(|(k, m)| (format!(".mix[{i}]{k}"), m))?;
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Generated needle documents (`crate::data::needles`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NeedleSpec {
+    /// RULER task names whose format the documents follow (default: the three S-NIAH tasks).
+    #[serde(default = "default_needle_tasks")]
+    pub tasks: Vec<String>,
+    pub docs: usize,
+    #[serde(default = "default_syn_seed")]
+    pub seed: u64,
+    /// Haystack length in words, drawn uniformly per document from [min_words, max_words].
+    #[serde(default = "default_min_words")]
+    pub min_words: usize,
+    pub max_words: usize,
+    /// RULER's essay haystack (`{"text": …}` JSON[.gz] or plain text); needed by essay tasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub essay: Option<PathBuf>,
+}
+
+fn default_needle_tasks() -> Vec<String> {
+    vec!["niah_single_1".into(), "niah_single_2".into(), "niah_single_3".into()]
+}
+fn default_min_words() -> usize {
+    50
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -499,10 +569,8 @@ impl Spec {
                 _ => TokenizerSpec::Hub { hf: "EleutherAI/pythia-70m".into() },
             });
         }
-        if let SourceSpec::Synthetic { synthetic } = &self.data.train {
-            if synthetic.docs == 0 {
-                return bad("data.train.synthetic.docs", "must be > 0".into());
-            }
+        if let Err((key, msg)) = self.data.train.check() {
+            return bad(&format!("data.train{key}"), msg);
         }
         for (name, src) in &self.data.eval {
             if name.is_empty() || name.contains('/') || name.contains('=') {

@@ -96,7 +96,7 @@ fn launch(run: &PlannedRun, gpu: Option<&str>, exe: &Path) -> Launched {
     let offset = file.metadata().map(|m| m.len()).unwrap_or(0);
 
     let mut cmd = Command::new(exe);
-    cmd.arg("train").arg(&run.spec_path).arg("--quiet").stdin(Stdio::null());
+    cmd.arg(run.spec.command()).arg(&run.spec_path).arg("--quiet").stdin(Stdio::null());
     if let Some(g) = gpu {
         // The child sees only its GPU, as device 0.
         cmd.env("CUDA_VISIBLE_DEVICES", g);

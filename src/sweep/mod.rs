@@ -53,7 +53,7 @@ mod slurm;
 #[cfg(test)]
 mod tests;
 
-pub use plan::{apply, plan, remove_path, render, PlannedRun, SweepPlan};
+pub use plan::{apply, plan, remove_path, render, PlannedRun, RunSpec, SweepPlan};
 pub use slurm::sbatch_script;
 
 use crate::{IoContext, Result};
@@ -203,7 +203,7 @@ pub fn write_specs(plan: &SweepPlan) -> Result<()> {
         if let Some(parent) = r.spec_path.parent() {
             std::fs::create_dir_all(parent).at(parent)?;
         }
-        let text = format!("# run `{}` of sweep {} (base {}); resolved: run it with `attnlab train THIS_FILE`\n{}", r.name, plan.file.display(), plan.base.display(), r.spec.to_yaml());
+        let text = format!("# run `{}` of sweep {} (base {}); resolved: run it with `attnlab {} THIS_FILE`\n{}", r.name, plan.file.display(), plan.base.display(), r.spec.command(), r.spec.to_yaml());
         std::fs::write(&r.spec_path, text).at(&r.spec_path)?;
     }
     Ok(())

@@ -1,5 +1,6 @@
 //! Sweep file → the list of runs it describes: axis expansion, overrides (with `null` deleting a
 //! key), validation through `crate::spec::from_str`, names from the template, de-duplication.
+use crate::linearize::LinearizeSpec;
 use crate::spec::Spec;
 use crate::{Error, IoContext, Result};
 use serde::Deserialize;
@@ -35,11 +36,64 @@ pub struct PlannedRun {
     /// The assignments that distinguish this run (axes and `runs` entry), as `key=value` words.
     pub overrides: String,
     /// The resolved spec, with `name` and `output` (= `dir`) set by the sweep.
-    pub spec: Spec,
+    pub spec: RunSpec,
     /// `<sweep output>/<id>`.
     pub dir: PathBuf,
     /// `<sweep output>/specs/<id>.yaml`: the file the child `attnlab train` runs.
     pub spec_path: PathBuf,
+}
+
+/// What a run of a sweep is: an `attnlab train` spec, or an `attnlab linearize` spec (chosen by the
+/// base: a linearize spec names a `teacher:`). Both follow the same run-directory contract.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunSpec {
+    Train(Spec),
+    Linearize(LinearizeSpec),
+}
+
+impl RunSpec {
+    /// The attnlab subcommand that runs it.
+    pub fn command(&self) -> &'static str {
+        match self {
+            RunSpec::Train(_) => "train",
+            RunSpec::Linearize(_) => "linearize",
+        }
+    }
+
+    pub fn to_yaml(&self) -> String {
+        match self {
+            RunSpec::Train(s) => s.to_yaml(),
+            RunSpec::Linearize(s) => s.to_yaml(),
+        }
+    }
+
+    pub fn as_train(&self) -> Option<&Spec> {
+        match self {
+            RunSpec::Train(s) => Some(s),
+            RunSpec::Linearize(_) => None,
+        }
+    }
+
+    fn set_name_and_output(&mut self, name: &str, dir: &Path) {
+        match self {
+            RunSpec::Train(s) => {
+                s.name = Some(name.to_string());
+                s.output = Some(dir.to_path_buf());
+            }
+            RunSpec::Linearize(s) => {
+                s.name = Some(name.to_string());
+                s.output = dir.to_path_buf();
+            }
+        }
+    }
+
+    fn tree(&self) -> Result<Value, String> {
+        match self {
+            RunSpec::Train(s) => serde_yaml::to_value(s),
+            RunSpec::Linearize(s) => serde_yaml::to_value(s),
+        }
+        .map_err(|e| e.to_string())
+    }
 }
 
 /// A sweep file expanded into runs.
@@ -73,6 +127,7 @@ pub fn plan(file: &Path, sets: &[String], output: Option<&Path>) -> Result<Sweep
     let base_text = std::fs::read_to_string(&base).map_err(|e| bad(("base".into(), format!("cannot read {}: {e}", base.display()))))?;
     let base_value: Value = serde_yaml::from_str(&base_text).map_err(|e| Error::Schema { file: base.display().to_string(), msg: e.to_string() })?;
     let out_dir = output.map(Path::to_path_buf).unwrap_or_else(|| sf.output.clone());
+    let linearize = base_value.get("teacher").is_some();
 
     let common = assignments(&sf.set, "set").map_err(bad)?;
     let cli: Assign = sets.iter().map(|s| parse_set(s)).collect::<Result<_, Bad>>().map_err(|(k, m)| Error::Spec { file: "--set".into(), key: k, line: None, msg: m })?;
@@ -97,7 +152,7 @@ pub fn plan(file: &Path, sets: &[String], output: Option<&Path>) -> Result<Sweep
                 }
                 let described = describe(&distinct);
                 let origin = format!("{origin} (run {}{}; base {})", runs.len() + merged, if described.is_empty() { String::new() } else { format!(": {described}") }, base.display());
-                let mut spec = resolve(value, &origin)?;
+                let mut spec = resolve(value, &origin, linearize)?;
                 let hash = crate::util::short_hash(&spec.to_yaml());
                 if !seen.insert(hash.clone()) {
                     merged += 1;
@@ -106,8 +161,7 @@ pub fn plan(file: &Path, sets: &[String], output: Option<&Path>) -> Result<Sweep
                 let name = render(&template, &spec).map_err(|msg| Error::Spec { file: origin.clone(), key: format!("{ctx}.name"), line: None, msg })?;
                 let id = format!("{name}-{hash}");
                 let dir = out_dir.join(&id);
-                spec.name = Some(name.clone());
-                spec.output = Some(dir.clone());
+                spec.set_name_and_output(&name, &dir);
                 runs.push(PlannedRun { name, id: id.clone(), overrides: described, spec, dir, spec_path: out_dir.join("specs").join(format!("{id}.yaml")) });
             }
         }
@@ -160,13 +214,20 @@ pub fn remove_path(root: &mut Value, path: &str) -> Result<(), String> {
 
 /// The merged YAML tree → a resolved, validated spec. The sweep owns `name` and `output`, so they
 /// are cleared first: the config hash then depends on nothing but the experiment itself.
-fn resolve(mut value: Value, origin: &str) -> Result<Spec> {
+fn resolve(mut value: Value, origin: &str, linearize: bool) -> Result<RunSpec> {
     for key in ["name", "output"] {
         // A base that is not a mapping fails in from_str below, with serde's message.
         let _ = remove_path(&mut value, key);
     }
+    if linearize {
+        // `output` is required in a linearize spec; a fixed stand-in keeps the config hash free of it.
+        apply(&mut value, "output", &Value::String(".".into())).map_err(|msg| Error::Spec { file: origin.into(), key: "output".into(), line: None, msg })?;
+        let text = serde_yaml::to_string(&value).map_err(|e| Error::Other(format!("{origin}: {e}")))?;
+        let spec = LinearizeSpec::from_yaml(&text).map_err(|e| Error::Other(format!("{origin}: {e}")))?;
+        return Ok(RunSpec::Linearize(spec.resolved()));
+    }
     let text = serde_yaml::to_string(&value).map_err(|e| Error::Other(format!("{origin}: {e}")))?;
-    crate::spec::from_str(&text, origin, &[]).map_err(|e| match e {
+    crate::spec::from_str(&text, origin, &[]).map(RunSpec::Train).map_err(|e| match e {
         // Line numbers would point into the generated text, not into a file the user has.
         Error::Spec { file, key, msg, .. } => Error::Spec { file, key, line: None, msg },
         Error::Schema { file, msg } => Error::Schema { file, msg: msg.split(" at line ").next().unwrap_or(&msg).to_string() },
@@ -251,8 +312,8 @@ fn axis_points(grid: &Mapping, zip: &Mapping, prefix: &str) -> Result<Vec<Assign
 }
 
 /// Fill `{dotted.path}` placeholders from the resolved spec; keep the result a safe folder name.
-pub fn render(template: &str, spec: &Spec) -> Result<String, String> {
-    let tree = serde_yaml::to_value(spec).map_err(|e| e.to_string())?;
+pub fn render(template: &str, spec: &RunSpec) -> Result<String, String> {
+    let tree = spec.tree()?;
     let mut out = String::new();
     let mut rest = template;
     while let Some(open) = rest.find('{') {

@@ -37,7 +37,7 @@ cd {cwd}
 ATTNLAB=${{ATTNLAB:-{exe}}}
 SPEC=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {list})
 echo "task $SLURM_ARRAY_TASK_ID: $SPEC"
-exec "$ATTNLAB" train "$SPEC" --quiet
+exec "$ATTNLAB" {command} "$SPEC" --quiet
 "#,
         file = plan.file.display(),
         script = quote(&out.join("sweep.sbatch")),
@@ -48,6 +48,7 @@ exec "$ATTNLAB" train "$SPEC" --quiet
         cwd = quote(cwd),
         exe = quote(exe),
         list = quote(&out.join("specs.txt")),
+        command = plan.runs.first().map(|r| r.spec.command()).unwrap_or("train"),
     )
 }
 

@@ -56,20 +56,20 @@ fn grid_zip_and_runs_expand_in_order_with_names_dirs_and_values() {
     let out = tmp.path().join("out");
     for r in &p.runs {
         // Zip keys move together: seed 2 always has lr 0.002.
-        let lr = if r.spec.seed() == 2 { 0.002 } else { 0.001 };
-        assert_eq!(r.spec.train.lr, Some(lr), "{}", r.name);
+        let lr = if r.spec.as_train().unwrap().seed() == 2 { 0.002 } else { 0.001 };
+        assert_eq!(r.spec.as_train().unwrap().train.lr, Some(lr), "{}", r.name);
         let hash = r.id.strip_prefix(&format!("{}-", r.name)).unwrap();
         assert!(hash.len() == 12 && hash.chars().all(|c| c.is_ascii_hexdigit()), "{}", r.id);
         assert_eq!(r.dir, out.join(&r.id));
-        assert_eq!(r.spec.output.as_deref(), Some(r.dir.as_path()));
-        assert_eq!(r.spec.name.as_deref(), Some(r.name.as_str()));
+        assert_eq!(r.spec.as_train().unwrap().output.as_deref(), Some(r.dir.as_path()));
+        assert_eq!(r.spec.as_train().unwrap().name.as_deref(), Some(r.name.as_str()));
         assert_eq!(r.spec_path, out.join("specs").join(format!("{}.yaml", r.id)));
     }
     let first = &p.runs[0];
     assert_eq!(first.overrides, "attention.d_down=32 train.seed=1 train.lr=0.001 attention.kind=dar");
-    assert_eq!((first.spec.d_down(), first.spec.window()), (32, 16));
+    assert_eq!((first.spec.as_train().unwrap().d_down(), first.spec.as_train().unwrap().window()), (32, 16));
     let uniform = p.runs.iter().find(|r| r.name == "uniform-d8-s2").unwrap();
-    assert_eq!((uniform.spec.attention.kind, uniform.spec.window(), uniform.spec.d_down()), (crate::spec::AttentionKind::Uniform, 0, 8));
+    assert_eq!((uniform.spec.as_train().unwrap().attention.kind, uniform.spec.as_train().unwrap().window(), uniform.spec.as_train().unwrap().d_down()), (crate::spec::AttentionKind::Uniform, 0, 8));
 }
 
 #[test]
@@ -88,7 +88,7 @@ runs:
     );
     let p = plan(&file, &[], None).unwrap();
     assert_eq!(names(&p), ["vanilla", "dar-w8", "dar-w4", "dar-w0", "u16", "u8"]);
-    assert!(p.runs.iter().all(|r| r.spec.steps() == 7));
+    assert!(p.runs.iter().all(|r| r.spec.as_train().unwrap().steps() == 7));
 }
 
 #[test]
@@ -145,7 +145,7 @@ fn null_deletes_a_key_and_other_values_override() {
     let (_tmp, file) = setup("base: base.yaml\noutput: OUT\nname: v\nset: {attention.kind: vanilla, attention.d_down: null}\n");
     let p = plan(&file, &["attention.window=null".into()], None).unwrap();
     assert_eq!(p.runs.len(), 1);
-    assert_eq!((p.runs[0].spec.attention.d_down, p.runs[0].spec.attention.window), (None, None));
+    assert_eq!((p.runs[0].spec.as_train().unwrap().attention.d_down, p.runs[0].spec.as_train().unwrap().attention.window), (None, None));
 }
 
 #[test]
@@ -196,7 +196,7 @@ fn run_ids_are_stable_and_change_with_the_config() {
     std::fs::write(&file, std::fs::read_to_string(&file).unwrap().replace("0.002]", "0.003]")).unwrap();
     let e = plan(&file, &[], None).unwrap();
     for (x, y) in a.runs.iter().zip(&e.runs) {
-        assert_eq!(x.id == y.id, x.spec.seed() == 1, "{} vs {}", x.id, y.id);
+        assert_eq!(x.id == y.id, x.spec.as_train().unwrap().seed() == 1, "{} vs {}", x.id, y.id);
     }
 }
 
@@ -245,7 +245,7 @@ fn slurm_script_runs_one_array_task_per_spec() {
     for (line, run) in listed.iter().zip(&p.runs) {
         assert_eq!(Path::new(line), run.spec_path);
         // The spec file runs exactly the planned config.
-        assert_eq!(crate::spec::load(Path::new(line), &[]).unwrap(), run.spec);
+        assert_eq!(crate::spec::load(Path::new(line), &[]).unwrap(), *run.spec.as_train().unwrap());
         assert!(!run.dir.exists(), "nothing may run in emit mode");
     }
     assert!(s.runs.iter().all(|r| r.outcome == Outcome::Planned));
@@ -333,7 +333,13 @@ grid: {train.seed: [1, 666, 3, 4]}
 }
 
 /// Expected runs per file in sweeps/ (every file there must be listed).
-const SWEEPS: [(&str, usize); 9] = [
+const SWEEPS: [(&str, usize); 15] = [
+    ("still-components-paper.yaml", 6),
+    ("still-components-reduced.yaml", 6),
+    ("still-components-smoke.yaml", 6),
+    ("still-routing-paper.yaml", 7),
+    ("still-routing-reduced.yaml", 7),
+    ("still-routing-smoke.yaml", 7),
     ("table1-paper.yaml", 7),
     ("table1-reduced.yaml", 7),
     ("table1-smoke.yaml", 7),
@@ -361,8 +367,8 @@ fn every_sweep_file_expands_to_the_expected_runs() {
     for (name, n) in SWEEPS {
         let p = plan(&sweep_file(name), &[], None).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(p.runs.len(), n, "{name}: {:?}", names(&p));
-        for r in &p.runs {
-            let s = &r.spec;
+        for r in p.runs.iter().filter(|r| r.spec.command() == "train") {
+            let s = r.spec.as_train().unwrap();
             let (steps, batch, every) = (s.steps(), s.batch_size(), s.eval.every);
             if name.contains("paper") {
                 assert_eq!((steps, batch, s.seq_len(), every), (4769, 1024, 2048, Some(500)), "{name} {}", r.name);
@@ -373,6 +379,11 @@ fn every_sweep_file_expands_to_the_expected_runs() {
             }
         }
     }
+    let routing = plan(&sweep_file("still-routing-reduced.yaml"), &[], None).unwrap();
+    assert!(routing.runs.iter().all(|r| r.spec.command() == "linearize"));
+    assert_eq!(names(&routing)[..3], ["still-self_saliency", "still-self_saliency_reference_code", "still-diag_attention"]);
+    let comp = names(&plan(&sweep_file("still-components-paper.yaml"), &[], None).unwrap());
+    assert_eq!(comp, ["still-self_saliency-gate-true-np_map", "still-self_saliency-gate-false-np_map", "still-self_saliency-gate-true-hedgehog", "still-self_saliency-gate-false-hedgehog", "still-none-gate-true-np_map", "lolcats-w64"]);
     let t2 = names(&plan(&sweep_file("table2-paper.yaml"), &[], None).unwrap());
     assert_eq!(t2, ["pythia-70m-vanilla", "pythia-160m-vanilla", "pythia-410m-vanilla", "pythia-70m-dar-d128-w128", "pythia-160m-dar-d192-w128", "pythia-410m-dar-d256-w128"]);
     let t2 = names(&plan(&sweep_file("table2-smoke.yaml"), &[], None).unwrap());
@@ -393,6 +404,34 @@ fn every_sweep_file_expands_to_the_expected_runs() {
     }
 }
 
+/// A linearize sweep: specs written for `attnlab linearize`, the child launched with that command,
+/// per-run overrides in the resolved spec, and a different routing giving a different run dir.
+#[cfg(unix)]
+#[test]
+fn linearize_sweeps_launch_linearize() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = plan(&sweep_file("still-routing-smoke.yaml"), &[], Some(&tmp.path().join("out"))).unwrap();
+    write_specs(&p).unwrap();
+    let r = &p.runs[4];
+    let crate::sweep::RunSpec::Linearize(spec) = &r.spec else { panic!("{} is not a linearize run", r.name) };
+    let still = |s: &crate::linearize::LinearizeSpec| match &s.attention {
+        crate::model::hybrid::Variant::Still(c) => c.routing,
+        _ => panic!("not still"),
+    };
+    assert_eq!(still(spec), crate::attention::still::Routing::KeyNorm);
+    assert_eq!((spec.stage1.steps, spec.output.as_path()), (Some(10), r.dir.as_path()));
+    let written = crate::linearize::LinearizeSpec::from_file(&r.spec_path).unwrap();
+    assert_eq!(&written, spec);
+    assert!(std::fs::read_to_string(&r.spec_path).unwrap().contains("attnlab linearize THIS_FILE"));
+    let dirs: std::collections::HashSet<_> = p.runs.iter().map(|r| r.dir.clone()).collect();
+    assert_eq!(dirs.len(), 7);
+    // The child gets `linearize`, as the fake attnlab records.
+    let opts = SweepOptions { exe: Some(fake_attnlab(tmp.path())), out: Some(tmp.path().join("out2")), ..Default::default() };
+    let s = run_sweep(&sweep_file("still-routing-smoke.yaml"), &opts).unwrap();
+    let log = std::fs::read_to_string(s.runs[0].log.as_ref().unwrap()).unwrap();
+    assert!(log.contains(" linearize "), "{log}");
+}
+
 /// The smoke sweep's specs really train (in-process, 2 steps), and the run then reads as done.
 #[test]
 fn a_smoke_sweep_spec_trains() {
@@ -402,7 +441,7 @@ fn a_smoke_sweep_spec_trains() {
     write_specs(&p).unwrap();
     let run = &p.runs[1];
     let spec = crate::spec::load(&run.spec_path, &[]).unwrap();
-    assert_eq!(spec, run.spec);
+    assert_eq!(spec, *run.spec.as_train().unwrap());
     let t = std::time::Instant::now();
     crate::train::train(spec, &crate::train::TrainOptions { quiet: true, ..Default::default() }).unwrap();
     eprintln!("smoke run {} (2 steps) trained in {:.1}s", run.name, t.elapsed().as_secs_f64());

@@ -99,6 +99,44 @@ pub fn learning_rate(n: u64, lr_max: f64, lr_min: f64, warmup: u64, decay: u64) 
     lr.max(lr_min)
 }
 
+/// ReduceLROnPlateau as PyTorch's defaults for `mode='min'` (threshold 1e-4 relative, cooldown 0):
+/// after more than `patience` evaluations without a relative improvement, lr ← max(lr·factor, min_lr).
+/// Its state is a pure function of the evaluated losses, so a resumed run rebuilds it by replaying them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plateau {
+    pub lr: f64,
+    pub factor: f64,
+    pub patience: u32,
+    pub min_lr: f64,
+    best: f64,
+    bad: u32,
+}
+
+impl Plateau {
+    pub fn new(lr: f64, factor: f64, patience: u32, min_lr: f64) -> Plateau {
+        Plateau { lr, factor, patience, min_lr, best: f64::INFINITY, bad: 0 }
+    }
+
+    /// Record one evaluation; returns the learning rate to use from now on.
+    pub fn observe(&mut self, loss: f64) -> f64 {
+        if loss < self.best * (1.0 - 1e-4) {
+            self.best = loss;
+            self.bad = 0;
+        } else {
+            self.bad += 1;
+        }
+        if self.bad > self.patience {
+            let reduced = (self.lr * self.factor).max(self.min_lr);
+            // PyTorch skips reductions smaller than eps = 1e-8.
+            if self.lr - reduced > 1e-8 {
+                self.lr = reduced;
+            }
+            self.bad = 0;
+        }
+        self.lr
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,5 +186,19 @@ mod tests {
             assert!(err(&w.detach(), &wr) < 1e-6 && err(&b.detach(), &br) < 1e-6, "step {t}");
         }
         assert_eq!(opt.steps_done(), 3);
+    }
+
+    /// Hand-traced ReduceLROnPlateau(factor 0.1, patience 2, min_lr 1e-3): the 3rd evaluation in a
+    /// row without a 1e-4 relative improvement reduces, the count restarts, the floor holds.
+    #[test]
+    fn plateau_reduces_after_patience_and_stops_at_min_lr() {
+        let mut p = Plateau::new(0.1, 0.1, 2, 1e-3);
+        let losses = [1.0, 0.9, 0.9, 0.95, 0.91, 0.89995, 0.91, 0.95, 0.92, 0.8, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9];
+        let lrs: Vec<f64> = losses.iter().map(|&l| p.observe(l)).collect();
+        // 0.89995 is not a 1e-4 relative improvement on 0.9, so it counts as bad.
+        let want = [0.1, 0.1, 0.1, 0.1, 0.01, 0.01, 0.01, 0.001, 0.001, 0.001, 0.001, 0.001, 0.001, 0.001, 0.001, 0.001];
+        for (i, (a, b)) in lrs.iter().zip(want).enumerate() {
+            assert!((a - b).abs() < 1e-12, "eval {i}: lr {a}, want {b} ({lrs:?})");
+        }
     }
 }
