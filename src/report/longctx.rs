@@ -164,9 +164,9 @@ fn lengths_of<'a>(runs: impl IntoIterator<Item = &'a LongRun>, task: &str) -> BT
 }
 
 fn len_title(l: usize) -> String {
-    if l % 1024 == 0 {
+    if l.is_multiple_of(1024) {
         format!("{}K", l / 1024)
-    } else if l % 512 == 0 {
+    } else if l.is_multiple_of(512) {
         format!("{}K", l as f64 / 1024.0)
     } else {
         l.to_string()
