@@ -262,7 +262,7 @@ fn ablation(recipe: &str, runs: &[&LongRun], paper: &[StillRow], table: &str) ->
     let mut head: Vec<String> = if routing { vec!["routing".into(), "paper row".into()] } else { vec!["variant".into(), "routing".into(), "gate".into(), "feature map".into()] };
     if routing {
         head.extend(sniah_lengths.iter().map(|&l| format!("S-NIAH-1 {}", len_title(l))));
-        head.extend(["S-NIAH-1 mean".to_string(), "paper (mean 0.5K, 1K)".to_string()]);
+        head.extend(["S-NIAH-1 mean".to_string(), "BABILong mean".to_string(), "paper (mean 0.5K, 1K)".to_string()]);
     } else {
         head.extend(qa_lengths.iter().map(|&l| format!("BABILong {}", len_title(l))));
         head.extend(["S-NIAH-1 mean".to_string(), "paper BABILong 1K".to_string()]);
@@ -296,13 +296,18 @@ fn ablation(recipe: &str, runs: &[&LongRun], paper: &[StillRow], table: &str) ->
             row.extend(qa_lengths.iter().map(|&l| num(run.and_then(|r| r.babilong(l)))));
         }
         row.push(num(sniah));
+        if routing {
+            // BABILong (qa1+qa2) over the lengths where the run has both: the "plus BABILong-style accuracy".
+            let qa: Vec<f64> = run.map(|r| qa_lengths.iter().filter_map(|&l| r.babilong(l)).collect()).unwrap_or_default();
+            row.push(num((!qa.is_empty()).then(|| qa.iter().sum::<f64>() / qa.len() as f64)));
+        }
         row.push(num(p.map(|p| p.value)));
         row.push(run.map_or(Cell::Empty, |r| Cell::Text(r.rel.clone())));
         body.push(row);
     }
     let mut notes = vec![format!("Linearized STILL runs of recipe `{recipe}` (their specs differ only in attention.routing / gate / feature_map, output and device).")];
     if routing {
-        notes.push("Rows: gate on and NP-Map, one per routing metric (still.md §4). Ours: S-NIAH-1 (RULER niah_single_1) per length and its mean over the lengths the run has; the paper's is the mean of 0.5K and 1K.".into());
+        notes.push("Rows: gate on and NP-Map, one per routing metric (still.md §4). Ours: S-NIAH-1 (RULER niah_single_1) per length and its mean over the lengths the run has (the paper's is the mean of 0.5K and 1K), and BABILong (qa1+qa2) averaged over the lengths the run has.".into());
     } else {
         notes.push("BABILong: mean of qa1 and qa2 accuracy (essay backgrounds, evaluation.md §4.2); the paper's is the qa1–qa5 average on PG-19 at 1K, shown alongside, not comparable.".into());
     }

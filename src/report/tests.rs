@@ -397,6 +397,8 @@ fn still_ablations_group_by_config_keys_with_paper_values() {
     assert_eq!(value(routing, &["self_saliency"], "paper (mean 0.5K, 1K)"), Some(42.6));
     assert_eq!(value(routing, &["diag_attention", "a_tt"], "S-NIAH-1 1K"), Some(20.0));
     assert_eq!(value(routing, &["diag_attention"], "S-NIAH-1 mean"), Some(15.0));
+    assert_eq!(value(routing, &["self_saliency"], "BABILong mean"), Some(25.0));
+    assert_eq!(value(routing, &["diag_attention"], "BABILong mean"), None);
     assert_eq!(value(routing, &["key_norm"], "paper (mean 0.5K, 1K)"), Some(12.9));
     assert_eq!(value(routing, &["key_norm"], "S-NIAH-1 mean"), None, "teacher b's key_norm run is another recipe");
     // Our extra metric gets a row without a paper value.
@@ -434,7 +436,7 @@ fn report_includes_long_context_tables() {
     assert!(summary.tables.iter().any(|(t, filled, rows)| t.starts_with("Routing ablation") && *filled == 3 && *rows == 7), "{:?}", summary.tables);
     assert!(summary.missing.iter().any(|m| m.contains("w/o Self-Saliency")));
     let md = std::fs::read_to_string(&summary.report).unwrap();
-    assert!(md.contains("## Long context") && md.contains("| self_saliency | self-saliency | 50.00 | 30.00 | 40.00 | 42.60 | lin/ss |"), "{md}");
+    assert!(md.contains("## Long context") && md.contains("| self_saliency | self-saliency | 50.00 | 30.00 | 40.00 | 25.00 | 42.60 | lin/ss |"), "{md}");
     let csv = std::fs::read_dir(out.join("tables")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).find(|n| n.starts_with("still-component") && n.ends_with(".csv")).unwrap();
     let text = std::fs::read_to_string(out.join("tables").join(csv)).unwrap();
     assert!(text.starts_with("variant,routing,gate,feature map,BABILong 0.5K,BABILong 1K,S-NIAH-1 mean,paper BABILong 1K,run\nfull,self_saliency,on,np_map,25,25,40,27.5,lin/ss\n"), "{text}");
