@@ -219,7 +219,7 @@ fn scores(runs: &[LongRun]) -> Option<Grid> {
             let have: Vec<f64> = vals.iter().flatten().copied().collect();
             if have.is_empty() {
                 let file = if t.starts_with("babilong:") { "babilong.json" } else { "ruler.json" };
-                missing.push(format!("Long-context scores, {} {t}: not evaluated (no `{}` in {file}; run `attnlab eval {} --task {}`)", r.rel, t.trim_start_matches("babilong:"), r.rel, if t.starts_with("babilong:") { t.clone() } else { format!("ruler:{t}") }));
+                missing.push(format!("Long-context scores, {} {t}: not evaluated (no `{}` in {file}; run `attnlab eval {} --task {}`)", r.rel, t.trim_start_matches("babilong:"), r.rel, if t.starts_with("babilong:") { format!("{t} --essay … --babi …") } else { format!("ruler:{t}") }));
             }
             let mut row = vec![Cell::Text(r.rel.clone()), Cell::Text(r.attention.clone()), Cell::Text(t.clone())];
             row.extend(vals.iter().map(|v| num(*v)));
