@@ -75,7 +75,8 @@ enum Cmd {
         /// Device (default: the run's).
         #[arg(long)]
         device: Option<String>,
-        /// Instead of perplexity: a RULER task, e.g. ruler:niah_single_1 (writes ruler.json).
+        /// Instead of perplexity: a RULER task, e.g. ruler:niah_single_1 (writes ruler.json), or a
+        /// BABILong-style QA task, babilong:qa1 or babilong:qa2 (writes babilong.json; needs --essay and --babi).
         #[arg(long)]
         task: Option<String>,
         /// Target lengths (prompt + generation) for --task.
@@ -87,9 +88,13 @@ enum Cmd {
         /// Essay haystack for essay tasks (RULER's PaulGrahamEssays JSON, .gz allowed, or plain text).
         #[arg(long)]
         essay: Option<PathBuf>,
-        /// Tokens generated per sample for --task (RULER: 128).
-        #[arg(long, default_value_t = 128)]
-        max_new_tokens: usize,
+        /// Tokens generated per sample for --task (default: RULER 128, BABILong 20).
+        #[arg(long)]
+        max_new_tokens: Option<usize>,
+        /// bAbI samples for babilong tasks: a jsonl file, or a folder with {task}_test_first300.jsonl
+        /// (e.g. ../shared/data/babi).
+        #[arg(long)]
+        babi: Option<PathBuf>,
     },
     /// Write float32 logits [n, vocab] for whitespace-separated token ids in FILE to a safetensors file.
     Forward {
@@ -320,15 +325,24 @@ fn run(cli: Cli) -> Result<()> {
             }
             print_eval_table(&rows);
         }
-        Cmd::Eval { run, step, corpora, device, task: Some(task), lengths, samples, essay, max_new_tokens } => {
+        Cmd::Eval { run, step, corpora, device, task: Some(task), lengths, samples, essay, max_new_tokens, babi } => {
             if !corpora.is_empty() {
                 bail!("--corpus is for perplexity; --task {task} evaluates generation (give one or the other)");
             }
             let loaded = train::run::load(&run, step, device.as_deref())?;
-            let name = task.strip_prefix("ruler:").with_context(|| format!("--task `{task}`: only ruler:<task> tasks exist"))?;
             let essay = essay.as_deref().map(attnlab::eval::ruler::read_essay).transpose()?;
-            let cells = attnlab::eval::ruler::evaluate(&loaded.model, &loaded.tok, name, &lengths, samples, essay.as_deref(), max_new_tokens, loaded.device, false)?;
-            let path = run.join("ruler.json");
+            let (cells, file) = if let Some(name) = task.strip_prefix("babilong:") {
+                let babi = babi.as_deref().context("--task babilong:… needs --babi (e.g. ../shared/data/babi)")?;
+                let essay = essay.as_deref().context("--task babilong:… needs --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)")?;
+                let records = attnlab::eval::babilong::read_records(babi, name)?;
+                let max_new = max_new_tokens.unwrap_or(attnlab::eval::babilong::TOKENS_TO_GENERATE);
+                (attnlab::eval::babilong::evaluate(&loaded.model, &loaded.tok, name, &records, &lengths, samples, essay, max_new, loaded.device, false)?, "babilong.json")
+            } else {
+                let name = task.strip_prefix("ruler:").with_context(|| format!("--task `{task}`: want ruler:<task> or babilong:<task>"))?;
+                let max_new = max_new_tokens.unwrap_or(attnlab::eval::ruler::TOKENS_TO_GENERATE);
+                (attnlab::eval::ruler::evaluate(&loaded.model, &loaded.tok, name, &lengths, samples, essay.as_deref(), max_new, loaded.device, false)?, "ruler.json")
+            };
+            let path = run.join(file);
             let mut all: Vec<attnlab::eval::ruler::Cell> = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
             all.retain(|c| !cells.iter().any(|n| n.task == c.task && n.length == c.length));
             all.extend(cells.iter().cloned());

@@ -75,6 +75,18 @@ fn interrupted_and_resumed_run_matches_uninterrupted_bit_for_bit() {
     assert!(out.contains("niah_single_1") && out.contains("2 samples"), "{out}");
     let cells: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(a.join("ruler.json")).unwrap()).unwrap();
     assert_eq!((cells[0]["length"].as_u64(), cells[0]["samples"].as_u64()), (Some(300), Some(2)));
+    // babilong: a one-record bAbI file and a plain-text essay; babilong.json gets one cell per length.
+    let (babi, essay) = (cwd.join("qa1.jsonl"), cwd.join("essay.txt"));
+    std::fs::write(&babi, r#"{"facts": ["Mary moved to the bathroom.", "John went to the hallway."], "question": "Where is Mary?", "answer": "bathroom"}"#).unwrap();
+    std::fs::write(&essay, "Startups grow fast because the founders keep talking to their users every week. ".repeat(40)).unwrap();
+    let args = ["--lengths", "1400", "--samples", "3", "--max-new-tokens", "2", "--babi", babi.to_str().unwrap(), "--essay", essay.to_str().unwrap()];
+    let out = ok(&attnlab(&[&["eval", a.to_str().unwrap(), "--task", "babilong:qa1"][..], &args].concat(), cwd));
+    assert!(out.contains("qa1") && out.contains("1 samples"), "{out}");
+    let cells: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(a.join("babilong.json")).unwrap()).unwrap();
+    assert_eq!((cells[0]["task"].as_str(), cells[0]["length"].as_u64(), cells[0]["samples"].as_u64()), (Some("qa1"), Some(1400), Some(1)));
+    assert!(cells[0]["mean_prompt_tokens"].as_f64().unwrap() <= 1400.0);
+    let err = fails(&attnlab(&["eval", a.to_str().unwrap(), "--task", "babilong:qa1", "--babi", babi.to_str().unwrap()], cwd));
+    assert!(err.contains("--essay"), "{err}");
     std::fs::write(&toks, "3 x").unwrap();
     let err = fails(&attnlab(&["forward", a.to_str().unwrap(), "--tokens", toks.to_str().unwrap(), "--out", "l2.safetensors"], cwd));
     assert!(err.contains("token 2"), "{err}");

@@ -190,17 +190,8 @@ impl Generator {
         let fits = |s: &Sample| count(&format!("{}{}", s.input, s.answer_prefix)) + budget <= max_len;
         let probe = self.render(t, incremental, r);
         let per_unit = count(&probe.input).max(1) as f64 / incremental as f64;
-        let (mut lo, mut hi) = (incremental, ((3 * max_len) as f64 / per_unit).max(2.0 * incremental as f64) as usize);
-        let mut best = incremental;
-        while lo <= hi {
-            let mid = (lo + hi) / 2;
-            if fits(&self.render(t, mid, r)) {
-                best = mid;
-                lo = mid + 1;
-            } else {
-                hi = mid - 1;
-            }
-        }
+        let hi = ((3 * max_len) as f64 / per_unit).max(2.0 * incremental as f64) as usize;
+        let best = largest_fitting(incremental, hi, |mid| fits(&self.render(t, mid, r))).unwrap_or(incremental);
         let mut units = best;
         loop {
             let s = self.render(t, units, r);
@@ -210,6 +201,24 @@ impl Generator {
             units -= incremental;
         }
     }
+}
+
+/// The largest `n` in `lo..=hi` with `fits(n)`, by binary search (assumes `fits` holds up to some
+/// point and fails after it); None when not even `lo` fits. Shared by the RULER and BABILong sizing.
+pub fn largest_fitting(lo: usize, hi: usize, mut fits: impl FnMut(usize) -> bool) -> Option<usize> {
+    let (mut lo, mut hi, mut best) = (lo, hi, None);
+    while lo <= hi {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            best = Some(mid);
+            lo = mid + 1;
+        } else if mid == 0 {
+            break;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    best
 }
 
 /// A Punkt-like sentence split: break after `.`, `!` or `?` followed by whitespace.
@@ -281,25 +290,46 @@ pub fn evaluate(
         return Err(crate::Error::Other(format!("{name} needs the essay haystack: pass --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)")));
     }
     let g = Generator::new(essay);
+    let greedy = Greedy::new(model, tok, device);
     let count = |s: &str| tok.encode(s).map(|v| v.len()).unwrap_or(usize::MAX);
-    let bos = ["<|begin_of_text|>", "<s>"].iter().find_map(|b| tok.inner.token_to_id(b));
     let mut cells = Vec::new();
     for &len in lengths {
         let bar = crate::progress::bar(samples as u64, &format!("{name} @ {len}"), quiet);
         let (mut total, mut prompt_tokens) = (0.0, 0usize);
         for i in 0..samples {
             let s = g.sized(&t, len, TOKENS_TO_GENERATE, &count, &mut rng(42, len, i));
-            let mut ids: Vec<u32> = bos.into_iter().collect();
-            ids.extend(tok.encode(&format!("{}{}", s.input, s.answer_prefix))?);
-            prompt_tokens += ids.len();
-            let out = crate::eval::generate::generate(model, &ids, max_new, crate::eval::generate::Sampling { temperature: 0.0, seed: 0 }, None, device);
-            total += match_all(&tok.decode(&out.tokens)?, &s.outputs);
+            let (answer, n) = greedy.answer(&format!("{}{}", s.input, s.answer_prefix), max_new)?;
+            prompt_tokens += n;
+            total += match_all(&answer, &s.outputs);
             bar.inc(1);
         }
         bar.finish_and_clear();
         cells.push(Cell { task: name.to_string(), length: len, samples, score: total / samples.max(1) as f64, mean_prompt_tokens: prompt_tokens as f64 / samples.max(1) as f64 });
     }
     Ok(cells)
+}
+
+/// Greedy answers to text prompts: the tokenizer's BOS (if any) is prepended, as HF tokenizers do.
+pub struct Greedy<'a> {
+    model: &'a crate::model::Model,
+    tok: &'a crate::data::Tok,
+    bos: Option<u32>,
+    device: tch::Device,
+}
+
+impl<'a> Greedy<'a> {
+    pub fn new(model: &'a crate::model::Model, tok: &'a crate::data::Tok, device: tch::Device) -> Greedy<'a> {
+        let bos = ["<|begin_of_text|>", "<s>"].iter().find_map(|b| tok.inner.token_to_id(b));
+        Greedy { model, tok, bos, device }
+    }
+
+    /// The decoded greedy continuation of `prompt` (`max_new` tokens) and the prompt's length in tokens.
+    pub fn answer(&self, prompt: &str, max_new: usize) -> crate::Result<(String, usize)> {
+        let mut ids: Vec<u32> = self.bos.into_iter().collect();
+        ids.extend(self.tok.encode(prompt)?);
+        let out = crate::eval::generate::generate(self.model, &ids, max_new, crate::eval::generate::Sampling { temperature: 0.0, seed: 0 }, None, self.device);
+        Ok((self.tok.decode(&out.tokens)?, ids.len()))
+    }
 }
 
 /// Text of RULER's essay haystack file (`{"text": …}` JSON, optionally gzip'd) or of a plain text file.

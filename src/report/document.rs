@@ -13,6 +13,8 @@ pub struct Inputs<'a> {
     pub runs: &'a [Run],
     pub skipped: &'a [Skipped],
     pub tables: &'a [Table],
+    /// RULER / BABILong scores and STILL's ablations.
+    pub long: &'a [super::longctx::Grid],
     /// Files of each table (relative to the report folder).
     pub table_files: &'a BTreeMap<String, Vec<PathBuf>>,
     pub figure3: &'a [Figure],
@@ -55,9 +57,9 @@ pub fn write(i: &Inputs) -> String {
     let _ = writeln!(o, "- Paper values: `data/papers/dar.csv` (arXiv 2606.18587 via a third-party summary, shared/specs/dar.md §5).");
     let _ = writeln!(o, "- Every logged value: `runs.parquet` (one row per run and step; the run's config in columns beside every metric).\n");
 
-    let missing: Vec<String> = i.tables.iter().flat_map(|t| t.missing()).collect();
+    let missing: Vec<String> = i.tables.iter().flat_map(|t| t.missing()).chain(i.long.iter().flat_map(|g| g.missing.clone())).collect();
     let _ = writeln!(o, "## Missing rows\n");
-    if i.tables.is_empty() {
+    if i.tables.is_empty() && i.long.is_empty() {
         let _ = writeln!(o, "No table could be built: no run fits Table 1, 2 or 3 (nor is any run at a scale of the paper).\n");
     } else if missing.is_empty() {
         let _ = writeln!(o, "None: every table row has a result.\n");
@@ -91,6 +93,24 @@ pub fn write(i: &Inputs) -> String {
             .collect();
         if !remarks.is_empty() {
             let _ = writeln!(o, "{}\n", remarks.join("\n"));
+        }
+    }
+
+    if !i.long.is_empty() {
+        let _ = writeln!(o, "## Long context: RULER, BABILong, STILL ablations\n");
+    }
+    for g in i.long {
+        let _ = writeln!(o, "### {}\n", g.title);
+        for n in &g.notes {
+            let _ = writeln!(o, "{n}\n");
+        }
+        o += &render::markdown_grid(&g.head, &g.body);
+        o.push('\n');
+        if let Some(files) = i.table_files.get(&g.id) {
+            let _ = writeln!(o, "Files: {}\n", files.iter().map(|p| link(p)).collect::<Vec<_>>().join(", "));
+        }
+        if !g.missing.is_empty() {
+            let _ = writeln!(o, "{}\n", g.missing.iter().map(|m| format!("- missing: {m}")).collect::<Vec<_>>().join("\n"));
         }
     }
 

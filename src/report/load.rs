@@ -84,10 +84,16 @@ pub fn discover(root: &Path) -> Result<(Vec<Run>, Vec<Skipped>)> {
         let rel = relative(root, &dir);
         match load_run(&dir, rel.clone()) {
             Ok(run) => runs.push(run),
+            // Linearized runs have their own spec: only the long-context tables (longctx.rs) use them.
+            Err(_) if is_linearize_run(&dir) => {}
             Err(e) => skipped.push(Skipped { rel, why: e.to_string() }),
         }
     }
     Ok((runs, skipped))
+}
+
+fn is_linearize_run(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("config.yaml")).is_ok_and(|t| crate::linearize::LinearizeSpec::from_yaml(&t).is_ok())
 }
 
 fn relative(root: &Path, dir: &Path) -> String {
@@ -99,7 +105,7 @@ fn relative(root: &Path, dir: &Path) -> String {
 }
 
 /// A run directory holds config.yaml; its subfolders (checkpoints) are not searched further.
-fn find_run_dirs(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+pub(crate) fn find_run_dirs(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     if dir.join("config.yaml").is_file() {
         out.push(dir.to_path_buf());
         return Ok(());

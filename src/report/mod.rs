@@ -10,6 +10,7 @@ pub mod figures;
 pub mod frame;
 pub mod groups;
 pub mod load;
+pub mod longctx;
 pub mod paper;
 pub mod plots;
 pub mod render;
@@ -114,6 +115,16 @@ pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str
         }
     }
 
+    // RULER / BABILong scores and STILL's ablations (also of linearized runs, which `runs` lacks).
+    let long = longctx::build(&longctx::discover(results_dir)?, &paper::still()?);
+    for g in &long {
+        for f in &formats {
+            let rel = PathBuf::from(format!("tables/{}.{f}", g.id));
+            write_file(&out.join(&rel), &g.render(f), &mut files)?;
+            table_files.entry(g.id.clone()).or_default().push(rel);
+        }
+    }
+
     let (mut figure3, mut sweeps, mut per_run) = (Vec::new(), Vec::new(), Vec::new());
     let all: Vec<&load::Run> = runs.iter().collect();
     for (key, members) in groups::by_recipe(&all) {
@@ -134,6 +145,7 @@ pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str
         runs: &runs,
         skipped: &skipped,
         tables: &tables,
+        long: &long,
         table_files: &table_files,
         figure3: &figure3,
         sweeps: &sweeps,
@@ -147,8 +159,8 @@ pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str
         runs: runs.len(),
         finished: runs.iter().filter(|r| r.done).count(),
         skipped: skipped.len(),
-        tables: tables.iter().map(|t| (t.title.clone(), t.filled(), t.rows.len())).collect(),
-        missing: tables.iter().flat_map(|t| t.missing()).collect(),
+        tables: tables.iter().map(|t| (t.title.clone(), t.filled(), t.rows.len())).chain(long.iter().map(|g| (g.title.clone(), g.filled(), g.rows))).collect(),
+        missing: tables.iter().flat_map(|t| t.missing()).chain(long.iter().flat_map(|g| g.missing.clone())).collect(),
         files,
     })
 }

@@ -98,3 +98,48 @@ pub fn column_title(col: &str) -> &str {
         other => other,
     }
 }
+
+pub const STILL_CSV: &str = include_str!("../../data/papers/still.csv");
+
+/// A row of STILL's routing or component ablation (data/papers/still.csv).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StillRow {
+    /// `routing` or `component`.
+    pub table: String,
+    /// The paper's row name.
+    pub variant: String,
+    /// Our config keys (`attention.routing`, `.gate`, `.feature_map`) for that row.
+    pub routing: String,
+    pub gate: bool,
+    pub feature_map: String,
+    pub value: f64,
+    pub metric: String,
+    pub note: String,
+}
+
+/// Parse still.csv: a header, then rows of its 8 columns (no quoting; notes hold no commas).
+pub fn parse_still(text: &str) -> Result<Vec<StillRow>> {
+    const COLS: [&str; 8] = ["table", "variant", "routing", "gate", "feature_map", "value", "metric", "note"];
+    let bad = |line: usize, msg: String| Error::Data(format!("data/papers/still.csv line {line}: {msg}"));
+    let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
+    let (_, header) = lines.next().ok_or_else(|| bad(1, "empty file".into()))?;
+    if header.split(',').map(str::trim).collect::<Vec<_>>() != COLS {
+        return Err(bad(1, format!("header must be {}", COLS.join(","))));
+    }
+    lines
+        .map(|(i, line)| {
+            let c: Vec<&str> = line.split(',').map(str::trim).collect();
+            if c.len() != COLS.len() {
+                return Err(bad(i + 1, format!("{} cells, header has {}", c.len(), COLS.len())));
+            }
+            let gate = c[3].parse::<bool>().map_err(|_| bad(i + 1, format!("gate `{}` is not true or false", c[3])))?;
+            let value = c[5].parse::<f64>().map_err(|_| bad(i + 1, format!("value `{}` is not a number", c[5])))?;
+            Ok(StillRow { table: c[0].into(), variant: c[1].into(), routing: c[2].into(), gate, feature_map: c[4].into(), value, metric: c[6].into(), note: c[7].into() })
+        })
+        .collect()
+}
+
+/// STILL's published ablation rows.
+pub fn still() -> Result<Vec<StillRow>> {
+    parse_still(STILL_CSV)
+}

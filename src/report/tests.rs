@@ -298,3 +298,157 @@ fn paper_file_reproduces_its_rel_column_except_the_flagged_rows() {
         }
     }
 }
+
+// ---- long-context tables (longctx.rs) -------------------------------------------------------
+
+/// A linearized run as `attnlab linearize` leaves it (config.yaml = the resolved LinearizeSpec,
+/// DONE) plus what `attnlab eval --task` writes: ruler.json / babilong.json cells (task, length, score).
+fn linearized(root: &Path, rel: &str, teacher: &str, attention: &str, ruler: &[(&str, usize, f64)], babilong: &[(&str, usize, f64)]) {
+    let dir = root.join(rel);
+    std::fs::create_dir_all(&dir).unwrap();
+    let yaml = format!("{{teacher: {teacher}, attention: {attention}, data: {{train: {{alpaca: a.jsonl}}}}, output: {}}}", dir.display());
+    let spec = crate::linearize::LinearizeSpec::from_yaml(&yaml).unwrap().resolved();
+    std::fs::write(dir.join("config.yaml"), spec.to_yaml()).unwrap();
+    std::fs::write(dir.join("eval.json"), r#"{"step": 10, "student": {"loss": 2.0, "ppl": 7.39}}"#).unwrap();
+    std::fs::write(dir.join("DONE"), "").unwrap();
+    cells(&dir, "ruler.json", ruler);
+    cells(&dir, "babilong.json", babilong);
+}
+
+fn cells(dir: &Path, file: &str, v: &[(&str, usize, f64)]) {
+    if v.is_empty() {
+        return;
+    }
+    let cells: Vec<crate::eval::ruler::Cell> =
+        v.iter().map(|&(t, l, s)| crate::eval::ruler::Cell { task: t.into(), length: l, samples: 10, score: s, mean_prompt_tokens: l as f64 - 130.0 }).collect();
+    std::fs::write(dir.join(file), serde_json::to_string_pretty(&cells).unwrap()).unwrap();
+}
+
+/// Two recipes of linearized STILL runs (teacher a: five runs, teacher b: one) and a DAR training run
+/// with RULER scores.
+fn still_sweep(root: &Path) {
+    let s = |r: &str| format!("{{kind: still, {r}}}");
+    linearized(root, "lin/ss", "a", &s("routing: self_saliency"), &[("niah_single_1", 512, 50.0), ("niah_single_1", 1024, 30.0), ("niah_single_2", 512, 20.0)], &[("qa1", 512, 40.0), ("qa1", 1024, 20.0), ("qa2", 512, 10.0), ("qa2", 1024, 30.0)]);
+    linearized(root, "lin/diag", "a", &s("routing: diag_attn"), &[("niah_single_1", 512, 10.0), ("niah_single_1", 1024, 20.0)], &[]);
+    linearized(root, "lin/nogate", "a", &s("gate: false"), &[], &[("qa1", 1024, 25.0), ("qa2", 1024, 15.0)]);
+    linearized(root, "lin/hh", "a", &s("feature_map: hedgehog"), &[], &[]);
+    linearized(root, "lin/ref", "a", &s("routing: self_saliency_reference_code"), &[("niah_single_1", 512, 70.0)], &[]);
+    linearized(root, "other/kn", "b", &s("routing: key_norm"), &[("niah_single_1", 512, 5.0)], &[]);
+    let d = spec("pythia-70m", "{kind: dar, d_down: 128, window: 128}", 40, &["wikitext"], &root.join("t/dar"));
+    let dir = finished(&d, &[("wikitext", 40.0, 60.0)], &[("wikitext", 30.0, 50.0)]);
+    cells(&dir.path, "ruler.json", &[("niah_single_1", 512, 80.0), ("niah_multikey_1", 1024, 60.0)]);
+}
+
+fn grid<'a>(grids: &'a [longctx::Grid], prefix: &str, teacher_of: &str, runs: &[longctx::LongRun]) -> &'a longctx::Grid {
+    let recipe = &runs.iter().find(|r| r.rel == teacher_of).unwrap().recipe;
+    grids.iter().find(|g| g.id == format!("{prefix}-{recipe}")).unwrap_or_else(|| panic!("no {prefix} grid for {recipe}"))
+}
+
+/// The value in the row whose first cells are `keys` and the column titled `col` (None when empty).
+fn value(g: &longctx::Grid, keys: &[&str], col: &str) -> Option<f64> {
+    let j = g.head.iter().position(|h| h == col).unwrap_or_else(|| panic!("{}: no column {col} in {:?}", g.title, g.head));
+    let text = |c: &render::Cell| match c {
+        render::Cell::Text(s) => s.clone(),
+        _ => String::new(),
+    };
+    let row = g.body.iter().find(|r| keys.iter().enumerate().all(|(i, k)| text(&r[i]) == *k)).unwrap_or_else(|| panic!("{}: no row {keys:?}", g.title));
+    match row[j] {
+        render::Cell::Num(v) => Some(v),
+        render::Cell::Empty => None,
+        render::Cell::Text(ref s) => panic!("{col}: text {s}"),
+    }
+}
+
+#[test]
+fn ruler_and_babilong_scores_per_run_and_length() {
+    let tmp = tempfile::tempdir().unwrap();
+    still_sweep(tmp.path());
+    let runs = longctx::discover(tmp.path()).unwrap();
+    assert_eq!(runs.len(), 7);
+    let grids = longctx::build(&runs, &paper::still().unwrap());
+    let g = grids.iter().find(|g| g.id == "long-context").unwrap();
+    assert_eq!(g.head, ["run", "attention", "task", "0.5K", "1K", "mean"]);
+    assert_eq!(value(g, &["lin/ss", "STILL (routing self_saliency, gate on, np_map)", "niah_single_1"], "0.5K"), Some(50.0));
+    assert_eq!(value(g, &["lin/ss", "STILL (routing self_saliency, gate on, np_map)", "niah_single_1"], "mean"), Some(40.0));
+    assert_eq!(value(g, &["lin/ss", "STILL (routing self_saliency, gate on, np_map)", "niah_single_2"], "1K"), None);
+    // BABILong-PG = mean of qa1 and qa2 per length: (40 + 10)/2 and (20 + 30)/2.
+    assert_eq!(value(g, &["lin/ss", "STILL (routing self_saliency, gate on, np_map)", "babilong (qa1+qa2)"], "0.5K"), Some(25.0));
+    assert_eq!(value(g, &["lin/ss", "STILL (routing self_saliency, gate on, np_map)", "babilong:qa2"], "1K"), Some(30.0));
+    // A training run's extra RULER task gets its own row.
+    let dar = runs.iter().find(|r| r.rel == "t/dar").unwrap();
+    assert_eq!(value(g, &["t/dar", &dar.attention, "niah_multikey_1"], "1K"), Some(60.0));
+    // Runs without results are not rows; evaluated runs list the expected tasks they lack.
+    assert!(!g.body.iter().any(|r| matches!(&r[0], render::Cell::Text(s) if s == "lin/hh")));
+    assert!(g.missing.iter().any(|m| m.contains("lin/ss niah_single_3") && m.contains("--task ruler:niah_single_3")), "{:?}", g.missing);
+    assert!(g.missing.iter().any(|m| m.contains("lin/diag babilong:qa1") && m.contains("babilong.json")), "{:?}", g.missing);
+}
+
+#[test]
+fn still_ablations_group_by_config_keys_with_paper_values() {
+    let tmp = tempfile::tempdir().unwrap();
+    still_sweep(tmp.path());
+    let runs = longctx::discover(tmp.path()).unwrap();
+    let paper = paper::still().unwrap();
+    let grids = longctx::build(&runs, &paper);
+    // One long-context table, and a routing + component table per recipe (teachers a and b).
+    assert_eq!(grids.len(), 5);
+    let routing = grid(&grids, "still-routing", "lin/ss", &runs);
+    assert_eq!(value(routing, &["self_saliency"], "S-NIAH-1 mean"), Some(40.0));
+    assert_eq!(value(routing, &["self_saliency"], "paper (mean 0.5K, 1K)"), Some(42.6));
+    assert_eq!(value(routing, &["diag_attention", "a_tt"], "S-NIAH-1 1K"), Some(20.0));
+    assert_eq!(value(routing, &["diag_attention"], "S-NIAH-1 mean"), Some(15.0));
+    assert_eq!(value(routing, &["self_saliency"], "BABILong mean"), Some(25.0));
+    assert_eq!(value(routing, &["diag_attention"], "BABILong mean"), None);
+    assert_eq!(value(routing, &["key_norm"], "paper (mean 0.5K, 1K)"), Some(12.9));
+    assert_eq!(value(routing, &["key_norm"], "S-NIAH-1 mean"), None, "teacher b's key_norm run is another recipe");
+    // Our extra metric gets a row without a paper value.
+    assert_eq!(value(routing, &["self_saliency_reference_code"], "S-NIAH-1 mean"), Some(70.0));
+    assert_eq!(value(routing, &["self_saliency_reference_code"], "paper (mean 0.5K, 1K)"), None);
+    assert_eq!(routing.rows, 7);
+    assert!(routing.missing.iter().any(|m| m.contains("q·k") && m.contains("no linearized run with routing self_logit")), "{:?}", routing.missing);
+    assert_eq!(routing.missing.len(), 4, "self_logit, key_norm, random, uniform: {:?}", routing.missing);
+
+    let comp = grid(&grids, "still-component", "lin/ss", &runs);
+    assert_eq!(value(comp, &["full"], "BABILong 1K"), Some(25.0));
+    assert_eq!(value(comp, &["full"], "paper BABILong 1K"), Some(27.5));
+    assert_eq!(value(comp, &["full"], "S-NIAH-1 mean"), Some(40.0));
+    assert_eq!(value(comp, &["w/o Gate"], "BABILong 1K"), Some(20.0));
+    assert_eq!(value(comp, &["w/o Gate"], "BABILong 0.5K"), None);
+    assert_eq!(value(comp, &["w/o NP-Map"], "paper BABILong 1K"), Some(22.4));
+    assert!(comp.missing.iter().any(|m| m.contains("w/o NP-Map") && m.contains("lin/hh has no babilong")), "{:?}", comp.missing);
+    assert!(comp.missing.iter().any(|m| m.contains("w/o Self-Saliency") && m.contains("routing none")), "{:?}", comp.missing);
+    assert_eq!(comp.filled(), 2);
+
+    let other = grid(&grids, "still-routing", "other/kn", &runs);
+    assert_eq!(value(other, &["key_norm"], "S-NIAH-1 mean"), Some(5.0));
+    assert_eq!(other.filled(), 1);
+}
+
+/// `attnlab report` writes the new tables, lists their missing rows, and does not call the
+/// linearized runs unreadable.
+#[test]
+fn report_includes_long_context_tables() {
+    let tmp = tempfile::tempdir().unwrap();
+    still_sweep(tmp.path());
+    let out = tmp.path().join("report");
+    let summary = run_report(tmp.path(), &out, &["md".into(), "csv".into()], "word").unwrap();
+    assert_eq!(summary.skipped, 0, "linearized runs are not training runs, but not broken either");
+    assert!(summary.tables.iter().any(|(t, filled, rows)| t.starts_with("Routing ablation") && *filled == 3 && *rows == 7), "{:?}", summary.tables);
+    assert!(summary.missing.iter().any(|m| m.contains("w/o Self-Saliency")));
+    let md = std::fs::read_to_string(&summary.report).unwrap();
+    assert!(md.contains("## Long context") && md.contains("| self_saliency | self-saliency | 50.00 | 30.00 | 40.00 | 25.00 | 42.60 | lin/ss |"), "{md}");
+    let csv = std::fs::read_dir(out.join("tables")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).find(|n| n.starts_with("still-component") && n.ends_with(".csv")).unwrap();
+    let text = std::fs::read_to_string(out.join("tables").join(csv)).unwrap();
+    assert!(text.starts_with("variant,routing,gate,feature map,BABILong 0.5K,BABILong 1K,S-NIAH-1 mean,paper BABILong 1K,run\nfull,self_saliency,on,np_map,25,25,40,27.5,lin/ss\n"), "{text}");
+}
+
+/// still.csv carries still.md §11's numbers; a malformed file names its line.
+#[test]
+fn still_paper_rows() {
+    let rows = paper::still().unwrap();
+    let v = |t: &str, n: &str| rows.iter().find(|r| r.table == t && r.variant == n).unwrap().value;
+    assert_eq!((v("routing", "self-saliency"), v("routing", "uniform"), v("component", "w/o Gate & NP-Map")), (42.6, 12.3, 19.2));
+    assert_eq!(rows.len(), 11);
+    let err = paper::parse_still("table,variant,routing,gate,feature_map,value,metric,note\nrouting,x,y,maybe,np_map,1,m,\n").unwrap_err();
+    assert!(err.to_string().contains("line 2") && err.to_string().contains("maybe"), "{err}");
+}
