@@ -366,21 +366,29 @@ impl Llama {
     /// (block-diagonal causal mask, combined with the DAR mask) and RoPE positions restart at 0 at every
     /// document, so each document is computed as if it were alone. None: one document per row.
     pub fn hidden_docs(&self, ids: &Tensor, doc_ids: Option<&Tensor>) -> Tensor {
-        let t = ids.size()[1];
-        let (seg, (cos, sin)) = match doc_ids {
-            None => (None, self.rope(0, t, ids.device())),
-            Some(docs) => {
-                assert_eq!(docs.size(), ids.size(), "doc_ids must have the shape of ids");
-                let (seg, pos) = attention::doc_segments(docs);
-                let (c, s) = self.rope_at(&pos);
-                (Some(seg), (c.unsqueeze(1), s.unsqueeze(1)))
-            }
-        };
+        let (seg, cos, sin) = self.doc_tables(ids, doc_ids);
         let mut x = self.embed(ids);
         for i in 0..self.layers.len() {
             x = self.layer_forward_docs(i, &x, &cos, &sin, seg.as_ref());
         }
         self.final_norm(&x)
+    }
+
+    /// (document segments, cos, sin) for `hidden_docs`: no segments and `[T, hd]` tables for plain
+    /// rows, `[B, 1, T, hd]` tables at the in-document positions for packed ones.
+    pub(crate) fn doc_tables(&self, ids: &Tensor, doc_ids: Option<&Tensor>) -> (Option<Tensor>, Tensor, Tensor) {
+        match doc_ids {
+            None => {
+                let (c, s) = self.rope(0, ids.size()[1], ids.device());
+                (None, c, s)
+            }
+            Some(docs) => {
+                assert_eq!(docs.size(), ids.size(), "doc_ids must have the shape of ids");
+                let (seg, pos) = attention::doc_segments(docs);
+                let (c, s) = self.rope_at(&pos);
+                (Some(seg), c.unsqueeze(1), s.unsqueeze(1))
+            }
+        }
     }
 
     /// `[B, T, n·hd]` → `[B, n, T, hd]`.

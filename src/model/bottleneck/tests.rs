@@ -50,19 +50,43 @@ fn pca_at_full_width_gives_the_original_logits() {
         let (vs, mut m) = hf::load_llama(&dir, Device::Cpu).unwrap();
         let want = tch::no_grad(|| m.logits(&m.hidden(&x)));
         let d = m.cfg.hidden_size;
-        let lost = add_dar_to_pretrained(&mut m, &vs.root(), dar(d, 4), BottleneckInit::Pca, Some(&x)).unwrap();
+        let lost = add_dar_to_pretrained(&mut m, &vs.root(), dar(d, 4), BottleneckInit::Pca, Some(&x), None).unwrap();
         assert!(lost.iter().all(|&f| f.abs() < 1e-9), "{lost:?}");
         let got = tch::no_grad(|| m.logits(&m.hidden(&x)));
         assert!(max_diff(&got, &want) < 1e-4, "{name}: {}", max_diff(&got, &want));
 
         let (vs, mut m) = hf::load_llama(&dir, Device::Cpu).unwrap();
-        let lost = add_dar_to_pretrained(&mut m, &vs.root(), dar(d / 4, 4), BottleneckInit::Pca, Some(&x)).unwrap();
+        let lost = add_dar_to_pretrained(&mut m, &vs.root(), dar(d / 4, 4), BottleneckInit::Pca, Some(&x), None).unwrap();
         let a = tch::no_grad(|| m.kv_input(0, &m.embed(&x))).reshape([-1, d as i64]).to_kind(Kind::Double);
         let (down, up) = m.bottleneck(0).unwrap();
         let rec = a.matmul(&down.to_kind(Kind::Double).tr()).matmul(&up.to_kind(Kind::Double).tr());
         let frac = (&a - rec).pow_tensor_scalar(2).sum(Kind::Double).double_value(&[]) / a.pow_tensor_scalar(2).sum(Kind::Double).double_value(&[]);
         assert!((frac - lost[0]).abs() < 1e-5 && lost[0] > 0.0, "{name}: measured {frac}, reported {}", lost[0]);
     }
+}
+
+/// Calibration on packed rows sees each layer's inputs as `hidden_docs` computes them: layer 1's
+/// reported discarded fraction is what its bottleneck loses on the packed layer-1 inputs.
+#[test]
+fn pca_calibration_follows_document_ids() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/olmo2_tiny");
+    let x = (Tensor::arange(48, (Kind::Int64, Device::Cpu)).view([2, 24]) * 7).remainder(128);
+    let docs = Tensor::arange(48, (Kind::Int64, Device::Cpu)).view([2, 24]).divide_scalar_mode(7, "floor");
+    let (vs, mut m) = hf::load_llama(&dir, Device::Cpu).unwrap();
+    let lost = add_dar_to_pretrained(&mut m, &vs.root(), dar(16, 4), BottleneckInit::Pca, Some(&x), Some(&docs)).unwrap();
+    let a1 = tch::no_grad(|| {
+        let (seg, cos, sin) = m.doc_tables(&x, Some(&docs));
+        let x1 = m.layer_forward_docs(0, &m.embed(&x), &cos, &sin, seg.as_ref());
+        m.kv_input(1, &x1).reshape([-1, 64]).to_kind(Kind::Double)
+    });
+    let (down, up) = m.bottleneck(1).unwrap();
+    let rec = a1.matmul(&down.to_kind(Kind::Double).tr()).matmul(&up.to_kind(Kind::Double).tr());
+    let frac = (&a1 - rec).pow_tensor_scalar(2).sum(Kind::Double).double_value(&[]) / a1.pow_tensor_scalar(2).sum(Kind::Double).double_value(&[]);
+    assert!((frac - lost[1]).abs() < 1e-5, "measured {frac}, reported {}", lost[1]);
+    // Without the document ids layer 1 sees other inputs, so its calibration differs.
+    let (vs, mut plain) = hf::load_llama(&dir, Device::Cpu).unwrap();
+    let lost_plain = add_dar_to_pretrained(&mut plain, &vs.root(), dar(16, 4), BottleneckInit::Pca, Some(&x), None).unwrap();
+    assert!((lost_plain[0] - lost[0]).abs() < 1e-9 && (lost_plain[1] - lost[1]).abs() > 1e-6, "{lost_plain:?} vs {lost:?}");
 }
 
 /// A tiny model trained on a copy task (the second half of each row repeats the first, 16 tokens
@@ -102,7 +126,7 @@ fn pca_starts_below_small_init_on_a_trained_model() {
                     v.shallow_clone().copy_(&vs.variables()[&name]);
                 }
             });
-            add_dar_to_pretrained(&mut m2, &vs2.root(), dar(8, 4), init, Some(&batch(16))).unwrap();
+            add_dar_to_pretrained(&mut m2, &vs2.root(), dar(8, 4), init, Some(&batch(16)), None).unwrap();
             tch::no_grad(|| loss_of(&m2, &eval)).double_value(&[])
         };
         let (pca, small) = (start(BottleneckInit::Pca), start(BottleneckInit::SmallInit));
