@@ -252,3 +252,18 @@ fn dar_cached_decoding_equals_full_forward() {
         assert_eq!(cache.bytes(), 2 * 2 * 2 * (2 * 2 * 12 * 16) * 4);
     }
 }
+
+/// A DAR model written as a Hugging Face folder (bottleneck weights + attnlab_attention) loads back as
+/// the same DAR model.
+#[test]
+fn dar_checkpoint_round_trips() {
+    let (vs, mut m) = load("olmo2_tiny");
+    tch::manual_seed(4);
+    m.add_dar(&vs.root(), dar(AttentionKind::Dar, 16, 3, AttentionImpl::Sdpa)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    hf::save_llama(&vs, &m.cfg, dir.path()).unwrap();
+    let (_vs2, again) = hf::load_llama(dir.path(), Device::Cpu).unwrap();
+    assert_eq!(again.cfg, m.cfg);
+    let x = (Tensor::arange(40, (Kind::Int64, Device::Cpu)).view([2, 20]) * 3).remainder(128);
+    assert_eq!(max_diff(&m.logits(&m.hidden(&x)), &again.logits(&again.hidden(&x))), 0.0);
+}
