@@ -185,6 +185,27 @@ fn llama_teacher_trains_and_exports() {
     assert!(err.contains("only vanilla"), "{err}");
 }
 
+/// An OLMo 2 flavor trains with DAR from the spec's `attention:` section, evaluates, and exports as an
+/// Olmo2ForCausalLM folder whose config.json keeps the DAR settings (attnlab_attention) for reloading.
+#[test]
+fn olmo2_dar_trains_evaluates_and_exports() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let run = cwd.join("olmo2");
+    let args = ["train", "--quiet", "--out", run.to_str().unwrap(), "--set", "model.flavor=olmo2-tiny", "--set", "attention={kind: dar, d_down: 16, window: 8, impl: reference}", "--set", "train.steps=20", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=200"];
+    ok(&attnlab(&args, cwd));
+    let l = losses(&run);
+    assert!(l[&20] < l[&10], "loss did not decrease: {l:?}");
+    let resolved = std::fs::read_to_string(run.join("config.yaml")).unwrap();
+    assert!(resolved.contains("arch: olmo2") && resolved.contains("kind: dar"), "{resolved}");
+    let out = ok(&attnlab(&["eval", run.to_str().unwrap()], cwd));
+    assert!(out.contains("step 20"), "{out}");
+    ok(&attnlab(&["export", run.to_str().unwrap(), "--out", cwd.join("hf").to_str().unwrap()], cwd));
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("hf/config.json")).unwrap()).unwrap();
+    assert_eq!((cfg["architectures"][0].as_str(), cfg["model_type"].as_str()), (Some("Olmo2ForCausalLM"), Some("olmo2")));
+    assert_eq!((cfg["attnlab_attention"]["d_down"].as_u64(), cfg["attnlab_attention"]["window"].as_u64()), (Some(16), Some(8)));
+}
+
 /// A diverging run stops with a clear message and keeps its last good checkpoint.
 #[test]
 fn nan_loss_stops_the_run_keeping_the_last_good_checkpoint() {

@@ -79,10 +79,47 @@ pub fn split_merge_supported(q: &Tensor) -> bool {
 pub fn dar_sdpa(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64) -> Tensor {
     let t = q.size()[2];
     let (local, global) = dar_masks(t, window, q.device());
-    let mask = Tensor::cat(&[local, global], 1);
-    let k = Tensor::cat(&[kl, kg], 2);
-    let v = Tensor::cat(&[vl, vg], 2);
+    masked_sdpa(q, &[(kl, vl, &local), (kg, vg, &global)])
+}
+
+/// The joint softmax of `masked_softmax_attention` through one SDPA call over the concatenated keys
+/// (masks concatenated along the key axis; `[T, S_p]` or `[B, 1, T, S_p]`, all of one rank).
+pub fn masked_sdpa(q: &Tensor, parts: &[(&Tensor, &Tensor, &Tensor)]) -> Tensor {
+    let cat = |f: &dyn Fn(&(&Tensor, &Tensor, &Tensor)) -> Tensor, dim: i64| Tensor::cat(&parts.iter().map(f).collect::<Vec<_>>(), dim);
+    let k = cat(&|p| p.0.shallow_clone(), 2);
+    let v = cat(&|p| p.1.shallow_clone(), 2);
+    let mask = cat(&|p| p.2.shallow_clone(), -1);
     Tensor::scaled_dot_product_attention(q, &k, &v, Some(mask), 0.0, false, None, false)
+}
+
+/// Attention with explicit masks (packed documents): the oracle for `Reference`, masked SDPA otherwise.
+pub fn masked(q: &Tensor, parts: &[(&Tensor, &Tensor, &Tensor)], imp: AttentionImpl) -> Tensor {
+    match imp {
+        AttentionImpl::Reference => masked_softmax_attention(q, parts),
+        _ => masked_sdpa(q, parts),
+    }
+}
+
+/// Packed rows: document ids `[B, T]` → (segment index `[B, T]`, position within the document `[B, T]`).
+/// Every run of equal ids is one segment (a new one starts wherever the id changes), so positions
+/// restart at 0 at each document even if an id is reused later in the row.
+pub fn doc_segments(doc_ids: &Tensor) -> (Tensor, Tensor) {
+    let t = doc_ids.size()[1];
+    let idx = Tensor::arange(t, (Kind::Int64, doc_ids.device())).unsqueeze(0).expand_as(doc_ids);
+    let changed = doc_ids.narrow(1, 1, t - 1).ne_tensor(&doc_ids.narrow(1, 0, t - 1));
+    let starts = Tensor::cat(&[changed.ones_like().narrow(1, 0, 1), changed], 1);
+    let seg = starts.to_kind(Kind::Int64).cumsum(1, Kind::Int64);
+    // Index of each token's segment start: the running maximum of the start indices seen so far.
+    let (first, _) = idx.where_self(&starts, &idx.zeros_like()).cummax(1);
+    (seg, idx - first)
+}
+
+/// `dar_masks` for packed rows `[B, 1, T, T]`: key j is visible to query i only in i's own segment
+/// (`doc_segments`), local when 0 ≤ i−j < window, global when i−j ≥ window. Vanilla: window = T.
+pub fn doc_dar_masks(seg: &Tensor, window: i64) -> (Tensor, Tensor) {
+    let same = seg.unsqueeze(2).eq_tensor(&seg.unsqueeze(1)).unsqueeze(1);
+    let (local, global) = dar_masks(seg.size()[1], window, seg.device());
+    (local.logical_and(&same), global.logical_and(&same))
 }
 
 /// The oracle: one joint softmax over the union of several key sets. Each part is (keys

@@ -66,6 +66,8 @@ fn tiny_teacher(dir: &Path) {
         rope_scaling: crate::model::llama::RopeScaling::Default,
         tie_word_embeddings: true,
         max_position_embeddings: 256,
+        family: Default::default(),
+        attention: Default::default(),
     };
     tch::manual_seed(7);
     let vs = VarStore::new(Device::Cpu);

@@ -64,6 +64,9 @@ impl Hybrid {
     /// Build the student in `vs` (empty), copying every variable of `teacher_vs` (a Llama with config
     /// `cfg`), adding the operators of `variant` and LoRA adapters (`lora`, may have no targets).
     pub fn from_teacher(vs: &nn::VarStore, teacher_vs: &nn::VarStore, cfg: super::LlamaConfig, variant: &Variant, lora: &LoraConfig) -> Result<Hybrid> {
+        if cfg.family != super::Family::Llama || cfg.attention.has_bottleneck() {
+            return Err(Error::Other("layer surgery needs a vanilla Llama teacher (not OLMo 2, not DAR)".into()));
+        }
         let root = vs.root();
         let llama = Llama::new(&root, cfg);
         let src = teacher_vs.variables();

@@ -2,6 +2,20 @@
 //! whole head with the `rope_scaling` variants of Llama-3.x configs, grouped-query attention, tied
 //! or untied embeddings. Parameter names are Hugging Face's (`model.layers.N.self_attn.q_proj.weight`,
 //! …, `lm_head.weight`), so checkpoints load as they are.
+//!
+//! The same code runs OLMo 2 (`Family::Olmo2`, HF `Olmo2ForCausalLM`): no input norm, RMSNorm over the
+//! whole q and k projections (`q_norm`, `k_norm`) before the head split and RoPE, and the
+//! `post_attention_layernorm` / `post_feedforward_layernorm` applied to each sublayer's OUTPUT before
+//! the residual add.
+//!
+//! DAR (dar.md §1, §4.2) sits on the tensor that feeds k_proj/v_proj: `input_layernorm(x)` for Llama,
+//! the residual stream x for OLMo 2. `self_attn.bottleneck_down` / `bottleneck_up` map it to
+//! `h' = h·W_down·W_up`, projected by the SAME k_proj/v_proj (so with GQA the global path also has
+//! kv_heads heads), then k_norm (OLMo 2) and RoPE at the key's own position as the local keys.
+//! Packed rows: `hidden_docs` takes per-token document ids (block-diagonal mask, positions restarting
+//! at every document).
+use crate::attention;
+use crate::spec::{AttentionImpl, AttentionKind, DarAct};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::nn::{self, Init, Module};
@@ -19,6 +33,48 @@ pub enum RopeScaling {
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
 }
 
+/// Which Hugging Face layer layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// `LlamaForCausalLM`: pre-norm (input_layernorm, post_attention_layernorm before the MLP).
+    #[default]
+    Llama,
+    /// `Olmo2ForCausalLM`: QK-norm, norms on the sublayer outputs, no input norm.
+    Olmo2,
+}
+
+/// The attention of a Llama-family model: vanilla, or DAR / uniform with its bottleneck (dar.md §1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DarConfig {
+    pub kind: AttentionKind,
+    /// Bottleneck width (DAR / uniform only).
+    pub d_down: usize,
+    /// Keys at distance < window are full width (uniform: 0).
+    pub window: usize,
+    pub dar_act: DarAct,
+    /// Not part of the model's function: which implementation computes it.
+    #[serde(rename = "impl")]
+    pub implementation: AttentionImpl,
+}
+
+impl Default for DarConfig {
+    fn default() -> Self {
+        DarConfig { kind: AttentionKind::Vanilla, d_down: 0, window: 0, dar_act: DarAct::Linear, implementation: AttentionImpl::Auto }
+    }
+}
+
+impl DarConfig {
+    /// The `attention:` section of a resolved spec.
+    pub fn from_spec(spec: &crate::spec::Spec) -> Self {
+        DarConfig { kind: spec.attention.kind, d_down: spec.d_down(), window: spec.window(), dar_act: spec.attention.dar_act, implementation: spec.attention.implementation }
+    }
+
+    pub fn has_bottleneck(&self) -> bool {
+        self.kind != AttentionKind::Vanilla
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
     pub vocab_size: usize,
@@ -32,17 +88,35 @@ pub struct LlamaConfig {
     pub rope_scaling: RopeScaling,
     pub tie_word_embeddings: bool,
     pub max_position_embeddings: usize,
+    #[serde(default)]
+    pub family: Family,
+    /// Vanilla unless DAR was added (spec `attention:` or `add_dar`).
+    #[serde(default)]
+    pub attention: DarConfig,
 }
+
+/// config.json key holding the DAR settings of an attnlab model (Hugging Face ignores unknown keys).
+const DAR_KEY: &str = "attnlab_attention";
 
 impl LlamaConfig {
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_attention_heads
     }
 
-    /// Read a Hugging Face `config.json` (`rope_scaling` of transformers 4, or `rope_parameters` of 5).
+    /// Read a Hugging Face `config.json` (`rope_scaling` of transformers 4, or `rope_parameters` of 5);
+    /// `model_type` llama (or absent) or olmo2.
     pub fn from_hf_json(text: &str) -> Result<LlamaConfig> {
         let v: serde_json::Value = serde_json::from_str(text)?;
         let get = |k: &str| v.get(k).filter(|x| !x.is_null());
+        let family = match get("model_type").and_then(|x| x.as_str()) {
+            None | Some("llama") | Some("mistral") => Family::Llama,
+            Some("olmo2") => Family::Olmo2,
+            Some(other) => return Err(Error::Data(format!("config.json: model_type `{other}` is not supported (llama, olmo2)"))),
+        };
+        let attention = match get(DAR_KEY) {
+            None => DarConfig::default(),
+            Some(a) => serde_json::from_value(a.clone()).map_err(|e| Error::Data(format!("config.json: {DAR_KEY}: {e}")))?,
+        };
         let num = |k: &str| get(k).and_then(|x| x.as_f64()).ok_or_else(|| Error::Data(format!("config.json: missing number `{k}`")));
         let heads = num("num_attention_heads")? as usize;
         let scaling = get("rope_scaling").or_else(|| get("rope_parameters"));
@@ -78,24 +152,35 @@ impl LlamaConfig {
             rope_scaling,
             tie_word_embeddings: get("tie_word_embeddings").and_then(|x| x.as_bool()).unwrap_or(false),
             max_position_embeddings: get("max_position_embeddings").and_then(|x| x.as_u64()).unwrap_or(2048) as usize,
+            family,
+            attention,
         })
     }
 
-    /// A Hugging Face `config.json` for this model (architectures LlamaForCausalLM).
+    /// A Hugging Face `config.json` for this model (architectures LlamaForCausalLM or Olmo2ForCausalLM;
+    /// DAR settings under `attnlab_attention`, which only attnlab reads).
     pub fn to_hf_json(&self) -> serde_json::Value {
         let scaling = match &self.rope_scaling {
             RopeScaling::Default => serde_json::Value::Null,
             s => serde_json::to_value(s).expect("serializes"),
         };
-        serde_json::json!({
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        let (arch, model_type) = match self.family {
+            Family::Llama => ("LlamaForCausalLM", "llama"),
+            Family::Olmo2 => ("Olmo2ForCausalLM", "olmo2"),
+        };
+        let mut v = serde_json::json!({
+            "architectures": [arch], "model_type": model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim(), "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta, "rope_scaling": scaling, "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
             "attention_bias": false, "mlp_bias": false, "bos_token_id": serde_json::Value::Null, "torch_dtype": "float32"
-        })
+        });
+        if self.attention.has_bottleneck() {
+            v[DAR_KEY] = serde_json::to_value(self.attention).expect("serializes");
+        }
+        v
     }
 
     /// Inverse frequencies `[hd/2]` (fp32) after scaling (HF `modeling_rope_utils`).
@@ -120,9 +205,16 @@ impl LlamaConfig {
     }
 }
 
+/// One decoder layer. The norms present depend on the family (see `Llama`).
 struct Block {
-    input_layernorm: Tensor,
+    /// Llama only: RMSNorm before attention.
+    input_layernorm: Option<Tensor>,
+    /// Llama: RMSNorm before the MLP. OLMo 2: RMSNorm of the attention output.
     post_attention_layernorm: Tensor,
+    /// OLMo 2 only: RMSNorm of the MLP output.
+    post_feedforward_layernorm: Option<Tensor>,
+    /// OLMo 2 only: RMSNorm over the whole q / k projection outputs `[H·hd]`, `[H_kv·hd]`.
+    qk_norm: Option<(Tensor, Tensor)>,
     q_proj: nn::Linear,
     k_proj: nn::Linear,
     v_proj: nn::Linear,
@@ -130,17 +222,21 @@ struct Block {
     gate_proj: nn::Linear,
     up_proj: nn::Linear,
     down_proj: nn::Linear,
+    /// DAR: `self_attn.bottleneck_down.weight` `[d_down, d]`, `self_attn.bottleneck_up.weight` `[d, d_down]`.
+    bottleneck: Option<(Tensor, Tensor)>,
 }
 
-/// Keys and values per layer `[B, H_kv, T, hd]` (rotated keys).
+/// Keys and values per layer `[B, H_kv, T, hd]` (rotated keys); DAR models also keep the
+/// bottleneck keys/values of every token in `global` (the paper's two-set cache, dar.md §3).
 pub struct LlamaCache {
     pub layers: Vec<(Tensor, Tensor)>,
+    pub global: Vec<(Tensor, Tensor)>,
     pub len: i64,
 }
 
 impl LlamaCache {
     pub fn bytes(&self) -> i64 {
-        self.layers.iter().map(|(k, v)| (k.numel() + v.numel()) as i64 * k.kind().elt_size_in_bytes() as i64).sum()
+        self.layers.iter().chain(&self.global).map(|(k, v)| (k.numel() + v.numel()) as i64 * k.kind().elt_size_in_bytes() as i64).sum()
     }
 }
 
@@ -157,46 +253,90 @@ fn linear(p: nn::Path, i: usize, o: usize) -> nn::Linear {
     nn::linear(p, i as i64, o as i64, nn::LinearConfig { ws_init: Init::Randn { mean: 0.0, stdev: 0.02 }, bs_init: None, bias: false })
 }
 
-/// HF LlamaRMSNorm: statistics in fp32, weight applied after casting back to the input dtype.
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+/// RMSNorm with statistics in fp32. HF LlamaRMSNorm casts back to the input dtype before the weight;
+/// Olmo2RMSNorm multiplies by the weight in fp32 and casts after.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, family: Family) -> Tensor {
     let xf = x.to_kind(Kind::Float);
     let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-    w * (xf * (var + eps).rsqrt()).to_kind(x.kind())
+    let n = xf * (var + eps).rsqrt();
+    match family {
+        Family::Llama => w * n.to_kind(x.kind()),
+        Family::Olmo2 => (w * n).to_kind(x.kind()),
+    }
 }
 
 fn rotate_half(x: &Tensor) -> Tensor {
-    let h = x.size()[3] / 2;
-    Tensor::cat(&[x.narrow(3, h, h).neg(), x.narrow(3, 0, h)], 3)
+    let h = x.size()[x.dim() - 1] / 2;
+    Tensor::cat(&[x.narrow(-1, h, h).neg(), x.narrow(-1, 0, h)], -1)
+}
+
+/// The bottleneck of one layer, `(down [d_down, d], up [d, d_down])`, as `small_init` (dar.md §2):
+/// N(0, 2/(5d)) for both, the GPT-NeoX recipe.
+fn new_bottleneck(attn: &nn::Path, d: usize, d_down: usize) -> (Tensor, Tensor) {
+    let init = Init::Randn { mean: 0.0, stdev: (2.0 / (5.0 * d as f64)).sqrt() };
+    let down = (attn / "bottleneck_down").var("weight", &[d_down as i64, d as i64], init);
+    let up = (attn / "bottleneck_up").var("weight", &[d as i64, d_down as i64], init);
+    (down, up)
 }
 
 impl Llama {
-    /// Build under `root` with HF's init (N(0, 0.02) matrices, unit norms).
+    /// Build under `root` with HF's init (N(0, 0.02) matrices, unit norms; DAR bottlenecks small_init).
     pub fn new(root: &nn::Path, cfg: LlamaConfig) -> Llama {
         let (d, hd) = (cfg.hidden_size, cfg.head_dim());
+        let (h, kvh) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let olmo = cfg.family == Family::Olmo2;
         let m = root / "model";
         let init = Init::Randn { mean: 0.0, stdev: 0.02 };
         let embed_tokens = (&m / "embed_tokens").var("weight", &[cfg.vocab_size as i64, d as i64], init);
-        let ones = |p: nn::Path| p.var("weight", &[d as i64], Init::Const(1.0));
+        let ones = |p: nn::Path, n: usize| p.var("weight", &[n as i64], Init::Const(1.0));
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let l = &m / "layers" / i;
                 let (a, f) = (&l / "self_attn", &l / "mlp");
                 Block {
-                    input_layernorm: ones(&l / "input_layernorm"),
-                    post_attention_layernorm: ones(&l / "post_attention_layernorm"),
-                    q_proj: linear(&a / "q_proj", d, cfg.num_attention_heads * hd),
-                    k_proj: linear(&a / "k_proj", d, cfg.num_key_value_heads * hd),
-                    v_proj: linear(&a / "v_proj", d, cfg.num_key_value_heads * hd),
-                    o_proj: linear(&a / "o_proj", cfg.num_attention_heads * hd, d),
+                    input_layernorm: (!olmo).then(|| ones(&l / "input_layernorm", d)),
+                    post_attention_layernorm: ones(&l / "post_attention_layernorm", d),
+                    post_feedforward_layernorm: olmo.then(|| ones(&l / "post_feedforward_layernorm", d)),
+                    qk_norm: olmo.then(|| (ones(&a / "q_norm", h * hd), ones(&a / "k_norm", kvh * hd))),
+                    q_proj: linear(&a / "q_proj", d, h * hd),
+                    k_proj: linear(&a / "k_proj", d, kvh * hd),
+                    v_proj: linear(&a / "v_proj", d, kvh * hd),
+                    o_proj: linear(&a / "o_proj", h * hd, d),
                     gate_proj: linear(&f / "gate_proj", d, cfg.intermediate_size),
                     up_proj: linear(&f / "up_proj", d, cfg.intermediate_size),
                     down_proj: linear(&f / "down_proj", cfg.intermediate_size, d),
+                    bottleneck: cfg.attention.has_bottleneck().then(|| new_bottleneck(&a, d, cfg.attention.d_down)),
                 }
             })
             .collect();
-        let norm = ones(&m / "norm");
+        let norm = ones(&m / "norm", d);
         let lm_head = (!cfg.tie_word_embeddings).then(|| (root / "lm_head").var("weight", &[cfg.vocab_size as i64, d as i64], init));
         Llama { cfg, embed_tokens, layers, norm, lm_head }
+    }
+
+    /// Turn a vanilla model (e.g. a pretrained checkpoint just loaded under `root`) into a DAR / uniform
+    /// one: adds `self_attn.bottleneck_{down,up}.weight` to every layer, small_init (calibrate them
+    /// afterwards with `model::bottleneck::calibrate_pca` for the PCA start).
+    pub fn add_dar(&mut self, root: &nn::Path, attention: DarConfig) -> Result<()> {
+        let d = self.cfg.hidden_size;
+        if !attention.has_bottleneck() {
+            return Err(Error::Other("add_dar: attention kind is vanilla".into()));
+        }
+        if self.cfg.attention.has_bottleneck() {
+            return Err(Error::Other("add_dar: the model already has DAR bottlenecks".into()));
+        }
+        if attention.d_down == 0 || attention.d_down > d {
+            return Err(Error::Other(format!("add_dar: d_down {} is not in 1..={d}", attention.d_down)));
+        }
+        if attention.kind == AttentionKind::Uniform && attention.window != 0 {
+            return Err(Error::Other(format!("add_dar: uniform is DAR with window 0, got window {}", attention.window)));
+        }
+        let m = root / "model";
+        for (i, b) in self.layers.iter_mut().enumerate() {
+            b.bottleneck = Some(new_bottleneck(&(&m / "layers" / i / "self_attn"), d, attention.d_down));
+        }
+        self.cfg.attention = attention;
+        Ok(())
     }
 
     /// The output projection `[V, d]` (the embedding when tied).
@@ -204,32 +344,90 @@ impl Llama {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
 
-    /// (cos, sin) `[t, hd]` fp32 for positions start..start+t (HF: cat(freqs, freqs)).
-    fn rope(&self, start: i64, t: i64, device: Device) -> (Tensor, Tensor) {
-        let pos = Tensor::arange_start(start, start + t, (Kind::Float, device));
-        let freqs = pos.unsqueeze(1) * self.cfg.inv_freq(device).unsqueeze(0);
-        let emb = Tensor::cat(&[&freqs, &freqs], 1);
+    /// (cos, sin) `[.., hd]` fp32 for positions `pos` (any shape; HF: cat(freqs, freqs)).
+    fn rope_at(&self, pos: &Tensor) -> (Tensor, Tensor) {
+        let freqs = pos.to_kind(Kind::Float).unsqueeze(-1) * self.cfg.inv_freq(pos.device());
+        let emb = Tensor::cat(&[&freqs, &freqs], -1);
         (emb.cos(), emb.sin())
+    }
+
+    /// (cos, sin) `[t, hd]` fp32 for positions start..start+t.
+    fn rope(&self, start: i64, t: i64, device: Device) -> (Tensor, Tensor) {
+        self.rope_at(&Tensor::arange_start(start, start + t, (Kind::Int64, device)))
     }
 
     /// Final hidden states `[B, T, d]` (after the last RMSNorm).
     pub fn hidden(&self, ids: &Tensor) -> Tensor {
-        let t = ids.size()[1];
-        let (cos, sin) = self.rope(0, t, ids.device());
+        self.hidden_docs(ids, None)
+    }
+
+    /// Final hidden states `[B, T, d]` of packed rows: `doc_ids` `[B, T]` (i64) labels each token's
+    /// document; every run of equal ids is one document. Tokens attend only within their document
+    /// (block-diagonal causal mask, combined with the DAR mask) and RoPE positions restart at 0 at every
+    /// document, so each document is computed as if it were alone. None: one document per row.
+    pub fn hidden_docs(&self, ids: &Tensor, doc_ids: Option<&Tensor>) -> Tensor {
+        let (seg, cos, sin) = self.doc_tables(ids, doc_ids);
         let mut x = self.embed(ids);
         for i in 0..self.layers.len() {
-            x = self.layer_forward(i, &x, &cos, &sin);
+            x = self.layer_forward_docs(i, &x, &cos, &sin, seg.as_ref());
         }
         self.final_norm(&x)
     }
 
+    /// (document segments, cos, sin) for `hidden_docs`: no segments and `[T, hd]` tables for plain
+    /// rows, `[B, 1, T, hd]` tables at the in-document positions for packed ones.
+    pub(crate) fn doc_tables(&self, ids: &Tensor, doc_ids: Option<&Tensor>) -> (Option<Tensor>, Tensor, Tensor) {
+        match doc_ids {
+            None => {
+                let (c, s) = self.rope(0, ids.size()[1], ids.device());
+                (None, c, s)
+            }
+            Some(docs) => {
+                assert_eq!(docs.size(), ids.size(), "doc_ids must have the shape of ids");
+                let (seg, pos) = attention::doc_segments(docs);
+                let (c, s) = self.rope_at(&pos);
+                (Some(seg), c.unsqueeze(1), s.unsqueeze(1))
+            }
+        }
+    }
+
+    /// `[B, T, n·hd]` → `[B, n, T, hd]`.
+    fn heads(&self, x: &Tensor, n: usize) -> Tensor {
+        let (bs, t) = (x.size()[0], x.size()[1]);
+        x.view([bs, t, n as i64, self.cfg.head_dim() as i64]).transpose(1, 2)
+    }
+
+    /// Keys `[B, H_kv, T, hd]` from a k projection output: k_norm (OLMo 2), head split, RoPE.
+    fn keys(&self, b: &Block, k: Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let k = match &b.qk_norm {
+            Some((_, kn)) => rms_norm(&k, kn, self.cfg.rms_norm_eps, Family::Olmo2),
+            None => k,
+        };
+        apply_rope(&self.heads(&k, self.cfg.num_key_value_heads), cos, sin)
+    }
+
     /// Rotated q `[B, H, n, hd]`, rotated k and v `[B, H_kv, n, hd]` for `a` at positions given by (cos, sin).
     fn qkv(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
-        let (bs, t) = (a.size()[0], a.size()[1]);
-        let (h, kvh, hd) = (self.cfg.num_attention_heads as i64, self.cfg.num_key_value_heads as i64, self.cfg.head_dim() as i64);
-        let heads = |x: Tensor, n: i64| x.view([bs, t, n, hd]).transpose(1, 2);
-        let (q, k, v) = (heads(b.q_proj.forward(a), h), heads(b.k_proj.forward(a), kvh), heads(b.v_proj.forward(a), kvh));
-        (apply_rope(&q, cos, sin), apply_rope(&k, cos, sin), v)
+        let q = b.q_proj.forward(a);
+        let q = match &b.qk_norm {
+            Some((qn, _)) => rms_norm(&q, qn, self.cfg.rms_norm_eps, Family::Olmo2),
+            None => q,
+        };
+        let q = apply_rope(&self.heads(&q, self.cfg.num_attention_heads), cos, sin);
+        let k = self.keys(b, b.k_proj.forward(a), cos, sin);
+        (q, k, self.heads(&b.v_proj.forward(a), self.cfg.num_key_value_heads))
+    }
+
+    /// Bottleneck keys (rotated) and values `[B, H_kv, n, hd]` of DAR's global path: k_proj / v_proj of
+    /// `h' = a·W_down·W_up`, computed in the absorbed form `(a·W_down)·(W_k·W_up)ᵀ` (dar.md §2: same
+    /// function, 2·kv·d_down instead of 2·kv·d per token after the latent), then k_norm and RoPE as local keys.
+    fn bottleneck_kv(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<(Tensor, Tensor)> {
+        let (down, up) = b.bottleneck.as_ref()?;
+        let latent = a.linear::<Tensor>(down, None);
+        let latent = if self.cfg.attention.dar_act == DarAct::Sigmoid { latent.sigmoid() } else { latent };
+        let k = latent.linear::<Tensor>(&b.k_proj.ws.matmul(up), None);
+        let v = latent.linear::<Tensor>(&b.v_proj.ws.matmul(up), None);
+        Some((self.keys(b, k, cos, sin), self.heads(&v, self.cfg.num_key_value_heads)))
     }
 
     /// Grouped-query attention: each KV head serves h / kvh consecutive query heads (HF repeat_kv).
@@ -238,17 +436,35 @@ impl Llama {
         if rep == 1 { x.shallow_clone() } else { x.repeat_interleave_self_int(rep, 1, None) }
     }
 
-    fn attention(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    /// Attention sublayer output (after o_proj) for the K/V input `a`; `seg` = document segments of packed rows.
+    fn attention(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor, seg: Option<&Tensor>) -> Tensor {
         let (bs, t) = (a.size()[0], a.size()[1]);
         let (q, k, v) = self.qkv(b, a, cos, sin);
-        let o = crate::attention::causal(&q, &self.repeat_kv(&k), &self.repeat_kv(&v), crate::spec::AttentionImpl::Auto);
+        let (k, v) = (self.repeat_kv(&k), self.repeat_kv(&v));
+        let global = self.bottleneck_kv(b, a, cos, sin).map(|(kg, vg)| (self.repeat_kv(&kg), self.repeat_kv(&vg)));
+        let imp = self.cfg.attention.implementation;
+        let w = self.cfg.attention.window as i64;
+        let o = match (&global, seg) {
+            (None, None) => attention::causal(&q, &k, &v, imp),
+            (Some((kg, vg)), None) => attention::dar(&q, &k, &v, kg, vg, w, imp),
+            (None, Some(seg)) => {
+                let (local, _) = attention::doc_dar_masks(seg, t);
+                attention::masked(&q, &[(&k, &v, &local)], imp)
+            }
+            (Some((kg, vg)), Some(seg)) => {
+                let (local, far) = attention::doc_dar_masks(seg, w);
+                attention::masked(&q, &[(&k, &v, &local), (kg, vg, &far)], imp)
+            }
+        };
         b.o_proj.forward(&o.transpose(1, 2).reshape([bs, t, self.cfg.hidden_size as i64]))
     }
 
     /// An empty KV cache (keys/values per KV head, so grouped-query attention keeps its saving).
     pub fn new_cache(&self, batch: i64, kind: Kind, device: Device) -> LlamaCache {
         let shape = [batch, self.cfg.num_key_value_heads as i64, 0, self.cfg.head_dim() as i64];
-        LlamaCache { layers: (0..self.cfg.num_hidden_layers).map(|_| (Tensor::zeros(shape, (kind, device)), Tensor::zeros(shape, (kind, device)))).collect(), len: 0 }
+        let empty = |n: usize| (0..n).map(|_| (Tensor::zeros(shape, (kind, device)), Tensor::zeros(shape, (kind, device)))).collect();
+        let global = if self.cfg.attention.has_bottleneck() { self.cfg.num_hidden_layers } else { 0 };
+        LlamaCache { layers: empty(self.cfg.num_hidden_layers), global: empty(global), len: 0 }
     }
 
     /// Run `ids` (`[B, n]`, after the cached tokens): logits `[B, n, V]`, cache extended.
@@ -258,14 +474,27 @@ impl Llama {
         let device = ids.device();
         let (cos, sin) = self.rope(p0, n, device);
         let qpos = Tensor::arange_start(p0, p0 + n, (Kind::Int64, device)).unsqueeze(1);
-        let causal = (&qpos - Tensor::arange(p0 + n, (Kind::Int64, device)).unsqueeze(0)).ge(0);
+        let dist = &qpos - Tensor::arange(p0 + n, (Kind::Int64, device)).unsqueeze(0);
+        let window = if self.cfg.attention.has_bottleneck() { self.cfg.attention.window as i64 } else { p0 + n };
+        let (local, far) = (dist.ge(0).logical_and(&dist.lt(window)), dist.ge(window));
         let mut x = self.embed(ids);
-        for (i, (b, (ck, cv))) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
-            let (q, k, v) = self.qkv(b, &self.input_norm(i, &x), &cos, &sin);
+        for (i, b) in self.layers.iter().enumerate() {
+            let a = self.kv_input(i, &x);
+            let (q, k, v) = self.qkv(b, &a, &cos, &sin);
+            let (ck, cv) = &mut cache.layers[i];
             *ck = Tensor::cat(&[&*ck, &k], 2);
             *cv = Tensor::cat(&[&*cv, &v], 2);
-            let o = crate::attention::masked_softmax_attention(&q, &[(&self.repeat_kv(ck), &self.repeat_kv(cv), &causal)]);
-            let h = &x + b.o_proj.forward(&o.transpose(1, 2).reshape([bs, n, self.cfg.hidden_size as i64]));
+            let (ck, cv) = (self.repeat_kv(ck), self.repeat_kv(cv));
+            let o = match self.bottleneck_kv(b, &a, &cos, &sin) {
+                None => attention::masked_softmax_attention(&q, &[(&ck, &cv, &local)]),
+                Some((kg, vg)) => {
+                    let (gk, gv) = &mut cache.global[i];
+                    *gk = Tensor::cat(&[&*gk, &kg], 2);
+                    *gv = Tensor::cat(&[&*gv, &vg], 2);
+                    attention::masked_softmax_attention(&q, &[(&ck, &cv, &local), (&self.repeat_kv(gk), &self.repeat_kv(gv), &far)])
+                }
+            };
+            let h = self.attn_residual(i, &x, &b.o_proj.forward(&o.transpose(1, 2).reshape([bs, n, self.cfg.hidden_size as i64])));
             x = self.mlp_residual(i, &h);
         }
         cache.len += n;
@@ -277,7 +506,8 @@ impl Llama {
     }
 }
 
-/// Per-layer pieces, chained by `hidden` and `extend` and reused for layer surgery (`model::hybrid`).
+/// Per-layer pieces, chained by `hidden` and `extend` and reused for layer surgery (`model::hybrid`)
+/// and bottleneck calibration (`model::bottleneck`).
 impl Llama {
     pub(crate) fn embed(&self, ids: &Tensor) -> Tensor {
         Tensor::embedding(&self.embed_tokens, ids, -1, false, false)
@@ -288,9 +518,24 @@ impl Llama {
         self.rope(0, t, device)
     }
 
-    /// The attention input of layer `i`: RMSNorm(x).
+    /// The attention input of layer `i` (Llama only): RMSNorm(x).
     pub(crate) fn input_norm(&self, i: usize, x: &Tensor) -> Tensor {
-        rms_norm(x, &self.layers[i].input_layernorm, self.cfg.rms_norm_eps)
+        let w = self.layers[i].input_layernorm.as_ref().expect("input_norm: OLMo 2 layers have no input norm");
+        rms_norm(x, w, self.cfg.rms_norm_eps, self.cfg.family)
+    }
+
+    /// The tensor that feeds q/k/v_proj (and DAR's bottleneck) in layer `i`: input_layernorm(x) for
+    /// Llama, x itself for OLMo 2.
+    pub(crate) fn kv_input(&self, i: usize, x: &Tensor) -> Tensor {
+        match self.cfg.family {
+            Family::Llama => self.input_norm(i, x),
+            Family::Olmo2 => x.shallow_clone(),
+        }
+    }
+
+    /// Layer `i`'s DAR bottleneck `(down [d_down, d], up [d, d_down])`, if any.
+    pub(crate) fn bottleneck(&self, i: usize) -> Option<&(Tensor, Tensor)> {
+        self.layers[i].bottleneck.as_ref()
     }
 
     /// Rotated q and rotated, GQA-expanded k and v `[B, H, T, hd]` of layer `i` for its attention input `a`.
@@ -299,27 +544,44 @@ impl Llama {
         (q, self.repeat_kv(&k), self.repeat_kv(&v))
     }
 
-    /// h + MLP(post_attention_layernorm(h)) of layer `i`.
-    pub(crate) fn mlp_residual(&self, i: usize, h: &Tensor) -> Tensor {
+    /// x + attention output (OLMo 2: RMSNorm'd by post_attention_layernorm first).
+    fn attn_residual(&self, i: usize, x: &Tensor, out: &Tensor) -> Tensor {
         let b = &self.layers[i];
-        let m = rms_norm(h, &b.post_attention_layernorm, self.cfg.rms_norm_eps);
-        h + b.down_proj.forward(&(b.gate_proj.forward(&m).silu() * b.up_proj.forward(&m)))
+        match self.cfg.family {
+            Family::Llama => x + out,
+            Family::Olmo2 => x + rms_norm(out, &b.post_attention_layernorm, self.cfg.rms_norm_eps, Family::Olmo2),
+        }
     }
 
-    /// One whole (softmax-attention) layer, as in `hidden`.
-    pub(crate) fn layer_forward(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    /// h + MLP(post_attention_layernorm(h)) (Llama) or h + post_feedforward_layernorm(MLP(h)) (OLMo 2).
+    pub(crate) fn mlp_residual(&self, i: usize, h: &Tensor) -> Tensor {
         let b = &self.layers[i];
-        let h = x + self.attention(b, &self.input_norm(i, x), cos, sin);
-        self.mlp_residual(i, &h)
+        let eps = self.cfg.rms_norm_eps;
+        let mlp = |m: &Tensor| b.down_proj.forward(&(b.gate_proj.forward(m).silu() * b.up_proj.forward(m)));
+        match &b.post_feedforward_layernorm {
+            None => h + mlp(&rms_norm(h, &b.post_attention_layernorm, eps, Family::Llama)),
+            Some(w) => h + rms_norm(&mlp(h), w, eps, Family::Olmo2),
+        }
+    }
+
+    /// One whole layer, as in `hidden`.
+    pub(crate) fn layer_forward(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        self.layer_forward_docs(i, x, cos, sin, None)
+    }
+
+    /// One whole layer; `seg` = document segments of packed rows (`attention::doc_segments`).
+    pub(crate) fn layer_forward_docs(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor, seg: Option<&Tensor>) -> Tensor {
+        let out = self.attention(&self.layers[i], &self.kv_input(i, x), cos, sin, seg);
+        self.mlp_residual(i, &self.attn_residual(i, x, &out))
     }
 
     pub(crate) fn final_norm(&self, x: &Tensor) -> Tensor {
-        rms_norm(x, &self.norm, self.cfg.rms_norm_eps)
+        rms_norm(x, &self.norm, self.cfg.rms_norm_eps, self.cfg.family)
     }
 }
 
-/// RoPE on `[B, H, T, hd]` with (cos, sin) `[T, hd]` fp32 tables, applied in x's dtype (HF casts
-/// cos/sin to the activation dtype).
+/// RoPE on `[B, H, T, hd]` with (cos, sin) fp32 tables `[T, hd]` (or `[B, 1, T, hd]` for per-row
+/// positions), applied in x's dtype (HF casts cos/sin to the activation dtype).
 pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     let (c, s) = (cos.to_kind(x.kind()), sin.to_kind(x.kind()));
     x * &c + rotate_half(x) * &s

@@ -1,6 +1,7 @@
 //! Model architectures, one file each, parameter names as Hugging Face checkpoints: `neox` (GPT-NeoX
-//! / Pythia with the vanilla, DAR and uniform attention of `crate::attention`) and `llama`.
-//! `Model` is what the trainer, evaluation and benches hold.
+//! / Pythia with the vanilla, DAR and uniform attention of `crate::attention`) and `llama` (Llama and
+//! OLMo 2, vanilla or DAR). `Model` is what the trainer, evaluation and benches hold.
+pub mod bottleneck;
 pub mod hf;
 pub mod hybrid;
 pub mod llama;
@@ -8,7 +9,7 @@ pub mod loss;
 pub mod neox;
 pub mod rope;
 
-pub use llama::{Llama, LlamaConfig};
+pub use llama::{DarConfig, Family, Llama, LlamaConfig};
 pub use neox::{GptNeox, NeoxConfig};
 
 use tch::Tensor;
@@ -24,6 +25,19 @@ impl Model {
         match self {
             Model::Neox(m) => m.hidden(ids),
             Model::Llama(m) => m.hidden(ids),
+        }
+    }
+
+    /// Final hidden states `[B, T, d]` of packed rows with per-token document ids `[B, T]` (i64): no
+    /// attention across documents, positions restarting at each (`Llama::hidden_docs`). GPT-NeoX
+    /// supports only `None`.
+    pub fn hidden_docs(&self, ids: &Tensor, doc_ids: Option<&Tensor>) -> Tensor {
+        match self {
+            Model::Neox(m) => {
+                assert!(doc_ids.is_none(), "document ids (packed rows) are supported by llama/olmo2 models only");
+                m.hidden(ids)
+            }
+            Model::Llama(m) => m.hidden_docs(ids, doc_ids),
         }
     }
 
@@ -66,4 +80,11 @@ impl Model {
             }
         }
     }
+}
+
+/// Whether a parameter name is a DAR bottleneck matrix (`….bottleneck_down.weight` /
+/// `….bottleneck_up.weight`, GPT-NeoX `attention.` and Llama/OLMo 2 `self_attn.` alike): what the first
+/// fine-tuning stage trains.
+pub fn is_bottleneck_param(name: &str) -> bool {
+    name.ends_with(".bottleneck_down.weight") || name.ends_with(".bottleneck_up.weight")
 }

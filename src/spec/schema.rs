@@ -50,6 +50,15 @@ pub enum Flavor {
     /// Llama teacher for GPU runs: 12 × 768, 12 heads, 4 KV heads, SwiGLU 2048, tied (≈ 115M params with a 50k vocab).
     #[serde(rename = "llama-120m")]
     Llama120m,
+    /// OLMo 2 architecture, tests and CPU runs: the shape of llama-tiny.
+    #[serde(rename = "olmo2-tiny")]
+    Olmo2Tiny,
+    /// OLMo 2 for GPU runs: the shape of llama-30m.
+    #[serde(rename = "olmo2-30m")]
+    Olmo230m,
+    /// OLMo 2 for GPU runs: the shape of llama-120m.
+    #[serde(rename = "olmo2-120m")]
+    Olmo2120m,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -60,6 +69,15 @@ pub enum Arch {
     Neox,
     /// Llama (RMSNorm, SwiGLU, full-head RoPE, grouped-query attention).
     Llama,
+    /// OLMo 2: Llama's blocks with QK-norm and norms after (not before) attention and MLP.
+    Olmo2,
+}
+
+impl Arch {
+    /// Llama and OLMo 2 share the `model::Llama` code and its spec options.
+    pub fn is_llama_family(self) -> bool {
+        matches!(self, Arch::Llama | Arch::Olmo2)
+    }
 }
 
 impl Flavor {
@@ -71,9 +89,9 @@ impl Flavor {
             Flavor::Pythia70m => (6, 512, 8, 1e-3, 1e-4),
             Flavor::Pythia160m => (12, 768, 12, 6e-4, 6e-5),
             Flavor::Pythia410m => (24, 1024, 16, 3e-4, 3e-5),
-            Flavor::LlamaTiny => (2, 64, 4, 1e-3, 1e-4),
-            Flavor::Llama30m => (8, 384, 6, 1e-3, 1e-4),
-            Flavor::Llama120m => (12, 768, 12, 6e-4, 6e-5),
+            Flavor::LlamaTiny | Flavor::Olmo2Tiny => (2, 64, 4, 1e-3, 1e-4),
+            Flavor::Llama30m | Flavor::Olmo230m => (8, 384, 6, 1e-3, 1e-4),
+            Flavor::Llama120m | Flavor::Olmo2120m => (12, 768, 12, 6e-4, 6e-5),
         }
     }
 
@@ -83,13 +101,16 @@ impl Flavor {
             Flavor::LlamaTiny => (Arch::Llama, Some(2), Some(176)),
             Flavor::Llama30m => (Arch::Llama, Some(2), Some(1024)),
             Flavor::Llama120m => (Arch::Llama, Some(4), Some(2048)),
+            Flavor::Olmo2Tiny => (Arch::Olmo2, Some(2), Some(176)),
+            Flavor::Olmo230m => (Arch::Olmo2, Some(2), Some(1024)),
+            Flavor::Olmo2120m => (Arch::Olmo2, Some(4), Some(2048)),
             _ => (Arch::Neox, None, None),
         }
     }
 
     /// Small flavors default to short sequences and batches (CPU-sized).
     fn is_tiny(self) -> bool {
-        matches!(self, Flavor::Tiny | Flavor::LlamaTiny)
+        matches!(self, Flavor::Tiny | Flavor::LlamaTiny | Flavor::Olmo2Tiny)
     }
 }
 
@@ -108,7 +129,7 @@ pub enum Gelu {
 pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flavor: Option<Flavor>,
-    /// neox (default for pythia flavors and explicit shapes) or llama (default for llama flavors).
+    /// neox (default for pythia flavors and explicit shapes), llama or olmo2 (defaults for their flavors).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub arch: Option<Arch>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -489,7 +510,7 @@ impl Spec {
         if ffn == 0 {
             return bad("model.ffn", "must be > 0".into());
         }
-        if arch == Arch::Llama {
+        if arch.is_llama_family() {
             let kv = *self.model.kv_heads.get_or_insert(flavor_kv.unwrap_or(shape.heads));
             if kv == 0 || shape.heads % kv != 0 {
                 return bad("model.kv_heads", format!("{kv} must divide heads = {}", shape.heads));
@@ -497,9 +518,6 @@ impl Spec {
             self.model.tie_embeddings.get_or_insert(true);
             if (shape.d_model / shape.heads) % 2 != 0 {
                 return bad("model.heads", "Llama RoPE needs an even head dimension".into());
-            }
-            if self.attention.kind != AttentionKind::Vanilla {
-                return bad("attention.kind", "arch llama supports vanilla attention here (DAR on Llama is a later issue)".into());
             }
             for (k, set) in [("model.rotary_pct", self.model.rotary_pct.is_some()), ("model.gelu", self.model.gelu != Gelu::Erf)] {
                 if set {
@@ -514,7 +532,7 @@ impl Spec {
                 }
             }
         }
-        let pct = if arch == Arch::Llama { 1.0 } else { *self.model.rotary_pct.get_or_insert(0.25) };
+        let pct = if arch.is_llama_family() { 1.0 } else { *self.model.rotary_pct.get_or_insert(0.25) };
         if !(0.0..=1.0).contains(&pct) {
             return bad("model.rotary_pct", format!("{pct} is not in [0, 1]"));
         }

@@ -2,7 +2,7 @@
 use super::checkpoint;
 use crate::data::Tok;
 use crate::eval::perplexity::CorpusResult;
-use crate::model::{GptNeox, LlamaConfig, Model, NeoxConfig};
+use crate::model::{DarConfig, Family, GptNeox, LlamaConfig, Model, NeoxConfig};
 use crate::spec::{Arch, Spec};
 use crate::{Error, IoContext, Result};
 use std::collections::BTreeMap;
@@ -23,7 +23,7 @@ pub fn model_config(spec: &Spec) -> NeoxConfig {
     NeoxConfig::from_spec(spec, spec.model.vocab.expect("vocab resolved"))
 }
 
-/// The Llama config a resolved spec describes.
+/// The Llama / OLMo 2 config a resolved spec describes (arch llama or olmo2, attention as the spec's).
 pub fn llama_config(spec: &Spec) -> LlamaConfig {
     let s = spec.shape();
     LlamaConfig {
@@ -38,6 +38,8 @@ pub fn llama_config(spec: &Spec) -> LlamaConfig {
         rope_scaling: crate::model::llama::RopeScaling::Default,
         tie_word_embeddings: spec.model.tie_embeddings.unwrap_or(true),
         max_position_embeddings: spec.seq_len(),
+        family: if spec.model.arch == Some(Arch::Olmo2) { Family::Olmo2 } else { Family::Llama },
+        attention: DarConfig::from_spec(spec),
     }
 }
 
@@ -45,7 +47,7 @@ pub fn llama_config(spec: &Spec) -> LlamaConfig {
 pub fn build_model(spec: &Spec, vs: &VarStore) -> Model {
     match spec.model.arch.unwrap_or_default() {
         Arch::Neox => Model::Neox(GptNeox::new(&vs.root(), model_config(spec))),
-        Arch::Llama => Model::Llama(crate::model::Llama::new(&vs.root(), llama_config(spec))),
+        Arch::Llama | Arch::Olmo2 => Model::Llama(crate::model::Llama::new(&vs.root(), llama_config(spec))),
     }
 }
 

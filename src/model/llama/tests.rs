@@ -89,3 +89,181 @@ fn cached_decoding_equals_full_forward() {
     // GQA: the cache holds 2 KV heads, not 4 query heads.
     assert_eq!(cache.bytes(), 2 * 2 * (2 * 2 * 12 * 16) * 4);
 }
+
+use crate::spec::{AttentionImpl, AttentionKind, DarAct};
+
+fn load(name: &str) -> (tch::nn::VarStore, Llama) {
+    hf::load_llama(&fixture(name), Device::Cpu).unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+fn dar(kind: AttentionKind, d_down: usize, window: usize, implementation: AttentionImpl) -> DarConfig {
+    DarConfig { kind, d_down, window, dar_act: DarAct::Linear, implementation }
+}
+
+/// OLMo 2 (QK-norm over the whole projections, norms on sublayer outputs, no input norm, GQA,
+/// untied head) against transformers' Olmo2ForCausalLM.
+#[test]
+fn olmo2_matches_hugging_face() {
+    check_against_hf(&fixture("olmo2_tiny"), &fixture("olmo2_tiny"));
+    let (_vs, m) = load("olmo2_tiny");
+    assert_eq!(m.cfg.family, Family::Olmo2);
+}
+
+/// OLMo 2 save → load: same config (model_type olmo2) and logits; a DAR config survives config.json.
+#[test]
+fn olmo2_and_dar_configs_round_trip() {
+    let (vs, model) = load("olmo2_tiny");
+    let dir = tempfile::tempdir().unwrap();
+    hf::save_llama(&vs, &model.cfg, dir.path()).unwrap();
+    let text = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
+    assert!(text.contains("\"olmo2\"") && text.contains("Olmo2ForCausalLM"), "{text}");
+    let (_vs2, again) = hf::load_llama(dir.path(), Device::Cpu).unwrap();
+    assert_eq!(again.cfg, model.cfg);
+    let x = Tensor::arange(40, (Kind::Int64, Device::Cpu)).view([2, 20]);
+    assert_eq!(max_diff(&model.logits(&model.hidden(&x)), &again.logits(&again.hidden(&x))), 0.0);
+    let mut cfg = model.cfg.clone();
+    cfg.attention = dar(AttentionKind::Dar, 16, 7, AttentionImpl::Sdpa);
+    assert_eq!(LlamaConfig::from_hf_json(&cfg.to_hf_json().to_string()).unwrap(), cfg);
+    let bad = r#"{"model_type": "gpt2", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}"#;
+    assert!(LlamaConfig::from_hf_json(bad).unwrap_err().to_string().contains("gpt2"));
+}
+
+/// Set every layer's bottleneck to (down, up).
+fn set_bottlenecks(m: &Llama, down: &Tensor, up: &Tensor) {
+    tch::no_grad(|| {
+        for i in 0..m.cfg.num_hidden_layers {
+            let (d, u) = m.bottleneck(i).unwrap();
+            d.shallow_clone().copy_(down);
+            u.shallow_clone().copy_(up);
+        }
+    });
+}
+
+/// dar.md §1: with d_down = d and W_up·W_down = I the global keys/values equal the local ones, so DAR
+/// (any window, uniform included, every implementation) is the original model. A random bottleneck
+/// must change the logits (the global path is really used).
+#[test]
+fn dar_with_identity_bottleneck_equals_the_original_model() {
+    for name in ["llama_tiny", "olmo2_tiny"] {
+        let (vs, mut m) = load(name);
+        let x = (Tensor::arange(48, (Kind::Int64, Device::Cpu)).view([2, 24]) * 7).remainder(128);
+        let want = tch::no_grad(|| m.logits(&m.hidden(&x)));
+        let d = m.cfg.hidden_size;
+        m.add_dar(&vs.root(), dar(AttentionKind::Dar, d, 5, AttentionImpl::Reference)).unwrap();
+        let random = tch::no_grad(|| m.logits(&m.hidden(&x)));
+        assert!(max_diff(&random, &want) > 1e-2, "{name}: small_init bottleneck left the logits unchanged");
+        let eye = Tensor::eye(d as i64, (Kind::Float, Device::Cpu));
+        set_bottlenecks(&m, &eye, &eye);
+        for (kind, w) in [(AttentionKind::Dar, 5), (AttentionKind::Dar, 1), (AttentionKind::Uniform, 0)] {
+            for imp in [AttentionImpl::Reference, AttentionImpl::Sdpa, AttentionImpl::Auto] {
+                m.cfg.attention = dar(kind, d, w, imp);
+                let got = tch::no_grad(|| m.logits(&m.hidden(&x)));
+                assert!(max_diff(&got, &want) < 1e-4, "{name} {kind:?} w={w} {imp:?}: {}", max_diff(&got, &want));
+            }
+        }
+    }
+}
+
+/// The absorbed global path `(a·W_down)·(W_k·W_up)ᵀ` (+ k_norm, RoPE) equals projecting the explicit
+/// `h' = a·W_down·W_up` with the layer's own q/k/v path (dar.md §2), GQA and OLMo 2's k_norm included.
+#[test]
+fn bottleneck_keys_equal_the_direct_form() {
+    for name in ["llama_tiny", "olmo2_tiny"] {
+        let (vs, mut m) = load(name);
+        tch::manual_seed(3);
+        m.add_dar(&vs.root(), dar(AttentionKind::Dar, 16, 4, AttentionImpl::Reference)).unwrap();
+        let x = (Tensor::arange(20, (Kind::Int64, Device::Cpu)).view([2, 10]) * 11).remainder(128);
+        let (cos, sin) = m.rope(0, 10, Device::Cpu);
+        let a = m.kv_input(0, &m.embed(&x));
+        let b = &m.layers[0];
+        let (kg, vg) = m.bottleneck_kv(b, &a, &cos, &sin).unwrap();
+        let (down, up) = b.bottleneck.as_ref().unwrap();
+        let h_prime = a.linear::<Tensor>(down, None).linear::<Tensor>(up, None);
+        let (_, k, v) = m.qkv(b, &h_prime, &cos, &sin);
+        assert_eq!(kg.size(), vec![2, 2, 10, 16], "{name}: kv_heads heads");
+        assert!(max_diff(&kg, &k) < 1e-5 && max_diff(&vg, &v) < 1e-5, "{name}");
+    }
+}
+
+/// Document segments and in-document positions by hand.
+#[test]
+fn doc_segments_by_hand() {
+    let docs = Tensor::from_slice(&[7i64, 7, 3, 3, 3, 7, 0, 0]).view([1, 8]);
+    let (seg, pos) = crate::attention::doc_segments(&docs);
+    assert_eq!(Vec::<i64>::try_from(seg.flatten(0, -1)).unwrap(), vec![1, 1, 2, 2, 2, 3, 4, 4]);
+    assert_eq!(Vec::<i64>::try_from(pos.flatten(0, -1)).unwrap(), vec![0, 1, 0, 1, 2, 0, 0, 1]);
+}
+
+/// A packed row (documents of 5, 9 and 2 tokens) gives, token for token, the logits of running each
+/// document alone: no attention across documents, RoPE restarting per document. Vanilla and DAR
+/// (window 3, random bottleneck, so distant keys go through it), reference and SDPA paths.
+#[test]
+fn packed_documents_equal_separate_runs() {
+    for name in ["llama_tiny", "olmo2_tiny"] {
+        for dar_on in [false, true] {
+            let (vs, mut m) = load(name);
+            tch::manual_seed(5);
+            if dar_on {
+                m.add_dar(&vs.root(), dar(AttentionKind::Dar, 16, 3, AttentionImpl::Reference)).unwrap();
+            }
+            let x = (Tensor::arange(32, (Kind::Int64, Device::Cpu)).view([2, 16]) * 13).remainder(128);
+            let lens = [5i64, 9, 2];
+            let ids: Vec<i64> = lens.iter().enumerate().flat_map(|(d, &n)| std::iter::repeat(d as i64 + 10).take(n as usize)).collect();
+            // Row 1 is one document: it must equal the plain forward.
+            let docs = Tensor::stack(&[Tensor::from_slice(&ids), Tensor::full([16], 4i64, (Kind::Int64, Device::Cpu))], 0);
+            for imp in [AttentionImpl::Reference, AttentionImpl::Sdpa] {
+                m.cfg.attention.implementation = imp;
+                let packed = tch::no_grad(|| m.logits(&m.hidden_docs(&x, Some(&docs))));
+                let mut at = 0;
+                for &n in &lens {
+                    let alone = tch::no_grad(|| m.logits(&m.hidden(&x.narrow(0, 0, 1).narrow(1, at, n))));
+                    let d = max_diff(&packed.narrow(0, 0, 1).narrow(1, at, n), &alone);
+                    assert!(d < 1e-4, "{name} dar={dar_on} {imp:?} doc at {at}: {d}");
+                    at += n;
+                }
+                let whole = tch::no_grad(|| m.logits(&m.hidden(&x.narrow(0, 1, 1))));
+                assert!(max_diff(&packed.narrow(0, 1, 1), &whole) < 1e-4, "{name} dar={dar_on} {imp:?} single-document row");
+            }
+        }
+    }
+}
+
+/// DAR decoding with the two-set cache (prefill, then one token at a time) equals the full forward.
+#[test]
+fn dar_cached_decoding_equals_full_forward() {
+    for name in ["llama_tiny", "olmo2_tiny"] {
+        let (vs, mut m) = load(name);
+        tch::manual_seed(9);
+        m.add_dar(&vs.root(), dar(AttentionKind::Dar, 16, 3, AttentionImpl::Reference)).unwrap();
+        let x = (Tensor::arange(24, (Kind::Int64, Device::Cpu)).view([2, 12]) * 5).remainder(128);
+        let full = tch::no_grad(|| m.logits(&m.hidden(&x)));
+        let mut cache = m.new_cache(2, Kind::Float, Device::Cpu);
+        let mut got = vec![tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, 4)))];
+        for t in 4..12 {
+            got.push(tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, 1))));
+        }
+        let d = max_diff(&Tensor::cat(&got, 1), &full);
+        assert!(d < 1e-4, "{name}: {d}");
+        // Two sets of 2 KV heads per layer.
+        assert_eq!(cache.bytes(), 2 * 2 * 2 * (2 * 2 * 12 * 16) * 4);
+    }
+}
+
+/// A DAR model written as a Hugging Face folder (bottleneck weights + attnlab_attention) loads back as
+/// the same DAR model.
+#[test]
+fn dar_checkpoint_round_trips() {
+    let (vs, mut m) = load("olmo2_tiny");
+    tch::manual_seed(4);
+    m.add_dar(&vs.root(), dar(AttentionKind::Dar, 16, 3, AttentionImpl::Sdpa)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    hf::save_llama(&vs, &m.cfg, dir.path()).unwrap();
+    let (_vs2, again) = hf::load_llama(dir.path(), Device::Cpu).unwrap();
+    assert_eq!(again.cfg, m.cfg);
+    let x = (Tensor::arange(40, (Kind::Int64, Device::Cpu)).view([2, 20]) * 3).remainder(128);
+    assert_eq!(max_diff(&m.logits(&m.hidden(&x)), &again.logits(&again.hidden(&x))), 0.0);
+}

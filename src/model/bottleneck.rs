@@ -1,0 +1,90 @@
+//! Initialising the DAR bottleneck of a pretrained Llama / OLMo 2 model (dar.md §4.2): `small_init`
+//! (random, N(0, 2/(5d)) as GPT-NeoX) or `pca`: W_down = Uᵀ, W_up = U with U the top-d_down principal
+//! directions of the layer's own K/V input over a calibration batch, so that `h' = h·W_down·W_up` is the
+//! orthogonal projection of h onto that subspace and fine-tuning starts near the original model.
+//! The bottleneck has no bias, so the directions are those of the uncentred second moment
+//! `C = hᵀh / N`: the projection minimising the mean squared reconstruction error, which then equals
+//! the sum of the discarded eigenvalues of C.
+use super::llama::{DarConfig, Llama};
+use crate::spec::DarAct;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use tch::{nn, Kind, Tensor};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum BottleneckInit {
+    /// Random N(0, 2/(5d)) (dar.md §2).
+    #[default]
+    SmallInit,
+    /// Principal directions of each layer's K/V input over a calibration batch.
+    Pca,
+}
+
+/// Principal directions of the rows of `a` `[N, d]`: (U `[d, k]` (columns = top-k eigenvectors of
+/// `aᵀa/N`), all d eigenvalues, descending), fp64.
+pub fn pca_basis(a: &Tensor, k: usize) -> (Tensor, Tensor) {
+    let a = a.to_kind(Kind::Double);
+    top_eigen(&(a.tr().matmul(&a) / a.size()[0] as f64), k)
+}
+
+/// (top-k eigenvectors `[d, k]`, all eigenvalues descending) of a symmetric matrix.
+fn top_eigen(c: &Tensor, k: usize) -> (Tensor, Tensor) {
+    let (vals, vecs) = c.linalg_eigh("L"); // ascending
+    (vecs.flip([-1]).narrow(1, 0, k as i64), vals.flip([0]))
+}
+
+/// Set every layer's bottleneck (the model must have DAR with `dar_act: linear`) to the PCA projection
+/// of its own K/V input over `calib_ids` `[B, T]` (packed rows: with their `doc_ids`, as
+/// `Llama::hidden_docs`). Layers are calibrated in order: layer i sees the inputs produced by
+/// layers < i with their new bottlenecks. Returns per layer the fraction of the second moment the
+/// subspace discards (Σ discarded eigenvalues / Σ all; 0 when d_down = d).
+pub fn calibrate_pca(model: &Llama, calib_ids: &Tensor, doc_ids: Option<&Tensor>) -> Result<Vec<f64>> {
+    let cfg = &model.cfg;
+    if !cfg.attention.has_bottleneck() {
+        return Err(Error::Other("calibrate_pca: the model has no DAR bottleneck (add_dar first)".into()));
+    }
+    if cfg.attention.dar_act != DarAct::Linear {
+        return Err(Error::Other("calibrate_pca: PCA initialisation needs dar_act: linear (a sigmoid latent is not a projection)".into()));
+    }
+    let (d, k) = (cfg.hidden_size as i64, cfg.attention.d_down);
+    let tokens = calib_ids.numel() as f64;
+    tch::no_grad(|| {
+        let (seg, cos, sin) = model.doc_tables(calib_ids, doc_ids);
+        let mut x = model.embed(calib_ids);
+        let mut discarded = Vec::new();
+        for i in 0..cfg.num_hidden_layers {
+            let (down, up) = model.bottleneck(i).expect("DAR layers have bottlenecks");
+            // Second moment accumulated row by row in fp64 (never the whole batch in fp64 at once).
+            let a = model.kv_input(i, &x);
+            let mut c = Tensor::zeros([d, d], (Kind::Double, a.device()));
+            for r in 0..a.size()[0] {
+                let ar = a.get(r).to_kind(Kind::Double);
+                c += ar.tr().matmul(&ar);
+            }
+            let (u, vals) = top_eigen(&(c / tokens), k);
+            down.shallow_clone().copy_(&u.tr());
+            up.shallow_clone().copy_(&u);
+            let total = vals.sum(Kind::Double).double_value(&[]);
+            let tail = vals.narrow(0, k as i64, d - k as i64).sum(Kind::Double).double_value(&[]);
+            discarded.push(if total > 0.0 { tail / total } else { 0.0 });
+            x = model.layer_forward_docs(i, &x, &cos, &sin, seg.as_ref());
+        }
+        Ok(discarded)
+    })
+}
+
+/// Give a pretrained vanilla model (loaded under `root`, e.g. by `hf::load_llama`) DAR with
+/// `attention`, bottlenecks initialised by `init` (`pca` needs `calib_ids` `[B, T]`, optionally with
+/// `doc_ids` for packed rows). Returns the per-layer discarded fraction for `pca` (empty for small_init).
+pub fn add_dar_to_pretrained(model: &mut Llama, root: &nn::Path, attention: DarConfig, init: BottleneckInit, calib_ids: Option<&Tensor>, doc_ids: Option<&Tensor>) -> Result<Vec<f64>> {
+    model.add_dar(root, attention)?;
+    match (init, calib_ids) {
+        (BottleneckInit::SmallInit, _) => Ok(Vec::new()),
+        (BottleneckInit::Pca, Some(ids)) => calibrate_pca(model, ids, doc_ids),
+        (BottleneckInit::Pca, None) => Err(Error::Other("add_dar_to_pretrained: pca initialisation needs calibration ids".into())),
+    }
+}
+
+#[cfg(test)]
+mod tests;
