@@ -36,6 +36,14 @@ enum Cmd {
         /// Stop after this many steps in total (as if interrupted; re-run to resume).
         #[arg(long, hide = true)]
         stop_after: Option<u64>,
+        /// Data-parallel training, one worker process per GPU: --gpus 0,1 (`cpu,cpu` runs CPU workers,
+        /// for tests). Each worker takes a disjoint slice of every global batch (train.batch_size),
+        /// so the run sees the same data and loss curve as one GPU with gradient accumulation; only
+        /// rank 0 logs, evaluates and checkpoints. Same as `train.devices` in the spec. Under
+        /// torchrun or srun, leave it out: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+        /// MASTER_PORT from the launcher are used instead.
+        #[arg(long, value_delimiter = ',', value_name = "LIST")]
+        gpus: Vec<String>,
     },
     /// Linearize a Llama teacher into a STILL / LoLCATs hybrid: stage 1 attention transfer, stage 2 LoRA
     /// (config.yaml, metrics.jsonl, checkpoints/, lora.safetensors, export/, eval.json, DONE; resumes).
@@ -239,6 +247,8 @@ enum DataCmd {
 }
 
 fn main() {
+    // Before CUDA starts: a data-parallel worker sees only its own GPU.
+    train::distributed::pin_local_gpu();
     let _ = attnlab::device::preload_torch_cuda();
     if let Err(e) = run(Cli::parse()) {
         eprintln!("error: {e}");
@@ -270,9 +280,30 @@ fn tokenizer_spec(s: &str) -> spec::TokenizerSpec {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
-        Cmd::Train { spec, quiet, stop_after } => {
-            let spec = load_spec(&spec)?;
-            let o = train::train(spec, &TrainOptions { quiet, stop_after })?;
+        Cmd::Train { spec, quiet, stop_after, gpus } => {
+            let mut spec = load_spec(&spec)?;
+            if !gpus.is_empty() {
+                spec.train.devices = Some(gpus.into_iter().map(spec::DeviceEntry::Name).collect());
+                spec = spec.resolve().map_err(|(key, msg)| anyhow::anyhow!("--gpus: `{key}`: {msg}"))?;
+            }
+            let dist = train::distributed::DistEnv::from_env()?;
+            let devices = train::launch::device_names(&spec.train.devices.iter().flatten().map(|d| d.to_string()).collect::<Vec<_>>())?;
+            if dist.is_none() && devices.len() > 1 {
+                // The launcher: the same command once per device, as workers.
+                let exe = std::env::current_exe().context("locating the attnlab executable")?;
+                let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+                return Ok(train::launch::launch(&exe, &args, &devices, spec.output.as_deref())?);
+            }
+            if let Some(d) = &dist {
+                // A worker trains on the CPU or on the one GPU left visible to it (pin_local_gpu).
+                let local = devices.get(d.local_rank).map(String::as_str).or(spec.train.device.as_deref()).unwrap_or("auto");
+                spec.train.device = Some(if local == "cpu" { "cpu" } else if local == "auto" { "auto" } else { "cuda:0" }.to_string());
+            }
+            let rank0 = dist.as_ref().is_none_or(|d| d.rank == 0);
+            let o = train::train(spec, &TrainOptions { quiet, stop_after, dist })?;
+            if !rank0 {
+                return Ok(());
+            }
             if o.already_done {
                 println!("{} is finished (DONE); nothing to do", o.dir.display());
             } else {
@@ -312,7 +343,7 @@ fn run(cli: Cli) -> Result<()> {
                 if !quiet {
                     eprintln!("== {k}: {}", s.attention.note.clone().unwrap_or_else(|| "full-width keys everywhere".into()));
                 }
-                let o = train::train(s, &TrainOptions { quiet, stop_after: None })?;
+                let o = train::train(s, &TrainOptions { quiet, ..Default::default() })?;
                 rows.push((k.clone(), o.eval));
             }
             print_eval_table(&rows);
