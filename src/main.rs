@@ -298,6 +298,12 @@ fn run(cli: Cli) -> Result<()> {
                 // A worker trains on the CPU or on the one GPU left visible to it (pin_local_gpu).
                 let local = devices.get(d.local_rank).map(String::as_str).or(spec.train.device.as_deref()).unwrap_or("auto");
                 spec.train.device = Some(if local == "cpu" { "cpu" } else if local == "auto" { "auto" } else { "cuda:0" }.to_string());
+                if local == "cpu" {
+                    // CPU workers on one machine share its cores instead of each taking all of them.
+                    let per_node = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(d.world);
+                    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                    tch::set_num_threads((cores / per_node.max(1)).max(1) as i32);
+                }
             }
             let rank0 = dist.as_ref().is_none_or(|d| d.rank == 0);
             let o = train::train(spec, &TrainOptions { quiet, stop_after, dist })?;

@@ -102,6 +102,7 @@ extern "C" {
     fn attnlab_store_set(s: *mut c_void, key: *const c_char, data: *const u8, len: i64) -> *mut c_char;
     fn attnlab_store_get(s: *mut c_void, key: *const c_char, data: *mut *mut u8, len: *mut i64) -> *mut c_char;
     fn attnlab_store_delete(s: *mut c_void, key: *const c_char) -> *mut c_char;
+    fn attnlab_store_add(s: *mut c_void, key: *const c_char, delta: i64, out: *mut i64) -> *mut c_char;
 }
 
 fn store_check(what: &str, err: *mut c_char) -> Result<()> {
@@ -148,6 +149,14 @@ impl Store {
         let v = unsafe { std::slice::from_raw_parts(data, len as usize) }.to_vec();
         unsafe { libc::free(data as *mut c_void) };
         Ok(v)
+    }
+
+    /// Add `delta` to the counter `key` (created at 0); returns the new value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let k = CString::new(key).expect("key has no NUL");
+        let mut out = 0;
+        store_check("add", unsafe { attnlab_store_add(self.ptr, k.as_ptr(), delta, &mut out) })?;
+        Ok(out)
     }
 
     pub fn delete(&self, key: &str) -> Result<()> {
@@ -201,6 +210,20 @@ impl StoreComm {
             }
         }
         Ok(())
+    }
+}
+
+impl Drop for StoreComm {
+    /// Rank 0 hosts the store: it must outlive the other ranks' reads of the last operation, so
+    /// every rank checks out and rank 0 waits (at most 60 s) until all have.
+    fn drop(&mut self) {
+        if self.store.add("left", 1).is_err() || self.rank != 0 {
+            return;
+        }
+        let t = std::time::Instant::now();
+        while self.store.add("left", 0).is_ok_and(|n| (n as usize) < self.world) && t.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 }
 
