@@ -200,6 +200,12 @@ enum Cmd {
         /// Sweep output folder (overrides `output:` in the sweep file).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// With --emit slurm: GPUs per node for each run (> 1 = data-parallel, one srun task per GPU).
+        #[arg(long, default_value_t = 1)]
+        gpus_per_run: usize,
+        /// With --emit slurm: nodes per run (multi-node data parallelism; needs a shared file system).
+        #[arg(long, default_value_t = 1)]
+        nodes: usize,
     },
     /// Tables 1–3 of the DAR paper next to its numbers, Figure 3 and training curves from every run below RESULTS (writes runs.parquet, tables/, plots/, report.md).
     #[cfg(feature = "analysis")]
@@ -502,8 +508,12 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Config { spec } => print!("{}", load_spec(&spec)?.to_yaml()),
-        Cmd::Sweep { file, dry_run, gpus, max_parallel, emit, sets, out } => {
-            let opts = attnlab::sweep::SweepOptions { dry_run, gpus, max_parallel, emit, sets, out, exe: None };
+        Cmd::Sweep { file, dry_run, gpus, max_parallel, emit, sets, out, gpus_per_run, nodes } => {
+            if (gpus_per_run > 1 || nodes > 1) && emit.is_none() {
+                bail!("--gpus-per-run / --nodes shape the runs of an emitted batch script (--emit slurm); a local sweep runs one GPU per run (or `attnlab train --gpus` for one data-parallel run)");
+            }
+            let shape = attnlab::sweep::RunShape { nodes, gpus_per_node: gpus_per_run };
+            let opts = attnlab::sweep::SweepOptions { dry_run, gpus, max_parallel, emit, sets, out, exe: None, shape };
             let summary = attnlab::sweep::run_sweep(&file, &opts)?;
             if summary.failed() > 0 {
                 bail!("{} of {} runs failed (logs listed above)", summary.failed(), summary.runs.len());

@@ -485,8 +485,11 @@ impl Watchdog {
         let b = beat.clone();
         std::thread::spawn(move || loop {
             std::thread::sleep(Duration::from_millis(500).min(timeout));
-            let last = Duration::from_millis(b.load(Ordering::Relaxed));
-            if start.elapsed().saturating_sub(last) > timeout {
+            let last = b.load(Ordering::Relaxed);
+            if last == u64::MAX {
+                return;
+            }
+            if start.elapsed().saturating_sub(Duration::from_millis(last)) > timeout {
                 eprintln!("error: data-parallel rank {rank}: no training step finished in {:.0} s (train.dist_timeout_s); a peer is hung or dead; stopping", timeout.as_secs_f64());
                 std::process::exit(3);
             }
@@ -496,6 +499,11 @@ impl Watchdog {
 
     pub fn beat(&self) {
         self.beat.store(self.start.elapsed().as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// No more collectives follow (rank 0's final evaluation may take long): stop watching.
+    pub fn stop(&self) {
+        self.beat.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

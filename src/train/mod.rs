@@ -97,7 +97,11 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
         Some(env) => {
             let timeout = std::time::Duration::from_secs_f64(spec.train.dist_timeout_s.unwrap_or(600.0));
             let mut comm = distributed::connect(env, device, timeout)?;
-            // Rank 0 has checked (or written) config.yaml before anyone trains.
+            // Rank 0 checks (or writes) config.yaml and tokenizes the corpus into the cache alone;
+            // the others wait for it, then find the cache ready.
+            if env.rank == 0 {
+                shards::ensure_prepared(&spec.data.train, &tok, spec.data.cache.as_ref().expect("resolved"), quiet)?;
+            }
             comm.barrier()?;
             (Some(comm), Some(distributed::Watchdog::start(env.rank, timeout)))
         }
@@ -210,6 +214,9 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
         }
     }
     bar.finish_and_clear();
+    if let Some(dog) = &dog {
+        dog.stop();
+    }
     if end < steps || !rank0 {
         return Ok(Outcome { dir: dir.path.clone(), step: end, eval: BTreeMap::new(), already_done: false, tokens_per_s: last_tps });
     }
