@@ -302,7 +302,8 @@ fn run(cli: Cli) -> Result<()> {
             }
             if let Some(d) = &dist {
                 // A worker trains on the CPU or on the one GPU left visible to it (pin_local_gpu).
-                let local = devices.get(d.local_rank).map(String::as_str).or(spec.train.device.as_deref()).unwrap_or("auto");
+                let local = devices.get(d.local_rank).cloned().or(spec.train.device.clone()).unwrap_or_else(|| "auto".into());
+                let local = local.as_str();
                 spec.train.device = Some(if local == "cpu" { "cpu" } else if local == "auto" { "auto" } else { "cuda:0" }.to_string());
                 if local == "cpu" {
                     // CPU workers on one machine share its cores instead of each taking all of them.
