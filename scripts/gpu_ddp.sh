@@ -20,7 +20,7 @@ spec=experiments/pythia-70m-vanilla.yaml
 LIMIT=300 run $A train $spec "${data[@]}" --set train.steps=1 --set train.batch_size=1 --out $RUNS/warm
 
 # Throughput: S steps, tokens/s of the last logged window (steps S/2+1..S, after warm-up).
-S=${S:-40}
+S=${S:-60}
 for size in 70m:32:128 160m:16:192; do
   IFS=: read -r f b dd <<< "$size"
   for att in vanilla dar; do

@@ -398,6 +398,17 @@ impl Communicator for NcclComm {
         self.lib.check("all-reduce", unsafe { (self.lib.all_reduce)(p, p, t.numel(), Self::dtype(t)?, NCCL_SUM, self.comm, std::ptr::null_mut()) })
     }
 
+    /// NCCL calls return at once (the GPU waits, not the host): synchronise so that the host
+    /// really waits for every rank, as a barrier must.
+    fn barrier(&mut self) -> Result<()> {
+        let mut t = Tensor::zeros([1], (Kind::Float, self.device));
+        self.all_reduce_sum(&mut t)?;
+        if let Device::Cuda(i) = self.device {
+            tch::Cuda::synchronize(i as i64);
+        }
+        Ok(())
+    }
+
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<()> {
         assert!(t.is_contiguous() && t.device() == self.device, "broadcast needs a contiguous tensor on the worker's GPU");
         let p = t.data_ptr();
