@@ -502,7 +502,8 @@ impl Watchdog {
             }
             if start.elapsed().saturating_sub(Duration::from_millis(last)) > timeout {
                 eprintln!("error: data-parallel rank {rank}: no training step finished in {:.0} s (train.dist_timeout_s); a peer is hung or dead; stopping", timeout.as_secs_f64());
-                std::process::exit(3);
+                // _exit: no atexit handlers, which could block on a GPU stuck in a collective.
+                unsafe { libc::_exit(3) };
             }
         });
         Watchdog { beat, start }
@@ -599,6 +600,10 @@ mod tests {
             let sync = GradSync::new(&params, 12, Kind::Float);
             assert_eq!(sync.buckets(), 2);
             sync.average(comm.as_mut(), &params).unwrap();
+            // bf16 reduction (these values are exact in bf16): the mean of equal gradients is
+            // themselves, and the gradients stay fp32.
+            GradSync::new(&params, 1 << 20, Kind::BFloat16).average(comm.as_mut(), &params).unwrap();
+            assert_eq!(params[1].grad().kind(), Kind::Float);
             comm.barrier().unwrap();
             (Vec::<f32>::try_from(&t).unwrap(), Vec::<f32>::try_from(&b).unwrap(), Vec::<f32>::try_from(params[0].grad()).unwrap(), Vec::<f32>::try_from(params[1].grad().reshape([-1])).unwrap())
         };
