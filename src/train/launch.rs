@@ -54,6 +54,16 @@ pub fn launch(exe: &Path, args: &[std::ffi::OsString], devices: &[String], run_d
             };
             cmd.env("CUDA_VISIBLE_DEVICES", gpu);
         }
+        // A worker must not outlive the launcher (killed by `timeout`, the batch system or a
+        // crash): the kernel sends it SIGTERM when the launcher dies.
+        // SAFETY: prctl is async-signal-safe, as pre_exec requires.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
         match cmd.spawn() {
             Ok(c) => children.push((rank, dev.clone(), c)),
             Err(e) => {
