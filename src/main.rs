@@ -36,6 +36,14 @@ enum Cmd {
         /// Stop after this many steps in total (as if interrupted; re-run to resume).
         #[arg(long, hide = true)]
         stop_after: Option<u64>,
+        /// Data-parallel training, one worker process per GPU: --gpus 0,1 (`cpu,cpu` runs CPU workers,
+        /// for tests). Each worker takes a disjoint slice of every global batch (train.batch_size),
+        /// so the run sees the same data and loss curve as one GPU with gradient accumulation; only
+        /// rank 0 logs, evaluates and checkpoints. Same as `train.devices` in the spec. Under
+        /// torchrun or srun, leave it out: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+        /// MASTER_PORT from the launcher are used instead.
+        #[arg(long, value_delimiter = ',', value_name = "LIST")]
+        gpus: Vec<String>,
     },
     /// Linearize a Llama teacher into a STILL / LoLCATs hybrid: stage 1 attention transfer, stage 2 LoRA
     /// (config.yaml, metrics.jsonl, checkpoints/, lora.safetensors, export/, eval.json, DONE; resumes).
@@ -200,6 +208,12 @@ enum Cmd {
         /// Sweep output folder (overrides `output:` in the sweep file).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// With --emit slurm: GPUs per node for each run (> 1 = data-parallel, one srun task per GPU).
+        #[arg(long, default_value_t = 1)]
+        gpus_per_run: usize,
+        /// With --emit slurm: nodes per run (multi-node data parallelism; needs a shared file system).
+        #[arg(long, default_value_t = 1)]
+        nodes: usize,
     },
     /// Tables 1–3 of the DAR paper next to its numbers, Figure 3 and training curves from every run below RESULTS (writes runs.parquet, tables/, plots/, report.md).
     #[cfg(feature = "analysis")]
@@ -247,6 +261,8 @@ enum DataCmd {
 }
 
 fn main() {
+    // Before CUDA starts: a data-parallel worker sees only its own GPU.
+    train::distributed::pin_local_gpu();
     let _ = attnlab::device::preload_torch_cuda();
     if let Err(e) = run(Cli::parse()) {
         eprintln!("error: {e}");
@@ -278,9 +294,37 @@ fn tokenizer_spec(s: &str) -> spec::TokenizerSpec {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
-        Cmd::Train { spec, quiet, stop_after } => {
-            let spec = load_spec(&spec)?;
-            let o = train::train(spec, &TrainOptions { quiet, stop_after })?;
+        Cmd::Train { spec, quiet, stop_after, gpus } => {
+            let mut spec = load_spec(&spec)?;
+            if !gpus.is_empty() {
+                spec.train.devices = Some(gpus.into_iter().map(spec::DeviceEntry::Name).collect());
+                spec = spec.resolve().map_err(|(key, msg)| anyhow::anyhow!("--gpus: `{key}`: {msg}"))?;
+            }
+            let dist = train::distributed::DistEnv::from_env()?;
+            let devices = train::launch::device_names(&spec.train.devices.iter().flatten().map(|d| d.to_string()).collect::<Vec<_>>())?;
+            if dist.is_none() && devices.len() > 1 {
+                // The launcher: the same command once per device, as workers.
+                let exe = std::env::current_exe().context("locating the attnlab executable")?;
+                let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+                return Ok(train::launch::launch(&exe, &args, &devices, spec.output.as_deref())?);
+            }
+            if let Some(d) = &dist {
+                // A worker trains on the CPU or on the one GPU left visible to it (pin_local_gpu).
+                let local = devices.get(d.local_rank).cloned().or(spec.train.device.clone()).unwrap_or_else(|| "auto".into());
+                let local = local.as_str();
+                spec.train.device = Some(if local == "cpu" { "cpu" } else if local == "auto" { "auto" } else { "cuda:0" }.to_string());
+                if local == "cpu" {
+                    // CPU workers on one machine share its cores instead of each taking all of them.
+                    let per_node = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(d.world);
+                    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                    tch::set_num_threads((cores / per_node.max(1)).max(1) as i32);
+                }
+            }
+            let rank0 = dist.as_ref().is_none_or(|d| d.rank == 0);
+            let o = train::train(spec, &TrainOptions { quiet, stop_after, dist })?;
+            if !rank0 {
+                return Ok(());
+            }
             if o.already_done {
                 println!("{} is finished (DONE); nothing to do", o.dir.display());
             } else {
@@ -320,7 +364,7 @@ fn run(cli: Cli) -> Result<()> {
                 if !quiet {
                     eprintln!("== {k}: {}", s.attention.note.clone().unwrap_or_else(|| "full-width keys everywhere".into()));
                 }
-                let o = train::train(s, &TrainOptions { quiet, stop_after: None })?;
+                let o = train::train(s, &TrainOptions { quiet, ..Default::default() })?;
                 rows.push((k.clone(), o.eval));
             }
             print_eval_table(&rows);
@@ -482,8 +526,12 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Config { spec } => print!("{}", load_spec(&spec)?.to_yaml()),
-        Cmd::Sweep { file, dry_run, gpus, max_parallel, emit, sets, out } => {
-            let opts = attnlab::sweep::SweepOptions { dry_run, gpus, max_parallel, emit, sets, out, exe: None };
+        Cmd::Sweep { file, dry_run, gpus, max_parallel, emit, sets, out, gpus_per_run, nodes } => {
+            if (gpus_per_run > 1 || nodes > 1) && emit.is_none() {
+                bail!("--gpus-per-run / --nodes shape the runs of an emitted batch script (--emit slurm); a local sweep runs one GPU per run (or `attnlab train --gpus` for one data-parallel run)");
+            }
+            let shape = attnlab::sweep::RunShape { nodes, gpus_per_node: gpus_per_run };
+            let opts = attnlab::sweep::SweepOptions { dry_run, gpus, max_parallel, emit, sets, out, exe: None, shape };
             let summary = attnlab::sweep::run_sweep(&file, &opts)?;
             if summary.failed() > 0 {
                 bail!("{} of {} runs failed (logs listed above)", summary.failed(), summary.runs.len());

@@ -218,3 +218,107 @@ fn nan_loss_stops_the_run_keeping_the_last_good_checkpoint() {
     assert!(run.join(format!("checkpoints/{}/state.json", step - 1)).is_file());
     assert!(!run.join(format!("checkpoints/{step}")).exists() && !run.join("DONE").exists());
 }
+
+/// A very small model (1 layer, d = 32, T = 32) so that data-parallel runs take seconds on 2 cores.
+const DP: [&str; 24] = [
+    "--set", "model.layers=1", "--set", "model.d_model=32", "--set", "model.heads=2", "--set", "data.seq_len=32",
+    "--set", "train.batch_size=8", "--set", "train.grad_accum=2", "--set", "train.log_every=1", "--set", "train.device=cpu",
+    "--set", "data.train.synthetic.docs=120", "--set", "data.eval.synthetic.synthetic.docs=10", "--set", "checkpoint.every=3", "--set", "checkpoint.keep=3",
+];
+
+fn dp_args<'a>(dir: &'a Path, steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["train", "--quiet", "--out", dir.to_str().unwrap(), "--set", steps];
+    args.extend(DP);
+    args.extend(extra);
+    args
+}
+
+fn assert_close(reference: &std::collections::BTreeMap<u64, f64>, got: &std::collections::BTreeMap<u64, f64>) {
+    assert_eq!(reference.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>(), "logged steps differ");
+    for (s, a) in reference {
+        // Same data and global batch; only the float summation order of the gradients differs.
+        assert!((a - got[s]).abs() < 1e-5 * a.abs().max(1.0), "step {s}: one process {a}, data-parallel {}", got[s]);
+    }
+}
+
+/// Two CPU workers (each half of every global batch, gradients averaged through the store) give the
+/// loss curve and final perplexity of one process with gradient accumulation over the same batch.
+#[test]
+fn two_workers_reproduce_the_single_process_loss_curve() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let (one, two) = (cwd.join("one"), cwd.join("two"));
+    ok(&attnlab(&dp_args(&one, "train.steps=8", &[]), cwd));
+    ok(&attnlab(&dp_args(&two, "train.steps=8", &["--gpus", "cpu,cpu"]), cwd));
+    let (l1, l2) = (losses(&one), losses(&two));
+    assert_eq!(l1.len(), 8);
+    assert_close(&l1, &l2);
+    assert!(l1[&8] < l1[&1], "loss did not decrease: {l1:?}");
+    // Only rank 0 wrote: one metrics row per step, marked with the world size.
+    let text = std::fs::read_to_string(two.join("metrics.jsonl")).unwrap();
+    assert_eq!(text.lines().filter(|l| l.contains("\"world_size\":2")).count(), 8, "{text}");
+    let ppl = |d: &Path| -> f64 {
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.join("eval.json")).unwrap()).unwrap();
+        v["corpora"]["synthetic"]["ppl"].as_f64().unwrap_or_else(|| panic!("{v}"))
+    };
+    assert!((ppl(&one) - ppl(&two)).abs() < 1e-4 * ppl(&one), "{} vs {}", ppl(&one), ppl(&two));
+    // A world size that does not divide the global batch is refused up front.
+    let err = fails(&attnlab(&dp_args(&cwd.join("three"), "train.steps=8", &["--gpus", "cpu,cpu,cpu"]), cwd));
+    assert!(err.contains("train.devices") && err.contains("divide"), "{err}");
+}
+
+/// The pid of the launcher's worker with RANK=`rank` (from /proc), once it exists.
+fn worker_pid(launcher: u32, rank: usize) -> Option<u32> {
+    let kids = std::fs::read_to_string(format!("/proc/{launcher}/task/{launcher}/children")).ok()?;
+    kids.split_whitespace().filter_map(|p| p.parse::<u32>().ok()).find(|p| {
+        let env = std::fs::read(format!("/proc/{p}/environ")).unwrap_or_default();
+        env.split(|&b| b == 0).any(|kv| kv == format!("RANK={rank}").as_bytes())
+    })
+}
+
+/// SIGKILL of one worker stops the job with a message naming it and the checkpoint to resume from;
+/// the checkpoints stay complete; the run then resumes with 1 worker, then with 2, and ends on the
+/// loss curve of an uninterrupted single-process run.
+#[test]
+fn killed_worker_stops_the_job_and_the_run_resumes_with_one_or_two_workers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let (reference, run) = (cwd.join("reference"), cwd.join("run"));
+    ok(&attnlab(&dp_args(&reference, "train.steps=30", &[]), cwd));
+
+    let mut job = Command::new(env!("CARGO_BIN_EXE_attnlab"))
+        .args(dp_args(&run, "train.steps=30", &["--gpus", "cpu,cpu"]))
+        .current_dir(cwd)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while !run.join("checkpoints/3/state.json").is_file() {
+        assert!(start.elapsed().as_secs() < 300, "no checkpoint after 300 s");
+        assert!(job.try_wait().unwrap().is_none(), "job ended before the kill");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let victim = worker_pid(job.id(), 1).expect("rank 1 worker is running");
+    assert!(Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap().success());
+    let out = job.wait_with_output().unwrap();
+    let err = fails(&out);
+    assert!(err.contains("worker rank 1") && err.contains("killed by signal 9") && err.contains("stopped the other 1 worker"), "{err}");
+    let last: u64 = err.split("last complete checkpoint is step ").nth(1).and_then(|s| s.split(' ').next()).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("{err}"));
+    assert!(last >= 3 && last < 30 && !run.join("DONE").exists(), "{err}");
+    for e in std::fs::read_dir(run.join("checkpoints")).unwrap() {
+        let p = e.unwrap().path();
+        if p.file_name().unwrap().to_str().unwrap().parse::<u64>().is_ok() {
+            for f in ["model.safetensors", "optimizer.safetensors", "state.json"] {
+                assert!(p.join(f).is_file(), "{} lacks {f}", p.display());
+            }
+        }
+    }
+    // Resume on one process for a few steps, then on two to the end.
+    let stop = (last + 4).to_string();
+    ok(&attnlab(&dp_args(&run, "train.steps=30", &["--stop-after", &stop]), cwd));
+    assert!(!run.join("DONE").exists());
+    ok(&attnlab(&dp_args(&run, "train.steps=30", &["--gpus", "cpu,cpu"]), cwd));
+    assert!(run.join("DONE").is_file());
+    assert_close(&losses(&reference), &losses(&run));
+}

@@ -427,6 +427,45 @@ pub struct TrainSpec {
     /// Log a metrics row every N steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log_every: Option<i64>,
+    /// Data parallelism: one worker process per entry, `[0, 1]` (GPU indices), `[cuda:0, cuda:1]`
+    /// or `[cpu, cpu]` (CPU workers, for tests); the count must divide batch_size. Same as
+    /// `attnlab train --gpus 0,1`. Not part of a run's identity: a run resumes with any count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<DeviceEntry>>,
+    /// Data-parallel gradient all-reduce in fp32 (default) or bf16 (half the traffic).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_reduce: Option<GradReduce>,
+    /// Data-parallel all-reduce bucket size in MB (default 25).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket_mb: Option<f64>,
+    /// Data parallelism: a worker that waits longer than this for its peers stops the job (default 600).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dist_timeout_s: Option<f64>,
+}
+
+/// An entry of `train.devices`: a GPU index or a device name.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum DeviceEntry {
+    Index(u32),
+    Name(String),
+}
+
+impl std::fmt::Display for DeviceEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceEntry::Index(i) => write!(f, "{i}"),
+            DeviceEntry::Name(s) => f.write_str(s),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum GradReduce {
+    #[default]
+    Fp32,
+    Bf16,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -611,6 +650,11 @@ impl Spec {
         let accum = *t.grad_accum.get_or_insert(1);
         if accum <= 0 || batch % accum != 0 {
             return bad("train.grad_accum", format!("{accum} must be > 0 and divide batch_size {batch}"));
+        }
+        if let Some(d) = &t.devices {
+            if d.is_empty() || batch % d.len() as i64 != 0 {
+                return bad("train.devices", format!("{} workers must be at least 1 and divide batch_size {batch}", d.len()));
+            }
         }
         let steps = match (t.steps, t.tokens) {
             (Some(_), Some(_)) => return bad("train.tokens", "give either train.steps or train.tokens, not both".into()),

@@ -54,7 +54,7 @@ mod slurm;
 mod tests;
 
 pub use plan::{apply, plan, remove_path, render, PlannedRun, RunSpec, SweepPlan};
-pub use slurm::sbatch_script;
+pub use slurm::{sbatch_script, RunShape};
 
 use crate::{IoContext, Result};
 use std::path::{Path, PathBuf};
@@ -76,6 +76,8 @@ pub struct SweepOptions {
     pub out: Option<PathBuf>,
     /// The `attnlab` executable for child runs (default: the current executable).
     pub exe: Option<PathBuf>,
+    /// With `emit`: GPUs (and nodes) of each run; more than one makes every run data-parallel.
+    pub shape: RunShape,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -177,7 +179,10 @@ pub fn run_sweep(file: &Path, opts: &SweepOptions) -> Result<SweepSummary> {
     }
     if let Some(Emit::Slurm) = opts.emit {
         let cwd = std::env::current_dir().map_err(|e| crate::Error::io(".", e))?;
-        let script = slurm::emit(&plan, &exe, &cwd)?;
+        if opts.shape.nodes * opts.shape.gpus_per_node > 1 && plan.runs.iter().any(|r| r.spec.command() != "train") {
+            return Err(crate::Error::Other(format!("{}: only `attnlab train` runs data-parallel; emit linearize sweeps with one GPU per run", file.display())));
+        }
+        let script = slurm::emit(&plan, &exe, &cwd, opts.shape)?;
         summary.runs = planned(Outcome::Planned);
         print!("{}", plan_table(&summary.runs));
         println!("wrote {} ({} array tasks; specs in {})", script.display(), plan.runs.len(), plan.output.join("specs").display());

@@ -448,3 +448,18 @@ fn a_smoke_sweep_spec_trains() {
     assert_eq!(RunStatus::of(&run.dir), RunStatus::Done);
     assert!(final_loss(&run.dir).is_some());
 }
+
+#[test]
+fn slurm_script_for_data_parallel_runs_starts_one_srun_task_per_gpu() {
+    let (tmp, file) = setup(GRID_ZIP_RUNS);
+    let shape = crate::sweep::RunShape { nodes: 2, gpus_per_node: 4 };
+    run_sweep(&file, &SweepOptions { emit: Some(Emit::Slurm), exe: Some("/opt/attnlab".into()), shape, ..Default::default() }).unwrap();
+    let script = std::fs::read_to_string(tmp.path().join("out/sweep.sbatch")).unwrap();
+    for needle in ["#SBATCH --array=0-11\n", "#SBATCH --nodes=2\n", "#SBATCH --ntasks-per-node=4\n", "#SBATCH --gres=gpu:4\n", "8 data-parallel workers", "export MASTER_ADDR=$(scontrol show hostnames", "srun --kill-on-bad-exit=1", "RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID LOCAL_WORLD_SIZE=4"] {
+        assert!(script.contains(needle), "missing `{needle}` in\n{script}");
+    }
+    assert!(!script.contains("--gres=gpu:1"), "{script}");
+    // The script is valid bash.
+    let st = std::process::Command::new("bash").args(["-n", tmp.path().join("out/sweep.sbatch").to_str().unwrap()]).status().unwrap();
+    assert!(st.success());
+}

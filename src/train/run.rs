@@ -61,12 +61,14 @@ impl RunDir {
         let yaml = spec.to_yaml();
         if cfg.is_file() {
             // Compare meaning, not text: an older config without a key added since resolves to the
-            // same spec. The device may differ (a run may resume on another GPU or on the CPU).
+            // same spec. The device may differ (a run may resume on another GPU or on the CPU), and so may
+            // the data-parallel devices: any worker count dividing the global batch sees the same data.
             let old_text = std::fs::read_to_string(&cfg).at(&cfg)?;
             let old = crate::spec::from_str(&old_text, &cfg.display().to_string(), &[])?;
             let same_device = |s: &Spec| {
                 let mut s = s.clone();
                 s.train.device = None;
+                (s.train.devices, s.train.dist_timeout_s) = (None, None);
                 s
             };
             if same_device(&old) != same_device(spec) {
