@@ -2,6 +2,7 @@
 pub mod generate;
 pub mod perplexity;
 pub mod ruler;
+pub mod tasks;
 pub mod wikitext;
 
 pub use perplexity::{CorpusResult, EvalCorpus};
