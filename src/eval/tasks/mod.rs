@@ -360,10 +360,25 @@ pub struct Options {
     pub quiet: bool,
 }
 
+/// What was evaluated: enough for the report to place a run in the downstream table.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    pub step: u64,
+    pub arch: String,
+    /// vanilla, dar or uniform.
+    pub attention: String,
+    pub d_model: usize,
+    /// Bottleneck width (None for vanilla attention).
+    pub d_down: Option<usize>,
+    pub window: Option<usize>,
+}
+
 /// A task's result (RUN/tasks/NAME.json).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TaskResult {
     pub task: String,
+    #[serde(default)]
+    pub model: ModelInfo,
     pub docs: usize,
     pub num_fewshot: usize,
     /// Metric key → mean over documents.
@@ -617,9 +632,22 @@ pub fn evaluate(model: &Model, tok: &Tok, def: &TaskDef, opts: &Options, device:
     }
     let primary = metrics[&def.primary];
     Ok((
-        TaskResult { task: def.task.clone(), docs: docs.len(), num_fewshot: k, metrics, primary_metric: def.primary.clone(), primary, breakdown, notes, seconds: t0.elapsed().as_secs_f64() },
+        TaskResult { task: def.task.clone(), model: ModelInfo::default(), docs: docs.len(), num_fewshot: k, metrics, primary_metric: def.primary.clone(), primary, breakdown, notes, seconds: t0.elapsed().as_secs_f64() },
         samples,
     ))
+}
+
+/// Write `RUN/tasks/NAME.json` (the result) and `RUN/tasks/NAME.samples.jsonl` (one line per document).
+pub fn write(run: &std::path::Path, result: &TaskResult, samples: &[Sample]) -> Result<std::path::PathBuf> {
+    use crate::IoContext;
+    let dir = run.join("tasks");
+    std::fs::create_dir_all(&dir).at(&dir)?;
+    let path = dir.join(format!("{}.json", result.task));
+    std::fs::write(&path, serde_json::to_string_pretty(result)?).at(&path)?;
+    let lines: Vec<String> = samples.iter().map(serde_json::to_string).collect::<std::result::Result<_, _>>()?;
+    let sp = dir.join(format!("{}.samples.jsonl", result.task));
+    std::fs::write(&sp, lines.join("\n") + "\n").at(&sp)?;
+    Ok(path)
 }
 
 #[cfg(test)]
