@@ -178,7 +178,9 @@ pub fn build(runs: &[DownRun], paper: &[PaperRow]) -> Vec<Table> {
                 let avg = all.then(|| TASKS.iter().map(|t| r.scores[*t]).sum::<f64>() / 6.0);
                 let paper_rel_same = match (&p, paper_base, base) {
                     (Some(p), Some(pb), Some(b)) if n > 0 && n < 6 => {
-                        let common = |m: &BTreeMap<String, f64>| m.iter().filter(|(t, _)| r.scores.contains_key(*t) && b.scores.contains_key(*t)).map(|(t, v)| (t.clone(), *v)).collect();
+                        // The tasks our Rel.(%) used: both have a score and the baseline's is not 0.
+                        let used = |t: &String| r.scores.contains_key(t) && b.scores.get(t).is_some_and(|v| *v > 0.0);
+                        let common = |m: &BTreeMap<String, f64>| m.iter().filter(|(t, _)| used(t)).map(|(t, v)| (t.clone(), *v)).collect();
                         rel(&common(&p.scores), &pb.scores).map(|x| x.0)
                     }
                     _ => None,
@@ -187,7 +189,7 @@ pub fn build(runs: &[DownRun], paper: &[PaperRow]) -> Vec<Table> {
             })
             .collect::<Vec<_>>();
         if rows.iter().any(|r| r.rel_tasks > 0 && r.rel_tasks < 6) {
-            notes.push("Our Rel.(%) averages over the tasks both the row and the baseline have; \"paper Rel.% (same tasks)\" recomputes the paper's over those.".into());
+            notes.push("Our Rel.(%) averages over the tasks both the row and the baseline have, leaving out tasks where the baseline scores 0 (no ratio); \"paper Rel.% (same tasks)\" recomputes the paper's over those.".into());
         }
         let where_ = if parent.is_empty() { "results".to_string() } else { format!("`{parent}`") };
         tables.push(Table {
@@ -318,6 +320,8 @@ mod tests {
         write_run(root, "sweep/full", Some(64), &[("mmlu", 0.40), ("gsm8k", 0.20)]);
         write_run(root, "sweep/d16", Some(16), &[("mmlu", 0.30), ("gsm8k", 0.30)]);
         write_run(root, "sweep/d8", Some(8), &[("mmlu", 0.20)]);
+        write_run(root, "sweep/full", Some(64), &[("mbpp", 0.0)]);
+        write_run(root, "sweep/d16", Some(16), &[("mbpp", 0.1)]);
         std::fs::write(root.join("sweep/d8/tasks/broken.json"), "{").unwrap();
         let runs = collect(root).unwrap();
         assert_eq!(runs.len(), 3);
@@ -326,7 +330,7 @@ mod tests {
         let t = &tables[0];
         let labels: Vec<String> = t.rows.iter().map(|r| r.run.label()).collect();
         assert_eq!(labels, ["64", "16", "8"]);
-        // d16: (0.30/0.40 + 0.30/0.20) / 2 = (0.75 + 1.5) / 2 = 112.5 %.
+        // d16: (0.30/0.40 + 0.30/0.20) / 2 = (0.75 + 1.5) / 2 = 112.5 % (MBPP left out: the baseline scores 0).
         assert!((t.rows[1].rel.unwrap() - 112.5).abs() < 1e-9);
         assert!((t.rows[0].rel.unwrap() - 100.0).abs() < 1e-9);
         // d8: only MMLU → 50 %, over one task.
@@ -340,6 +344,7 @@ mod tests {
         assert!(t.rows.iter().all(|r| r.avg.is_none()), "Avg. needs all six tasks");
         let md = markdown(t);
         assert!(md.contains("| 16 | 0.3000 | 0.4051 |"), "{md}");
+        assert_eq!(t.rows[1].rel_tasks, 2);
         assert!(csv(t).lines().count() == 4);
     }
 }
