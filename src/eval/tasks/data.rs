@@ -124,3 +124,33 @@ pub fn load_split(def: &DatasetDef, split: &SplitDef, data: Option<&str>, is_eva
     }
     Ok(docs)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// Parquet rows come back as JSON objects with list columns intact (MMLU's `choices`).
+    #[cfg(feature = "analysis")]
+    #[test]
+    fn parquet_rows_keep_nested_lists() {
+        use polars::prelude::*;
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("test-00000-of-00001.parquet");
+        let choices = Series::new("choices".into(), [Series::new("".into(), ["a", "b"]), Series::new("".into(), ["c", "d"])]);
+        let mut df = DataFrame::new(2, vec![
+            Column::new("question".into(), ["q1", "q2"]),
+            Column::from(choices),
+            Column::new("answer".into(), [1i64, 0]),
+        ])
+        .unwrap();
+        ParquetWriter::new(std::fs::File::create(&path).unwrap()).finish(&mut df).unwrap();
+        let rows = read_records(&path).unwrap();
+        assert_eq!(rows, vec![json!({"question": "q1", "choices": ["a", "b"], "answer": 1}), json!({"question": "q2", "choices": ["c", "d"], "answer": 0})]);
+        // Found by split name in a folder.
+        let def = DatasetDef { hf: None, revision: None, eval: SplitDef { name: "test".into(), files: vec![] }, fewshot: None };
+        assert_eq!(load_split(&def, &def.eval, Some(tmp.path().to_str().unwrap()), true).unwrap().len(), 2);
+        let e = load_split(&def, &SplitDef { name: "dev".into(), files: vec![] }, Some(tmp.path().to_str().unwrap()), false).unwrap_err().to_string();
+        assert!(e.contains("split `dev`"), "{e}");
+    }
+}
