@@ -81,7 +81,7 @@ impl DownRun {
     fn ratio(&self) -> Option<usize> {
         match self.model.d_down {
             None => Some(1),
-            Some(d) if d > 0 && self.model.d_model % d == 0 => Some(self.model.d_model / d),
+            Some(d) if d > 0 && self.model.d_model.is_multiple_of(d) => Some(self.model.d_model / d),
             _ => None,
         }
     }
@@ -172,7 +172,7 @@ pub fn build(runs: &[DownRun], paper: &[PaperRow]) -> Vec<Table> {
         let rows = members
             .iter()
             .map(|r| {
-                let p = r.ratio().and_then(|k| paper.iter().find(|p| p.d_model / p.d_down == k && p.d_model % p.d_down == 0)).cloned();
+                let p = r.ratio().and_then(|k| paper.iter().find(|p| p.d_model / p.d_down == k && p.d_model.is_multiple_of(p.d_down))).cloned();
                 let (rel_v, n) = base.and_then(|b| rel(&r.scores, &b.scores)).map_or((None, 0), |(v, n)| (Some(v), n));
                 let all = TASKS.iter().all(|t| r.scores.contains_key(*t));
                 let avg = all.then(|| TASKS.iter().map(|t| r.scores[*t]).sum::<f64>() / 6.0);
