@@ -83,10 +83,28 @@ enum Cmd {
         /// Device (default: the run's).
         #[arg(long)]
         device: Option<String>,
-        /// Instead of perplexity: a RULER task, e.g. ruler:niah_single_1 (writes ruler.json), or a
-        /// BABILong-style QA task, babilong:qa1 or babilong:qa2 (writes babilong.json; needs --essay and --babi).
+        /// Instead of perplexity, a task. Downstream (lm-eval style; writes tasks/NAME.json and
+        /// tasks/NAME.samples.jsonl): mmlu (5-shot, acc), hellaswag (0-shot, acc_norm), commonsense_qa
+        /// (0-shot, acc), gsm8k (5-shot, exact match), mbpp (3-shot, pass@1 in a sandbox), multi_news
+        /// (0-shot, ROUGE-L), or a task YAML file (see data/tasks/README.md). Long context: a RULER
+        /// task, e.g. ruler:niah_single_1 (writes ruler.json), or BABILong-style QA, babilong:qa1 or
+        /// babilong:qa2 (writes babilong.json; needs --essay and --babi).
         #[arg(long)]
         task: Option<String>,
+        /// Downstream task data: a .jsonl/.json/.parquet file (the evaluated split) or a folder of
+        /// files named after the splits (test*, dev*, train*, validation*) in the Hugging Face
+        /// dataset's column layout, or hf:OWNER/NAME. Default: the task's hub dataset.
+        #[arg(long)]
+        data: Option<String>,
+        /// Downstream tasks: evaluate only the first N documents.
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Downstream tasks: few-shot examples per prompt (default: the task's, e.g. MMLU 5).
+        #[arg(long)]
+        shots: Option<usize>,
+        /// Downstream multiple choice: padded tokens per forward pass.
+        #[arg(long, default_value_t = 16384)]
+        batch_tokens: usize,
         /// Target lengths (prompt + generation) for --task.
         #[arg(long, default_value = "512,1024", value_delimiter = ',')]
         lengths: Vec<usize>,
@@ -215,7 +233,7 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         nodes: usize,
     },
-    /// Tables 1–3 of the DAR paper next to its numbers, Figure 3 and training curves from every run below RESULTS (writes runs.parquet, tables/, plots/, report.md).
+    /// Tables 1–3 of the DAR paper next to its numbers, its downstream Table 4 (from runs' tasks/*.json), Figure 3 and training curves from every run below RESULTS (writes runs.parquet, tables/, plots/, report.md).
     #[cfg(feature = "analysis")]
     Report {
         /// Folder searched recursively for run directories (folders holding config.yaml).
@@ -369,7 +387,35 @@ fn run(cli: Cli) -> Result<()> {
             }
             print_eval_table(&rows);
         }
-        Cmd::Eval { run, step, corpora, device, task: Some(task), lengths, samples, essay, max_new_tokens, babi } => {
+        Cmd::Eval { run, step, corpora, device, task: Some(task), data, limit, shots, batch_tokens, .. } if !task.starts_with("ruler:") && !task.starts_with("babilong:") => {
+            if !corpora.is_empty() {
+                bail!("--corpus is for perplexity; --task {task} is a downstream task (give one or the other)");
+            }
+            use attnlab::eval::tasks;
+            let def = tasks::TaskDef::load(&task)?;
+            let loaded = train::run::load(&run, step, device.as_deref())?;
+            let opts = tasks::Options { data, limit, shots, max_len: loaded.spec.seq_len(), batch_tokens, quiet: false };
+            let (mut result, samples) = tasks::evaluate(&loaded.model, &loaded.tok, &def, &opts, loaded.device).with_context(|| format!("task {task} on {}", run.display()))?;
+            let a = &loaded.spec.attention;
+            let vanilla = a.kind == AttentionKind::Vanilla;
+            result.model = tasks::ModelInfo {
+                step: loaded.step,
+                arch: format!("{:?}", loaded.spec.model.arch.unwrap_or_default()).to_lowercase(),
+                attention: format!("{:?}", a.kind).to_lowercase(),
+                d_model: loaded.spec.shape().d_model,
+                d_down: if vanilla { None } else { a.d_down.map(|x| x as usize) },
+                window: if vanilla { None } else { a.window.map(|x| x as usize) },
+            };
+            let path = tasks::write(&run, &result, &samples)?;
+            println!("{} at step {}: {} over {} documents ({}-shot) in {:.1}s → {}", run.display(), loaded.step, result.task, result.docs, result.num_fewshot, result.seconds, path.display());
+            for (k, v) in &result.metrics {
+                println!("  {k:32} {v:.4}{}", if *k == result.primary_metric { "  (primary)" } else { "" });
+            }
+            for n in &result.notes {
+                println!("  note: {n}");
+            }
+        }
+        Cmd::Eval { run, step, corpora, device, task: Some(task), lengths, samples, essay, max_new_tokens, babi, .. } => {
             if !corpora.is_empty() {
                 bail!("--corpus is for perplexity; --task {task} evaluates generation (give one or the other)");
             }

@@ -321,4 +321,34 @@ fn killed_worker_stops_the_job_and_the_run_resumes_with_one_or_two_workers() {
     ok(&attnlab(&dp_args(&run, "train.steps=30", &["--gpus", "cpu,cpu"]), cwd));
     assert!(run.join("DONE").is_file());
     assert_close(&losses(&reference), &losses(&run));
+
+/// Downstream tasks through the CLI on the committed fixtures: tasks/NAME.json and the samples file
+/// are written, bad task names and data paths fail with a clear message, and the report shows the
+/// downstream table with the paper's row for the same d_model / d_down ratio.
+#[test]
+fn downstream_tasks_write_results_and_the_report_table() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let run = cwd.join("sweep/dar");
+    let args = ["train", "--quiet", "--out", run.to_str().unwrap(), "--set", "train.steps=4", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=60"];
+    ok(&attnlab(&args, cwd));
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tasks");
+    let data = fixtures.join("mmlu");
+    let out = ok(&attnlab(&["eval", run.to_str().unwrap(), "--task", "mmlu", "--data", data.to_str().unwrap(), "--shots", "2", "--limit", "2"], cwd));
+    assert!(out.contains("mmlu over 2 documents (2-shot)") && out.contains("acc"), "{out}");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("tasks/mmlu.json")).unwrap()).unwrap();
+    assert_eq!((r["docs"].as_u64(), r["primary_metric"].as_str(), r["model"]["d_down"].as_u64(), r["model"]["d_model"].as_u64()), (Some(2), Some("acc"), Some(16), Some(64)));
+    let acc = r["metrics"]["acc"].as_f64().unwrap();
+    assert!(acc == 0.0 || acc == 0.5 || acc == 1.0, "{acc}");
+    assert_eq!(std::fs::read_to_string(run.join("tasks/mmlu.samples.jsonl")).unwrap().lines().count(), 2);
+    let err = fails(&attnlab(&["eval", run.to_str().unwrap(), "--task", "mmlux"], cwd));
+    assert!(err.contains("unknown task `mmlux`") && err.contains("hellaswag"), "{err}");
+    let err = fails(&attnlab(&["eval", run.to_str().unwrap(), "--task", "gsm8k", "--data", cwd.join("nowhere").to_str().unwrap()], cwd));
+    assert!(err.contains("nowhere") && err.contains("no such file"), "{err}");
+    let report = cwd.join("report");
+    ok(&attnlab(&["report", cwd.join("sweep").to_str().unwrap(), "--out", report.to_str().unwrap()], cwd));
+    let md = std::fs::read_to_string(report.join("report.md")).unwrap();
+    assert!(md.contains("## Downstream tasks (DAR Table 4)") && md.contains("| 16 | "), "{md}");
+    // d_model / d_down = 4 → the paper's d_down = 512 row (MMLU 0.4051).
+    assert!(md.contains("0.4051"), "{md}");
 }

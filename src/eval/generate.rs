@@ -72,7 +72,7 @@ pub struct Generated {
 /// O(block × context) memory.
 const PREFILL_BLOCK: i64 = 1024;
 
-fn prefill(model: &Model, cache: &mut Cache, ids: &Tensor) -> Tensor {
+pub fn prefill(model: &Model, cache: &mut Cache, ids: &Tensor) -> Tensor {
     let n = ids.size()[1];
     let mut last = Tensor::new();
     let mut at = 0;

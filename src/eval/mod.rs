@@ -3,6 +3,7 @@ pub mod babilong;
 pub mod generate;
 pub mod perplexity;
 pub mod ruler;
+pub mod tasks;
 pub mod wikitext;
 
 pub use perplexity::{CorpusResult, EvalCorpus};

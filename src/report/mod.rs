@@ -6,6 +6,7 @@
 //! load (run dirs → Run) → groups (which runs compare: same scale and recipe) → tables (rows, Rel.%)
 //! → render (md/tex/csv); frame (polars → parquet); figures + plots (plotters); document (report.md).
 pub mod document;
+pub mod downstream;
 pub mod figures;
 pub mod frame;
 pub mod groups;
@@ -152,6 +153,17 @@ pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str
         per_run: &per_run,
         unit,
     });
+    // The downstream table (DAR Table 4) from every run's tasks/*.json.
+    let down = downstream::build(&downstream::collect(results_dir)?, &downstream::paper()?);
+    let mut down_files: BTreeMap<String, Vec<PathBuf>> = BTreeMap::new();
+    for t in &down {
+        for f in formats.iter().filter(|f| *f != "tex") {
+            let rel = PathBuf::from(format!("tables/{}.{f}", t.id));
+            write_file(&out.join(&rel), &if f == "md" { downstream::markdown(t) } else { downstream::csv(t) }, &mut files)?;
+            down_files.entry(t.id.clone()).or_default().push(rel);
+        }
+    }
+    let text = text + &downstream::section(&down, &down_files);
     let report = out.join("report.md");
     write_file(&report, &text, &mut files)?;
     Ok(ReportSummary {
@@ -159,7 +171,12 @@ pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str
         runs: runs.len(),
         finished: runs.iter().filter(|r| r.done).count(),
         skipped: skipped.len(),
-        tables: tables.iter().map(|t| (t.title.clone(), t.filled(), t.rows.len())).chain(long.iter().map(|g| (g.title.clone(), g.filled(), g.rows))).collect(),
+        tables: tables
+            .iter()
+            .map(|t| (t.title.clone(), t.filled(), t.rows.len()))
+            .chain(long.iter().map(|g| (g.title.clone(), g.filled(), g.rows)))
+            .chain(down.iter().map(|t| (t.title.clone(), t.rows.len(), t.rows.len())))
+            .collect(),
         missing: tables.iter().flat_map(|t| t.missing()).chain(long.iter().flat_map(|g| g.missing.clone())).collect(),
         files,
     })
