@@ -72,7 +72,8 @@ enum Cmd {
         /// Device (default: the run's).
         #[arg(long)]
         device: Option<String>,
-        /// Instead of perplexity: a RULER task, e.g. ruler:niah_single_1 (writes ruler.json).
+        /// Instead of perplexity: a RULER task, e.g. ruler:niah_single_1 (writes ruler.json). RUN may then
+        /// also be a finished `attnlab linearize` run (STILL / LoLCATs, decoded with its bounded cache).
         #[arg(long)]
         task: Option<String>,
         /// Target lengths (prompt + generation) for --task.
@@ -109,8 +110,11 @@ enum Cmd {
         #[arg(long)]
         step: Option<u64>,
     },
-    /// Continue a prompt with a trained run (KV cache per variant: DAR keeps d_down-wide latents for distant tokens).
+    /// Continue a prompt with a trained run (KV cache per variant: DAR keeps d_down-wide latents for distant
+    /// tokens), or with a linearized model: a finished `attnlab linearize` run directory or its export/
+    /// folder (STILL / LoLCATs keep selected tokens, two chunks and a fixed-size linear state).
     Generate {
+        /// A run directory (train or linearize) or a linearize export folder.
         run: PathBuf,
         /// Prompt text (or --prompt-file).
         #[arg(long, conflicts_with = "prompt_file")]
@@ -119,9 +123,12 @@ enum Cmd {
         prompt_file: Option<PathBuf>,
         #[arg(long, default_value_t = 64)]
         max_new_tokens: usize,
-        /// 0 = greedy.
-        #[arg(long, default_value_t = 0.0)]
+        /// Sampling temperature; 0 = greedy.
+        #[arg(long, default_value_t = 0.0, conflicts_with = "greedy")]
         temperature: f64,
+        /// Greedy decoding (the default; the same as --temperature 0).
+        #[arg(long)]
+        greedy: bool,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[arg(long)]
@@ -321,7 +328,7 @@ fn run(cli: Cli) -> Result<()> {
             if !corpora.is_empty() {
                 bail!("--corpus is for perplexity; --task {task} evaluates generation (give one or the other)");
             }
-            let loaded = train::run::load(&run, step, device.as_deref())?;
+            let loaded = attnlab::eval::generate::load(&run, step, device.as_deref())?;
             let name = task.strip_prefix("ruler:").with_context(|| format!("--task `{task}`: only ruler:<task> tasks exist"))?;
             let essay = essay.as_deref().map(attnlab::eval::ruler::read_essay).transpose()?;
             let cells = attnlab::eval::ruler::evaluate(&loaded.model, &loaded.tok, name, &lengths, samples, essay.as_deref(), max_new_tokens, loaded.device, false)?;
@@ -372,19 +379,21 @@ fn run(cli: Cli) -> Result<()> {
             tch::Tensor::write_safetensors(&[("logits", &logits)], &out)?;
             println!("wrote logits {:?} to {}", logits.size(), out.display());
         }
-        Cmd::Generate { run, prompt, prompt_file, max_new_tokens, temperature, seed, step, device } => {
-            let loaded = train::run::load(&run, step, device.as_deref())?;
+        Cmd::Generate { run, prompt, prompt_file, max_new_tokens, temperature, greedy, seed, step, device } => {
+            let loaded = attnlab::eval::generate::load(&run, step, device.as_deref())?;
             let text = match (prompt, prompt_file) {
                 (Some(p), _) => p,
                 (None, Some(f)) => std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?,
                 (None, None) => bail!("give --prompt TEXT or --prompt-file FILE"),
             };
-            let ids = loaded.tok.encode(&text)?;
+            // The tokenizer's BOS first when it has one (Llama), as Hugging Face and `eval --task` do.
+            let mut ids: Vec<u32> = attnlab::linearize::bos_id(&loaded.tok).into_iter().collect();
+            ids.extend(loaded.tok.encode(&text)?);
             if ids.is_empty() {
                 bail!("the prompt encodes to no tokens");
             }
-            let sampling = attnlab::eval::generate::Sampling { temperature, seed };
-            let g = attnlab::eval::generate::generate(&loaded.model, &ids, max_new_tokens, sampling, Some(attnlab::data::EOD), loaded.device);
+            let sampling = attnlab::eval::generate::Sampling { temperature: if greedy { 0.0 } else { temperature }, seed };
+            let g = attnlab::eval::generate::generate(&loaded.model, &ids, max_new_tokens, sampling, Some(loaded.eos), loaded.device);
             println!("{}{}", text, loaded.tok.decode(&g.tokens)?);
             eprintln!(
                 "{} prompt + {} new tokens; prefill {:.3}s, decode {:.1} tokens/s, cache {} bytes",
@@ -422,6 +431,7 @@ fn run(cli: Cli) -> Result<()> {
                 attnlab::model::Model::Llama(m) => m.cfg.to_hf_json(),
                 attnlab::model::Model::Neox(m) if m.cfg.attention == AttentionKind::Vanilla => attnlab::model::hf::neox_config_json(&m.cfg, loaded.spec.seq_len()),
                 attnlab::model::Model::Neox(_) => bail!("{}: {:?} attention has no Hugging Face architecture; only vanilla runs export", run.display(), loaded.spec.attention.kind),
+                attnlab::model::Model::Hybrid(_) => bail!("{}: linearize runs write their export/ themselves", run.display()),
             };
             attnlab::model::hf::save_folder(&loaded.vs, &config, &out)?;
             std::fs::write(out.join("tokenizer.json"), loaded.tok.inner.to_string(true).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?)?;

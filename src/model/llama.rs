@@ -205,7 +205,7 @@ impl Llama {
     }
 
     /// (cos, sin) `[t, hd]` fp32 for positions start..start+t (HF: cat(freqs, freqs)).
-    fn rope(&self, start: i64, t: i64, device: Device) -> (Tensor, Tensor) {
+    pub(crate) fn rope(&self, start: i64, t: i64, device: Device) -> (Tensor, Tensor) {
         let pos = Tensor::arange_start(start, start + t, (Kind::Float, device));
         let freqs = pos.unsqueeze(1) * self.cfg.inv_freq(device).unsqueeze(0);
         let emb = Tensor::cat(&[&freqs, &freqs], 1);
