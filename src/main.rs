@@ -136,8 +136,13 @@ enum Cmd {
         #[arg(long)]
         device: Option<String>,
     },
-    /// Decode benchmark: cache bytes per token, prefill time and decode tokens/s for vanilla, DAR and
-    /// uniform at the spec's size, for several context lengths (random weights and tokens).
+    /// Decode benchmark: KV-cache bytes (total and per token), prefill time and decode tokens/s at the
+    /// spec's model size, for several context lengths, with random weights and tokens (speed and memory
+    /// only). vanilla / dar / uniform are GPT-NeoX models with the spec's DAR settings; still /
+    /// still-budget / lolcats are hybrid Llamas of the same width, depth, heads, MLP and vocabulary
+    /// (still: κ = 4 per 64-token chunk, uncapped; still-budget: m = 384 for 4096 tokens, flat memory).
+    /// A context that runs out of memory ends that variant's sweep. Prints a table (or JSON lines);
+    /// --plot draws cache / decode / prefill charts; --from re-renders saved --json output.
     BenchDecode {
         #[command(flatten)]
         spec: SpecArgs,
@@ -148,6 +153,16 @@ enum Cmd {
         new_tokens: usize,
         #[arg(long, default_value_t = 50304)]
         vocab: usize,
+        /// Variants, comma-separated: vanilla, dar, uniform, still, still-budget, lolcats, or
+        /// NAME={kind: still|lolcats, …} (a hybrid.yaml; quote it).
+        #[arg(long, default_value = "vanilla,dar,uniform,still,still-budget,lolcats", value_delimiter = ',')]
+        attention: Vec<String>,
+        /// Write STEM-cache, STEM-decode and STEM-prefill charts (.png, .svg; needs the `analysis` feature).
+        #[arg(long, value_name = "STEM")]
+        plot: Option<PathBuf>,
+        /// Do not measure: read the rows of an earlier `--json` run (e.g. the GPU job's decode.jsonl).
+        #[arg(long, value_name = "JSONL")]
+        from: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -400,29 +415,36 @@ fn run(cli: Cli) -> Result<()> {
                 g.prompt_tokens, g.tokens.len(), g.prefill_s, g.decode_tokens_per_s, g.cache_bytes
             );
         }
-        Cmd::BenchDecode { spec, lengths, new_tokens, vocab, json } => {
-            let base = load_spec(&spec)?;
-            let device = attnlab::device::parse_device(base.train.device.as_deref().unwrap_or("auto"))?;
-            for kind in [AttentionKind::Vanilla, AttentionKind::Dar, AttentionKind::Uniform] {
-                let mut s = base.with_attention(kind).map_err(|(k, m)| anyhow::anyhow!("{k}: {m}"))?;
-                s.model.vocab.get_or_insert(vocab);
-                let mut vs = tch::nn::VarStore::new(device);
-                let model = train::run::build_model(&s, &vs);
-                if device.is_cuda() {
-                    vs.bfloat16();
+        Cmd::BenchDecode { spec, lengths, new_tokens, vocab, attention, plot, from, json } => {
+            use attnlab::eval::decode_bench;
+            let rows = match from {
+                Some(f) => decode_bench::read_rows(&std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?)?,
+                None => {
+                    let base = load_spec(&spec)?;
+                    let device = attnlab::device::parse_device(base.train.device.as_deref().unwrap_or("auto"))?;
+                    eprintln!("random-initialised weights and random prompt tokens: cache memory and speed only, not quality");
+                    decode_bench::run(&base, &attention, &lengths, new_tokens, vocab, device, |r| {
+                        if json {
+                            println!("{}", serde_json::to_string(r).expect("serializes"));
+                        } else {
+                            eprintln!(
+                                "{:12} context {:6}: cache {:>12} bytes ({:8.1} B/token), prefill {:7.3}s, decode {:8.1} tokens/s",
+                                r.attention, r.context, r.cache_bytes, r.cache_bytes_per_token, r.prefill_s, r.decode_tokens_per_s
+                            );
+                        }
+                    })?
                 }
-                let name = format!("{kind:?}").to_lowercase();
-                for &t in &lengths {
-                    let r = attnlab::eval::generate::decode_bench(&model, &name, t, new_tokens, device);
-                    if json {
-                        println!("{}", serde_json::to_string(&r)?);
-                    } else {
-                        println!(
-                            "{:8} context {:6}: cache {:>12} bytes ({:8.1} B/token), prefill {:7.3}s, decode {:8.1} tokens/s",
-                            r.attention, r.context, r.cache_bytes, r.cache_bytes_per_token, r.prefill_s, r.decode_tokens_per_s
-                        );
-                    }
+            };
+            if !json {
+                print!("{}", decode_bench::table(&rows));
+            }
+            if let Some(stem) = plot {
+                #[cfg(feature = "analysis")]
+                for f in decode_bench::plot(&rows, &stem)? {
+                    eprintln!("wrote {}", f.display());
                 }
+                #[cfg(not(feature = "analysis"))]
+                bail!("--plot {}: this binary was built without the `analysis` feature; plot the --json rows elsewhere with --from", stem.display());
             }
         }
         Cmd::Export { run, out, step } => {

@@ -166,7 +166,7 @@ pub fn generate(model: &Model, prompt: &[u32], max_new: usize, sampling: Samplin
     Generated { decode_tokens_per_s: out.len() as f64 / secs, tokens: out, prompt_tokens: prompt.len(), prefill_s, cache_bytes: cache.bytes(), cache_tokens: cache.len() }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct DecodeBench {
     pub attention: String,
     pub context: i64,
