@@ -177,7 +177,7 @@ mod tests {
     /// Hybrids are Llamas at the spec's size; unknown names are refused with the known ones listed.
     #[test]
     fn models_at_the_spec_size() {
-        let base = crate::spec::from_str("model: {flavor: tiny}\nattention: {kind: dar, d_down: 16, window: 8}\ndata: {train: {synthetic: {seed: 1, docs: 10}}}\n", "test", &[]).unwrap();
+        let base = crate::spec::from_str("model: {flavor: tiny}\nattention: {kind: dar, d_down: 16, window: 8}\ndata: {train: {synthetic: {seed: 1, docs: 10}}}\ntrain: {steps: 1}\n", "test", &[]).unwrap();
         let (_vs, m) = bench_model(&base, "still-budget", 128, Device::Cpu).unwrap();
         let (_vs2, n) = bench_model(&base, "vanilla", 128, Device::Cpu).unwrap();
         let (Model::Hybrid(h), Model::Neox(x)) = (&m, &n) else { panic!("wrong families") };
