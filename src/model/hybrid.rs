@@ -253,7 +253,7 @@ impl Hybrid {
 
     /// Load an export folder ([`Hybrid::save_export`]) onto `device`: the weights, LoRA merged, no adapters.
     pub fn load_export(dir: &Path, device: tch::Device) -> Result<(nn::VarStore, Hybrid)> {
-        let read = |name: &str| std::fs::read_to_string(dir.join(name)).at(&dir.join(name));
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).at(dir.join(name));
         let cfg = super::LlamaConfig::from_hf_json(&read("config.json")?)?;
         let variant: Variant = serde_yaml::from_str(&read(EXPORT_VARIANT)?).map_err(|e| Error::Data(format!("{}: {e}", dir.join(EXPORT_VARIANT).display())))?;
         let vs = nn::VarStore::new(device);
