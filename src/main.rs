@@ -155,8 +155,8 @@ enum Cmd {
         vocab: usize,
         /// Variants, comma-separated: vanilla, dar, uniform, still, still-budget, lolcats, or
         /// NAME={kind: still|lolcats, …} (a hybrid.yaml; quote it).
-        #[arg(long, default_value = "vanilla,dar,uniform,still,still-budget,lolcats", value_delimiter = ',')]
-        attention: Vec<String>,
+        #[arg(long, default_value = "vanilla,dar,uniform,still,still-budget,lolcats")]
+        attention: String,
         /// Write STEM-cache, STEM-decode and STEM-prefill charts (.png, .svg; needs the `analysis` feature).
         #[arg(long, value_name = "STEM")]
         plot: Option<PathBuf>,
@@ -358,6 +358,9 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Eval { run, step, corpora, device, task: None, .. } => {
+            if run.join("export/hybrid.yaml").is_file() || run.join("hybrid.yaml").is_file() {
+                bail!("{}: a linearized model; its held-out perplexity is in the run's eval.json (for RULER give --task)", run.display());
+            }
             let loaded = train::run::load(&run, step, device.as_deref())?;
             let mut spec = loaded.spec.clone();
             for c in &corpora {
@@ -423,7 +426,7 @@ fn run(cli: Cli) -> Result<()> {
                     let base = load_spec(&spec)?;
                     let device = attnlab::device::parse_device(base.train.device.as_deref().unwrap_or("auto"))?;
                     eprintln!("random-initialised weights and random prompt tokens: cache memory and speed only, not quality");
-                    decode_bench::run(&base, &attention, &lengths, new_tokens, vocab, device, |r| {
+                    decode_bench::run(&base, &decode_bench::split_names(&attention), &lengths, new_tokens, vocab, device, |r| {
                         if json {
                             println!("{}", serde_json::to_string(r).expect("serializes"));
                         } else {

@@ -32,6 +32,26 @@ fn hybrid_variant(name: &str) -> Option<Result<Variant>> {
     Some(serde_yaml::from_str(yaml).map_err(|e| Error::Other(format!("--attention `{name}`: {e}"))))
 }
 
+/// `--attention`'s list: split at commas outside `{…}`, so that `a={kind: still, chunk: 32},vanilla` is two names.
+pub fn split_names(list: &str) -> Vec<String> {
+    let (mut out, mut cur, mut depth) = (Vec::new(), String::new(), 0i32);
+    for ch in list.chars() {
+        match ch {
+            '{' | '[' => depth += 1,
+            '}' | ']' => depth -= 1,
+            ',' if depth == 0 => {
+                out.push(std::mem::take(&mut cur).trim().to_string());
+                continue;
+            }
+            _ => {}
+        }
+        cur.push(ch);
+    }
+    out.push(cur.trim().to_string());
+    out.retain(|n| !n.is_empty());
+    out
+}
+
 /// The label of a row: the name before any `=`.
 fn label(name: &str) -> &str {
     name.split_once('=').map_or(name, |(n, _)| n)
@@ -187,6 +207,7 @@ mod tests {
         assert_eq!(s.selection.kappa, 4, "λ = ⌊(384 − 128)/⌈4096/64⌉⌋");
         let custom = bench_model(&base, "mine={kind: lolcats, window: 32}", 128, Device::Cpu).unwrap().1;
         assert!(matches!(custom, Model::Hybrid(ref h) if matches!(h.attn[0], crate::model::hybrid::HybridAttention::Lolcats(ref l) if l.cfg.window == 32)));
+        assert_eq!(split_names("vanilla, mine={kind: still, budget: {m: 200, max_len: 64}},dar"), ["vanilla", "mine={kind: still, budget: {m: 200, max_len: 64}}", "dar"]);
         let err = bench_model(&base, "flash", 128, Device::Cpu).err().unwrap().to_string();
         assert!(err.contains("still-budget"), "{err}");
     }
