@@ -42,8 +42,11 @@ if attn:
 decode = rows("decode.jsonl")
 if decode:
     print()
+    print("Decode (random-init weights and random tokens: cache memory and speed only; hybrids are Llamas of the same shape):")
+    print()
     print("| context | attention | cache bytes | bytes/token | × vanilla cache | prefill s | decode tok/s |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     van = {r["context"]: r["cache_bytes"] for r in decode if r["attention"] == "vanilla"}
     for r in sorted(decode, key=lambda r: (r["context"], r["attention"] != "vanilla", r["attention"])):
-        print(f"| {r['context']} | {r['attention']} | {r['cache_bytes']:,} | {r['cache_bytes_per_token']:,.0f} | {r['cache_bytes'] / van[r['context']]:.3f} | {r['prefill_s']:.3f} | {r['decode_tokens_per_s']:.1f} |")
+        ratio = f"{r['cache_bytes'] / van[r['context']]:.3f}" if r["context"] in van else "–"
+        print(f"| {r['context']} | {r['attention']} | {r['cache_bytes']:,} | {r['cache_bytes_per_token']:,.0f} | {ratio} | {r['prefill_s']:.3f} | {r['decode_tokens_per_s']:.1f} |")

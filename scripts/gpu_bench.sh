@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU job: correctness of every fast attention path, the attention-op timings, attnlab's training
 # throughput for vanilla / DAR / uniform at Pythia 70M, 160M, 410M, and the Hugging Face peer
-# (../shared/bench/hf_pythia_train.py, torch.compile) beside it. Writes logs and JSON lines to $OUT.
+# (../shared/bench/hf_pythia_train.py, torch.compile) beside it, and the decode benchmark (`decode`:
+# vanilla / DAR / uniform / STILL / LoLCATs caches and speed; DECODE_LENGTHS, DECODE_ATTENTION narrow
+# it). Writes logs and JSON lines to $OUT.
 # Expects: .gpu/attnlab (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench). Usage:
 #   scripts/gpu_bench.sh [check|attn|train|decode|peers|all]...
 set -uo pipefail
@@ -28,7 +30,14 @@ for what in "${@:-all}"; do
         done
       done ;;&
     decode|all)
-      run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths 1024,4096,16384 --new-tokens 64 | grep '^{' >> "$OUT/decode.jsonl" ;;&
+      # KV-cache memory and decode speed at Pythia-70M size, 1K…64K context: GPT-NeoX vanilla / DAR /
+      # uniform, and STILL (uncapped; budget m = 384) and LoLCATs hybrid Llamas of the same shape.
+      # Random-init weights and random tokens (speed and memory only). Render locally with
+      #   attnlab bench-decode --from OUT/decode.jsonl --plot results/bench/decode
+      DL=${DECODE_LENGTHS:-1024,2048,4096,8192,16384,32768,65536}
+      DA=${DECODE_ATTENTION:-vanilla,dar,uniform,still,still-budget,lolcats}
+      echo "decode: random-init weights and random tokens (cache memory and speed only)" | tee "$OUT/decode-note.txt"
+      run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $DL --attention $DA --new-tokens 64 | grep '^{' >> "$OUT/decode.jsonl" ;;&
     smprobe)
       # Where split-merge spends its time: w = 1 (global part + merge only) vs w = 128, with and
       # without contiguous cuDNN inputs.

@@ -395,25 +395,59 @@ fn step_rows(rows: &[Row], step: u64, b: usize, seed: u64, stage: u64) -> Vec<&R
 /// The teacher's VarStore, config and tokenizer.
 pub fn load_teacher(teacher: &str, tokenizer: Option<&TokenizerSpec>, device: Device) -> Result<(VarStore, LlamaConfig, Tok)> {
     let local = Path::new(teacher);
-    let (vs, cfg, tok) = if local.join("config.yaml").is_file() {
+    let (vs, cfg) = if local.join("config.yaml").is_file() {
         let loaded = crate::train::run::load(local, None, Some(if device.is_cuda() { "cuda" } else { "cpu" }))?;
         let crate::model::Model::Llama(m) = loaded.model else {
             return Err(Error::Other(format!("{teacher}: the teacher must be a llama-flavor run")));
         };
-        (loaded.vs, m.cfg.clone(), Some(loaded.tok))
+        (loaded.vs, m.cfg.clone())
     } else {
         let dir = crate::model::hf::resolve(teacher)?;
         let (vs, m) = crate::model::hf::load_llama(&dir, device)?;
-        let tj = dir.join("tokenizer.json");
-        let tok = if tj.is_file() { Some(Tok::load(&TokenizerSpec::Path(tj.display().to_string()))?) } else { None };
-        (vs, m.cfg.clone(), tok)
+        (vs, m.cfg.clone())
     };
-    let tok = match (tokenizer, tok) {
-        (Some(spec), _) => Tok::load(spec)?,
-        (None, Some(t)) => t,
-        (None, None) => return Err(Error::Other(format!("{teacher}: no tokenizer.json; set `tokenizer:` in the spec"))),
+    Ok((vs, cfg, teacher_tokenizer(teacher, tokenizer)?))
+}
+
+/// The spec's `tokenizer`, else the teacher's: its run directory's, or its folder's tokenizer.json.
+pub fn teacher_tokenizer(teacher: &str, tokenizer: Option<&TokenizerSpec>) -> Result<Tok> {
+    if let Some(spec) = tokenizer {
+        return Tok::load(spec);
+    }
+    let local = Path::new(teacher);
+    let cfg = local.join("config.yaml");
+    if cfg.is_file() {
+        let spec = crate::spec::from_str(&std::fs::read_to_string(&cfg).at(&cfg)?, &cfg.display().to_string(), &[])?;
+        return Tok::load(spec.data.tokenizer.as_ref().expect("resolved"));
+    }
+    let tj = crate::model::hf::resolve(teacher)?.join("tokenizer.json");
+    if !tj.is_file() {
+        return Err(Error::Other(format!("{teacher}: no tokenizer.json; set `tokenizer:` in the spec")));
+    }
+    Tok::load(&TokenizerSpec::Path(tj.display().to_string()))
+}
+
+/// Where a finished run keeps its merged model ([`Hybrid::save_export`] plus `tokenizer.json`).
+pub const EXPORT_DIR: &str = "export";
+
+/// A finished linearization loaded for inference, from its run directory or its export folder: the
+/// hybrid (LoRA merged) and its tokenizer (the folder's tokenizer.json; for exports written before it
+/// was saved there, the run spec's tokenizer or the teacher's).
+pub fn load_exported(path: &Path, device: Device) -> Result<(VarStore, Hybrid, Tok)> {
+    let in_export = path.join(crate::model::hybrid::EXPORT_VARIANT).is_file();
+    let (run, export) = if in_export { (path.parent().unwrap_or(Path::new(".")).to_path_buf(), path.to_path_buf()) } else { (path.to_path_buf(), path.join(EXPORT_DIR)) };
+    if !export.join(crate::model::hybrid::EXPORT_VARIANT).is_file() {
+        return Err(Error::Run { dir: path.into(), msg: format!("has no {EXPORT_DIR}/{} (is the linearize run finished?)", crate::model::hybrid::EXPORT_VARIANT) });
+    }
+    let (vs, hybrid) = Hybrid::load_export(&export, device)?;
+    let tj = export.join("tokenizer.json");
+    let tok = if tj.is_file() {
+        Tok::load(&TokenizerSpec::Path(tj.display().to_string()))?
+    } else {
+        let spec = LinearizeSpec::from_file(&run.join("config.yaml")).map_err(|e| Error::Other(format!("{}: no tokenizer.json, and no linearize spec beside it to find one: {e}", export.display())))?;
+        teacher_tokenizer(&spec.teacher, spec.tokenizer.as_ref())?
     };
-    Ok((vs, cfg, tok))
+    Ok((vs, hybrid, tok))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -640,13 +674,11 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
 
     // Outputs: adapters alone, the merged export, and the held-out evaluation.
     Tensor::write_safetensors(&hybrid.lora_weights(), dir.path.join("lora.safetensors"))?;
-    let export = dir.path.join("export");
-    std::fs::create_dir_all(&export).at(&export)?;
-    Tensor::write_safetensors(&hybrid.merged_weights(), export.join("model.safetensors"))?;
-    let cp = export.join("config.json");
-    std::fs::write(&cp, serde_json::to_string_pretty(&cfg.to_hf_json())?).at(&cp)?;
-    let hp = export.join("hybrid.yaml");
-    std::fs::write(&hp, serde_yaml::to_string(&spec.attention).expect("serializes")).at(&hp)?;
+    let export = dir.path.join(EXPORT_DIR);
+    hybrid.save_export(&spec.attention, &export)?;
+    // The tokenizer too, so that the folder alone can be loaded for generation.
+    let tp = export.join("tokenizer.json");
+    std::fs::write(&tp, tok.inner.to_string(false).map_err(|e| Error::Other(format!("tokenizer: {e}")))?).at(&tp)?;
     let (lt, ls) = held_out_loss(&hybrid, eval_rows, device);
     let eval = json!({"step": total, "rows": eval_rows.len(), "seq_len": spec.data.seq_len,
         "teacher": {"loss": lt, "ppl": lt.exp()}, "student": {"loss": ls, "ppl": ls.exp()}});

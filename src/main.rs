@@ -89,6 +89,7 @@ enum Cmd {
         /// (0-shot, ROUGE-L), or a task YAML file (see data/tasks/README.md). Long context: a RULER
         /// task, e.g. ruler:niah_single_1 (writes ruler.json), or BABILong-style QA, babilong:qa1 or
         /// babilong:qa2 (writes babilong.json; needs --essay and --babi).
+        /// RUN may also be a finished `attnlab linearize` run (STILL / LoLCATs, decoded with its bounded cache).
         #[arg(long)]
         task: Option<String>,
         /// Downstream task data: a .jsonl/.json/.parquet file (the evaluated split) or a folder of
@@ -143,8 +144,11 @@ enum Cmd {
         #[arg(long)]
         step: Option<u64>,
     },
-    /// Continue a prompt with a trained run (KV cache per variant: DAR keeps d_down-wide latents for distant tokens).
+    /// Continue a prompt with a trained run (KV cache per variant: DAR keeps d_down-wide latents for distant
+    /// tokens), or with a linearized model: a finished `attnlab linearize` run directory or its export/
+    /// folder (STILL / LoLCATs keep selected tokens, two chunks and a fixed-size linear state).
     Generate {
+        /// A run directory (train or linearize) or a linearize export folder.
         run: PathBuf,
         /// Prompt text (or --prompt-file).
         #[arg(long, conflicts_with = "prompt_file")]
@@ -153,9 +157,12 @@ enum Cmd {
         prompt_file: Option<PathBuf>,
         #[arg(long, default_value_t = 64)]
         max_new_tokens: usize,
-        /// 0 = greedy.
-        #[arg(long, default_value_t = 0.0)]
+        /// Sampling temperature; 0 = greedy.
+        #[arg(long, default_value_t = 0.0, conflicts_with = "greedy")]
         temperature: f64,
+        /// Greedy decoding (the default; the same as --temperature 0).
+        #[arg(long)]
+        greedy: bool,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[arg(long)]
@@ -163,8 +170,13 @@ enum Cmd {
         #[arg(long)]
         device: Option<String>,
     },
-    /// Decode benchmark: cache bytes per token, prefill time and decode tokens/s for vanilla, DAR and
-    /// uniform at the spec's size, for several context lengths (random weights and tokens).
+    /// Decode benchmark: KV-cache bytes (total and per token), prefill time and decode tokens/s at the
+    /// spec's model size, for several context lengths, with random weights and tokens (speed and memory
+    /// only). vanilla / dar / uniform are GPT-NeoX models with the spec's DAR settings; still /
+    /// still-budget / lolcats are hybrid Llamas of the same width, depth, heads, MLP and vocabulary
+    /// (still: κ = 4 per 64-token chunk, uncapped; still-budget: m = 384 for 4096 tokens, flat memory).
+    /// A context that runs out of memory ends that variant's sweep. Prints a table (or JSON lines);
+    /// --plot draws cache / decode / prefill charts; --from re-renders saved --json output.
     BenchDecode {
         #[command(flatten)]
         spec: SpecArgs,
@@ -175,6 +187,16 @@ enum Cmd {
         new_tokens: usize,
         #[arg(long, default_value_t = 50304)]
         vocab: usize,
+        /// Variants, comma-separated: vanilla, dar, uniform, still, still-budget, lolcats, or
+        /// NAME={kind: still|lolcats, …} (a hybrid.yaml; quote it).
+        #[arg(long, default_value = "vanilla,dar,uniform,still,still-budget,lolcats")]
+        attention: String,
+        /// Write STEM-cache, STEM-decode and STEM-prefill charts (.png, .svg; needs the `analysis` feature).
+        #[arg(long, value_name = "STEM")]
+        plot: Option<PathBuf>,
+        /// Do not measure: read the rows of an earlier `--json` run (e.g. the GPU job's decode.jsonl).
+        #[arg(long, value_name = "JSONL")]
+        from: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -419,7 +441,7 @@ fn run(cli: Cli) -> Result<()> {
             if !corpora.is_empty() {
                 bail!("--corpus is for perplexity; --task {task} evaluates generation (give one or the other)");
             }
-            let loaded = train::run::load(&run, step, device.as_deref())?;
+            let loaded = attnlab::eval::generate::load(&run, step, device.as_deref())?;
             let essay = essay.as_deref().map(attnlab::eval::ruler::read_essay).transpose()?;
             let (cells, file) = if let Some(name) = task.strip_prefix("babilong:") {
                 let babi = babi.as_deref().context("--task babilong:… needs --babi (e.g. ../shared/data/babi)")?;
@@ -443,6 +465,9 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Eval { run, step, corpora, device, task: None, .. } => {
+            if run.join("export/hybrid.yaml").is_file() || run.join("hybrid.yaml").is_file() {
+                bail!("{}: a linearized model; its held-out perplexity is in the run's eval.json (for RULER give --task)", run.display());
+            }
             let loaded = train::run::load(&run, step, device.as_deref())?;
             let mut spec = loaded.spec.clone();
             for c in &corpora {
@@ -479,48 +504,57 @@ fn run(cli: Cli) -> Result<()> {
             tch::Tensor::write_safetensors(&[("logits", &logits)], &out)?;
             println!("wrote logits {:?} to {}", logits.size(), out.display());
         }
-        Cmd::Generate { run, prompt, prompt_file, max_new_tokens, temperature, seed, step, device } => {
-            let loaded = train::run::load(&run, step, device.as_deref())?;
+        Cmd::Generate { run, prompt, prompt_file, max_new_tokens, temperature, greedy, seed, step, device } => {
+            let loaded = attnlab::eval::generate::load(&run, step, device.as_deref())?;
             let text = match (prompt, prompt_file) {
                 (Some(p), _) => p,
                 (None, Some(f)) => std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?,
                 (None, None) => bail!("give --prompt TEXT or --prompt-file FILE"),
             };
-            let ids = loaded.tok.encode(&text)?;
+            // The tokenizer's BOS first when it has one (Llama), as Hugging Face and `eval --task` do.
+            let mut ids: Vec<u32> = attnlab::linearize::bos_id(&loaded.tok).into_iter().collect();
+            ids.extend(loaded.tok.encode(&text)?);
             if ids.is_empty() {
                 bail!("the prompt encodes to no tokens");
             }
-            let sampling = attnlab::eval::generate::Sampling { temperature, seed };
-            let g = attnlab::eval::generate::generate(&loaded.model, &ids, max_new_tokens, sampling, Some(attnlab::data::EOD), loaded.device);
+            let sampling = attnlab::eval::generate::Sampling { temperature: if greedy { 0.0 } else { temperature }, seed };
+            let g = attnlab::eval::generate::generate(&loaded.model, &ids, max_new_tokens, sampling, Some(loaded.eos), loaded.device);
             println!("{}{}", text, loaded.tok.decode(&g.tokens)?);
             eprintln!(
                 "{} prompt + {} new tokens; prefill {:.3}s, decode {:.1} tokens/s, cache {} bytes",
                 g.prompt_tokens, g.tokens.len(), g.prefill_s, g.decode_tokens_per_s, g.cache_bytes
             );
         }
-        Cmd::BenchDecode { spec, lengths, new_tokens, vocab, json } => {
-            let base = load_spec(&spec)?;
-            let device = attnlab::device::parse_device(base.train.device.as_deref().unwrap_or("auto"))?;
-            for kind in [AttentionKind::Vanilla, AttentionKind::Dar, AttentionKind::Uniform] {
-                let mut s = base.with_attention(kind).map_err(|(k, m)| anyhow::anyhow!("{k}: {m}"))?;
-                s.model.vocab.get_or_insert(vocab);
-                let mut vs = tch::nn::VarStore::new(device);
-                let model = train::run::build_model(&s, &vs);
-                if device.is_cuda() {
-                    vs.bfloat16();
+        Cmd::BenchDecode { spec, lengths, new_tokens, vocab, attention, plot, from, json } => {
+            use attnlab::eval::decode_bench;
+            let rows = match from {
+                Some(f) => decode_bench::read_rows(&std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?)?,
+                None => {
+                    let base = load_spec(&spec)?;
+                    let device = attnlab::device::parse_device(base.train.device.as_deref().unwrap_or("auto"))?;
+                    eprintln!("random-initialised weights and random prompt tokens: cache memory and speed only, not quality");
+                    decode_bench::run(&base, &decode_bench::split_names(&attention), &lengths, new_tokens, vocab, device, |r| {
+                        if json {
+                            println!("{}", serde_json::to_string(r).expect("serializes"));
+                        } else {
+                            eprintln!(
+                                "{:12} context {:6}: cache {:>12} bytes ({:8.1} B/token), prefill {:7.3}s, decode {:8.1} tokens/s",
+                                r.attention, r.context, r.cache_bytes, r.cache_bytes_per_token, r.prefill_s, r.decode_tokens_per_s
+                            );
+                        }
+                    })?
                 }
-                let name = format!("{kind:?}").to_lowercase();
-                for &t in &lengths {
-                    let r = attnlab::eval::generate::decode_bench(&model, &name, t, new_tokens, device);
-                    if json {
-                        println!("{}", serde_json::to_string(&r)?);
-                    } else {
-                        println!(
-                            "{:8} context {:6}: cache {:>12} bytes ({:8.1} B/token), prefill {:7.3}s, decode {:8.1} tokens/s",
-                            r.attention, r.context, r.cache_bytes, r.cache_bytes_per_token, r.prefill_s, r.decode_tokens_per_s
-                        );
-                    }
+            };
+            if !json {
+                print!("{}", decode_bench::table(&rows));
+            }
+            if let Some(stem) = plot {
+                #[cfg(feature = "analysis")]
+                for f in decode_bench::plot(&rows, &stem)? {
+                    eprintln!("wrote {}", f.display());
                 }
+                #[cfg(not(feature = "analysis"))]
+                bail!("--plot {}: this binary was built without the `analysis` feature; plot the --json rows elsewhere with --from", stem.display());
             }
         }
         Cmd::Export { run, out, step } => {
@@ -529,6 +563,7 @@ fn run(cli: Cli) -> Result<()> {
                 attnlab::model::Model::Llama(m) => m.cfg.to_hf_json(),
                 attnlab::model::Model::Neox(m) if m.cfg.attention == AttentionKind::Vanilla => attnlab::model::hf::neox_config_json(&m.cfg, loaded.spec.seq_len()),
                 attnlab::model::Model::Neox(_) => bail!("{}: {:?} attention has no Hugging Face architecture; only vanilla runs export", run.display(), loaded.spec.attention.kind),
+                attnlab::model::Model::Hybrid(_) => bail!("{}: linearize runs write their export/ themselves", run.display()),
             };
             attnlab::model::hf::save_folder(&loaded.vs, &config, &out)?;
             std::fs::write(out.join("tokenizer.json"), loaded.tok.inner.to_string(true).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?)?;

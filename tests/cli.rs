@@ -151,6 +151,13 @@ fn data_prepare_and_bench_run_on_cpu() {
     let (d, d_down, w, t) = (64.0, 16.0, 16.0, 258.0); // 256 prompt + 2 generated tokens cached
     let predicted = (d_down * t + 2.0 * d * w) / (2.0 * d * t);
     assert!((bytes("dar") / bytes("vanilla") - predicted).abs() < 1e-6, "{} vs {predicted}", bytes("dar") / bytes("vanilla"));
+    // STILL at the same size (2 layers, 4 heads of D = 16, fp32): still.md §6 per layer and head,
+    // 2·(n_sel + n_win)·D·4 + (F·D + F)·4 + n_win·4 bytes with F = 2D, C = 64, κ = 4: after 258 tokens
+    // chunks 0–2 are routed (n_sel = 12) and the window holds chunk 3 and the 2 tokens of chunk 4.
+    let (n_sel, n_win, dh, f) = (12.0, 66.0, 16.0, 32.0);
+    let still = 2.0 * 4.0 * (2.0 * (n_sel + n_win) * dh * 4.0 + (f * dh + f) * 4.0 + n_win * 4.0);
+    assert_eq!(bytes("still"), still);
+    assert!(bytes("lolcats") > 0.0 && bytes("still-budget") == still, "the budget (m = 384 for 4096 tokens) caps after 64 chunks");
 }
 
 /// A tiny Llama teacher trains on the built-in corpus and exports as a Hugging Face folder;
@@ -178,6 +185,15 @@ fn llama_teacher_trains_and_exports() {
     std::fs::write(&spec, format!("teacher: {}\nattention: {{kind: still, chunk: 16, tokens_per_chunk: 2}}\nlora: {{rank: 4, alpha: 4}}\ndata: {{train: {{synthetic: {{seed: 1, docs: 60}}}}, eval: {{synthetic: {{seed: 2, docs: 8}}}}, seq_len: 64, batch_size: 4}}\nstage1: {{steps: 3}}\nstage2: {{steps: 3}}\ntrain: {{device: cpu}}\noutput: {}\n", run.display(), cwd.join("lin").display())).unwrap();
     let out = ok(&attnlab(&["linearize", spec.to_str().unwrap(), "--quiet"], cwd));
     assert!(out.contains("linearized") && cwd.join("lin/DONE").is_file() && cwd.join("lin/lora.safetensors").is_file(), "{out}");
+    // It generates with its bounded cache, the same from the run directory and from its export folder;
+    // a RULER task runs on it and writes into the run directory.
+    let prompt = "mira lives in oslo . question :";
+    let gen = |dir: &str| ok(&attnlab(&["generate", cwd.join(dir).to_str().unwrap(), "--prompt", prompt, "--max-new-tokens", "12", "--greedy"], cwd));
+    let (from_run, from_export) = (gen("lin"), gen("lin/export"));
+    assert!(from_run.starts_with(prompt) && from_run.trim().len() > prompt.len(), "{from_run}");
+    assert_eq!(from_run, from_export);
+    let out = ok(&attnlab(&["eval", cwd.join("lin").to_str().unwrap(), "--task", "ruler:niah_single_1", "--lengths", "128", "--samples", "1", "--max-new-tokens", "4"], cwd));
+    assert!(out.contains("niah_single_1") && cwd.join("lin/ruler.json").is_file(), "{out}");
     // DAR has no Hugging Face architecture.
     let dar = cwd.join("dar");
     ok(&attnlab(&["train", "--quiet", "--out", dar.to_str().unwrap(), "--set", "train.steps=2", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=50"], cwd));

@@ -131,6 +131,12 @@ impl Lolcats {
         self.hybrid().step(cache, q, k, v, None)
     }
 
+    /// Decode n tokens at once: n [`Lolcats::step`]s. An empty cache takes the (terrace) prefill, so with
+    /// `decode_window: sliding` the prompt is attended as in prefill and later tokens slide, as in the reference.
+    pub fn extend(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+        self.hybrid().extend(cache, q, k, v, None)
+    }
+
     /// Explicit reference: dense masks of the terrace window, Eq. 7 with γ.
     pub fn reference(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
         self.dense(q, k, v, DecodeWindow::Terrace)

@@ -300,6 +300,12 @@ impl Still {
         self.hybrid().step(cache, q, k, v, g)
     }
 
+    /// Decode n tokens at once (`[B, H, n, hd]`): the outputs and cache of n [`Still::step`]s (an empty
+    /// cache takes the vectorised prefill).
+    pub fn extend(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>) -> Tensor {
+        self.hybrid().extend(cache, q, k, v, g)
+    }
+
     /// The explicit reference: scores by scalar loops (§4, §5), Sel/Win/Lin sets built per (query, key),
     /// dense `[T, T]` softmax and linear weights. Differentiable in q, k, v, g and the feature maps.
     pub fn reference(&self, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>) -> Tensor {
@@ -625,36 +631,74 @@ impl Hybrid<'_> {
 
     /// One decode step (§6): route chunk c−2 when chunk c starts, append, score, attend.
     pub fn step(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>) -> Tensor {
+        self.advance(cache, q, k, v, g)
+    }
+
+    /// n new tokens (`[B, H, n, hd]`, rotated at positions cache.pos..): the outputs and final state of n
+    /// calls of [`Hybrid::step`]. An empty cache takes the vectorised prefill (with the sliding decode
+    /// window that is the terrace prefill, as in the reference); otherwise the tokens go one chunk
+    /// segment at a time (Sel, S and z only change at chunk starts), or one by one when sliding.
+    pub fn extend(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>) -> Tensor {
+        let n = q.size()[2];
+        if cache.pos == 0 && n > 1 {
+            let (y, fresh) = tch::no_grad(|| self.prefill(q, k, v, g, true));
+            *cache = fresh.expect("cache requested");
+            return y;
+        }
+        let mut outs = Vec::new();
+        let mut at = 0;
+        while at < n {
+            let len = if self.sliding_decode { 1 } else { (self.chunk - cache.pos % self.chunk).min(n - at) };
+            let seg = |x: &Tensor| x.narrow(2, at, len);
+            outs.push(self.advance(cache, &seg(q), &seg(k), &seg(v), g.map(seg).as_ref()));
+            at += len;
+        }
+        Tensor::cat(&outs, 2)
+    }
+
+    /// `len` new tokens that all fall in the current chunk (one token with the sliding window): route
+    /// chunk c−2 if chunk c starts here, append to the window, score each token over its C most recent
+    /// keys, attend causally to Sel ∪ window and linearly to S, z (§6).
+    fn advance(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>) -> Tensor {
         let _guard = tch::no_grad_guard();
-        let (b, h, _, d) = dims4(q);
+        let (b, h, len, d) = dims4(q);
         let c = self.chunk;
         let kind = cache.s.kind();
+        let dev = q.device();
         let (t, i) = (cache.pos, cache.pos % c);
+        assert!(i + len <= c || (self.sliding_decode && len == 1), "advance: tokens cross a chunk boundary");
         if !self.sliding_decode && i == 0 && t / c >= 2 {
             self.route_step(cache, t / c - 2);
         }
         cache.win_k = Tensor::cat(&[&cache.win_k, &k.to_kind(cache.win_k.kind())], 2);
         cache.win_v = Tensor::cat(&[&cache.win_v, &v.to_kind(cache.win_v.kind())], 2);
         if self.sliding_decode && cache.win_k.size()[2] > c {
-            self.fold(cache, &Tensor::ones([b, h, 1, 1], (kind, q.device())), 1);
+            self.fold(cache, &Tensor::ones([b, h, 1, 1], (kind, dev)), 1);
         }
         let qf = q.to_kind(kind);
         let scale = 1.0 / (d as f64).sqrt();
-        // Score of the new token over its C most recent keys (front-padded to C, as in prefill).
+        let nsel = cache.sel_k.size()[2];
         let nw = cache.win_k.size()[2];
-        let mw = nw.min(c);
-        let s_w = (qf.matmul(&cache.win_k.narrow(2, nw - mw, mw).to_kind(kind).transpose(-2, -1)) * scale).constant_pad_nd([c - mw, 0]);
-        let valid = Tensor::arange(c, (Kind::Int64, q.device())).ge(c - mw).view([1, c]);
+        let keys = Tensor::cat(&[&cache.sel_k, &cache.win_k], 2).to_kind(kind);
+        let vals = Tensor::cat(&[&cache.sel_v, &cache.win_v], 2).to_kind(kind);
+        let s = qf.matmul(&keys.transpose(-2, -1)) * scale; // [B, H, len, nsel + nw]
+        // New token r sits at window index nw − len + r.
+        let r = Tensor::arange(len, (Kind::Int64, dev)).view([len, 1]) + (nw - len);
+
+        // Score of each new token over its C most recent keys: column w ↔ window index r − C + 1 + w
+        // (self last), invalid before the start of the sequence (as prefill's zero padding).
+        let idx = &r - (c - 1) + Tensor::arange(c, (Kind::Int64, dev)).view([1, c]); // [len, C]
+        let valid = idx.ge(0);
+        let s_w = s.narrow(-1, nsel, nw).gather(-1, &idx.clamp_min(0).expand([b, h, len, c], false), false).masked_fill(&valid.logical_not(), 0.0);
         let score = match self.scorer {
             Some(sc) => sc.scores(&s_w, &valid, &k.to_kind(kind), t),
-            None => Tensor::zeros([b, h, 1], (kind, q.device())),
+            None => Tensor::zeros([b, h, len], (kind, dev)),
         };
         cache.win_scores = Tensor::cat(&[&cache.win_scores, &score], 2);
 
-        // Output: softmax over Sel ∪ window, linear over S, z.
-        let keys = Tensor::cat(&[&cache.sel_k, &cache.win_k], 2).to_kind(kind);
-        let vals = Tensor::cat(&[&cache.sel_v, &cache.win_v], 2).to_kind(kind);
-        let s = qf.matmul(&keys.transpose(-2, -1)) * scale;
+        // Output: softmax over Sel ∪ window (causal inside the window), linear over S, z.
+        let col = Tensor::arange(nsel + nw, (Kind::Int64, dev)).view([1, nsel + nw]) - nsel;
+        let s = s.masked_fill(&col.gt_tensor(&r), f64::NEG_INFINITY);
         let e = (&s - s.amax(-1, true)).exp();
         let mut n_sm = e.matmul(&vals);
         let mut z_sm = e.sum_dim_intlist(-1, true, kind);
@@ -669,7 +713,7 @@ impl Hybrid<'_> {
         if let Some(g) = g {
             n_lin = n_lin * g.to_kind(kind);
         }
-        cache.pos += 1;
+        cache.pos += len;
         ((n_sm + n_lin) / (z_sm + z_lin + self.eps)).to_kind(q.kind())
     }
 
@@ -1077,6 +1121,31 @@ mod tests {
                     assert!(err < 1e-10, "{y} L0={l0} L={l}: outputs differ by {err}");
                     assert_same_cache(&cache, &full[bi].1, &format!("{y} L0={l0} L={l}"));
                 }
+            }
+        }
+    }
+
+    /// Multi-token `extend` (chunk segments over an existing cache, or the prefill from an empty one)
+    /// gives prefill(L)'s outputs and cache whatever the block sizes, blocks crossing chunk boundaries included.
+    #[test]
+    fn extend_in_blocks_matches_prefill() {
+        for y in ["{chunk: 8, tokens_per_chunk: 2}", "{chunk: 8, budget: {m: 20, max_len: 24}, routing: self_saliency_reference_code}", "{chunk: 8, tokens_per_chunk: 3, routing: random, gate: false}"] {
+            let (_, st) = layer(&cfg(y), 2, 8, 5);
+            let x: Vec<Tensor> = inputs(2, 2, 45, 8, 6).iter().map(|t| t.detach()).collect();
+            let g = st.gate(&x[3]);
+            let (want, want_cache) = tch::no_grad(|| st.prefill(&x[0], &x[1], &x[2], g.as_ref()));
+            for blocks in [vec![45i64], vec![1, 3, 8, 13, 20], vec![10, 1, 1, 17, 16], vec![5, 40]] {
+                let mut cache = st.new_cache(2, Kind::Double, Device::Cpu);
+                let mut outs = vec![];
+                let mut at = 0;
+                for n in blocks.iter().copied() {
+                    let cut = |t: &Tensor| t.narrow(2, at, n);
+                    outs.push(st.extend(&mut cache, &cut(&x[0]), &cut(&x[1]), &cut(&x[2]), g.as_ref().map(cut).as_ref()));
+                    at += n;
+                }
+                let err = max_diff(&Tensor::cat(&outs, 2), &want);
+                assert!(err < 1e-10, "{y} blocks {blocks:?}: outputs differ by {err}");
+                assert_same_cache(&cache, &want_cache, &format!("{y} blocks {blocks:?}"));
             }
         }
     }

@@ -1,15 +1,24 @@
 //! Text generation with a KV cache per model and attention variant (vanilla: keys/values of every
-//! token; DAR / uniform: dar.md §3's latent cache; Llama: per KV head), and the decode benchmark.
+//! token; DAR / uniform: dar.md §3's latent cache; Llama: per KV head; STILL / LoLCATs hybrids:
+//! still.md §6's bounded cache), and the decode benchmark.
+use crate::model::hybrid::decode::HybridModelCache;
 use crate::model::llama::LlamaCache;
 use crate::model::neox::decode::NeoxCache;
+use crate::data::Tok;
+use crate::linearize;
+use crate::model::hybrid::EXPORT_VARIANT;
 use crate::model::Model;
+use crate::{Error, Result};
 use serde::Serialize;
+use std::path::Path;
 use std::time::Instant;
+use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
 pub enum Cache {
     Neox(NeoxCache),
     Llama(LlamaCache),
+    Hybrid(HybridModelCache),
 }
 
 impl Cache {
@@ -17,6 +26,7 @@ impl Cache {
         match self {
             Cache::Neox(c) => c.bytes(),
             Cache::Llama(c) => c.bytes(),
+            Cache::Hybrid(c) => c.bytes(),
         }
     }
 
@@ -24,6 +34,7 @@ impl Cache {
         match self {
             Cache::Neox(c) => c.len,
             Cache::Llama(c) => c.len,
+            Cache::Hybrid(c) => c.len,
         }
     }
 
@@ -37,6 +48,7 @@ impl Model {
         match self {
             Model::Neox(m) => Cache::Neox(m.new_cache(batch, kind, device)),
             Model::Llama(m) => Cache::Llama(m.new_cache(batch, kind, device)),
+            Model::Hybrid(m) => Cache::Hybrid(m.new_cache(batch, kind, device)),
         }
     }
 
@@ -45,9 +57,46 @@ impl Model {
         tch::no_grad(|| match (self, cache) {
             (Model::Neox(m), Cache::Neox(c)) => m.extend(c, ids),
             (Model::Llama(m), Cache::Llama(c)) => m.extend(c, ids),
+            (Model::Hybrid(m), Cache::Hybrid(c)) => m.extend(c, ids),
             _ => panic!("cache of another model family"),
         })
     }
+}
+
+/// A model loaded for generation, with its tokenizer.
+pub struct Loaded {
+    pub model: Model,
+    pub tok: Tok,
+    pub device: Device,
+    /// The checkpoint's step (a linearize run: its last).
+    pub step: u64,
+    /// The tokenizer's end-of-sequence token, which ends a generation.
+    pub eos: u32,
+    /// Owns the model's variables.
+    pub vs: VarStore,
+}
+
+/// Load what `generate` and `eval --task` read: a training run directory (at checkpoint `step`, default
+/// the newest), a finished `linearize` run directory, or its `export/` folder (STILL / LoLCATs hybrids,
+/// LoRA merged). `device` overrides the run's (`auto` for exports).
+pub fn load(path: &Path, step: Option<u64>, device: Option<&str>) -> Result<Loaded> {
+    let exported = path.join(EXPORT_VARIANT).is_file() || path.join(linearize::EXPORT_DIR).join(EXPORT_VARIANT).is_file();
+    let lin_spec = || linearize::LinearizeSpec::from_file(&path.join("config.yaml"));
+    if !exported && path.join("config.yaml").is_file() && lin_spec().is_ok() {
+        return Err(Error::Run { dir: path.into(), msg: format!("is a linearize run without {}/ (not finished yet)", linearize::EXPORT_DIR) });
+    }
+    if !exported {
+        let l = crate::train::run::load(path, step, device)?;
+        return Ok(Loaded { eos: linearize::eos_id(&l.tok), model: l.model, tok: l.tok, device: l.device, step: l.step, vs: l.vs });
+    }
+    if let Some(s) = step {
+        return Err(Error::Run { dir: path.into(), msg: format!("--step {s}: a linearize run is loaded from its final export, not from a checkpoint") });
+    }
+    let device = crate::device::parse_device(device.unwrap_or("auto"))?;
+    let (vs, hybrid, tok) = linearize::load_exported(path, device)?;
+    let run = if path.join(EXPORT_VARIANT).is_file() { path.parent().unwrap_or(path) } else { path };
+    let step = crate::train::checkpoint::list(run).last().map_or(0, |c| c.0);
+    Ok(Loaded { eos: linearize::eos_id(&tok), model: Model::Hybrid(hybrid), tok, device, step, vs })
 }
 
 /// Greedy when `temperature` is 0, else sampling from softmax(logits / temperature) with `seed`.
@@ -117,7 +166,7 @@ pub fn generate(model: &Model, prompt: &[u32], max_new: usize, sampling: Samplin
     Generated { decode_tokens_per_s: out.len() as f64 / secs, tokens: out, prompt_tokens: prompt.len(), prefill_s, cache_bytes: cache.bytes(), cache_tokens: cache.len() }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct DecodeBench {
     pub attention: String,
     pub context: i64,

@@ -12,9 +12,10 @@ use super::Llama;
 use crate::attention::lolcats::{Lolcats, LolcatsConfig};
 use crate::attention::still::{LayerDims, Still, StillConfig};
 use crate::train::lora::{Lora, LoraConfig};
-use crate::{Error, Result};
+use crate::{Error, IoContext, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 use tch::{nn, Kind, Tensor};
 
 /// Which operator replaces softmax attention, with its options.
@@ -50,6 +51,10 @@ pub struct Hybrid {
     weights: HashMap<String, Tensor>,
 }
 
+/// File names of an export folder (besides the Llama's `config.json`).
+pub const EXPORT_WEIGHTS: &str = "model.safetensors";
+pub const EXPORT_VARIANT: &str = "hybrid.yaml";
+
 /// The name of a layer's attention parameter, e.g. `model.layers.3.self_attn.q_proj.weight`.
 pub fn attn_param(layer: usize, proj: &str) -> String {
     format!("model.layers.{layer}.self_attn.{proj}.weight")
@@ -67,16 +72,30 @@ impl Hybrid {
         if cfg.family != super::Family::Llama || cfg.attention.has_bottleneck() {
             return Err(Error::Other("layer surgery needs a vanilla Llama teacher (not OLMo 2, not DAR)".into()));
         }
+        let src = teacher_vs.variables();
+        Self::build(vs, cfg, variant, lora, |vs| {
+            tch::no_grad(|| -> Result<()> {
+                for (name, var) in vs.variables() {
+                    let s = src.get(&name).ok_or_else(|| Error::Other(format!("teacher has no parameter {name}")))?;
+                    var.shallow_clone().copy_(&s.to_device(var.device()).to_kind(var.kind()));
+                }
+                Ok(())
+            })
+        })
+    }
+
+    /// A hybrid with freshly initialised weights (HF's init for the Llama part): to load a checkpoint
+    /// into, or for speed and memory benchmarks.
+    pub fn new(vs: &nn::VarStore, cfg: super::LlamaConfig, variant: &Variant, lora: &LoraConfig) -> Result<Hybrid> {
+        Self::build(vs, cfg, variant, lora, |_| Ok(()))
+    }
+
+    /// The Llama variables, then `init_base` on them, then the operators and the adapters (in this
+    /// order, so that seeded initialisation does not depend on how the base weights are filled).
+    fn build(vs: &nn::VarStore, cfg: super::LlamaConfig, variant: &Variant, lora: &LoraConfig, init_base: impl FnOnce(&nn::VarStore) -> Result<()>) -> Result<Hybrid> {
         let root = vs.root();
         let llama = Llama::new(&root, cfg);
-        let src = teacher_vs.variables();
-        tch::no_grad(|| -> Result<()> {
-            for (name, var) in vs.variables() {
-                let s = src.get(&name).ok_or_else(|| Error::Other(format!("teacher has no parameter {name}")))?;
-                var.shallow_clone().copy_(&s.to_device(var.device()).to_kind(var.kind()));
-            }
-            Ok(())
-        })?;
+        init_base(vs)?;
         let c = &llama.cfg;
         let (heads, hd) = (c.num_attention_heads as i64, c.head_dim() as i64);
         let mut attn = Vec::new();
@@ -125,26 +144,39 @@ impl Hybrid {
 
     /// Final hidden states `[B, T, d]` of the student (hybrid attention everywhere, LoRA applied).
     pub fn hidden(&self, ids: &Tensor, train: bool) -> Tensor {
+        let (cos, sin) = self.llama.rope_tables(ids.size()[1], ids.device());
+        let mut x = self.llama.embed(ids);
+        for i in 0..self.attn.len() {
+            let (q, k, v, g) = self.layer_qkvg(i, &x, &cos, &sin, train);
+            let o = self.attn[i].forward(&q, &k, &v, g.as_ref());
+            x = self.layer_out(i, &x, &o, train);
+        }
+        self.llama.final_norm(&x)
+    }
+
+    /// Layer `i`'s rotated q and rotated, GQA-expanded k, v `[B, H, T, hd]`, and its gate, for the
+    /// residual stream x `[B, T, d]` at the positions of (cos, sin); LoRA applied.
+    fn layer_qkvg(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor, train: bool) -> (Tensor, Tensor, Tensor, Option<Tensor>) {
         let c = &self.llama.cfg;
-        let (bs, t) = (ids.size()[0], ids.size()[1]);
+        let (bs, t) = (x.size()[0], x.size()[1]);
         let (h, kvh, hd) = (c.num_attention_heads as i64, c.num_key_value_heads as i64, c.head_dim() as i64);
-        let (cos, sin) = self.llama.rope_tables(t, ids.device());
         let rep = h / kvh;
         let heads = |x: Tensor, n: i64| x.view([bs, t, n, hd]).transpose(1, 2);
         let expand = |x: Tensor| if rep == 1 { x } else { x.repeat_interleave_self_int(rep, 1, None) };
-        let mut x = self.llama.embed(ids);
-        for i in 0..self.attn.len() {
-            let a = self.llama.input_norm(i, &x);
-            let q = apply_rope(&heads(self.proj(&attn_param(i, "q_proj"), &a, train), h), &cos, &sin);
-            let k = expand(apply_rope(&heads(self.proj(&attn_param(i, "k_proj"), &a, train), kvh), &cos, &sin));
-            let v = expand(heads(self.proj(&attn_param(i, "v_proj"), &a, train), kvh));
-            let g = self.gate(i, &a, train);
-            let o = self.attn[i].forward(&q, &k, &v, g.as_ref());
-            let o = o.transpose(1, 2).reshape([bs, t, h * hd]);
-            let hres = &x + self.proj(&attn_param(i, "o_proj"), &o, train);
-            x = self.llama.mlp_residual(i, &hres);
-        }
-        self.llama.final_norm(&x)
+        let a = self.llama.input_norm(i, x);
+        let q = apply_rope(&heads(self.proj(&attn_param(i, "q_proj"), &a, train), h), cos, sin);
+        let k = expand(apply_rope(&heads(self.proj(&attn_param(i, "k_proj"), &a, train), kvh), cos, sin));
+        let v = expand(heads(self.proj(&attn_param(i, "v_proj"), &a, train), kvh));
+        let g = self.gate(i, &a, train);
+        (q, k, v, g)
+    }
+
+    /// The residual stream after layer `i`, from its input x and the attention heads o `[B, H, T, hd]`.
+    fn layer_out(&self, i: usize, x: &Tensor, o: &Tensor, train: bool) -> Tensor {
+        let (bs, h, t, hd) = (o.size()[0], o.size()[1], o.size()[2], o.size()[3]);
+        let o = o.transpose(1, 2).reshape([bs, t, h * hd]);
+        let hres = x + self.proj(&attn_param(i, "o_proj"), &o, train);
+        self.llama.mlp_residual(i, &hres)
     }
 
     pub fn logits(&self, ids: &Tensor, train: bool) -> Tensor {
@@ -211,6 +243,30 @@ impl Hybrid {
         out
     }
 
+    /// Write the export folder of a linearized model: `model.safetensors` ([`Hybrid::merged_weights`]),
+    /// `config.json` (the Llama's, Hugging Face format) and `hybrid.yaml` (`variant`).
+    pub fn save_export(&self, variant: &Variant, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).at(dir)?;
+        Tensor::write_safetensors(&self.merged_weights(), dir.join(EXPORT_WEIGHTS))?;
+        let cp = dir.join("config.json");
+        std::fs::write(&cp, serde_json::to_string_pretty(&self.llama.cfg.to_hf_json())?).at(&cp)?;
+        let hp = dir.join(EXPORT_VARIANT);
+        std::fs::write(&hp, serde_yaml::to_string(variant).expect("serializes")).at(&hp)
+    }
+
+    /// Load an export folder ([`Hybrid::save_export`]) onto `device`: the weights, LoRA merged, no adapters.
+    pub fn load_export(dir: &Path, device: tch::Device) -> Result<(nn::VarStore, Hybrid)> {
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).at(dir.join(name));
+        let cfg = super::LlamaConfig::from_hf_json(&read("config.json")?)?;
+        let variant: Variant = serde_yaml::from_str(&read(EXPORT_VARIANT)?).map_err(|e| Error::Data(format!("{}: {e}", dir.join(EXPORT_VARIANT).display())))?;
+        let vs = nn::VarStore::new(device);
+        let h = Hybrid::new(&vs, cfg, &variant, &LoraConfig { targets: vec![], ..LoraConfig::default() })?;
+        let file = dir.join(EXPORT_WEIGHTS);
+        let tensors = Tensor::read_safetensors(&file).map_err(|e| Error::Data(format!("{}: {e}", file.display())))?;
+        super::hf::copy_into(&vs, tensors.into_iter().collect(), &file)?;
+        Ok((vs, h))
+    }
+
     /// The LoRA tensors alone (`<param>.lora_A` / `.lora_B`), sorted.
     pub fn lora_weights(&self) -> Vec<(String, Tensor)> {
         let mut out: Vec<(String, Tensor)> = self.weights.iter().filter(|(n, _)| n.ends_with(".lora_A") || n.ends_with(".lora_B")).map(|(n, t)| (n.clone(), t.detach().copy())).collect();
@@ -218,6 +274,8 @@ impl Hybrid {
         out
     }
 }
+
+pub mod decode;
 
 #[cfg(test)]
 mod tests;

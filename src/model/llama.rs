@@ -352,7 +352,7 @@ impl Llama {
     }
 
     /// (cos, sin) `[t, hd]` fp32 for positions start..start+t.
-    fn rope(&self, start: i64, t: i64, device: Device) -> (Tensor, Tensor) {
+    pub(crate) fn rope(&self, start: i64, t: i64, device: Device) -> (Tensor, Tensor) {
         self.rope_at(&Tensor::arange_start(start, start + t, (Kind::Int64, device)))
     }
 

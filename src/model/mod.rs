@@ -1,6 +1,7 @@
 //! Model architectures, one file each, parameter names as Hugging Face checkpoints: `neox` (GPT-NeoX
-//! / Pythia with the vanilla, DAR and uniform attention of `crate::attention`) and `llama` (Llama and
-//! OLMo 2, vanilla or DAR). `Model` is what the trainer, evaluation and benches hold.
+//! / Pythia with the vanilla, DAR and uniform attention of `crate::attention`), `llama` (Llama and
+//! OLMo 2, vanilla or DAR), and `hybrid` (a Llama whose attention is STILL or LoLCATs, made by
+//! `attnlab linearize`). `Model` is what the trainer, evaluation and benches hold.
 pub mod bottleneck;
 pub mod hf;
 pub mod hybrid;
@@ -9,6 +10,7 @@ pub mod loss;
 pub mod neox;
 pub mod rope;
 
+pub use hybrid::Hybrid;
 pub use llama::{DarConfig, Family, Llama, LlamaConfig};
 pub use neox::{GptNeox, NeoxConfig};
 
@@ -17,6 +19,7 @@ use tch::Tensor;
 pub enum Model {
     Neox(GptNeox),
     Llama(Llama),
+    Hybrid(Hybrid),
 }
 
 impl Model {
@@ -25,19 +28,20 @@ impl Model {
         match self {
             Model::Neox(m) => m.hidden(ids),
             Model::Llama(m) => m.hidden(ids),
+            Model::Hybrid(m) => m.hidden(ids, false),
         }
     }
 
     /// Final hidden states `[B, T, d]` of packed rows with per-token document ids `[B, T]` (i64): no
     /// attention across documents, positions restarting at each (`Llama::hidden_docs`). GPT-NeoX
-    /// supports only `None`.
+    /// and the hybrids support only `None`.
     pub fn hidden_docs(&self, ids: &Tensor, doc_ids: Option<&Tensor>) -> Tensor {
         match self {
-            Model::Neox(m) => {
-                assert!(doc_ids.is_none(), "document ids (packed rows) are supported by llama/olmo2 models only");
-                m.hidden(ids)
-            }
             Model::Llama(m) => m.hidden_docs(ids, doc_ids),
+            _ => {
+                assert!(doc_ids.is_none(), "document ids (packed rows) are supported by llama/olmo2 models only");
+                self.hidden(ids)
+            }
         }
     }
 
@@ -46,6 +50,7 @@ impl Model {
         match self {
             Model::Neox(m) => m.head_weight(),
             Model::Llama(m) => m.head_weight(),
+            Model::Hybrid(m) => m.llama.head_weight(),
         }
     }
 
@@ -71,8 +76,8 @@ impl Model {
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
         match self {
             Model::Neox(m) => m.cfg.flops_per_token(seq_len),
-            Model::Llama(m) => {
-                let c = &m.cfg;
+            // For the hybrid, its Llama's count (feature maps and gate left out).
+            Model::Llama(Llama { cfg: c, .. }) | Model::Hybrid(Hybrid { llama: Llama { cfg: c, .. }, .. }) => {
                 let (d, l, hd) = (c.hidden_size as f64, c.num_hidden_layers as f64, c.head_dim() as f64);
                 let attn = d * hd * (2.0 * c.num_attention_heads as f64 + 2.0 * c.num_key_value_heads as f64);
                 let n_mm = l * (attn + 3.0 * d * c.intermediate_size as f64) + c.vocab_size as f64 * d;

@@ -1,0 +1,214 @@
+//! `attnlab bench-decode`: KV-cache memory and decode speed of every attention variant at one model
+//! size, over context lengths (issue 6). The GPT-NeoX variants (vanilla, DAR, uniform) are built from
+//! the spec; the STILL / LoLCATs hybrids are Llamas of the same width, depth, heads, MLP width and
+//! vocabulary. Weights and prompt tokens are random: the numbers are speed and memory, not quality.
+use super::generate::{decode_bench, DecodeBench};
+use crate::model::hybrid::{Hybrid, Variant};
+use crate::model::Model;
+use crate::spec::{AttentionKind, Spec};
+use crate::train::lora::LoraConfig;
+use crate::{Error, Result};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use tch::{nn::VarStore, Device};
+
+/// The attention names `--attention` knows, with what they build.
+pub const NAMES: [(&str, &str); 6] = [
+    ("vanilla", "GPT-NeoX, softmax attention: K/V of every token"),
+    ("dar", "GPT-NeoX, the spec's DAR: full K/V for the last w tokens, d_down-wide latents before"),
+    ("uniform", "GPT-NeoX, DAR with w = 0"),
+    ("still", "{kind: still}: still.md's reference (C = 64, κ = 4 per chunk, uncapped)"),
+    ("still-budget", "{kind: still, budget: {m: 384, max_len: 4096}}: still.md §6's worked budget, flat memory"),
+    ("lolcats", "{kind: lolcats}: terrace window of 64, Hedgehog linear attention"),
+];
+
+/// The hybrid operator of a STILL / LoLCATs name, or of `name={kind: …, …}` (any hybrid.yaml).
+fn hybrid_variant(name: &str) -> Option<Result<Variant>> {
+    let yaml = match name {
+        "still" => "{kind: still}",
+        "still-budget" => "{kind: still, budget: {m: 384, max_len: 4096}}",
+        "lolcats" => "{kind: lolcats}",
+        _ => name.split_once('=')?.1,
+    };
+    Some(serde_yaml::from_str(yaml).map_err(|e| Error::Other(format!("--attention `{name}`: {e}"))))
+}
+
+/// `--attention`'s list: split at commas outside `{…}`, so that `a={kind: still, chunk: 32},vanilla` is two names.
+pub fn split_names(list: &str) -> Vec<String> {
+    let (mut out, mut cur, mut depth) = (Vec::new(), String::new(), 0i32);
+    for ch in list.chars() {
+        match ch {
+            '{' | '[' => depth += 1,
+            '}' | ']' => depth -= 1,
+            ',' if depth == 0 => {
+                out.push(std::mem::take(&mut cur).trim().to_string());
+                continue;
+            }
+            _ => {}
+        }
+        cur.push(ch);
+    }
+    out.push(cur.trim().to_string());
+    out.retain(|n| !n.is_empty());
+    out
+}
+
+/// The label of a row: the name before any `=`.
+fn label(name: &str) -> &str {
+    name.split_once('=').map_or(name, |(n, _)| n)
+}
+
+/// Build the random-initialised model of `name` at the size of `base` (bf16 on CUDA).
+pub fn bench_model(base: &Spec, name: &str, vocab: usize, device: Device) -> Result<(VarStore, Model)> {
+    let bad = |k: String, m: String| Error::Other(format!("{k}: {m}"));
+    let mut vs = VarStore::new(device);
+    let model = match (name, hybrid_variant(name)) {
+        (_, Some(variant)) => {
+            let mut s = base.with_attention(AttentionKind::Vanilla).map_err(|(k, m)| bad(k, m))?;
+            s.model.vocab.get_or_insert(vocab);
+            let cfg = crate::train::run::llama_config(&s);
+            Model::Hybrid(Hybrid::new(&vs, cfg, &variant?, &LoraConfig { targets: vec![], ..LoraConfig::default() })?)
+        }
+        (kind @ ("vanilla" | "dar" | "uniform"), None) => {
+            let kind = match kind {
+                "vanilla" => AttentionKind::Vanilla,
+                "dar" => AttentionKind::Dar,
+                _ => AttentionKind::Uniform,
+            };
+            let mut s = base.with_attention(kind).map_err(|(k, m)| bad(k, m))?;
+            s.model.vocab.get_or_insert(vocab);
+            crate::train::run::build_model(&s, &vs)
+        }
+        _ => {
+            let known: Vec<&str> = NAMES.iter().map(|n| n.0).collect();
+            return Err(Error::Other(format!("--attention `{name}`: unknown (known: {}, or NAME={{kind: still|lolcats, …}})", known.join(", "))));
+        }
+    };
+    if device.is_cuda() {
+        vs.bfloat16();
+    }
+    Ok((vs, model))
+}
+
+/// Measure every (attention, context) pair, calling `each` on every row as it comes. A context that
+/// fails (out of memory) is reported on stderr and ends that attention's sweep: larger ones would too.
+pub fn run(base: &Spec, names: &[String], lengths: &[i64], new_tokens: usize, vocab: usize, device: Device, mut each: impl FnMut(&DecodeBench)) -> Result<Vec<DecodeBench>> {
+    let mut rows = Vec::new();
+    for name in names {
+        let (_vs, model) = bench_model(base, name, vocab, device)?;
+        // Warm-up (CUDA context, cuBLAS handles, allocator) outside the timed runs.
+        let _ = decode_bench(&model, label(name), 256, 4, device);
+        for &t in lengths {
+            match catch_unwind(AssertUnwindSafe(|| decode_bench(&model, label(name), t, new_tokens, device))) {
+                Ok(r) => {
+                    each(&r);
+                    rows.push(r);
+                }
+                Err(_) => {
+                    eprintln!("{} at context {t}: failed (out of memory?); skipping longer contexts", label(name));
+                    break;
+                }
+            }
+        }
+    }
+    Ok(rows)
+}
+
+/// A Markdown table of the rows: cache size (and its ratio to vanilla's at the same context), prefill
+/// time and decode speed.
+pub fn table(rows: &[DecodeBench]) -> String {
+    let vanilla = |ctx: i64| rows.iter().find(|r| r.attention == "vanilla" && r.context == ctx).map(|r| r.cache_bytes as f64);
+    let mut out = String::from("| context | attention | cache MiB | cache bytes/token | × vanilla | prefill s | decode tok/s |\n|---:|---|---:|---:|---:|---:|---:|\n");
+    let mut sorted: Vec<&DecodeBench> = rows.iter().collect();
+    sorted.sort_by_key(|r| r.context);
+    for r in sorted {
+        let ratio = vanilla(r.context).map_or("–".into(), |v| format!("{:.3}", r.cache_bytes as f64 / v));
+        out += &format!(
+            "| {} | {} | {:.2} | {:.1} | {} | {:.3} | {:.1} |\n",
+            r.context,
+            r.attention,
+            r.cache_bytes as f64 / (1 << 20) as f64,
+            r.cache_bytes_per_token,
+            ratio,
+            r.prefill_s,
+            r.decode_tokens_per_s
+        );
+    }
+    out
+}
+
+/// Read rows written by `bench-decode --json` (other lines, e.g. logs, are skipped).
+pub fn read_rows(text: &str) -> Result<Vec<DecodeBench>> {
+    text.lines().filter(|l| l.trim_start().starts_with('{')).map(|l| serde_json::from_str(l).map_err(Error::from)).collect()
+}
+
+/// Three charts against log2(context): cache memory, decode tokens/s and prefill seconds, one line
+/// per attention; writes `STEM-{cache,decode,prefill}.{png,svg}`.
+#[cfg(feature = "analysis")]
+pub fn plot(rows: &[DecodeBench], stem: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
+    use crate::report::plots::{save, Chart, Line};
+    let mut names: Vec<&str> = Vec::new();
+    for r in rows {
+        if !names.contains(&r.attention.as_str()) {
+            names.push(&r.attention);
+        }
+    }
+    let chart = |title: &str, y_label: &str, y: &dyn Fn(&DecodeBench) -> f64| {
+        let lines = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| Line {
+                label: n.to_string(),
+                points: rows.iter().filter(|r| r.attention == *n).map(|r| ((r.context as f64).log2(), y(r))).collect(),
+                color: i,
+                reference: *n == "vanilla",
+            })
+            .collect();
+        Chart { title: format!("{title} (random weights)"), x_label: "log2 context length (10 = 1K, 16 = 64K tokens)".into(), y_label: y_label.into(), lines, log_y: false }.log_y_if_wide()
+    };
+    let mut files = Vec::new();
+    let with = |suffix: &str| std::path::PathBuf::from(format!("{}-{suffix}", stem.display()));
+    files.extend(save(&chart("KV cache memory after prefill + decode", "cache MiB", &|r| r.cache_bytes as f64 / (1 << 20) as f64), &with("cache"))?);
+    files.extend(save(&chart("Decode speed", "tokens / s", &|r| r.decode_tokens_per_s), &with("decode"))?);
+    files.extend(save(&chart("Prefill time", "seconds", &|r| r.prefill_s), &with("prefill"))?);
+    Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(attention: &str, context: i64, cache_bytes: i64) -> DecodeBench {
+        DecodeBench { attention: attention.into(), context, cache_bytes, cache_bytes_per_token: cache_bytes as f64 / context as f64, prefill_s: 0.5, decode_tokens_per_s: 100.0 }
+    }
+
+    /// The ratio column divides by vanilla's cache at the same context; rows survive a JSON round trip.
+    #[test]
+    fn table_ratios_and_json_rows() {
+        let rows = vec![row("vanilla", 2048, 4 << 20), row("still", 1024, 1 << 20), row("vanilla", 1024, 2 << 20), row("still", 2048, 1 << 20)];
+        let t = table(&rows);
+        assert!(t.contains("| 1024 | still | 1.00 | 1024.0 | 0.500 |"), "{t}");
+        assert!(t.contains("| 2048 | still | 1.00 | 512.0 | 0.250 |"), "{t}");
+        let text = format!("# note\n{}\n", rows.iter().map(|r| serde_json::to_string(r).unwrap()).collect::<Vec<_>>().join("\n"));
+        let back = read_rows(&text).unwrap();
+        assert_eq!(back.len(), 4);
+        assert_eq!((back[1].attention.as_str(), back[1].context, back[1].cache_bytes), ("still", 1024, 1 << 20));
+    }
+
+    /// Hybrids are Llamas at the spec's size; unknown names are refused with the known ones listed.
+    #[test]
+    fn models_at_the_spec_size() {
+        let base = crate::spec::from_str("model: {flavor: tiny}\nattention: {kind: dar, d_down: 16, window: 8}\ndata: {train: {synthetic: {seed: 1, docs: 10}}}\ntrain: {steps: 1}\n", "test", &[]).unwrap();
+        let (_vs, m) = bench_model(&base, "still-budget", 128, Device::Cpu).unwrap();
+        let (_vs2, n) = bench_model(&base, "vanilla", 128, Device::Cpu).unwrap();
+        let (Model::Hybrid(h), Model::Neox(x)) = (&m, &n) else { panic!("wrong families") };
+        let c = &h.llama.cfg;
+        assert_eq!((c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.vocab_size), (x.cfg.d_model, x.cfg.layers, x.cfg.heads, x.cfg.vocab));
+        let crate::model::hybrid::HybridAttention::Still(s) = &h.attn[0] else { panic!("still") };
+        assert_eq!(s.selection.kappa, 4, "λ = ⌊(384 − 128)/⌈4096/64⌉⌋");
+        let custom = bench_model(&base, "mine={kind: lolcats, window: 32}", 128, Device::Cpu).unwrap().1;
+        assert!(matches!(custom, Model::Hybrid(ref h) if matches!(h.attn[0], crate::model::hybrid::HybridAttention::Lolcats(ref l) if l.cfg.window == 32)));
+        assert_eq!(split_names("vanilla, mine={kind: still, budget: {m: 200, max_len: 64}},dar"), ["vanilla", "mine={kind: still, budget: {m: 200, max_len: 64}}", "dar"]);
+        let err = bench_model(&base, "flash", 128, Device::Cpu).err().unwrap().to_string();
+        assert!(err.contains("still-budget"), "{err}");
+    }
+}
