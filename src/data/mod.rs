@@ -1,6 +1,7 @@
 //! Data: tokenizers, text sources, the built-in synthetic corpus, tokenized u16 shards with an
 //! index (memory-mapped for training), and deterministic batches f(seed, step).
 pub mod batches;
+pub mod chat;
 pub mod shards;
 pub mod sources;
 pub mod synthetic;

@@ -124,7 +124,7 @@ fn kind_of(p: &Path) -> Option<FileKind> {
 }
 
 /// A reader that undoes .zst / .gz compression by file name.
-fn open(path: &Path) -> Result<Box<dyn Read>> {
+pub(crate) fn open(path: &Path) -> Result<Box<dyn Read>> {
     let f = std::fs::File::open(path).at(path)?;
     let name = path.to_string_lossy();
     Ok(if name.ends_with(".zst") {
