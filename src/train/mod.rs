@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod lora;
 pub mod optim;
 pub mod run;
+pub mod stages;
 
 use crate::data::{shards, Batcher, TokenStream};
 use crate::eval::perplexity::{self, CorpusResult, EvalCorpus};
