@@ -212,8 +212,13 @@ impl FinetuneSpec {
         serde_yaml::from_str(text).map_err(|e| Error::Other(format!("finetune spec: {e}")))
     }
 
-    pub fn from_file(path: &Path) -> Result<FinetuneSpec> {
-        Self::from_yaml(&std::fs::read_to_string(path).at(path)?).map_err(|e| Error::Other(format!("{}: {e}", path.display())))
+    /// Read a spec file with `--set key.path=value` overrides applied.
+    pub fn from_file(path: &Path, sets: &[String]) -> Result<FinetuneSpec> {
+        let mut v: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(path).at(path)?).map_err(|e| Error::Other(format!("{}: {e}", path.display())))?;
+        for s in sets {
+            crate::spec::apply_override(&mut v, s).map_err(|e| Error::Other(format!("--set {s}: {e}")))?;
+        }
+        serde_yaml::from_value(v).map_err(|e| Error::Other(format!("{}: finetune spec: {e}", path.display())))
     }
 
     /// Fill in the per-stage defaults (lr, trainable parameters).
@@ -275,14 +280,16 @@ impl Params {
 // finetune needs goes through these three functions.
 // ---------------------------------------------------------------------------------------------
 
-/// TODO(olmo branch): `crate::model::is_bottleneck_param` (the DAR W_down / W_up parameters).
+/// TODO(olmo branch): `crate::model::is_bottleneck_param` (same names).
 fn is_bottleneck_param(name: &str) -> bool {
-    name.contains("w_down") || name.contains("w_up")
+    name.ends_with(".bottleneck_down.weight") || name.ends_with(".bottleneck_up.weight")
 }
 
 /// The model to fine-tune, under `vs`, from the base weights, with the attention change applied.
-/// TODO(olmo branch): `kind: dar` builds DAR-for-Llama layers and initialises the bottleneck
-/// (`small_init` | `pca` over `calibration`).
+/// TODO(olmo branch): `kind: dar` becomes, after copying the base weights as for vanilla,
+/// `crate::model::bottleneck::add_dar_to_pretrained(&mut m, &vs.root(), DarConfig { kind: Dar, d_down,
+/// window, ..Default::default() }, init, Some(&ids), Some(&doc_ids))` with (ids, doc_ids) the
+/// `calibration` rows (`batch(calibration, device)`), its per-layer discarded fractions logged.
 fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, change: &AttentionChange, calibration: &[&PackedRow]) -> Result<Llama> {
     let _ = calibration;
     match change {
@@ -298,8 +305,9 @@ fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, change: &Atten
 }
 
 /// Final hidden states `[B, T, d]` of packed rows.
-/// TODO(olmo branch): pass `doc_ids` (and the per-document positions) to the Llama forward so packed
-/// conversations do not attend to each other; until then they do, with positions running on.
+/// TODO(olmo branch): `model.hidden_docs(ids, Some(doc_ids))` (no attention across the packed
+/// conversations, positions restarting at each; `positions` is then unused). Until then packed
+/// conversations attend to each other and positions run on across the row.
 fn hidden(model: &Llama, ids: &Tensor, doc_ids: &Tensor, positions: &Tensor) -> Tensor {
     let _ = (doc_ids, positions);
     model.hidden(ids)

@@ -17,10 +17,13 @@ use crate::data::Tok;
 use crate::model::hybrid::{is_attention_param, Hybrid, Variant};
 use crate::model::LlamaConfig;
 use crate::spec::{SourceSpec, TokenizerSpec};
-use crate::train::stages;
+use crate::train::checkpoint;
 use crate::train::lora::LoraConfig;
-use crate::train::optim::Hyper;
+use crate::train::optim::{AdamW, Hyper};
+use crate::train::run::RunDir;
 use crate::{Error, IoContext, Result};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -301,6 +304,20 @@ fn batch(rows: &[&Row], device: Device) -> (Tensor, Tensor) {
     (Tensor::from_slice(&x).view([-1, t]).to_device(device), Tensor::from_slice(&y).view([-1, t]).to_device(device))
 }
 
+/// Rows of step `step` of a stage: epochs of `rows` shuffled by (seed, stage, epoch), `b` per step.
+fn step_rows(rows: &[Row], step: u64, b: usize, seed: u64, stage: u64) -> Vec<&Row> {
+    let n = rows.len();
+    (0..b)
+        .map(|j| {
+            let k = step as usize * b + j;
+            let (epoch, i) = (k / n, k % n);
+            let mut order: Vec<usize> = (0..n).collect();
+            order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ (stage << 32) ^ epoch as u64));
+            &rows[order[i]]
+        })
+        .collect()
+}
+
 // ---------------------------------------------------------------------------------------------
 // Teacher
 // ---------------------------------------------------------------------------------------------
@@ -354,45 +371,13 @@ fn is_lora(name: &str) -> bool {
     name.ends_with(".lora_A") || name.ends_with(".lora_B")
 }
 
-/// The two stages as a `stages::StagedTask`.
-struct Task<'a> {
-    spec: &'a LinearizeSpec,
-    hybrid: &'a Hybrid,
-    rows: &'a [Row],
-    device: Device,
-}
-
-impl stages::StagedTask for Task<'_> {
-    fn trains(&self, stage: usize, name: &str) -> bool {
-        if stage == 1 { is_attention_param(name) } else { is_lora(name) }
+/// Make exactly the parameters of `stage` trainable; an optimizer over them (sorted by name).
+fn optimizer_for(vs: &VarStore, stage: u64, wd: f64) -> AdamW {
+    for (name, t) in vs.variables() {
+        let train = if stage == 1 { is_attention_param(&name) } else { is_lora(&name) };
+        let _ = t.shallow_clone().set_requires_grad(train);
     }
-
-    fn hyper(&self, stage: usize) -> Hyper {
-        let s = if stage == 1 { &self.spec.stage1 } else { &self.spec.stage2 };
-        Hyper { betas: (0.9, 0.999), eps: 1e-8, weight_decay: s.weight_decay.expect("resolved") }
-    }
-
-    fn lr(&self, stage: usize, _step: u64) -> f64 {
-        if stage == 1 { self.spec.stage1.lr } else { self.spec.stage2.lr }.expect("resolved")
-    }
-
-    fn step(&mut self, stage: usize, step: u64, log: bool) -> Result<(Tensor, serde_json::Map<String, serde_json::Value>)> {
-        let (x, y) = batch(&stages::step_items(self.rows, step, self.spec.data.batch_size.max(1), self.spec.train.seed, stage as u64), self.device);
-        let mut extra = serde_json::Map::new();
-        let loss = if stage == 1 {
-            let (loss, per_layer) = self.hybrid.attention_transfer_loss(&x);
-            if log {
-                let per: Vec<f64> = Vec::<f64>::try_from(&per_layer.to_kind(Kind::Double)).unwrap_or_default();
-                extra.insert("attn_mse".into(), json!(per.iter().sum::<f64>() / per.len().max(1) as f64));
-                extra.insert("attn_mse_per_layer".into(), json!(per));
-            }
-            loss
-        } else {
-            self.hybrid.loss(&x, &y, true)
-        };
-        loss.backward();
-        Ok((loss.detach(), extra))
-    }
+    AdamW::new(crate::train::named_parameters(vs), Hyper { betas: (0.9, 0.999), eps: 1e-8, weight_decay: wd })
 }
 
 /// Mean loss of teacher and student over rows (no grad): (teacher, student).
@@ -408,6 +393,26 @@ pub fn held_out_loss(h: &Hybrid, rows: &[Row], device: Device) -> (f64, f64) {
         }
         (lt / n.max(1.0), ls / n.max(1.0))
     })
+}
+
+fn prepare_dir(spec: &LinearizeSpec) -> Result<RunDir> {
+    let path = spec.output.clone();
+    std::fs::create_dir_all(&path).at(&path)?;
+    let cfg = path.join("config.yaml");
+    if cfg.is_file() {
+        let old = LinearizeSpec::from_yaml(&std::fs::read_to_string(&cfg).at(&cfg)?)?;
+        let same = |s: &LinearizeSpec| {
+            let mut s = s.clone();
+            s.train.device = String::new();
+            s
+        };
+        if same(&old) != same(spec) {
+            return Err(Error::Run { dir: path, msg: "holds a linearize run with a different config; choose another output directory".into() });
+        }
+    } else {
+        std::fs::write(&cfg, spec.to_yaml()).at(&cfg)?;
+    }
+    Ok(RunDir { path })
 }
 
 /// Run (or resume, or report finished) the linearization a spec describes.
@@ -435,7 +440,7 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
     let (s1, s2) = (stage_steps(&spec.stage1), stage_steps(&spec.stage2));
     let total = s1 + s2;
 
-    let dir = stages::prepare_dir(&spec.output, &spec, |s| s.train.device = String::new(), "linearize")?;
+    let dir = prepare_dir(&spec)?;
     if dir.is_done() {
         let p = dir.path.join("eval.json");
         let eval = std::fs::read_to_string(&p).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or(serde_json::Value::Null);
@@ -446,18 +451,68 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
     let vs = VarStore::new(device);
     let hybrid = Hybrid::from_teacher(&vs, &teacher_vs, cfg.clone(), &spec.attention, &spec.lora)?;
     drop(teacher_vs);
-    let plan = stages::Plan {
-        steps: vec![s1, s2],
-        clip: 0.0,
-        log_every: spec.train.log_every,
-        checkpoint_every: spec.checkpoint.every,
-        keep: spec.checkpoint.keep,
-        tokens_per_step: (b * spec.data.seq_len) as u64,
-        label: "linearize",
-        quiet: opts.quiet,
-        stop_after: opts.stop_after,
-    };
-    let end = stages::run(&dir, &vs, &plan, &mut Task { spec: &spec, hybrid: &hybrid, rows: &rows, device })?;
+    let wd = |stage: u64| if stage == 1 { spec.stage1.weight_decay.expect("resolved") } else { spec.stage2.weight_decay.expect("resolved") };
+
+    let mut state = checkpoint::State { step: 0, tokens: 0, elapsed_s: 0.0 };
+    let mut stage = 1;
+    let mut opt = optimizer_for(&vs, 1, wd(1));
+    if let Some((step, path)) = checkpoint::list(&dir.path).pop() {
+        stage = if step <= s1 { 1 } else { 2 };
+        opt = optimizer_for(&vs, stage, wd(stage));
+        state = checkpoint::load(&path, &vs, &mut opt)?;
+        // checkpoint::load sets the optimizer's count to the global step; stage 2's own count starts at s1.
+        if stage == 2 {
+            opt.set_steps_done(state.step - s1);
+        }
+        if !opts.quiet {
+            eprintln!("resuming {} from step {step}", dir.path.display());
+        }
+    }
+    let end = opts.stop_after.map_or(total, |s| s.min(total));
+    let session = std::time::Instant::now();
+    let tokens_per_step = (b * spec.data.seq_len) as u64;
+    for step in state.step..end {
+        if step >= s1 && stage == 1 {
+            stage = 2;
+            opt = optimizer_for(&vs, 2, wd(2));
+        }
+        let in_stage = if stage == 1 { step } else { step - s1 };
+        let (x, y) = batch(&step_rows(&rows, in_stage, b, spec.train.seed, stage), device);
+        opt.zero_grad();
+        let (loss, mse) = if stage == 1 {
+            let (loss, per_layer) = hybrid.attention_transfer_loss(&x);
+            (loss, Some(per_layer))
+        } else {
+            (hybrid.loss(&x, &y, true), None)
+        };
+        loss.backward();
+        let lr = if stage == 1 { spec.stage1.lr } else { spec.stage2.lr }.expect("resolved");
+        opt.step(lr)?;
+        let done = step + 1;
+        state.step = done;
+        state.tokens += tokens_per_step;
+        let stage_end = done == s1 || done == total;
+        if done % spec.train.log_every.max(1) == 0 || stage_end || done == end {
+            let l = loss.double_value(&[]);
+            if !l.is_finite() {
+                return Err(Error::Diverged { step: done, msg: format!("stage {stage} loss is {l}") });
+            }
+            let mut row = json!({"step": done, "stage": stage, "loss": l, "lr": lr, "tokens": state.tokens, "elapsed_s": state.elapsed_s + session.elapsed().as_secs_f64()});
+            if let Some(m) = mse {
+                let per: Vec<f64> = Vec::<f64>::try_from(&m.to_kind(Kind::Double)).unwrap_or_default();
+                row["attn_mse"] = json!(per.iter().sum::<f64>() / per.len().max(1) as f64);
+                row["attn_mse_per_layer"] = json!(per);
+            }
+            dir.append_metrics(row.as_object().expect("object"))?;
+            if !opts.quiet {
+                eprintln!("linearize step {done}/{total} stage {stage} loss {l:.5}");
+            }
+        }
+        if stage_end || (spec.checkpoint.every > 0 && done % spec.checkpoint.every == 0) {
+            let st = checkpoint::State { step: done, tokens: state.tokens, elapsed_s: state.elapsed_s + session.elapsed().as_secs_f64() };
+            checkpoint::save(&dir.path, &vs, &opt, &st, spec.checkpoint.keep.max(1))?;
+        }
+    }
     if end < total {
         return Ok(LinearizeOutcome { dir: dir.path, step: end, already_done: false, eval: serde_json::Value::Null });
     }

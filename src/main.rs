@@ -59,6 +59,9 @@ enum Cmd {
     /// (base vs fine-tuned held-out loss), export/, DONE; re-running resumes.
     Finetune {
         spec: PathBuf,
+        /// Override any key: --set attention.d_down=96 (repeatable; values are YAML).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
         /// Run directory (overrides `output:` in the spec).
         #[arg(long)]
         out: Option<PathBuf>,
@@ -314,9 +317,9 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&o.eval)?);
             }
         }
-        Cmd::Finetune { spec, out, stop_after, quiet } => {
+        Cmd::Finetune { spec, sets, out, stop_after, quiet } => {
             use attnlab::finetune::{finetune, FinetuneOptions, FinetuneSpec};
-            let mut s = FinetuneSpec::from_file(&spec)?;
+            let mut s = FinetuneSpec::from_file(&spec, &sets)?;
             if let Some(o) = out {
                 s.output = o;
             }

@@ -37,6 +37,10 @@ pub enum ChatSource {
     Hub {
         hf: HubChat,
     },
+    /// Alpaca records (instruction / input / output, JSON array or lines) as one-turn conversations.
+    Alpaca {
+        alpaca: PathBuf,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -64,12 +68,19 @@ pub fn read_conversations(src: &ChatSource) -> Result<Vec<Conversation>> {
             let files = hf.files.iter().map(|f| crate::hub::dataset_file(&hf.repo, hf.revision.as_deref(), f)).collect::<Result<Vec<_>>>()?;
             (files, &hf.field)
         }
+        ChatSource::Alpaca { alpaca } => return Ok(crate::linearize::read_alpaca(alpaca)?.into_iter().map(|(ins, inp, out)| alpaca_conversation(&ins, &inp, &out)).collect()),
     };
     let mut out = Vec::new();
     for f in &files {
         out.extend(read_file(f, field)?);
     }
     Ok(out)
+}
+
+/// user: the instruction (and the input after a blank line, when there is one); assistant: the output.
+pub fn alpaca_conversation(instruction: &str, input: &str, output: &str) -> Conversation {
+    let user = if input.is_empty() { instruction.to_string() } else { format!("{instruction}\n\n{input}") };
+    vec![Message { role: "user".into(), content: user }, Message { role: "assistant".into(), content: output.into() }]
 }
 
 /// One file: a JSON array, JSON lines (optionally .gz / .zst), or parquet.

@@ -1,5 +1,6 @@
-//! The staged training loop shared by `linearize` and `finetune`: stages run one after another over
-//! one VarStore, each with its own trainable parameters, AdamW (fresh moments at every stage start)
+//! A staged training loop (used by `finetune`; `linearize`'s loop has the same shape and can move onto
+//! it once an after-update hook carries its plateau schedule): stages run one after another over one
+//! VarStore, each with its own trainable parameters, AdamW (fresh moments at every stage start)
 //! and learning rate; metrics rows carry `stage`; checkpoints are written every `checkpoint_every`
 //! updates and at every stage end; a re-run resumes exactly from the newest complete checkpoint.
 use super::checkpoint::{self, State};

@@ -127,4 +127,36 @@ fn reads_json_arrays_and_json_lines_with_clear_errors() {
     std::fs::write(&jl, format!("{conv}\n")).unwrap();
     let all = read_conversations(&ChatSource::Local { path: dir.path().into(), field: "messages".into() }).unwrap();
     assert_eq!(all.len(), 3);
+    // Alpaca records become one-turn conversations; the spec form `{alpaca: PATH}` parses to that source.
+    let al = dir.path().join("alpaca.txt");
+    std::fs::write(&al, r#"[{"instruction": "add", "input": "1 2", "output": "3"}, {"instruction": "hi", "input": "", "output": "hello"}]"#).unwrap();
+    let src: ChatSource = serde_yaml::from_str(&format!("{{alpaca: {}}}", al.display())).unwrap();
+    assert_eq!(read_conversations(&src).unwrap(), vec![vec![msg("user", "add\n\n1 2"), msg("assistant", "3")], vec![msg("user", "hi"), msg("assistant", "hello")]]);
+    let src: ChatSource = serde_yaml::from_str("{path: x.jsonl}").unwrap();
+    assert_eq!(src, ChatSource::Local { path: "x.jsonl".into(), field: "messages".into() });
+}
+
+/// With a real byte-level BPE (GPT-NeoX), the labelled tokens decode to exactly the assistant
+/// contents, each followed by EOS.
+#[test]
+fn labelled_bpe_tokens_decode_to_the_answers() {
+    let tok = Tok::from_json(&crate::testutil::shared_text("data/tokenizers/gpt-neox-20b.json"), "gpt-neox-20b").unwrap();
+    let conv = [msg("system", "Be brief."), msg("user", "What is the capital of France?"), msg("assistant", "Paris, of course."), msg("user", "And of Peru?"), msg("assistant", " Lima.")];
+    let e = encode(&conv, &ChatTemplate::builtin("<|endoftext|>"), &tok, 0).unwrap();
+    let ids = |v: &[i64]| v.iter().map(|&t| t as u32).collect::<Vec<_>>();
+    assert_eq!(tok.decode(&ids(&e.tokens)).unwrap(), ChatTemplate::builtin("<|endoftext|>").render(&conv, false).unwrap());
+    // Runs of labelled tokens, decoded one run at a time.
+    let mut runs: Vec<Vec<i64>> = Vec::new();
+    for (i, &l) in e.labels.iter().enumerate() {
+        if l == IGNORE {
+            continue;
+        }
+        assert_eq!(l, e.tokens[i]);
+        if i == 0 || e.labels[i - 1] == IGNORE {
+            runs.push(Vec::new());
+        }
+        runs.last_mut().unwrap().push(l);
+    }
+    let text: Vec<String> = runs.iter().map(|r| tok.decode(&ids(r)).unwrap()).collect();
+    assert_eq!(text, ["Paris, of course.<|endoftext|>", " Lima.<|endoftext|>"]);
 }
