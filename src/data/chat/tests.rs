@@ -160,3 +160,19 @@ fn labelled_bpe_tokens_decode_to_the_answers() {
     let text: Vec<String> = runs.iter().map(|r| tok.decode(&ids(r)).unwrap()).collect();
     assert_eq!(text, ["Paris, of course.<|endoftext|>", " Lima.<|endoftext|>"]);
 }
+
+/// Parquet with a list-of-struct `messages` column (the Tülu 3 files' layout), written by polars.
+#[cfg(feature = "analysis")]
+#[test]
+fn reads_parquet_messages() {
+    use polars::prelude::*;
+    let dir = tempfile::tempdir().unwrap();
+    let lines = "{\"id\": \"a\", \"messages\": [{\"role\": \"user\", \"content\": \"hello\"}, {\"role\": \"assistant\", \"content\": \"hi \\\"you\\\"\"}]}\n{\"id\": \"b\", \"messages\": [{\"role\": \"user\", \"content\": \"bye\"}, {\"role\": \"assistant\", \"content\": \"ok\"}]}\n";
+    let mut df = JsonReader::new(std::io::Cursor::new(lines)).with_json_format(JsonFormat::JsonLines).finish().unwrap();
+    let p = dir.path().join("train-00000-of-00001.parquet");
+    ParquetWriter::new(std::fs::File::create(&p).unwrap()).finish(&mut df).unwrap();
+    let got = read_file(&p, "messages").unwrap();
+    assert_eq!(got, vec![vec![msg("user", "hello"), msg("assistant", "hi \"you\"")], vec![msg("user", "bye"), msg("assistant", "ok")]]);
+    let err = read_file(&p, "conversation").unwrap_err().to_string();
+    assert!(err.contains("conversation"), "{err}");
+}
