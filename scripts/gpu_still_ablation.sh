@@ -9,7 +9,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
-A=.gpu/attnlab; D=.gpu/data; R=results/gpu-still; T=$R/teacher
+A=.gpu/attnlab; D=.gpu/data; R=results/gpu-still; T=$R/needle-teacher
 ESSAY=$D/ruler_paul_graham_essays.json.gz
 SAMPLES=${SAMPLES:-40}
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/still-ablation.log"; }
@@ -19,8 +19,8 @@ teacher() {
   local t0=$(date +%s)
   $A train experiments/llama-30m-needle-teacher.yaml --quiet --out $T \
     --set data.tokenizer=$D/gpt-neox-20b.json --set data.cache=/tmp/cache \
-    --set "data.train.mix=[{path: $D/train-00.jsonl.zst}, {path: $D/train-01.jsonl.zst}, {needles: {tasks: [niah_single_1, niah_single_2, niah_single_3, niah_multikey_1], docs: 16000, min_words: 60, max_words: 700, essay: $ESSAY}}]" \
-    --set "data.eval={valid: {path: $D/valid.jsonl.zst}}" --set train.steps=${TEACHER_STEPS:-1500} 2>&1 | tail -3 | tee -a "$OUT/still-ablation.log"
+    --set "data.train.mix=[{path: $D/train-00.jsonl.zst}, {path: $D/train-01.jsonl.zst}, {needles: {tasks: [niah_single_1, niah_single_2, niah_single_3, niah_multikey_1], docs: 30000, min_words: 60, max_words: 700, essay: $ESSAY}}]" \
+    --set "data.eval={valid: {path: $D/valid.jsonl.zst}}" --set train.steps=${TEACHER_STEPS:-5000} 2>&1 | tail -3 | tee -a "$OUT/still-ablation.log"
   log "teacher trained in $(( $(date +%s) - t0 )) s"
   cp $T/metrics.jsonl "$OUT/teacher-metrics.jsonl"; cp $T/eval.json "$OUT/teacher-eval.json" 2>/dev/null
 }

@@ -61,6 +61,27 @@ enum Cmd {
         #[arg(long)]
         quiet: bool,
     },
+    /// Fine-tune a pretrained Llama on chat data (loss on assistant tokens), optionally giving it DAR
+    /// attention, in two stages as dar.md §4.2: stage 1 only the bottleneck (W_down, W_up; lr 3e-4),
+    /// stage 2 everything (lr 3e-5). Spec keys: base (HF folder, hf:owner/name or attnlab run dir),
+    /// chat_template, attention {kind: vanilla|dar, d_down, window, init: small_init|pca}, data {train,
+    /// eval, seq_len, batch_size, micro_batch}, stage1/stage2 {epochs|steps, lr, warmup, schedule,
+    /// params}, train, checkpoint, output. Writes config.yaml, metrics.jsonl, checkpoints/, eval.json
+    /// (base vs fine-tuned held-out loss), export/, DONE; re-running resumes.
+    Finetune {
+        spec: PathBuf,
+        /// Override any key: --set attention.d_down=96 (repeatable; values are YAML).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+        /// Run directory (overrides `output:` in the spec).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Stop after this many optimizer steps of both stages (as if interrupted; re-run to resume).
+        #[arg(long, hide = true)]
+        stop_after: Option<u64>,
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Train one spec as vanilla, DAR and uniform (into OUT/<kind>) and print their perplexities side by side.
     Compare {
         #[command(flatten)]
@@ -383,6 +404,22 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{} is finished (DONE); nothing to do", o.dir.display());
             } else {
                 println!("linearized {} to step {}", o.dir.display(), o.step);
+            }
+            if !o.eval.is_null() {
+                println!("{}", serde_json::to_string_pretty(&o.eval)?);
+            }
+        }
+        Cmd::Finetune { spec, sets, out, stop_after, quiet } => {
+            use attnlab::finetune::{finetune, FinetuneOptions, FinetuneSpec};
+            let mut s = FinetuneSpec::from_file(&spec, &sets)?;
+            if let Some(o) = out {
+                s.output = o;
+            }
+            let o = finetune(s, &FinetuneOptions { quiet, stop_after }).with_context(|| format!("finetune {}", spec.display()))?;
+            if o.already_done {
+                println!("{} is finished (DONE); nothing to do", o.dir.display());
+            } else {
+                println!("fine-tuned {} to step {}", o.dir.display(), o.step);
             }
             if !o.eval.is_null() {
                 println!("{}", serde_json::to_string_pretty(&o.eval)?);

@@ -367,4 +367,89 @@ fn downstream_tasks_write_results_and_the_report_table() {
     assert!(md.contains("## Downstream tasks (DAR Table 4)") && md.contains("| 16 | "), "{md}");
     // d_model / d_down = 4 → the paper's d_down = 512 row (MMLU 0.4051).
     assert!(md.contains("0.4051"), "{md}");
+
+/// `attnlab finetune`: a tiny Llama trained here is fine-tuned on the hand-written chat fixture
+/// through both stages (stage 1 restricted to the attention projections, as the DAR bottleneck is
+/// not in this build); interrupted runs (mid-stage and at the stage boundary) resume to the same
+/// losses; stage 1 leaves every other weight untouched; DONE, eval.json and the export folder exist;
+/// a finished run is left alone and a different config refused.
+#[test]
+fn finetune_two_stages_resume_and_eval() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let teacher = cwd.join("teacher");
+    let args = ["train", "--quiet", "--out", teacher.to_str().unwrap(), "--set", "model.flavor=llama-tiny", "--set", "attention={kind: vanilla}", "--set", "train.steps=20", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=200"];
+    ok(&attnlab(&args, cwd));
+    let chat = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/tiny.jsonl");
+    let spec = |out: &str, stage2_steps: u64| {
+        let p = cwd.join(format!("{out}.yaml"));
+        std::fs::write(&p, format!("base: {}\nattention: {{kind: vanilla}}\ndata: {{train: {{path: {}}}, seq_len: 48, batch_size: 2, val_rows: 2}}\nstage1: {{steps: 3, lr: 3.0e-3, warmup: 0.0, params: self_attn}}\nstage2: {{steps: {stage2_steps}, lr: 3.0e-3}}\ntrain: {{device: cpu, log_every: 1}}\ncheckpoint: {{every: 2, keep: 10}}\noutput: {}\n", teacher.display(), chat.display(), cwd.join(out).display())).unwrap();
+        p
+    };
+    let run = |p: &Path, extra: &[&str]| {
+        let mut a = vec!["finetune", p.to_str().unwrap(), "--quiet"];
+        a.extend(extra);
+        attnlab(&a, cwd)
+    };
+    let (sa, sb, sc) = (spec("a", 4), spec("b", 4), spec("c", 4));
+    let out = ok(&run(&sa, &[]));
+    assert!(out.contains("fine-tuned") && cwd.join("a/DONE").is_file(), "{out}");
+    ok(&run(&sb, &["--stop-after", "5"])); // mid-stage 2
+    ok(&run(&sc, &["--stop-after", "3"])); // exactly at the stage boundary
+    assert!(!cwd.join("b/DONE").exists() && !cwd.join("c/DONE").exists());
+    ok(&run(&sb, &[]));
+    ok(&run(&sc, &[]));
+    let la = losses(&cwd.join("a"));
+    assert_eq!(la.keys().copied().collect::<Vec<_>>(), (1..=7).collect::<Vec<_>>());
+    assert_eq!(la, losses(&cwd.join("b")), "resumed mid-stage diverged");
+    assert_eq!(la, losses(&cwd.join("c")), "resumed at the boundary diverged");
+
+    // Rows: stages, and the held-out loss before any update and after each stage.
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(cwd.join("a/metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let stage_of = |s: u64| rows.iter().find(|r| r["step"] == s && r.get("loss").is_some()).unwrap()["stage"].as_u64().unwrap();
+    assert_eq!((stage_of(3), stage_of(4)), (1, 2));
+    let at = |a: &str| rows.iter().find(|r| r["at"] == a).unwrap_or_else(|| panic!("no `{a}` row")).clone();
+    assert_eq!((at("start")["step"].as_u64(), at("end of stage 1")["step"].as_u64()), (Some(0), Some(3)));
+
+    // eval.json: the base model's held-out loss equals the loss logged before any update (same
+    // weights, same rows); fine-tuning lowered it.
+    let eval: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("a/eval.json")).unwrap()).unwrap();
+    let (base, tuned) = (eval["base"]["loss"].as_f64().unwrap(), eval["finetuned"]["loss"].as_f64().unwrap());
+    assert!((base - at("start")["eval_loss"].as_f64().unwrap()).abs() < 1e-5, "{eval}");
+    assert!(tuned < base, "fine-tuning did not lower the held-out loss: {eval}");
+    assert!(eval["rows"].as_u64().unwrap() == 2 && eval["scored_tokens"].as_u64().unwrap() > 0, "{eval}");
+
+    // Stage 1 trains only the attention projections: at its last checkpoint every other weight is
+    // the teacher's.
+    let read = |p: &Path| -> std::collections::HashMap<String, tch::Tensor> { tch::Tensor::read_safetensors(p).unwrap().into_iter().collect() };
+    let (t, s1) = (read(&teacher.join("checkpoints/20/model.safetensors")), read(&cwd.join("b/checkpoints/3/model.safetensors")));
+    let mut moved = 0;
+    for (name, w) in &s1 {
+        if name.contains("self_attn") {
+            moved += (!w.equal(&t[name])) as usize;
+        } else {
+            assert!(w.equal(&t[name]), "{name} changed in stage 1");
+        }
+    }
+    assert_eq!(moved, 8, "2 layers × q, k, v, o should move in stage 1");
+
+    // Export: an HF folder with the tokenizer and the chat template.
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("a/export/config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "LlamaForCausalLM");
+    let tc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("a/export/tokenizer_config.json")).unwrap()).unwrap();
+    assert!(tc["chat_template"].as_str().unwrap().contains("<|assistant|>") && tc["eos_token"] == "<|endoftext|>");
+    assert!(cwd.join("a/export/model.safetensors").is_file() && cwd.join("a/export/tokenizer.json").is_file());
+
+    // Finished: left alone. Another config in the same directory: refused.
+    assert!(ok(&run(&sa, &[])).contains("finished"));
+    let err = fails(&run(&spec("a", 5), &[]));
+    assert!(err.contains("different config"), "{err}");
+    // DAR (pca init) through both stages: the bottleneck trains, the export holds it.
+    let dar = cwd.join("dar.yaml");
+    std::fs::write(&dar, std::fs::read_to_string(&sa).unwrap().replace("{kind: vanilla}", "{kind: dar, d_down: 16, window: 8, init: pca}").replace("params: self_attn", "params: bottleneck").replace("/a\n", "/dar\n")).unwrap();
+    ok(&run(&dar, &[]));
+    let eval: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("dar/eval.json")).unwrap()).unwrap();
+    assert!(eval["finetuned"]["loss"].as_f64().unwrap() < eval["base"]["loss"].as_f64().unwrap(), "{eval}");
+    let w: std::collections::HashMap<String, tch::Tensor> = tch::Tensor::read_safetensors(cwd.join("dar/export/model.safetensors")).unwrap().into_iter().collect();
+    assert!(w.keys().filter(|k| k.contains("bottleneck_down")).count() == 2, "{:?}", w.keys());
 }

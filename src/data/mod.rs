@@ -6,6 +6,7 @@ pub mod shards;
 pub mod sources;
 pub mod synthetic;
 pub mod tokenizer;
+pub mod chat;
 
 pub use batches::Batcher;
 pub use shards::TokenStream;

@@ -7,6 +7,7 @@ pub mod launch;
 pub mod lora;
 pub mod optim;
 pub mod run;
+pub mod stages;
 
 use crate::data::{shards, Batcher, TokenStream};
 use crate::eval::perplexity::{self, CorpusResult, EvalCorpus};

@@ -1,0 +1,608 @@
+//! `attnlab finetune SPEC.yaml`: supervised fine-tuning of a pretrained Llama-family model on chat
+//! data, optionally changing its attention to DAR, in two stages (`../shared/specs/dar.md` §4.2):
+//! 1. only the bottleneck parameters (`W_down`, `W_up`) train, lr 3e-4, one epoch;
+//! 2. every parameter trains, lr 3e-5, one epoch.
+//!
+//! Not given by the paper, chosen as dar.md's [C]: AdamW (0.9, 0.999), weight decay 0, linear
+//! warmup over 3% of a stage's updates then linear decay to 0 (HF `get_linear_schedule_with_warmup`),
+//! max length 4096, the model's own chat template, loss on assistant tokens only (`data::chat`).
+//!
+//! Same run-directory contract as `train` / `linearize` (`train::stages`): config.yaml (a different
+//! config is refused), metrics.jsonl (rows carry `stage`; held-out loss before any update and after
+//! each stage, rows with `at`), atomic checkpoints, exact resume, DONE. At the end: `eval.json` (base
+//! vs fine-tuned held-out loss / perplexity on assistant tokens) and `export/` (an HF folder with
+//! the tokenizer and the chat template).
+use crate::data::chat::{self, ChatSource, ChatTemplate, PackedRow, IGNORE};
+use crate::data::Tok;
+use crate::linearize::LinCheckpoint;
+use crate::model::{Llama, LlamaConfig};
+use crate::spec::{Precision, TokenizerSpec};
+use crate::train::optim::Hyper;
+use crate::train::stages;
+use crate::{Error, IoContext, Result};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value};
+use std::path::{Path, PathBuf};
+use tch::{nn::VarStore, Device, Kind, Tensor};
+
+/// The finetune spec (YAML).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FinetuneSpec {
+    /// A local HF Llama folder, `hf:owner/name`, or an attnlab run directory of a llama flavor.
+    pub base: String,
+    /// Default: the base folder's tokenizer.json, or the run directory's tokenizer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<TokenizerSpec>,
+    /// `builtin` (Tülu format), a tokenizer_config.json, or a Jinja file. Default: the base folder's
+    /// tokenizer_config.json `chat_template`, else `builtin`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<String>,
+    #[serde(default)]
+    pub attention: AttentionChange,
+    pub data: FtData,
+    #[serde(default = "stage1_default")]
+    pub stage1: FtStage,
+    #[serde(default = "stage2_default")]
+    pub stage2: FtStage,
+    #[serde(default)]
+    pub train: FtTrain,
+    #[serde(default)]
+    pub checkpoint: LinCheckpoint,
+    pub output: PathBuf,
+}
+
+/// The attention of the fine-tuned model: unchanged, or DAR (dar.md §1) with a bottleneck of
+/// `d_down` and a full-attention window of `window` tokens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum AttentionChange {
+    #[default]
+    Vanilla,
+    Dar {
+        d_down: usize,
+        #[serde(default = "default_window")]
+        window: usize,
+        #[serde(default)]
+        init: BottleneckInit,
+    },
+}
+
+/// How the bottleneck of a pretrained model starts: small random (`small_init`) or from the top
+/// principal directions of each layer's K/V input over a calibration batch (`pca`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum BottleneckInit {
+    #[default]
+    SmallInit,
+    Pca,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FtData {
+    /// Conversations: `{path: FILE|DIR, field: messages}` or `{hf: {repo, files, revision, field}}`.
+    pub train: ChatSource,
+    /// Held-out conversations. Default: `val_rows` packed rows held out from the training rows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<ChatSource>,
+    /// Tokens per packed row (4096).
+    #[serde(default = "default_seq")]
+    pub seq_len: usize,
+    /// Rows per optimizer step (8).
+    #[serde(default = "default_batch")]
+    pub batch_size: usize,
+    /// Rows per forward pass (default: batch_size); gradients accumulate over batch_size / micro_batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_batch: Option<usize>,
+    /// Use only the first N conversations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_examples: Option<usize>,
+    #[serde(default = "default_val_rows")]
+    pub val_rows: usize,
+    /// Cap on the evaluated rows.
+    #[serde(default = "default_eval_rows")]
+    pub eval_rows: usize,
+    /// Training rows the `pca` bottleneck initialisation reads.
+    #[serde(default = "default_calibration_rows")]
+    pub calibration_rows: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Schedule {
+    /// Linear warmup, then linear decay to 0 (dar.md [C]).
+    #[default]
+    Linear,
+    /// Linear warmup, then cosine to 0.
+    Cosine,
+    /// Linear warmup, then constant.
+    Constant,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FtStage {
+    /// Passes over the training rows (1); ignored when `steps` is given.
+    #[serde(default = "default_epochs")]
+    pub epochs: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<u64>,
+    /// Stage 1: 3e-4, stage 2: 3e-5.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
+    #[serde(default)]
+    pub weight_decay: f64,
+    /// Fraction of the stage's updates spent warming up (0.03).
+    #[serde(default = "default_warmup")]
+    pub warmup: f64,
+    #[serde(default)]
+    pub schedule: Schedule,
+    /// Trainable parameters: `bottleneck` (stage 1 default), `all` (stage 2 default), or a regex
+    /// over parameter names (e.g. `self_attn` for an attention-only stage).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub params: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FtTrain {
+    #[serde(default = "default_device")]
+    pub device: String,
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default = "default_log_every")]
+    pub log_every: u64,
+    /// Gradient-norm clipping (1.0; 0 = none).
+    #[serde(default = "default_clip")]
+    pub clip: f64,
+    /// bf16 autocast on CUDA (`auto`), or fp32.
+    #[serde(default)]
+    pub precision: Precision,
+}
+
+impl Default for FtTrain {
+    fn default() -> Self {
+        serde_yaml::from_str("{}").expect("defaults")
+    }
+}
+
+fn stage1_default() -> FtStage {
+    serde_yaml::from_str("{}").expect("defaults")
+}
+fn stage2_default() -> FtStage {
+    stage1_default()
+}
+fn default_window() -> usize {
+    128
+}
+fn default_seq() -> usize {
+    4096
+}
+fn default_batch() -> usize {
+    8
+}
+fn default_val_rows() -> usize {
+    8
+}
+fn default_eval_rows() -> usize {
+    64
+}
+fn default_calibration_rows() -> usize {
+    8
+}
+fn default_epochs() -> f64 {
+    1.0
+}
+fn default_warmup() -> f64 {
+    0.03
+}
+fn default_device() -> String {
+    "auto".into()
+}
+fn default_log_every() -> u64 {
+    10
+}
+fn default_clip() -> f64 {
+    1.0
+}
+
+impl FinetuneSpec {
+    pub fn from_yaml(text: &str) -> Result<FinetuneSpec> {
+        serde_yaml::from_str(text).map_err(|e| Error::Other(format!("finetune spec: {e}")))
+    }
+
+    /// Read a spec file with `--set key.path=value` overrides applied.
+    pub fn from_file(path: &Path, sets: &[String]) -> Result<FinetuneSpec> {
+        let mut v: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(path).at(path)?).map_err(|e| Error::Other(format!("{}: {e}", path.display())))?;
+        for s in sets {
+            crate::spec::apply_override(&mut v, s).map_err(|e| Error::Other(format!("--set {s}: {e}")))?;
+        }
+        serde_yaml::from_value(v).map_err(|e| Error::Other(format!("{}: finetune spec: {e}", path.display())))
+    }
+
+    /// Fill in the per-stage defaults (lr, trainable parameters).
+    pub fn resolved(mut self) -> FinetuneSpec {
+        self.stage1.lr.get_or_insert(3e-4);
+        self.stage2.lr.get_or_insert(3e-5);
+        self.stage1.params.get_or_insert_with(|| "bottleneck".into());
+        self.stage2.params.get_or_insert_with(|| "all".into());
+        self
+    }
+
+    pub fn to_yaml(&self) -> String {
+        serde_yaml::to_string(self).expect("serializes")
+    }
+}
+
+/// Learning rate of update `step` (0-based) of a stage of `n` updates, as HF's schedulers (the
+/// first warmup update has lr 0).
+pub fn stage_lr(lr: f64, schedule: Schedule, warmup: f64, step: u64, n: u64) -> f64 {
+    let w = (warmup * n as f64).ceil() as u64;
+    if step < w {
+        return lr * step as f64 / w as f64;
+    }
+    let progress = (step - w) as f64 / (n - w).max(1) as f64;
+    match schedule {
+        Schedule::Linear => lr * (1.0 - progress).max(0.0),
+        Schedule::Cosine => lr * 0.5 * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos()),
+        Schedule::Constant => lr,
+    }
+}
+
+/// Parameter selection of a stage: `bottleneck`, `all`, or a regex.
+enum Params {
+    Bottleneck,
+    All,
+    Regex(regex::Regex),
+}
+
+impl Params {
+    fn parse(s: &str, key: &str) -> Result<Params> {
+        Ok(match s {
+            "bottleneck" => Params::Bottleneck,
+            "all" => Params::All,
+            r => Params::Regex(regex::Regex::new(r).map_err(|e| Error::Spec { file: "finetune spec".into(), key: key.into(), line: None, msg: e.to_string() })?),
+        })
+    }
+
+    fn matches(&self, name: &str) -> bool {
+        match self {
+            Params::Bottleneck => is_bottleneck_param(name),
+            Params::All => true,
+            Params::Regex(r) => r.is_match(name),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Swap point: the DAR pieces the olmo branch adds to `crate::model`. Everything DAR-specific that
+// finetune needs goes through these three functions.
+// ---------------------------------------------------------------------------------------------
+
+fn is_bottleneck_param(name: &str) -> bool {
+    crate::model::is_bottleneck_param(name)
+}
+
+/// The model to fine-tune, under `vs`, from the base weights, with the attention change applied
+/// (DAR: bottlenecks initialised by `init`, `pca` over the calibration rows).
+fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, change: &AttentionChange, calibration: &[&PackedRow]) -> Result<Llama> {
+    let mut m = Llama::new(&vs.root(), cfg.clone());
+    crate::model::hf::copy_into(vs, base.variables(), Path::new("base model"))?;
+    if let AttentionChange::Dar { d_down, window, init } = change {
+        let dar = crate::model::DarConfig { kind: crate::spec::AttentionKind::Dar, d_down: *d_down, window: *window, ..Default::default() };
+        let init = match init {
+            BottleneckInit::SmallInit => crate::model::bottleneck::BottleneckInit::SmallInit,
+            BottleneckInit::Pca => crate::model::bottleneck::BottleneckInit::Pca,
+        };
+        let device = vs.device();
+        let calib = (!calibration.is_empty()).then(|| batch(calibration, device));
+        let discarded = crate::model::bottleneck::add_dar_to_pretrained(&mut m, &vs.root(), dar, init, calib.as_ref().map(|c| &c[0]), calib.as_ref().map(|c| &c[2]))?;
+        if !discarded.is_empty() {
+            eprintln!("pca: discarded second-moment fraction per layer {discarded:?}");
+        }
+    }
+    Ok(m)
+}
+
+fn hidden(model: &Llama, ids: &Tensor, doc_ids: &Tensor, positions: &Tensor) -> Tensor {
+    let _ = positions;
+    model.hidden_docs(ids, Some(doc_ids))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loss and evaluation
+// ---------------------------------------------------------------------------------------------
+
+/// (inputs, targets, doc_ids, positions) `[B, T]` of rows.
+fn batch(rows: &[&PackedRow], device: Device) -> [Tensor; 4] {
+    let t = rows[0].inputs.len() as i64;
+    let cat = |f: fn(&PackedRow) -> &Vec<i64>| Tensor::from_slice(&rows.iter().flat_map(|r| f(r).iter().copied()).collect::<Vec<_>>()).view([-1, t]).to_device(device);
+    [cat(|r| &r.inputs), cat(|r| &r.targets), cat(|r| &r.doc_ids), cat(|r| &r.positions)]
+}
+
+fn scored(rows: &[&PackedRow]) -> usize {
+    rows.iter().map(|r| r.targets.iter().filter(|&&t| t != IGNORE).count()).sum()
+}
+
+/// Mean cross-entropy over the scored (assistant) targets of `rows`.
+fn loss(model: &Llama, rows: &[&PackedRow], device: Device) -> Tensor {
+    let [x, y, doc, pos] = batch(rows, device);
+    let h = hidden(model, &x, &doc, &pos).flatten(0, 1);
+    let y = y.reshape([-1]);
+    let keep = y.ne(IGNORE).nonzero().squeeze_dim(1);
+    crate::model::loss::chunked_cross_entropy(&h.index_select(0, &keep), model.head_weight(), &y.index_select(0, &keep), crate::model::loss::LOSS_CHUNK)
+}
+
+/// Mean loss per scored token over `rows` (no grad), one row at a time.
+pub fn held_out_loss(model: &Llama, rows: &[PackedRow], device: Device, autocast: bool) -> f64 {
+    tch::no_grad(|| {
+        let (mut sum, mut n) = (0.0, 0usize);
+        for r in rows {
+            let k = scored(&[r]);
+            if k > 0 {
+                sum += crate::kernels::autocast(autocast, || loss(model, &[r], device)).double_value(&[]) * k as f64;
+                n += k;
+            }
+        }
+        sum / n.max(1) as f64
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Base model, tokenizer, template
+// ---------------------------------------------------------------------------------------------
+
+/// The chat template a spec asks for (see `FinetuneSpec::chat_template`).
+pub fn chat_template(spec: &FinetuneSpec, tok: &Tok) -> Result<ChatTemplate> {
+    let eos = tok.inner.id_to_token(crate::linearize::eos_id(tok)).unwrap_or_default();
+    match spec.chat_template.as_deref() {
+        Some("builtin") => Ok(ChatTemplate::builtin(&eos)),
+        Some(p) if p.ends_with(".json") => {
+            ChatTemplate::from_tokenizer_config(Path::new(p))?.ok_or_else(|| Error::Data(format!("{p}: no chat_template")))
+        }
+        Some(p) => ChatTemplate::new(&std::fs::read_to_string(p).at(p)?, "", &eos),
+        None => {
+            let config = if Path::new(&spec.base).join("config.yaml").is_file() {
+                None
+            } else if let Some(repo) = spec.base.strip_prefix("hf:") {
+                crate::hub::model_file(repo, "tokenizer_config.json").ok()
+            } else {
+                Some(Path::new(&spec.base).join("tokenizer_config.json")).filter(|p| p.is_file())
+            };
+            match config {
+                Some(p) => Ok(ChatTemplate::from_tokenizer_config(&p)?.unwrap_or_else(|| ChatTemplate::builtin(&eos))),
+                None => Ok(ChatTemplate::builtin(&eos)),
+            }
+        }
+    }
+}
+
+/// Packed rows of a conversation source.
+fn rows_of(src: &ChatSource, max: Option<usize>, template: &ChatTemplate, tok: &Tok, eos: u32, seq_len: usize) -> Result<(Vec<PackedRow>, chat::PackStats)> {
+    let convs = chat::read_conversations(src)?;
+    let encoded = convs.iter().take(max.unwrap_or(usize::MAX)).map(|c| chat::encode(c, template, tok, eos)).collect::<Result<Vec<_>>>()?;
+    Ok(chat::pack(&encoded, seq_len, eos as i64))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Default, Clone)]
+pub struct FinetuneOptions {
+    pub quiet: bool,
+    /// Stop (as if interrupted) after this many optimizer steps in total (both stages): resume tests.
+    pub stop_after: Option<u64>,
+}
+
+#[derive(Debug)]
+pub struct FinetuneOutcome {
+    pub dir: PathBuf,
+    pub step: u64,
+    pub already_done: bool,
+    /// Final evaluation (null when stopped early).
+    pub eval: Value,
+}
+
+struct Task<'a> {
+    spec: &'a FinetuneSpec,
+    model: &'a Llama,
+    rows: &'a [PackedRow],
+    eval_rows: &'a [PackedRow],
+    params: [Params; 2],
+    steps: [u64; 2],
+    autocast: bool,
+    device: Device,
+}
+
+impl Task<'_> {
+    fn stage(&self, stage: usize) -> &FtStage {
+        if stage == 1 { &self.spec.stage1 } else { &self.spec.stage2 }
+    }
+}
+
+impl stages::StagedTask for Task<'_> {
+    fn trains(&self, stage: usize, name: &str) -> bool {
+        self.params[stage - 1].matches(name)
+    }
+
+    fn hyper(&self, stage: usize) -> Hyper {
+        Hyper { betas: (0.9, 0.999), eps: 1e-8, weight_decay: self.stage(stage).weight_decay }
+    }
+
+    fn lr(&self, stage: usize, step: u64) -> f64 {
+        let s = self.stage(stage);
+        stage_lr(s.lr.expect("resolved"), s.schedule, s.warmup, step, self.steps[stage - 1])
+    }
+
+    /// One update: micro-batches weighted by their share of the scored tokens, so the gradient is
+    /// that of the mean over every scored token of the batch.
+    fn step(&mut self, stage: usize, step: u64, _log: bool) -> Result<(Tensor, Map<String, Value>)> {
+        let b = self.spec.data.batch_size.max(1);
+        let rows = stages::step_items(self.rows, step, b, self.spec.train.seed, stage as u64);
+        let total = scored(&rows).max(1) as f64;
+        let mut sum = Tensor::zeros([], (Kind::Float, self.device));
+        for micro in rows.chunks(self.spec.data.micro_batch.unwrap_or(b).max(1)) {
+            let share = scored(micro) as f64 / total;
+            if share == 0.0 {
+                continue;
+            }
+            let l = crate::kernels::autocast(self.autocast, || loss(self.model, micro, self.device)) * share;
+            l.backward();
+            sum += l.detach().to_kind(Kind::Float);
+        }
+        Ok((sum, Map::new()))
+    }
+
+    fn at_boundary(&mut self, _step: u64) -> Result<Option<Map<String, Value>>> {
+        let l = held_out_loss(self.model, self.eval_rows, self.device, self.autocast);
+        let row = json!({"stage": "eval", "eval_loss": l, "eval_ppl": l.exp()});
+        Ok(row.as_object().cloned())
+    }
+}
+
+/// Held-out rows logged with `at` (before training, after each stage), last row per `at` wins.
+fn boundary_losses(dir: &Path) -> Value {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
+    let mut out = Map::new();
+    for v in text.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()) {
+        if let (Some(at), Some(l)) = (v.get("at").and_then(|a| a.as_str()), v.get("eval_loss").and_then(|l| l.as_f64())) {
+            out.insert(at.to_string(), json!({"step": v["step"], "loss": l, "ppl": l.exp()}));
+        }
+    }
+    Value::Object(out)
+}
+
+/// Run (or resume, or report finished) the fine-tuning a spec describes.
+pub fn finetune(spec: FinetuneSpec, opts: &FinetuneOptions) -> Result<FinetuneOutcome> {
+    let spec = spec.resolved();
+    let device = crate::device::parse_device(&spec.train.device)?;
+    let autocast = match (spec.train.precision, device.is_cuda()) {
+        (Precision::Fp32, _) | (Precision::Auto, false) => false,
+        (_, true) => {
+            crate::kernels::set_autocast_bf16()?;
+            true
+        }
+        (Precision::Bf16, false) => return Err(Error::Other("train.precision bf16 needs a CUDA device".into())),
+    };
+    let params = [Params::parse(spec.stage1.params.as_deref().expect("resolved"), "stage1.params")?, Params::parse(spec.stage2.params.as_deref().expect("resolved"), "stage2.params")?];
+    let (base_vs, cfg, tok) = crate::linearize::load_teacher(&spec.base, spec.tokenizer.as_ref(), device)?;
+    let template = chat_template(&spec, &tok)?;
+    let eos = tok.inner.token_to_id(&template.eos_token).unwrap_or_else(|| crate::linearize::eos_id(&tok));
+
+    // Data: packed rows, a held-out part, and the updates per stage.
+    let (mut rows, stats) = rows_of(&spec.data.train, spec.data.max_examples, &template, &tok, eos, spec.data.seq_len)?;
+    let eval_rows: Vec<PackedRow> = match &spec.data.eval {
+        Some(src) => rows_of(src, None, &template, &tok, eos, spec.data.seq_len)?.0,
+        None => rows.split_off(rows.len().saturating_sub(spec.data.val_rows.min(rows.len() / 2))),
+    };
+    let eval_rows = &eval_rows[..eval_rows.len().min(spec.data.eval_rows)];
+    if rows.is_empty() {
+        return Err(Error::Data(format!("no training row: {} conversations, {} without assistant tokens", stats.conversations, stats.dropped)));
+    }
+    if rows.iter().chain(eval_rows).flat_map(|r| &r.inputs).any(|&t| t as usize >= cfg.vocab_size) {
+        return Err(Error::Data(format!("the tokenizer produces ids ≥ the base model's vocabulary ({})", cfg.vocab_size)));
+    }
+    let b = spec.data.batch_size.max(1);
+    let stage_steps = |s: &FtStage| s.steps.unwrap_or_else(|| ((s.epochs * rows.len() as f64) / b as f64).ceil() as u64);
+    let steps = [stage_steps(&spec.stage1), stage_steps(&spec.stage2)];
+    let total = steps[0] + steps[1];
+
+    let dir = stages::prepare_dir(&spec.output, &spec, |s| s.train.device = String::new(), "finetune")?;
+    if dir.is_done() {
+        let p = dir.path.join("eval.json");
+        let eval = std::fs::read_to_string(&p).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or(Value::Null);
+        return Ok(FinetuneOutcome { dir: dir.path, step: total, already_done: true, eval });
+    }
+    let tp = dir.path.join("chat_template.jinja");
+    std::fs::write(&tp, &template.source).at(&tp)?;
+    if !opts.quiet {
+        eprintln!("finetune: {} conversations → {} training rows, {} held-out rows ({} cut, {} without assistant tokens); {}+{} updates", stats.conversations, rows.len(), eval_rows.len(), stats.truncated, stats.dropped, steps[0], steps[1]);
+    }
+
+    tch::manual_seed(spec.train.seed as i64);
+    let vs = VarStore::new(device);
+    let calibration: Vec<&PackedRow> = rows.iter().take(spec.data.calibration_rows).collect();
+    let model = build_model(&vs, &base_vs, &cfg, &spec.attention, &calibration)?;
+    let plan = stages::Plan {
+        steps: steps.to_vec(),
+        clip: spec.train.clip,
+        log_every: spec.train.log_every,
+        checkpoint_every: spec.checkpoint.every,
+        keep: spec.checkpoint.keep,
+        tokens_per_step: (b * spec.data.seq_len) as u64,
+        label: "finetune",
+        quiet: opts.quiet,
+        stop_after: opts.stop_after,
+    };
+    let mut task = Task { spec: &spec, model: &model, rows: &rows, eval_rows, params, steps, autocast, device };
+    let end = stages::run(&dir, &vs, &plan, &mut task)?;
+    if end < total {
+        return Ok(FinetuneOutcome { dir: dir.path, step: end, already_done: false, eval: Value::Null });
+    }
+
+    // Held-out evaluation: the base model as loaded vs the fine-tuned one.
+    let tuned = held_out_loss(&model, eval_rows, device, autocast);
+    let base_eval_vs = VarStore::new(device);
+    let base_model = build_model(&base_eval_vs, &base_vs, &cfg, &AttentionChange::Vanilla, &[])?;
+    let base = held_out_loss(&base_model, eval_rows, device, autocast);
+    let eval = json!({"step": total, "rows": eval_rows.len(), "seq_len": spec.data.seq_len,
+        "scored_tokens": eval_rows.iter().map(|r| scored(&[r])).sum::<usize>(),
+        "base": {"loss": base, "ppl": base.exp()}, "finetuned": {"loss": tuned, "ppl": tuned.exp()},
+        "during": boundary_losses(&dir.path)});
+    let row = json!({"step": total, "stage": "eval", "base_loss": base, "base_ppl": base.exp(), "finetuned_loss": tuned, "finetuned_ppl": tuned.exp()});
+    dir.append_metrics(row.as_object().expect("object"))?;
+    export(&dir.path.join("export"), &vs, &cfg, &tok, &template, &spec.attention)?;
+    let ep = dir.path.join("eval.json");
+    std::fs::write(&ep, serde_json::to_string_pretty(&eval)?).at(&ep)?;
+    dir.mark_done()?;
+    Ok(FinetuneOutcome { dir: dir.path, step: total, already_done: false, eval })
+}
+
+/// An HF folder: config.json, model.safetensors, tokenizer.json and a tokenizer_config.json with the
+/// chat template; `attention.yaml` beside them when the attention changed (no HF architecture has DAR).
+fn export(dir: &Path, vs: &VarStore, cfg: &LlamaConfig, tok: &Tok, template: &ChatTemplate, change: &AttentionChange) -> Result<()> {
+    crate::model::hf::save_llama(vs, cfg, dir)?;
+    let tp = dir.join("tokenizer.json");
+    tok.inner.save(&tp, false).map_err(|e| Error::Tokenizer(format!("{}: {e}", tp.display())))?;
+    let tc = json!({"chat_template": template.source, "bos_token": template.bos_token, "eos_token": template.eos_token});
+    let cp = dir.join("tokenizer_config.json");
+    std::fs::write(&cp, serde_json::to_string_pretty(&tc)?).at(&cp)?;
+    if *change != AttentionChange::Vanilla {
+        let ap = dir.join("attention.yaml");
+        std::fs::write(&ap, serde_yaml::to_string(change).expect("serializes")).at(&ap)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// HF's linear schedule with warmup: lr·s/W while warming up, then lr·(n − s)/(n − W).
+    #[test]
+    fn stage_schedules_follow_the_hf_formulas() {
+        let (lr, n) = (1e-3, 100u64); // warmup 3% = 3 updates
+        let lin = |s| stage_lr(lr, Schedule::Linear, 0.03, s, n);
+        assert_eq!([lin(0), lin(1), lin(2)], [0.0, lr / 3.0, 2.0 * lr / 3.0]);
+        assert_eq!(lin(3), lr);
+        assert!((lin(50) - lr * 50.0 / 97.0).abs() < 1e-15);
+        assert!((lin(99) - lr / 97.0).abs() < 1e-15);
+        let cos = |s| stage_lr(lr, Schedule::Cosine, 0.0, s, n);
+        assert!((cos(50) - lr * 0.5).abs() < 1e-15 && cos(0) == lr);
+        assert_eq!(stage_lr(lr, Schedule::Constant, 0.03, 80, n), lr);
+        // No warmup: the first update uses the full rate.
+        assert_eq!(stage_lr(lr, Schedule::Linear, 0.0, 0, 10), lr);
+    }
+
+    #[test]
+    fn spec_defaults_are_dar_md_4_2() {
+        let s = FinetuneSpec::from_yaml("base: b\nattention: {kind: dar, d_down: 64}\ndata: {train: {path: x.jsonl}}\noutput: o\n").unwrap().resolved();
+        assert_eq!(s.attention, AttentionChange::Dar { d_down: 64, window: 128, init: BottleneckInit::SmallInit });
+        assert_eq!((s.stage1.lr, s.stage2.lr, s.stage1.epochs, s.stage2.epochs), (Some(3e-4), Some(3e-5), 1.0, 1.0));
+        assert_eq!((s.stage1.params.as_deref(), s.stage2.params.as_deref()), (Some("bottleneck"), Some("all")));
+        assert_eq!((s.data.seq_len, s.stage1.warmup, s.stage1.schedule, s.stage1.weight_decay), (4096, 0.03, Schedule::Linear, 0.0));
+        assert!(FinetuneSpec::from_yaml("base: b\nattention: {kind: dar, d_down: 64, init: svd}\ndata: {train: {path: x}}\noutput: o\n").is_err());
+    }
+}
