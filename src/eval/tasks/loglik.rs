@@ -134,6 +134,8 @@ mod tests {
             rope_scaling: RopeScaling::Default,
             tie_word_embeddings: false,
             max_position_embeddings: 64,
+            family: Default::default(),
+            attention: Default::default(),
         };
         let m = Model::Llama(Llama::new(&vs.root(), cfg));
         (vs, m)

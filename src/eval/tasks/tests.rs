@@ -152,6 +152,8 @@ fn tiny_model(vocab: usize) -> (tch::nn::VarStore, Model) {
         rope_scaling: RopeScaling::Default,
         tie_word_embeddings: true,
         max_position_embeddings: 512,
+        family: Default::default(),
+        attention: Default::default(),
     };
     let m = Model::Llama(Llama::new(&vs.root(), cfg));
     (vs, m)
