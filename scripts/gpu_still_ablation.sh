@@ -22,7 +22,6 @@ teacher() {
     --set "data.train.mix=[{path: $D/train-00.jsonl.zst}, {path: $D/train-01.jsonl.zst}, {needles: {tasks: [niah_single_1, niah_single_2, niah_single_3, niah_multikey_1], docs: 30000, min_words: 60, max_words: 700, essay: $ESSAY}}]" \
     --set "data.eval={valid: {path: $D/valid.jsonl.zst}}" --set train.steps=${TEACHER_STEPS:-5000} 2>&1 | tail -3 | tee -a "$OUT/still-ablation.log"
   log "teacher trained in $(( $(date +%s) - t0 )) s"
-  cp $T/metrics.jsonl "$OUT/teacher-metrics.jsonl"; cp $T/eval.json "$OUT/teacher-eval.json" 2>/dev/null
 }
 
 niah() { # RUN TASK LENGTHS
@@ -32,14 +31,11 @@ niah() { # RUN TASK LENGTHS
 sweep() { # FILE
   $A sweep sweeps/$1 --out $R --set teacher=$T --set data.eval.path=$D/valid.jsonl.zst \
     --set "data.train.mix=[{path: $D/train-02.jsonl.zst}, {needles: {docs: 400, seed: 7, min_words: 60, max_words: 700, essay: $ESSAY}}]" \
-    --set train.device=cuda 2>&1 | tail -15 | tee -a "$OUT/still-ablation.log"
+    --set train.device=cuda ${STAGE_STEPS:+--set stage1.steps=$STAGE_STEPS --set stage2.steps=$STAGE_STEPS} 2>&1 | tail -15 | tee -a "$OUT/still-ablation.log"
 }
 
-collect() {
-  for d in $R/*/; do
-    n=$(basename $d); mkdir -p "$OUT/runs/$n"
-    cp $d/config.yaml $d/metrics.jsonl $d/eval.json $d/ruler.json $d/babilong*.json $d/DONE "$OUT/runs/$n/" 2>/dev/null
-  done
+collect() { # one archive: the device returns at most 8 files
+  (cd $R && tar czf "$OUT/still-runs.tgz" --ignore-failed-read */config.yaml */metrics.jsonl */eval.json */ruler.json */babilong.json */DONE 2>/dev/null)
 }
 
 for phase in "${@:-teacher}"; do
@@ -50,7 +46,7 @@ for phase in "${@:-teacher}"; do
     components) teacher; sweep still-components-reduced.yaml
       for d in $R/*gate*/ $R/lolcats*/; do
         niah $d niah_single_1 512,1024
-        for q in qa1 qa2; do $A eval $d --task babilong:$q --lengths 1024 --samples $SAMPLES 2>&1 | tail -3 | tee -a "$OUT/still-ablation.log"; done
+        for q in qa1 qa2; do $A eval $d --task babilong:$q --lengths 1024 --samples $SAMPLES --essay $ESSAY --babi $D/babi 2>&1 | tail -3 | tee -a "$OUT/still-ablation.log"; done
       done ;;
   esac
   log "phase $phase done"
