@@ -31,7 +31,8 @@ for size in 70m:32:128 160m:16:192; do
       # Same micro-batch b per GPU: the global batch is g·b, split into g micro-batches of b.
       run $A train $spec "${data[@]}" --set model.flavor=pythia-$f --set "attention=$a" --set train.steps=$S \
         --set train.log_every=$((S / 2)) --set train.batch_size=$((g * b)) --set train.grad_accum=$g "${gpus[@]}" --out $RUNS/$name
-      tps=$(tail -n 1 $RUNS/$name/metrics.jsonl 2>/dev/null | $PY -c 'import json,sys; print(json.load(sys.stdin).get("tokens_per_s", 0))' 2>/dev/null || echo 0)
+      # The last training row (the final eval row has no tokens_per_s).
+      tps=$($PY -c 'import json,sys; print([r for r in map(json.loads, open(sys.argv[1])) if "tokens_per_s" in r][-1]["tokens_per_s"])' $RUNS/$name/metrics.jsonl 2>/dev/null || echo 0)
       echo "{\"model\":\"pythia-$f\",\"attention\":\"$att\",\"gpus\":$g,\"micro_batch_per_gpu\":$b,\"seq_len\":2048,\"tokens_per_s\":$tps}" | tee -a "$OUT/ddp_speed.jsonl"
     done
   done
