@@ -26,8 +26,6 @@ use crate::train::lora::LoraConfig;
 use crate::train::optim::{AdamW, Hyper, Plateau};
 use crate::train::run::RunDir;
 use crate::{Error, IoContext, Result};
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -374,20 +372,6 @@ fn batch(rows: &[&Row], device: Device) -> (Tensor, Tensor) {
     (Tensor::from_slice(&x).view([-1, t]).to_device(device), Tensor::from_slice(&y).view([-1, t]).to_device(device))
 }
 
-/// Rows of step `step` of a stage: epochs of `rows` shuffled by (seed, stage, epoch), `b` per step.
-fn step_rows(rows: &[Row], step: u64, b: usize, seed: u64, stage: u64) -> Vec<&Row> {
-    let n = rows.len();
-    (0..b)
-        .map(|j| {
-            let k = step as usize * b + j;
-            let (epoch, i) = (k / n, k % n);
-            let mut order: Vec<usize> = (0..n).collect();
-            order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ (stage << 32) ^ epoch as u64));
-            &rows[order[i]]
-        })
-        .collect()
-}
-
 // ---------------------------------------------------------------------------------------------
 // Teacher
 // ---------------------------------------------------------------------------------------------
@@ -537,26 +521,6 @@ fn replay_plateau(dir: &RunDir, s: &StageSpec, stage: u64, step: u64) -> Result<
     Ok(p)
 }
 
-fn prepare_dir(spec: &LinearizeSpec) -> Result<RunDir> {
-    let path = spec.output.clone();
-    std::fs::create_dir_all(&path).at(&path)?;
-    let cfg = path.join("config.yaml");
-    if cfg.is_file() {
-        let old = LinearizeSpec::from_yaml(&std::fs::read_to_string(&cfg).at(&cfg)?)?;
-        let same = |s: &LinearizeSpec| {
-            let mut s = s.clone();
-            s.train.device = String::new();
-            s
-        };
-        if same(&old) != same(spec) {
-            return Err(Error::Run { dir: path, msg: "holds a linearize run with a different config; choose another output directory".into() });
-        }
-    } else {
-        std::fs::write(&cfg, spec.to_yaml()).at(&cfg)?;
-    }
-    Ok(RunDir { path })
-}
-
 /// Run (or resume, or report finished) the linearization a spec describes.
 pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<LinearizeOutcome> {
     let device = crate::device::parse_device(&spec.train.device)?;
@@ -582,7 +546,8 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
     let (s1, s2) = (stage_steps(&spec.stage1), stage_steps(&spec.stage2));
     let total = s1 + s2;
 
-    let dir = prepare_dir(&spec)?;
+    // The device may change between sessions (a run started on one GPU resumes on another).
+    let dir = crate::train::stages::prepare_dir(&spec.output, &spec, |s| s.train.device = String::new(), "linearize")?;
     if dir.is_done() {
         let p = dir.path.join("eval.json");
         let eval = std::fs::read_to_string(&p).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or(serde_json::Value::Null);
@@ -623,7 +588,7 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
             plateau = replay_plateau(&dir, stage_spec(2), 2, step)?;
         }
         let in_stage = if stage == 1 { step } else { step - s1 };
-        let (x, y) = batch(&step_rows(&rows, in_stage, b, spec.train.seed, stage), device);
+        let (x, y) = batch(&crate::train::stages::step_items(&rows, in_stage, b, spec.train.seed, stage), device);
         opt.zero_grad();
         let (loss, mse) = if stage == 1 {
             let (loss, per_layer) = hybrid.attention_transfer_loss(&x);
