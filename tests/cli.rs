@@ -337,6 +337,7 @@ fn killed_worker_stops_the_job_and_the_run_resumes_with_one_or_two_workers() {
     ok(&attnlab(&dp_args(&run, "train.steps=30", &["--gpus", "cpu,cpu"]), cwd));
     assert!(run.join("DONE").is_file());
     assert_close(&losses(&reference), &losses(&run));
+}
 
 /// Downstream tasks through the CLI on the committed fixtures: tasks/NAME.json and the samples file
 /// are written, bad task names and data paths fail with a clear message, and the report shows the
@@ -367,12 +368,13 @@ fn downstream_tasks_write_results_and_the_report_table() {
     assert!(md.contains("## Downstream tasks (DAR Table 4)") && md.contains("| 16 | "), "{md}");
     // d_model / d_down = 4 → the paper's d_down = 512 row (MMLU 0.4051).
     assert!(md.contains("0.4051"), "{md}");
+}
 
 /// `attnlab finetune`: a tiny Llama trained here is fine-tuned on the hand-written chat fixture
-/// through both stages (stage 1 restricted to the attention projections, as the DAR bottleneck is
-/// not in this build); interrupted runs (mid-stage and at the stage boundary) resume to the same
-/// losses; stage 1 leaves every other weight untouched; DONE, eval.json and the export folder exist;
-/// a finished run is left alone and a different config refused.
+/// through both stages, first vanilla with stage 1 restricted to the attention projections:
+/// interrupted runs (mid-stage and at the stage boundary) resume to the same losses; stage 1 leaves
+/// every other weight untouched; DONE, eval.json and the export folder exist; a finished run is left
+/// alone and a different config refused. Then with DAR (pca bottlenecks) through both stages.
 #[test]
 fn finetune_two_stages_resume_and_eval() {
     let tmp = tempfile::tempdir().unwrap();

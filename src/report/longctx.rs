@@ -103,9 +103,10 @@ fn read_cells(path: &Path, prefix: &str, warnings: &mut Vec<String>) -> Vec<rule
     }
 }
 
-/// Recipe id of a linearize spec: everything but the ablated keys, the output and the device.
+/// Recipe id of a linearize spec: everything but the ablated keys, the run's name and output, and the device.
 fn linearize_recipe(spec: &LinearizeSpec) -> String {
     let mut s = spec.clone();
+    s.name = None;
     s.output = PathBuf::new();
     s.train.device = String::new();
     if let Variant::Still(c) = &mut s.attention {
@@ -320,5 +321,25 @@ fn ablation(recipe: &str, runs: &[&LongRun], paper: &[StillRow], table: &str) ->
         rows: slots.len(),
         body,
         missing,
+    }
+}
+
+#[cfg(test)]
+mod recipe_tests {
+    use super::*;
+
+    /// Runs of one sweep differ in name, output and the ablated keys: one recipe; another stage
+    /// length is another recipe.
+    #[test]
+    fn sweep_runs_share_a_recipe() {
+        let spec = |name: &str, routing: &str, steps: u64| {
+            LinearizeSpec::from_yaml(&format!(
+                "{{name: {name}, teacher: t, attention: {{kind: still, routing: {routing}, gate: false}}, data: {{train: {{synthetic: {{}}}}}}, stage1: {{steps: {steps}}}, output: out/{name}}}"
+            ))
+            .unwrap()
+        };
+        let a = linearize_recipe(&spec("still-key_norm", "key_norm", 10));
+        assert_eq!(a, linearize_recipe(&spec("still-random", "random", 10)));
+        assert_ne!(a, linearize_recipe(&spec("still-random", "random", 11)));
     }
 }
