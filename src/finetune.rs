@@ -15,6 +15,7 @@
 use crate::data::chat::{self, ChatSource, ChatTemplate, PackedRow, IGNORE};
 use crate::data::Tok;
 use crate::linearize::LinCheckpoint;
+use crate::model::bottleneck::BottleneckInit;
 use crate::model::{Llama, LlamaConfig};
 use crate::spec::{Precision, TokenizerSpec};
 use crate::train::optim::Hyper;
@@ -66,16 +67,6 @@ pub enum AttentionChange {
         #[serde(default)]
         init: BottleneckInit,
     },
-}
-
-/// How the bottleneck of a pretrained model starts: small random (`small_init`) or from the top
-/// principal directions of each layer's K/V input over a calibration batch (`pca`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum BottleneckInit {
-    #[default]
-    SmallInit,
-    Pca,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -291,10 +282,7 @@ fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, change: &Atten
     crate::model::hf::copy_into(vs, base.variables(), Path::new("base model"))?;
     if let AttentionChange::Dar { d_down, window, init } = change {
         let dar = crate::model::DarConfig { kind: crate::spec::AttentionKind::Dar, d_down: *d_down, window: *window, ..Default::default() };
-        let init = match init {
-            BottleneckInit::SmallInit => crate::model::bottleneck::BottleneckInit::SmallInit,
-            BottleneckInit::Pca => crate::model::bottleneck::BottleneckInit::Pca,
-        };
+        let init = *init;
         let device = vs.device();
         let calib = (!calibration.is_empty()).then(|| batch(calibration, device));
         let discarded = crate::model::bottleneck::add_dar_to_pretrained(&mut m, &vs.root(), dar, init, calib.as_ref().map(|c| &c[0]), calib.as_ref().map(|c| &c[2]))?;
