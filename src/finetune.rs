@@ -541,26 +541,23 @@ pub fn finetune(spec: FinetuneSpec, opts: &FinetuneOptions) -> Result<FinetuneOu
         "during": boundary_losses(&dir.path)});
     let row = json!({"step": total, "stage": "eval", "base_loss": base, "base_ppl": base.exp(), "finetuned_loss": tuned, "finetuned_ppl": tuned.exp()});
     dir.append_metrics(row.as_object().expect("object"))?;
-    export(&dir.path.join("export"), &vs, &cfg, &tok, &template, &spec.attention)?;
+    // The model's own config: with DAR it carries `attnlab_attention`, so the folder loads back as DAR.
+    export(&dir.path.join("export"), &vs, &model.cfg, &tok, &template)?;
     let ep = dir.path.join("eval.json");
     std::fs::write(&ep, serde_json::to_string_pretty(&eval)?).at(&ep)?;
     dir.mark_done()?;
     Ok(FinetuneOutcome { dir: dir.path, step: total, already_done: false, eval })
 }
 
-/// An HF folder: config.json, model.safetensors, tokenizer.json and a tokenizer_config.json with the
-/// chat template; `attention.yaml` beside them when the attention changed (no HF architecture has DAR).
-fn export(dir: &Path, vs: &VarStore, cfg: &LlamaConfig, tok: &Tok, template: &ChatTemplate, change: &AttentionChange) -> Result<()> {
+/// An HF folder: config.json (with `attnlab_attention` for DAR, which no HF architecture has),
+/// model.safetensors, tokenizer.json and a tokenizer_config.json with the chat template.
+fn export(dir: &Path, vs: &VarStore, cfg: &LlamaConfig, tok: &Tok, template: &ChatTemplate) -> Result<()> {
     crate::model::hf::save_llama(vs, cfg, dir)?;
     let tp = dir.join("tokenizer.json");
     tok.inner.save(&tp, false).map_err(|e| Error::Tokenizer(format!("{}: {e}", tp.display())))?;
     let tc = json!({"chat_template": template.source, "bos_token": template.bos_token, "eos_token": template.eos_token});
     let cp = dir.join("tokenizer_config.json");
     std::fs::write(&cp, serde_json::to_string_pretty(&tc)?).at(&cp)?;
-    if *change != AttentionChange::Vanilla {
-        let ap = dir.join("attention.yaml");
-        std::fs::write(&ap, serde_yaml::to_string(change).expect("serializes")).at(&ap)?;
-    }
     Ok(())
 }
 

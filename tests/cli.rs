@@ -454,4 +454,15 @@ fn finetune_two_stages_resume_and_eval() {
     assert!(eval["finetuned"]["loss"].as_f64().unwrap() < eval["base"]["loss"].as_f64().unwrap(), "{eval}");
     let w: std::collections::HashMap<String, tch::Tensor> = tch::Tensor::read_safetensors(cwd.join("dar/export/model.safetensors")).unwrap().into_iter().collect();
     assert!(w.keys().filter(|k| k.contains("bottleneck_down")).count() == 2, "{:?}", w.keys());
+    // The same for an OLMo 2 base (post-norms, QK-norm; the bottleneck reads the residual stream).
+    let olmo = cwd.join("olmo");
+    let args = ["train", "--quiet", "--out", olmo.to_str().unwrap(), "--set", "model.flavor=olmo2-tiny", "--set", "attention={kind: vanilla}", "--set", "train.steps=20", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=200"];
+    ok(&attnlab(&args, cwd));
+    let olmo_dar = cwd.join("olmo-dar.yaml");
+    std::fs::write(&olmo_dar, std::fs::read_to_string(&dar).unwrap().replace(&teacher.display().to_string(), &olmo.display().to_string()).replace("/dar\n", "/olmo-dar\n")).unwrap();
+    ok(&run(&olmo_dar, &[]));
+    let eval: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("olmo-dar/eval.json")).unwrap()).unwrap();
+    assert!(eval["finetuned"]["loss"].as_f64().unwrap() < eval["base"]["loss"].as_f64().unwrap(), "{eval}");
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("olmo-dar/export/config.json")).unwrap()).unwrap();
+    assert!(cfg["model_type"] == "olmo2" && cfg["attnlab_attention"]["d_down"] == 16, "{cfg}");
 }
