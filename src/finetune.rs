@@ -205,11 +205,7 @@ impl FinetuneSpec {
 
     /// Read a spec file with `--set key.path=value` overrides applied.
     pub fn from_file(path: &Path, sets: &[String]) -> Result<FinetuneSpec> {
-        let mut v: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(path).at(path)?).map_err(|e| Error::Other(format!("{}: {e}", path.display())))?;
-        for s in sets {
-            crate::spec::apply_override(&mut v, s).map_err(|e| Error::Other(format!("--set {s}: {e}")))?;
-        }
-        serde_yaml::from_value(v).map_err(|e| Error::Other(format!("{}: finetune spec: {e}", path.display())))
+        crate::spec::read_with_overrides(path, sets)
     }
 
     /// Fill in the per-stage defaults (lr, trainable parameters).

@@ -218,13 +218,7 @@ impl LinearizeSpec {
 
     /// Read a spec and apply `--set key=value` overrides (values are YAML, as for `attnlab train`).
     pub fn from_file_with(path: &Path, sets: &[String]) -> Result<LinearizeSpec> {
-        let text = std::fs::read_to_string(path).at(path)?;
-        let mut value: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| Error::Schema { file: path.display().to_string(), msg: e.to_string() })?;
-        for s in sets {
-            crate::spec::apply_override(&mut value, s).map_err(|msg| Error::Spec { file: path.display().to_string(), key: s.split('=').next().unwrap_or("").to_string(), line: None, msg })?;
-        }
-        let spec: LinearizeSpec = serde_yaml::from_value(value).map_err(|e| Error::Schema { file: path.display().to_string(), msg: e.to_string() })?;
-        Ok(spec)
+        crate::spec::read_with_overrides(path, sets)
     }
 
     /// Fill in the per-stage defaults that depend on the stage / variant (lr, weight decay).

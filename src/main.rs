@@ -24,6 +24,23 @@ struct SpecArgs {
     out: Option<PathBuf>,
 }
 
+/// The arguments of the two-stage commands (`linearize`, `finetune`).
+#[derive(clap::Args)]
+struct StagedArgs {
+    spec: PathBuf,
+    /// Override any key: --set attention.d_down=96 (repeatable; values are YAML).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Run directory (overrides `output:` in the spec).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Stop after this many optimizer steps of both stages (as if interrupted; re-run to resume).
+    #[arg(long, hide = true)]
+    stop_after: Option<u64>,
+    #[arg(long)]
+    quiet: bool,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Train (or resume) one run from a spec: writes config.yaml, metrics.jsonl, checkpoints/, eval.json, DONE.
@@ -48,18 +65,8 @@ enum Cmd {
     /// Linearize a Llama teacher into a STILL / LoLCATs hybrid: stage 1 attention transfer, stage 2 LoRA
     /// (config.yaml, metrics.jsonl, checkpoints/, lora.safetensors, export/, eval.json, DONE; resumes).
     Linearize {
-        spec: PathBuf,
-        /// Override any key: --set attention.routing=key_norm (repeatable; values are YAML).
-        #[arg(long = "set", value_name = "KEY=VALUE")]
-        sets: Vec<String>,
-        /// Run directory (overrides `output:` in the spec).
-        #[arg(long)]
-        out: Option<PathBuf>,
-        /// Stop after this many optimizer steps of both stages (as if interrupted; re-run to resume).
-        #[arg(long, hide = true)]
-        stop_after: Option<u64>,
-        #[arg(long)]
-        quiet: bool,
+        #[command(flatten)]
+        run: StagedArgs,
     },
     /// Fine-tune a pretrained Llama on chat data (loss on assistant tokens), optionally giving it DAR
     /// attention, in two stages as dar.md §4.2: stage 1 only the bottleneck (W_down, W_up; lr 3e-4),
@@ -69,18 +76,8 @@ enum Cmd {
     /// params}, train, checkpoint, output. Writes config.yaml, metrics.jsonl, checkpoints/, eval.json
     /// (base vs fine-tuned held-out loss), export/, DONE; re-running resumes.
     Finetune {
-        spec: PathBuf,
-        /// Override any key: --set attention.d_down=96 (repeatable; values are YAML).
-        #[arg(long = "set", value_name = "KEY=VALUE")]
-        sets: Vec<String>,
-        /// Run directory (overrides `output:` in the spec).
-        #[arg(long)]
-        out: Option<PathBuf>,
-        /// Stop after this many optimizer steps of both stages (as if interrupted; re-run to resume).
-        #[arg(long, hide = true)]
-        stop_after: Option<u64>,
-        #[arg(long)]
-        quiet: bool,
+        #[command(flatten)]
+        run: StagedArgs,
     },
     /// Train one spec as vanilla, DAR and uniform (into OUT/<kind>) and print their perplexities side by side.
     Compare {
@@ -393,7 +390,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             print_eval_table(&[(o.dir.display().to_string(), o.eval)]);
         }
-        Cmd::Linearize { spec, sets, out, stop_after, quiet } => {
+        Cmd::Linearize { run: StagedArgs { spec, sets, out, stop_after, quiet } } => {
             use attnlab::linearize::{linearize, LinearizeOptions, LinearizeSpec};
             let mut s = LinearizeSpec::from_file_with(&spec, &sets)?;
             if let Some(o) = out {
@@ -409,7 +406,7 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&o.eval)?);
             }
         }
-        Cmd::Finetune { spec, sets, out, stop_after, quiet } => {
+        Cmd::Finetune { run: StagedArgs { spec, sets, out, stop_after, quiet } } => {
             use attnlab::finetune::{finetune, FinetuneOptions, FinetuneSpec};
             let mut s = FinetuneSpec::from_file(&spec, &sets)?;
             if let Some(o) = out {

@@ -12,6 +12,18 @@ pub use schema::*;
 use crate::{Error, Result};
 use std::path::Path;
 
+/// A YAML file deserialized as `T` after `--set key=value` overrides (values are YAML): the loader of
+/// the specs that have no resolve/validate step of their own (`linearize`, `finetune`).
+pub fn read_with_overrides<T: serde::de::DeserializeOwned>(path: &Path, sets: &[String]) -> Result<T> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let mut value: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| Error::Schema { file: file.clone(), msg: e.to_string() })?;
+    for s in sets {
+        apply_override(&mut value, s).map_err(|msg| Error::Spec { file: file.clone(), key: s.split('=').next().unwrap_or("").to_string(), line: None, msg })?;
+    }
+    serde_yaml::from_value(value).map_err(|e| Error::Schema { file, msg: e.to_string() })
+}
+
 /// Load, override, resolve and validate a spec file.
 pub fn load(path: &Path, sets: &[String]) -> Result<Spec> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
