@@ -412,12 +412,18 @@ pub const EXPORT_DIR: &str = "export";
 /// hybrid (LoRA merged) and its tokenizer (the folder's tokenizer.json; for exports written before it
 /// was saved there, the run spec's tokenizer or the teacher's).
 pub fn load_exported(path: &Path, device: Device) -> Result<(VarStore, Hybrid, Tok)> {
+    load_exported_with(path, device, &[])
+}
+
+/// [`load_exported`] with the operator's options overridden (`attention.KEY=VALUE`, see
+/// [`Hybrid::load_export_with`]): evaluate the same weights at another κ, routing or normalizer.
+pub fn load_exported_with(path: &Path, device: Device, overrides: &[String]) -> Result<(VarStore, Hybrid, Tok)> {
     let in_export = path.join(crate::model::hybrid::EXPORT_VARIANT).is_file();
     let (run, export) = if in_export { (path.parent().unwrap_or(Path::new(".")).to_path_buf(), path.to_path_buf()) } else { (path.to_path_buf(), path.join(EXPORT_DIR)) };
     if !export.join(crate::model::hybrid::EXPORT_VARIANT).is_file() {
         return Err(Error::Run { dir: path.into(), msg: format!("has no {EXPORT_DIR}/{} (is the linearize run finished?)", crate::model::hybrid::EXPORT_VARIANT) });
     }
-    let (vs, hybrid) = Hybrid::load_export(&export, device)?;
+    let (vs, hybrid) = Hybrid::load_export_with(&export, device, overrides)?;
     let tj = export.join("tokenizer.json");
     let tok = if tj.is_file() {
         Tok::load(&TokenizerSpec::Path(tj.display().to_string()))?

@@ -140,6 +140,12 @@ enum Cmd {
         /// (e.g. ../shared/data/babi).
         #[arg(long)]
         babi: Option<PathBuf>,
+        /// RULER / BABILong on a linearized model: change its operator without retraining, e.g.
+        /// --set attention.tokens_per_chunk=16, --set attention.routing=oracle (selects the needle
+        /// sentences: a diagnostic), --set attention.linear_branch=false,
+        /// --set attention.normalizer=max_compensated (repeatable; recorded in the result cells).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
     },
     /// Write float32 logits [n, vocab] for whitespace-separated token ids in FILE to a safetensors file.
     Forward {
@@ -471,31 +477,42 @@ fn run(cli: Cli) -> Result<()> {
                 println!("  note: {n}");
             }
         }
-        Cmd::Eval { run, step, corpora, device, task: Some(task), lengths, samples, essay, max_new_tokens, babi, .. } => {
+        Cmd::Eval { run, step, corpora, device, task: Some(task), lengths, samples, essay, max_new_tokens, babi, set, .. } => {
             if !corpora.is_empty() {
                 bail!("--corpus is for perplexity; --task {task} evaluates generation (give one or the other)");
             }
-            let loaded = attnlab::eval::generate::load(&run, step, device.as_deref())?;
+            let loaded = attnlab::eval::generate::load_with(&run, step, device.as_deref(), &set)?;
+            let overrides = (!set.is_empty()).then(|| set.join(" "));
             let essay = essay.as_deref().map(attnlab::eval::ruler::read_essay).transpose()?;
             let (cells, file) = if let Some(name) = task.strip_prefix("babilong:") {
                 let babi = babi.as_deref().context("--task babilong:… needs --babi (e.g. ../shared/data/babi)")?;
                 let essay = essay.as_deref().context("--task babilong:… needs --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)")?;
                 let records = attnlab::eval::babilong::read_records(babi, name)?;
                 let max_new = max_new_tokens.unwrap_or(attnlab::eval::babilong::TOKENS_TO_GENERATE);
-                (attnlab::eval::babilong::evaluate(&loaded.model, &loaded.tok, name, &records, &lengths, samples, essay, max_new, loaded.device, false)?, "babilong.json")
+                let cells = attnlab::eval::babilong::evaluate(&loaded.model, &loaded.tok, name, &records, &lengths, samples, essay, max_new, loaded.device, false)?;
+                (cells.into_iter().map(|c| attnlab::eval::ruler::Cell { overrides: overrides.clone(), ..c }).collect::<Vec<_>>(), "babilong.json")
             } else {
                 let name = task.strip_prefix("ruler:").with_context(|| format!("--task `{task}`: want ruler:<task> or babilong:<task>"))?;
                 let max_new = max_new_tokens.unwrap_or(attnlab::eval::ruler::TOKENS_TO_GENERATE);
-                (attnlab::eval::ruler::evaluate(&loaded.model, &loaded.tok, name, &lengths, samples, essay.as_deref(), max_new, loaded.device, false)?, "ruler.json")
+                let mut cells = Vec::new();
+                for (cell, records) in attnlab::eval::ruler::evaluate(&loaded.model, &loaded.tok, name, &lengths, samples, essay.as_deref(), max_new, loaded.device, false)? {
+                    let cell = attnlab::eval::ruler::Cell { overrides: overrides.clone(), ..cell };
+                    attnlab::eval::ruler::write_samples(&run, &cell, &records)?;
+                    cells.push(cell);
+                }
+                (cells, "ruler.json")
             };
-            let path = run.join(file);
-            let mut all: Vec<attnlab::eval::ruler::Cell> = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
-            all.retain(|c| !cells.iter().any(|n| n.task == c.task && n.length == c.length));
-            all.extend(cells.iter().cloned());
-            std::fs::write(&path, serde_json::to_string_pretty(&all)?)?;
-            println!("{} at step {} ({}):", run.display(), loaded.step, path.display());
+            let path = attnlab::eval::ruler::write_cells(&run, file, &cells)?;
+            println!("{} at step {} ({}{}):", run.display(), loaded.step, path.display(), if file == "ruler.json" { ", per-sample records in ruler_samples/" } else { "" });
             for c in &cells {
-                println!("{:16} length {:6}: {:6.2}% over {} samples (mean prompt {:.0} tokens)", c.task, c.length, c.score, c.samples, c.mean_prompt_tokens);
+                println!("{:16} length {:6}: {:6.2}% over {} samples (mean prompt {:.0} tokens){}", c.task, c.length, c.score, c.samples, c.mean_prompt_tokens, c.overrides.as_deref().map(|o| format!("  [{o}]")).unwrap_or_default());
+                if let Some(d) = &c.diagnostics {
+                    println!("  value tokens outside the window: {:.0}%", 100.0 * d.value_outside_window);
+                    for l in &d.layers {
+                        let pct = |x: Option<f64>| x.map_or("  –".to_string(), |v| format!("{:3.0}%", 100.0 * v));
+                        println!("  layer {:2}: selected (any head) {}  (best head) {}   normalizer share window {:5.1}%  selected {:5.1}%  linear {:5.1}%", l.layer, pct(l.recall_any_head), pct(l.recall_best_head), 100.0 * l.shares_mean[0], 100.0 * l.shares_mean[1], 100.0 * l.shares_mean[2]);
+                    }
+                }
             }
         }
         Cmd::Eval { run, step, corpora, device, task: None, .. } => {

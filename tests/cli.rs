@@ -194,6 +194,36 @@ fn llama_teacher_trains_and_exports() {
     assert_eq!(from_run, from_export);
     let out = ok(&attnlab(&["eval", cwd.join("lin").to_str().unwrap(), "--task", "ruler:niah_single_1", "--lengths", "128", "--samples", "1", "--max-new-tokens", "4"], cwd));
     assert!(out.contains("niah_single_1") && cwd.join("lin/ruler.json").is_file(), "{out}");
+    // The same weights at another κ and with the oracle: cells tagged with their overrides beside the
+    // plain one, per-sample records with the needle's token positions and per-layer reads.
+    let lin = cwd.join("lin");
+    let eval_set = |sets: &[&str]| {
+        let mut args = vec!["eval", lin.to_str().unwrap(), "--task", "ruler:niah_single_1", "--lengths", "128", "--samples", "2", "--max-new-tokens", "4"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        attnlab(&args, cwd)
+    };
+    let out = ok(&eval_set(&["attention.routing=oracle", "attention.linear_branch=false"]));
+    assert!(out.contains("[attention.routing=oracle attention.linear_branch=false]") && out.contains("normalizer share"), "{out}");
+    ok(&eval_set(&["attention.tokens_per_chunk=16"]));
+    let cells: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(lin.join("ruler.json")).unwrap()).unwrap();
+    let tags: Vec<Option<&str>> = cells.as_array().unwrap().iter().map(|c| c["overrides"].as_str()).collect();
+    assert_eq!(tags, [None, Some("attention.routing=oracle attention.linear_branch=false"), Some("attention.tokens_per_chunk=16")]);
+    let records = std::fs::read_to_string(lin.join("ruler_samples/niah_single_1-128-attention_routing_oracle_attention_linear_branch_false.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(records.lines().next().unwrap()).unwrap();
+    let needle = &first["needles"][0];
+    assert!(needle["value_tokens"].as_array().is_some_and(|v| !v.is_empty()) && needle["span"][1].as_u64() > needle["span"][0].as_u64(), "{first}");
+    let layers = first["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 2, "one record per layer: {first}");
+    let shares: f64 = layers[0]["shares_mean"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).sum();
+    assert!((shares - 1.0).abs() < 1e-3 && layers[0]["shares_mean"][2].as_f64() == Some(0.0), "linear branch off: {first}");
+    // The oracle selects the needle sentence: no value token outside the window is missed.
+    assert!(layers.iter().all(|l| l["value_neither"].as_u64() == Some(0)), "{first}");
+    let err = fails(&eval_set(&["attention.no_such_key=1"]));
+    assert!(err.contains("no_such_key") && err.contains("hybrid.yaml"), "{err}");
+    let err = fails(&attnlab(&["eval", run.to_str().unwrap(), "--task", "ruler:niah_single_1", "--lengths", "128", "--samples", "1", "--set", "attention.window=4"], cwd));
+    assert!(err.contains("linearized"), "{err}");
     // DAR has no Hugging Face architecture.
     let dar = cwd.join("dar");
     ok(&attnlab(&["train", "--quiet", "--out", dar.to_str().unwrap(), "--set", "train.steps=2", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=50"], cwd));

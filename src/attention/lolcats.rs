@@ -108,6 +108,9 @@ impl Lolcats {
             eps: 0.0,
             phantom_chunk0_keys: false,
             sliding_decode: self.cfg.decode_window == DecodeWindow::Sliding,
+            linear: true,
+            compensate: false,
+            oracle: None,
         }
     }
 

@@ -74,6 +74,37 @@ pub struct StillConfig {
     pub init: ParamInit,
     #[serde(default)]
     pub compat: StillCompat,
+    /// Diagnostic switch: `false` drops the linear branch (Lin tokens leave both the numerator and the
+    /// denominator), so only Sel ∪ Win are read. Not a method: a control for the retrieval question.
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub linear_branch: bool,
+    /// How the linear terms meet the softmax terms' max (§3).
+    #[serde(default, skip_serializing_if = "Normalizer::is_reference")]
+    pub normalizer: Normalizer,
+}
+
+/// The scale at which the linear terms enter the output's normalizer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Normalizer {
+    /// The reference code (§3): Σ e^{s−m_t} over Sel ∪ Win beside φ_q·Σφ_k, the max not compensated:
+    /// every linear token weighs in as if its logit were m_t + ln(φ_q·φ_k), i.e. at the level of the
+    /// best-matching softmax key.
+    #[default]
+    Reference,
+    /// The linear terms scaled by e^{−m_t}: φ_q·φ_k stands for e^{s} (not e^{s−m_t}), one scale for both
+    /// branches. Where a softmax key matches strongly (m_t ≫ 0) the linear branch recedes.
+    MaxCompensated,
+}
+
+impl Normalizer {
+    fn is_reference(&self) -> bool {
+        *self == Normalizer::Reference
+    }
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 /// The paper's budget: m softmax slots per head of which W = 2C are the window, for sequences up
@@ -117,6 +148,10 @@ pub enum Routing {
     Uniform,
     /// κ = 0: terrace window plus linear attention (paper row "w/o Self-Saliency").
     None,
+    /// Diagnostic, not a method: exactly the positions given at run time ([`Still::set_oracle`], e.g.
+    /// RULER's needle spans) join Sel when their chunk is routed, however many a chunk holds (κ is
+    /// raised to hold them); every other token goes to Lin. Nothing is selected until positions are set.
+    Oracle,
 }
 
 fn default_chunk() -> i64 {
@@ -165,6 +200,12 @@ impl StillConfig {
         }
         if self.budget.is_some() && self.tokens_per_chunk.is_some() {
             return bad("give either `tokens_per_chunk` or `budget`, not both".into());
+        }
+        if self.routing == Routing::Oracle {
+            if self.budget.is_some() {
+                return bad("`routing: oracle` selects the given positions; it takes no `budget`".into());
+            }
+            return Ok(Selection { kappa: c, max_chunks: i64::MAX });
         }
         let sel = match self.budget {
             Some(Budget { m, max_len }) => {
@@ -216,6 +257,8 @@ pub struct Still {
     pub feature_map_k: FeatureMap,
     /// W_g `[H·D, d_model]`; `None` with `gate: false`.
     pub g_proj: Option<Tensor>,
+    /// `routing: oracle`: the positions to select (ascending), set per sample by the evaluator.
+    oracle: std::sync::Mutex<Option<Vec<i64>>>,
 }
 
 impl Still {
@@ -232,7 +275,25 @@ impl Still {
             };
             (p / "g_proj").var("weight", &[heads * head_dim, d_model], init)
         });
-        Ok(Still { cfg: cfg.clone(), selection, dims, feature_map_q, feature_map_k, g_proj })
+        Ok(Still { cfg: cfg.clone(), selection, dims, feature_map_q, feature_map_k, g_proj, oracle: Default::default() })
+    }
+
+    /// The positions `routing: oracle` selects from now on (sorted, deduplicated; `None` = nothing).
+    /// Shared by every sequence of a batch and every head. Other routings ignore it.
+    pub fn set_oracle(&self, positions: Option<Vec<i64>>) {
+        let positions = positions.map(|mut p| {
+            p.sort_unstable();
+            p.dedup();
+            p
+        });
+        *self.oracle.lock().expect("oracle lock") = positions;
+    }
+
+    fn oracle_positions(&self) -> Option<Vec<i64>> {
+        if self.cfg.routing != Routing::Oracle {
+            return None;
+        }
+        Some(self.oracle.lock().expect("oracle lock").clone().unwrap_or_default())
     }
 
     /// g = σ(W_g x) as `[B, H, T, hd]` from the layer input x `[B, T, d_model]` (after the input norm),
@@ -255,6 +316,9 @@ impl Still {
             eps: OUT_EPS,
             phantom_chunk0_keys: self.cfg.compat.phantom_chunk0_keys,
             sliding_decode: false,
+            linear: self.cfg.linear_branch,
+            compensate: self.cfg.normalizer == Normalizer::MaxCompensated,
+            oracle: self.oracle_positions(),
         }
     }
 
@@ -306,6 +370,37 @@ impl Still {
         self.hybrid().extend(cache, q, k, v, g)
     }
 
+    /// What the last query of the sequence reads: its Sel and Win sets and the shares of its output's
+    /// normalizer held by the Win, Sel and Lin terms (with this layer's normalizer and linear switch).
+    /// Computed directly from the sets, beside the chunked path (chunk-0 phantom keys are left out).
+    pub fn probe(&self, q: &Tensor, k: &Tensor) -> Probe {
+        let (b, h, t, d) = dims4(q);
+        let c = self.cfg.chunk;
+        let selected = self.selected(q, k);
+        tch::no_grad(|| {
+            let kind = compute_kind(q);
+            let last_chunk = (t - 1) / c;
+            let window = Tensor::arange(t, (Kind::Int64, q.device())).ge((last_chunk - 1).max(0) * c).view([1, 1, t]).expand([b, h, t], false);
+            let (qt, kf) = (q.narrow(2, t - 1, 1).to_kind(kind), k.to_kind(kind));
+            let s = qt.matmul(&kf.transpose(-2, -1)).squeeze_dim(2) / (d as f64).sqrt(); // [B, H, T]
+            let soft = window.logical_or(&selected);
+            let s_m = s.masked_fill(&soft.logical_not(), f64::NEG_INFINITY);
+            let m = s_m.amax(-1, true);
+            let e = (&s_m - &m).exp();
+            let part = |mask: &Tensor| e.masked_fill(&mask.logical_not(), 0.0).sum_dim_intlist(-1, false, kind);
+            let a_lin = self.feature_map_q.forward(&qt).matmul(&self.feature_map_k.forward(&kf).transpose(-2, -1)).squeeze_dim(2);
+            let mut z_lin = a_lin.masked_fill(&soft, 0.0).sum_dim_intlist(-1, false, kind);
+            if !self.cfg.linear_branch {
+                z_lin = z_lin.zeros_like();
+            } else if self.cfg.normalizer == Normalizer::MaxCompensated {
+                z_lin = z_lin * (-m.squeeze_dim(-1)).exp();
+            }
+            let z = Tensor::stack(&[part(&window), part(&selected), z_lin], -1);
+            let total = z.sum_dim_intlist(-1, true, kind) + OUT_EPS;
+            Probe { selected: selected.shallow_clone(), window: window.contiguous(), shares: (z / total).to_kind(Kind::Double) }
+        })
+    }
+
     /// The explicit reference: scores by scalar loops (§4, §5), Sel/Win/Lin sets built per (query, key),
     /// dense `[T, T]` softmax and linear weights. Differentiable in q, k, v, g and the feature maps.
     pub fn reference(&self, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>) -> Tensor {
@@ -346,7 +441,12 @@ impl Still {
             // C zero keys (logit 0, value 0) for the queries of chunk 0 (C6).
             z_sm = z_sm + ((-&m).exp() * c as f64).where_scalarother(&chunk0, 0.0);
         }
-        let a_lin = self.feature_map_q.forward(&qf).matmul(&self.feature_map_k.forward(&kf).transpose(-2, -1)).masked_fill(&lin.logical_not(), 0.0);
+        let mut a_lin = self.feature_map_q.forward(&qf).matmul(&self.feature_map_k.forward(&kf).transpose(-2, -1)).masked_fill(&lin.logical_not(), 0.0);
+        if !self.cfg.linear_branch {
+            a_lin = a_lin.zeros_like();
+        } else if self.cfg.normalizer == Normalizer::MaxCompensated {
+            a_lin = a_lin * (-&m).exp();
+        }
         let mut n_lin = a_lin.matmul(&vf);
         if let Some(g) = g {
             n_lin = n_lin * g.to_kind(kind);
@@ -363,6 +463,14 @@ impl Still {
         let knorm: Vec<f64> = Vec::try_from(k.to_kind(Kind::Double).norm_scalaropt_dim(2, -1, false).flatten(0, -1)).expect("norms");
         let mut sel = vec![false; (b * h * t) as usize];
         let last_chunk = (t - 1) / c;
+        if let Some(list) = self.oracle_positions() {
+            for bh in 0..b * h {
+                for &j in list.iter().filter(|&&j| j >= 0 && j / c + 2 <= last_chunk) {
+                    sel[(bh * t + j) as usize] = true;
+                }
+            }
+            return sel;
+        }
         for bh in 0..b * h {
             let head = bh % h;
             let row = |j: i64| &logits[((bh * t + j) * t) as usize..((bh * t + j + 1) * t) as usize];
@@ -434,9 +542,21 @@ impl Still {
             Routing::KeyNorm => knorm,
             Routing::Random => random_score(self.cfg.seed, self.dims.layer, head, j / c, j % c),
             Routing::Uniform => uniform_score(j % c, c, self.selection.kappa),
-            Routing::None => 0.0,
+            Routing::None | Routing::Oracle => 0.0,
         }
     }
+}
+
+/// [`Still::probe`]: what the last query of a sequence reads.
+#[derive(Debug)]
+pub struct Probe {
+    /// `[B, H, T]` bool: its selected tokens (Sel).
+    pub selected: Tensor,
+    /// `[B, H, T]` bool: its window (chunk c−1 and its own chunk).
+    pub window: Tensor,
+    /// `[B, H, 3]` fp64: the shares of its normalizer held by the Win, Sel and Lin terms (they sum to
+    /// 1 up to the denominator's ε).
+    pub shares: Tensor,
 }
 
 /// Uniform in [0, 1) from (seed, layer, head, chunk, index): splitmix64 over the key.
@@ -475,13 +595,26 @@ pub(crate) struct Hybrid<'a> {
     pub phantom_chunk0_keys: bool,
     /// Decode only: a sliding window of `chunk` tokens, one token folded per step (LoLCATs' decode).
     pub sliding_decode: bool,
+    /// `false`: no linear branch (numerator and denominator).
+    pub linear: bool,
+    /// Scale the linear terms by e^{−m_t} ([`Normalizer::MaxCompensated`]).
+    pub compensate: bool,
+    /// `routing: oracle`: the positions to select instead of the top-κ (ascending).
+    pub oracle: Option<Vec<i64>>,
 }
 
 /// Routing of the complete chunks of a prefill.
 struct Routed {
-    /// `[B, H, R·κ]` absolute positions of the selected tokens, ascending within each chunk.
+    /// `[B, H, n_sel]` absolute positions of the selected tokens, ascending within each chunk. Slot i
+    /// holds a token of the same chunk in every (sequence, head): κ per chunk, or the oracle's list.
     pos: Tensor,
-    kappa: i64,
+}
+
+impl Routed {
+    /// The chunk of each slot `[n_sel]`.
+    fn chunks(&self, c: i64) -> Tensor {
+        self.pos.select(0, 0).select(0, 0).divide_scalar_mode(c, "floor")
+    }
 }
 
 impl Hybrid<'_> {
@@ -518,9 +651,17 @@ impl Hybrid<'_> {
         if self.scorer.is_none() || kappa == 0 || r == 0 {
             return None;
         }
+        if let Some(list) = &self.oracle {
+            let listed: Vec<i64> = list.iter().copied().filter(|&p| p >= 0 && p < r * c).collect();
+            if listed.is_empty() {
+                return None;
+            }
+            let pos = Tensor::from_slice(&listed).to_device(scores.device()).view([1, 1, -1]).expand([b, h, listed.len() as i64], false).contiguous();
+            return Some(Routed { pos });
+        }
         let idx = top_kappa(&scores.narrow(2, 0, r * c).view([b, h, r, c]), kappa); // [B, H, R, κ]
         let pos = (idx + Tensor::arange(r, (Kind::Int64, scores.device())).view([r, 1]) * c).view([b, h, r * kappa]);
-        Some(Routed { pos, kappa })
+        Some(Routed { pos })
     }
 
     /// The chunked prefill/training path; with `want_cache`, also the decode state after the last token.
@@ -551,7 +692,7 @@ impl Hybrid<'_> {
             let take = |x: &Tensor| x.gather(2, &r.pos.unsqueeze(-1).expand([b, h, nsel, d], false), false);
             let (ks, vs) = (take(&kf), take(&vf));
             logits.insert(0, chunks(&qf).matmul(&ks.unsqueeze(2).transpose(-2, -1)) / (d as f64).sqrt());
-            let key_chunk = Tensor::arange(nsel, (Kind::Int64, dev)).divide_scalar_mode(r.kappa, "floor").view([1, 1, nsel]);
+            let key_chunk = r.chunks(c).view([1, 1, nsel]);
             let q_chunk = Tensor::arange(n, (Kind::Int64, dev)).view([n, 1, 1]);
             ok.insert(0, (key_chunk + 2).le_tensor(&q_chunk).expand([n, c, nsel], false));
             sel_kv = Some(vs);
@@ -587,10 +728,11 @@ impl Hybrid<'_> {
         let z_state = dz.cumsum(2, kind).constant_pad_nd([0, 0, 2, 0]).narrow(2, 0, n);
         let phi_q = chunks(&self.fq.forward(&qf));
         let mut n_lin = phi_q.matmul(&s_state);
-        let z_lin = phi_q.matmul(&z_state.unsqueeze(-1));
+        let mut z_lin = phi_q.matmul(&z_state.unsqueeze(-1));
         if let Some(g) = g {
             n_lin = n_lin * chunks(&pad_to(g, c));
         }
+        (n_lin, z_lin) = self.linear_terms(n_lin, z_lin, &m);
         let y = ((n_sm + n_lin) / (z_sm + z_lin + self.eps)).reshape([b, h, n * c, d]).narrow(2, 0, t).to_kind(q.kind());
         if !want_cache {
             return (y, None);
@@ -699,7 +841,8 @@ impl Hybrid<'_> {
         // Output: softmax over Sel ∪ window (causal inside the window), linear over S, z.
         let col = Tensor::arange(nsel + nw, (Kind::Int64, dev)).view([1, nsel + nw]) - nsel;
         let s = s.masked_fill(&col.gt_tensor(&r), f64::NEG_INFINITY);
-        let e = (&s - s.amax(-1, true)).exp();
+        let m = s.amax(-1, true);
+        let e = (&s - &m).exp();
         let mut n_sm = e.matmul(&vals);
         let mut z_sm = e.sum_dim_intlist(-1, true, kind);
         if let Some(gamma) = &self.gamma {
@@ -713,18 +856,39 @@ impl Hybrid<'_> {
         if let Some(g) = g {
             n_lin = n_lin * g.to_kind(kind);
         }
+        let (n_lin, z_lin) = self.linear_terms(n_lin, z_lin, &m);
         cache.pos += len;
         ((n_sm + n_lin) / (z_sm + z_lin + self.eps)).to_kind(q.kind())
     }
 
-    /// Route chunk `chunk` = the first C window tokens: top-κ to Sel, the rest into S and z.
+    /// The linear numerator and denominator as they enter the output: dropped without the linear
+    /// branch, scaled by e^{−m} (m = the softmax max, broadcast over the last dim) when compensated.
+    fn linear_terms(&self, n_lin: Tensor, z_lin: Tensor, m: &Tensor) -> (Tensor, Tensor) {
+        if !self.linear {
+            return (n_lin.zeros_like(), z_lin.zeros_like());
+        }
+        if self.compensate {
+            let f = (-m).exp();
+            return (n_lin * &f, z_lin * f);
+        }
+        (n_lin, z_lin)
+    }
+
+    /// Route chunk `chunk` = the first C window tokens: top-κ (or the oracle's) to Sel, the rest into S and z.
     fn route_step(&self, cache: &mut HybridCache, chunk: i64) {
         let c = self.chunk;
         let (b, h, d) = (cache.win_k.size()[0], cache.win_k.size()[1], cache.win_k.size()[3]);
         let kappa = if self.scorer.is_some() { self.selection.kappa_for(chunk).min(c) } else { 0 };
         let mut lin = Tensor::ones([b, h, c, 1], (cache.s.kind(), cache.s.device()));
-        if kappa > 0 {
-            let idx = top_kappa(&cache.win_scores.narrow(2, 0, c), kappa); // [B, H, κ]
+        let idx = match &self.oracle {
+            Some(list) if kappa > 0 => {
+                let inside: Vec<i64> = list.iter().filter(|&&p| p / c == chunk && p >= 0).map(|&p| p - chunk * c).collect();
+                (!inside.is_empty()).then(|| Tensor::from_slice(&inside).to_device(cache.s.device()).view([1, 1, -1]).expand([b, h, inside.len() as i64], false).contiguous())
+            }
+            _ => (kappa > 0).then(|| top_kappa(&cache.win_scores.narrow(2, 0, c), kappa)), // [B, H, κ]
+        };
+        if let Some(idx) = idx {
+            let kappa = idx.size()[2];
             let take = |x: &Tensor| x.narrow(2, 0, c).gather(2, &idx.unsqueeze(-1).expand([b, h, kappa, d], false), false);
             cache.sel_k = Tensor::cat(&[&cache.sel_k, &take(&cache.win_k)], 2);
             cache.sel_v = Tensor::cat(&[&cache.sel_v, &take(&cache.win_v)], 2);
@@ -771,7 +935,8 @@ impl Scorer {
             Routing::KeyNorm => k_self.norm_scalaropt_dim(2, -1, false),
             Routing::Random => per_position(&|hh, j| random_score(self.seed, self.layer, hh, j / c, j % c)),
             Routing::Uniform => per_position(&|_, j| uniform_score(j % c, c, self.kappa)),
-            Routing::None => Tensor::zeros([b, h, tn], (kind, dev)),
+            // The oracle routes by its list, not by scores.
+            Routing::None | Routing::Oracle => Tensor::zeros([b, h, tn], (kind, dev)),
             Routing::SelfSaliency | Routing::SelfSaliencyReferenceCode => {
                 let not_self = Tensor::arange(c, (Kind::Int64, dev)).ne(c - 1);
                 // b: the same softmax without the token itself (NaN rows when nothing else is in the window).
@@ -1031,9 +1196,13 @@ mod tests {
             "{chunk: 8, tokens_per_chunk: 2, gate: false, compat: {phantom_chunk0_keys: true}}",
             "{chunk: 8, routing: none}",
             "{chunk: 8, tokens_per_chunk: 8}",
+            "{chunk: 8, tokens_per_chunk: 2, normalizer: max_compensated}",
+            "{chunk: 8, tokens_per_chunk: 2, linear_branch: false}",
+            "{chunk: 8, routing: oracle}",
         ];
         for (vi, y) in variants.iter().enumerate() {
             let (vs, st) = layer(&cfg(y), 3, 8, 10 + vi as i64);
+            st.set_oracle(Some(vec![11, 0, 3, 9, 10, 17, 25, 3]));
             for t in [5i64, 8, 13, 17, 40] {
                 let x = inputs(2, 3, t, 8, 100 + t);
                 let go = Tensor::randn([2, 3, t, 8], (Kind::Double, Device::Cpu));
@@ -1051,7 +1220,7 @@ mod tests {
                     assert!(err < 1e-10, "{y} T={t}: gradient of input {i}: {err}");
                 }
                 // The parameters matter (a zero gradient would make the comparison vacuous).
-                if t > 16 && !y.contains("tokens_per_chunk: 8") {
+                if t > 16 && !y.contains("tokens_per_chunk: 8") && !y.contains("linear_branch: false") {
                     let fq = &g_f[4 + vs.trainable_variables().iter().position(|p| p.size() == [3, 8, 8]).unwrap()];
                     assert!(fq.abs().max().double_value(&[]) > 0.0, "{y}: feature maps receive gradient");
                 }
@@ -1096,8 +1265,11 @@ mod tests {
             "{chunk: 8, budget: {m: 20, max_len: 24}, routing: self_saliency_reference_code}",
             "{chunk: 8, tokens_per_chunk: 3, routing: random}",
             "{chunk: 8, routing: uniform, tokens_per_chunk: 3, gate: false}",
+            "{chunk: 8, routing: oracle, normalizer: max_compensated}",
+            "{chunk: 8, tokens_per_chunk: 2, linear_branch: false}",
         ] {
             let (_, st) = layer(&cfg(y), 2, 8, 5);
+            st.set_oracle(Some(vec![2, 3, 4, 12, 20, 21, 22, 23, 30]));
             let x = inputs(2, 2, 45, 8, 6);
             let x = tch::no_grad(|| x.iter().map(|t| t.detach()).collect::<Vec<_>>());
             let cut = |l: i64| -> Vec<Tensor> { x.iter().enumerate().map(|(i, t)| t.narrow(if i == 3 { 1 } else { 2 }, 0, l)).collect() };
@@ -1361,5 +1533,151 @@ mod tests {
             let (_, cache) = tch::no_grad(|| st.prefill(&c(&x[0]), &c(&x[1]), &c(&x[2]), Some(&c(&g))));
             assert_eq!((cache.win_k.kind(), cache.s.kind()), (kind, Kind::Float), "K/V in the model dtype, S in fp32");
         }
+    }
+
+    // --- The retrieval question (issue 18 item 6): oracle routing, the linear switch, the normalizer ---
+
+    /// `routing: oracle` selects exactly the listed positions of the routed chunks, in the chunked path,
+    /// the reference and the decode cache; with nothing listed, nothing is selected.
+    #[test]
+    fn oracle_selects_exactly_the_listed_tokens() {
+        let (_, st) = layer(&cfg("{chunk: 8, routing: oracle}"), 2, 8, 2);
+        let x: Vec<Tensor> = inputs(2, 2, 50, 8, 2).iter().map(|t| t.detach()).collect();
+        assert!(!to_bools(&st.selected(&x[0], &x[1])).contains(&true), "no positions set");
+        st.set_oracle(Some(vec![49, 0, 3, 9, 10, 11, 17, 25, 40]));
+        // The last query (chunk 6) reads Sel from chunks ≤ 4: positions < 40.
+        let want: Vec<i64> = vec![0, 3, 9, 10, 11, 17, 25];
+        let sel = to_bools(&st.selected(&x[0], &x[1]));
+        for bh in 0..4 {
+            let got: Vec<i64> = (0..50).filter(|&j| sel[bh * 50 + j as usize]).collect();
+            assert_eq!(got, want, "row {bh}");
+        }
+        let logits = (x[0].matmul(&x[1].transpose(-2, -1)) / 8f64.sqrt()).detach();
+        assert_eq!(st.reference_selection(&logits, &x[1]), sel, "reference selection");
+        let mut cache = st.new_cache(2, Kind::Double, Device::Cpu);
+        let _ = decode(&st, &mut cache, &x, 0, 50);
+        assert_eq!(cache.sel_k.size()[2], want.len() as i64, "decode cache holds the listed tokens");
+        let picked = x[1].index_select(2, &Tensor::from_slice(&want));
+        assert!(max_diff(&cache.sel_k, &picked) < 1e-12, "and exactly their keys");
+    }
+
+    /// With the linear branch off and every token selected (κ = C, or the oracle listing everything),
+    /// the hybrid is the teacher; with the linear branch off and κ < C it is softmax over Sel ∪ Win
+    /// exactly (an explicit masked softmax from the selected set).
+    #[test]
+    fn linear_branch_off() {
+        let teacher = |x: &[Tensor]| causal(&x[0], &x[1], &x[2], AttentionImpl::Reference);
+        let x: Vec<Tensor> = inputs(2, 2, 50, 8, 9).iter().map(|t| t.detach()).collect();
+        for y in ["{chunk: 8, tokens_per_chunk: 8, linear_branch: false}", "{chunk: 8, routing: oracle, linear_branch: false}"] {
+            let (_, st) = layer(&cfg(y), 2, 8, 9);
+            st.set_oracle(Some((0..50).collect()));
+            let g = st.gate(&x[3]);
+            let out = tch::no_grad(|| st.forward(&x[0], &x[1], &x[2], g.as_ref()));
+            assert!(max_diff(&out, &teacher(&x)) < 1e-5, "{y}: {}", max_diff(&out, &teacher(&x)));
+        }
+        let (_, st) = layer(&cfg("{chunk: 8, tokens_per_chunk: 2, linear_branch: false}"), 2, 8, 9);
+        let g = st.gate(&x[3]);
+        let out = tch::no_grad(|| st.forward(&x[0], &x[1], &x[2], g.as_ref()));
+        // Visible to query t: its window (chunks c−1, c, causal) and the selected tokens of chunks ≤ c−2.
+        let sel = st.selected(&x[0], &x[1]); // [B, H, T]; a token's selection never changes once routed
+        let t = Tensor::arange(50, (Kind::Int64, Device::Cpu));
+        let (qc, kc) = (t.divide_scalar_mode(8, "floor").view([50, 1]), t.divide_scalar_mode(8, "floor").view([1, 50]));
+        let causal_ok = t.view([1, 50]).le_tensor(&t.view([50, 1]));
+        let win = (&kc + 1).ge_tensor(&qc).logical_and(&causal_ok);
+        let routed = (&kc + 2).le_tensor(&qc);
+        let mask = win.view([1, 1, 50, 50]).logical_or(&routed.view([1, 1, 50, 50]).logical_and(&sel.unsqueeze(2)));
+        let want = crate::attention::masked_softmax_attention(&x[0], &[(&x[1], &x[2], &mask)]);
+        assert!(max_diff(&out, &want) < 1e-5, "softmax over Sel ∪ Win: {}", max_diff(&out, &want));
+        assert!(max_diff(&out, &teacher(&x)) > 1e-3, "and not the teacher");
+    }
+
+    /// A planted (key, value) pair in an early chunk, matched strongly by the last query (logit 12
+    /// against N(0, 1) elsewhere), at T = 1024, C = 64, D = 64, with the layer's initial feature maps.
+    /// Selected by the oracle, it carries its value with the linear branch off and with the
+    /// max-compensated normalizer; with the reference normalizer the linear terms take most of the
+    /// denominator: the output still points at the value (the linear numerator of random values
+    /// nearly cancels) but its size shrinks to the Sel share, and a pair in the window shrinks alike.
+    /// `probe` measures the same shares as the output shows.
+    #[test]
+    fn planted_pair_when_selected() {
+        let (t, d, p) = (1024i64, 64i64, 300i64);
+        let x: Vec<Tensor> = inputs(1, 2, t, d, 21).iter().map(|t| t.detach()).collect();
+        let (q, k, v) = (x[0].shallow_clone(), x[1].copy(), x[2].copy());
+        let q_last = q.narrow(2, t - 1, 1);
+        let norm2 = q_last.square().sum_dim_intlist(-1, true, Kind::Double);
+        k.narrow(2, p, 1).copy_(&(&q_last * (12.0 * (d as f64).sqrt()) / norm2)); // logit q·k/√D = 12
+        let value = Tensor::randn([1, 2, 1, d], (Kind::Double, Device::Cpu)) * 3.0;
+        v.narrow(2, p, 1).copy_(&value);
+        // |y_last| / |value|, the smaller over the heads.
+        let gain = |y: &Tensor| (y.narrow(2, t - 1, 1).norm_scalaropt_dim(2, [-1], false) / value.norm_scalaropt_dim(2, [-1], false)).min().double_value(&[]);
+        let cosine = |y: &Tensor| {
+            let y = y.narrow(2, t - 1, 1);
+            ((&y * &value).sum_dim_intlist(-1, false, Kind::Double) / (y.norm_scalaropt_dim(2, [-1], false) * value.norm_scalaropt_dim(2, [-1], false))).min().double_value(&[])
+        };
+        let teacher = causal(&q, &k, &v, AttentionImpl::Reference);
+        assert!(cosine(&teacher) > 0.99, "the teacher retrieves: {}", cosine(&teacher));
+        let mut measured = vec![];
+        for y in ["{routing: oracle, linear_branch: false}", "{routing: oracle, normalizer: max_compensated}", "{routing: oracle}", "{routing: none}"] {
+            let (_, st) = layer(&cfg(y), 2, d, 22);
+            st.set_oracle(Some(vec![p]));
+            let g = st.gate(&x[3]);
+            let out = tch::no_grad(|| st.forward(&q, &k, &v, g.as_ref()));
+            let probe = st.probe(&q, &k);
+            let sh: Vec<f64> = Vec::try_from(probe.shares.select(0, 0).select(0, 0)).unwrap();
+            // Only the planted value, everything else zero: the output is share(Sel) · value.
+            let only = v.zeros_like();
+            only.narrow(2, p, 1).copy_(&value);
+            let y_only = tch::no_grad(|| st.forward(&q, &k, &only, None)).narrow(2, t - 1, 1);
+            // Per head: the planted value's coefficient in the output against the probe's Sel share.
+            let coef: Vec<f64> = Vec::try_from((&y_only * &value).sum_dim_intlist(-1, false, Kind::Double).flatten(0, -1) / (&value * &value).sum_dim_intlist(-1, false, Kind::Double).flatten(0, -1)).unwrap();
+            let head_shares: Vec<f64> = Vec::try_from(probe.shares.select(-1, 1).flatten(0, -1)).unwrap();
+            let sel_share = head_shares.iter().sum::<f64>() / 2.0;
+            if y.contains("oracle") {
+                for (c, s) in coef.iter().zip(&head_shares) {
+                    assert!((c - s).abs() < 1e-9, "{y}: probe share {s} vs output coefficient {c}");
+                }
+            }
+            eprintln!("{y:48} cos(y, v) {:.3}  |y|/|v| {:.3}  shares of head 0: window {:.4} selected {:.4} linear {:.4}", cosine(&out), gain(&out), sh[0], sh[1], sh[2]);
+            measured.push((cosine(&out), sel_share, gain(&out)));
+        }
+        // The same pair planted inside the window (50 tokens back) meets the same denominator: the
+        // reference normalizer dilutes window and selected tokens alike.
+        let (_, st) = layer(&cfg("{routing: oracle}"), 2, d, 22);
+        let (kw, vw) = (x[1].copy(), x[2].copy());
+        kw.narrow(2, t - 50, 1).copy_(&k.narrow(2, p, 1));
+        vw.narrow(2, t - 50, 1).copy_(&value);
+        let win_share: f64 = Vec::<f64>::try_from(st.probe(&q, &kw).shares.select(-1, 0).flatten(0, -1)).unwrap().iter().sum::<f64>() / 2.0;
+        let y_win = tch::no_grad(|| st.forward(&q, &kw, &vw, st.gate(&x[3]).as_ref()));
+        eprintln!("{:48} cos(y, v) {:.3}  |y|/|v| {:.3}  window share (mean of heads) {win_share:.4}", "{routing: oracle}, pair in the window", cosine(&y_win), gain(&y_win));
+        assert!((win_share - measured[2].1).abs() < 0.05 * measured[2].1.max(1e-3), "window {win_share} vs selected {}", measured[2].1);
+        assert!(measured[0].0 > 0.99 && measured[0].1 > 0.99, "linear off: {:?}", measured[0]);
+        assert!(measured[1].0 > 0.99 && measured[1].1 > 0.99, "compensated: {:?}", measured[1]);
+        assert!(measured[0].2 > 0.95 && measured[1].2 > 0.95, "full size: {measured:?}");
+        assert!(measured[2].1 < 0.5 && measured[2].2 < 0.25, "reference normalizer: the linear terms outweigh the planted key, the value shrinks: {:?}", measured[2]);
+        assert!(measured[3].1 == 0.0 && measured[3].0 < 0.5, "not selected, not retrieved: {:?}", measured[3]);
+    }
+
+    /// Selection recall on a planted case: tokens whose own query matches their own key strongly
+    /// (a_jj ≈ 1) are what self-saliency selects; the probe of the last query reports them selected.
+    #[test]
+    fn selection_recall_on_planted_tokens() {
+        let (t, d) = (512i64, 16i64);
+        let x: Vec<Tensor> = inputs(1, 2, t, d, 31).iter().map(|t| t.detach()).collect();
+        let k = x[1].copy();
+        let planted = [70i64, 133, 200, 260, 300, 310];
+        for &j in &planted {
+            let qj = x[0].narrow(2, j, 1);
+            let n2 = qj.square().sum_dim_intlist(-1, true, Kind::Double);
+            k.narrow(2, j, 1).copy_(&(&qj * (10.0 * (d as f64).sqrt()) / n2));
+        }
+        let recall = |y: &str| {
+            let (_, st) = layer(&cfg(y), 2, d, 32);
+            let sel = to_bools(&st.probe(&x[0], &k).selected);
+            planted.iter().map(|&j| (sel[j as usize] as u8 + sel[(t + j) as usize] as u8) as f64 / 2.0).sum::<f64>() / planted.len() as f64
+        };
+        assert_eq!(recall("{routing: self_saliency}"), 1.0);
+        assert_eq!(recall("{routing: diag_attn}"), 1.0);
+        assert_eq!(recall("{routing: none}"), 0.0);
+        assert!(recall("{routing: random}") < 0.5);
     }
 }

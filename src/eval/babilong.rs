@@ -231,7 +231,7 @@ pub fn evaluate(
         }
         bar.finish_and_clear();
         let k = recs.len();
-        cells.push(Cell { task: task.to_string(), length: len, samples: k, score: 100.0 * right as f64 / k as f64, mean_prompt_tokens: prompt_tokens as f64 / k as f64 });
+        cells.push(Cell { task: task.to_string(), length: len, samples: k, score: 100.0 * right as f64 / k as f64, mean_prompt_tokens: prompt_tokens as f64 / k as f64, ..Default::default() });
     }
     Ok(cells)
 }

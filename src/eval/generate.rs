@@ -80,12 +80,21 @@ pub struct Loaded {
 /// the newest), a finished `linearize` run directory, or its `export/` folder (STILL / LoLCATs hybrids,
 /// LoRA merged). `device` overrides the run's (`auto` for exports).
 pub fn load(path: &Path, step: Option<u64>, device: Option<&str>) -> Result<Loaded> {
+    load_with(path, step, device, &[])
+}
+
+/// [`load`] with `--set attention.KEY=VALUE` overrides of a linearized model's operator (other run
+/// kinds take none: their attention is part of what was trained).
+pub fn load_with(path: &Path, step: Option<u64>, device: Option<&str>, overrides: &[String]) -> Result<Loaded> {
     let exported = path.join(EXPORT_VARIANT).is_file() || path.join(linearize::EXPORT_DIR).join(EXPORT_VARIANT).is_file();
     let lin_spec = || linearize::LinearizeSpec::from_file(&path.join("config.yaml"));
     if !exported && path.join("config.yaml").is_file() && lin_spec().is_ok() {
         return Err(Error::Run { dir: path.into(), msg: format!("is a linearize run without {}/ (not finished yet)", linearize::EXPORT_DIR) });
     }
     if !exported {
+        if let Some(o) = overrides.first() {
+            return Err(Error::Run { dir: path.into(), msg: format!("--set {o}: overrides apply to linearized (STILL / LoLCATs) models only") });
+        }
         let l = crate::train::run::load(path, step, device)?;
         return Ok(Loaded { eos: linearize::eos_id(&l.tok), model: l.model, tok: l.tok, device: l.device, step: l.step, vs: l.vs });
     }
@@ -93,7 +102,7 @@ pub fn load(path: &Path, step: Option<u64>, device: Option<&str>) -> Result<Load
         return Err(Error::Run { dir: path.into(), msg: format!("--step {s}: a linearize run is loaded from its final export, not from a checkpoint") });
     }
     let device = crate::device::parse_device(device.unwrap_or("auto"))?;
-    let (vs, hybrid, tok) = linearize::load_exported(path, device)?;
+    let (vs, hybrid, tok) = linearize::load_exported_with(path, device, overrides)?;
     let run = if path.join(EXPORT_VARIANT).is_file() { path.parent().unwrap_or(path) } else { path };
     let step = crate::train::checkpoint::list(run).last().map_or(0, |c| c.0);
     Ok(Loaded { eos: linearize::eos_id(&tok), model: Model::Hybrid(hybrid), tok, device, step, vs })

@@ -7,6 +7,8 @@
 //! RULER depths). Keys are `adjective-noun` pairs of wonderwords' lists (sampled as a uniform pair,
 //! not from the de-duplicated sorted set: 0.2% of pairs collide, which only changes which distractor
 //! strings can occur), 7-digit numbers, or UUID4 strings.
+pub mod diagnose;
+
 use rand::{seq::SliceRandom, Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -73,6 +75,8 @@ pub struct Sample {
     pub units: usize,
     /// Where each needle went, as a fraction of the haystack (0 = start).
     pub depths: Vec<f64>,
+    /// The (key, value) of every needle the question asks for.
+    pub queried: Vec<(String, String)>,
 }
 
 pub struct Generator {
@@ -164,6 +168,7 @@ impl Generator {
             n => format!("{}, and {}", query_keys[..n - 1].join(", "), query_keys[n - 1]),
         };
         let outputs: Vec<String> = queried.iter().flat_map(|&i| values[i].clone()).collect();
+        let queried_pairs: Vec<(String, String)> = queried.iter().flat_map(|&i| values[i].iter().map(|v| (keys[i].clone(), v.clone())).collect::<Vec<_>>()).collect();
         let mut full = format!("{TEMPLATE}{ANSWER_PREFIX}");
         if t.num_queries * t.num_values == 1 {
             full = full.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer");
@@ -175,7 +180,7 @@ impl Generator {
         // Cut at the last occurrence of the answer prefix's first 10 characters (evaluation.md §3.1).
         let prefix_start = ANSWER_PREFIX.chars().take(10).collect::<String>();
         let cut = full.rfind(&prefix_start).expect("answer prefix present");
-        Sample { input: full[..cut].to_string(), answer_prefix: full[cut..].to_string(), outputs, units, depths }
+        Sample { input: full[..cut].to_string(), answer_prefix: full[cut..].to_string(), outputs, units, depths, queried: queried_pairs }
     }
 
     /// The largest haystack whose prompt (input + answer prefix, counted by `count`) plus the
@@ -261,7 +266,7 @@ pub fn rng(seed: u64, length: usize, i: usize) -> ChaCha8Rng {
 }
 
 /// The score of one (task, length) cell.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct Cell {
     pub task: String,
     pub length: usize,
@@ -269,6 +274,13 @@ pub struct Cell {
     /// string_match_all, % (the NIAH metric).
     pub score: f64,
     pub mean_prompt_tokens: f64,
+    /// `--set` overrides the model was evaluated with (e.g. `attention.tokens_per_chunk=16`), joined
+    /// by spaces; absent = the model as trained.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overrides: Option<String>,
+    /// Hybrid (STILL) models: what the answer position's attention read, averaged over samples.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diagnostics: Option<diagnose::CellDiagnostics>,
 }
 
 /// Generate `samples` prompts per length, decode greedily (`max_new` tokens, RULER: 128), score.
@@ -284,7 +296,7 @@ pub fn evaluate(
     max_new: usize,
     device: tch::Device,
     quiet: bool,
-) -> crate::Result<Vec<Cell>> {
+) -> crate::Result<Vec<(Cell, Vec<diagnose::SampleRecord>)>> {
     let t = task(name).ok_or_else(|| crate::Error::Other(format!("unknown RULER task `{name}` (known: {})", TASKS.join(", "))))?;
     if t.haystack == Haystack::Essay && essay.is_none() {
         return Err(crate::Error::Other(format!("{name} needs the essay haystack: pass --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)")));
@@ -296,17 +308,54 @@ pub fn evaluate(
     for &len in lengths {
         let bar = crate::progress::bar(samples as u64, &format!("{name} @ {len}"), quiet);
         let (mut total, mut prompt_tokens) = (0.0, 0usize);
+        let mut records = Vec::new();
         for i in 0..samples {
             let s = g.sized(&t, len, TOKENS_TO_GENERATE, &count, &mut rng(42, len, i));
-            let (answer, n) = greedy.answer(&format!("{}{}", s.input, s.answer_prefix), max_new)?;
-            prompt_tokens += n;
-            total += match_all(&answer, &s.outputs);
+            let prompt = format!("{}{}", s.input, s.answer_prefix);
+            let (ids, offsets) = greedy.encode(&prompt)?;
+            let needles = diagnose::needle_positions(&prompt, &s.queried, &offsets);
+            // `routing: oracle` selects the needle spans (a diagnostic); other routings ignore them.
+            let hybrid = diagnose::set_oracle(model, &needles);
+            let reads = if hybrid { diagnose::probe(model, &ids, &needles, device) } else { None };
+            let answer = greedy.answer_ids(&ids, max_new)?;
+            let score = match_all(&answer, &s.outputs);
+            prompt_tokens += ids.len();
+            total += score;
+            records.push(diagnose::SampleRecord { index: i, length: len, prompt_tokens: ids.len(), depths: s.depths.clone(), needles, prediction: answer, references: s.outputs.clone(), score, layers: reads });
             bar.inc(1);
         }
         bar.finish_and_clear();
-        cells.push(Cell { task: name.to_string(), length: len, samples, score: total / samples.max(1) as f64, mean_prompt_tokens: prompt_tokens as f64 / samples.max(1) as f64 });
+        let n = samples.max(1) as f64;
+        let diagnostics = diagnose::summarize(&records);
+        cells.push((Cell { task: name.to_string(), length: len, samples, score: total / n, mean_prompt_tokens: prompt_tokens as f64 / n, overrides: None, diagnostics }, records));
     }
     Ok(cells)
+}
+
+/// Merge `cells` into the run's `file` (`ruler.json` / `babilong.json`): a cell replaces the one of
+/// the same task, length and overrides. Returns the file's path.
+pub fn write_cells(run: &std::path::Path, file: &str, cells: &[Cell]) -> crate::Result<std::path::PathBuf> {
+    let path = run.join(file);
+    let mut all: Vec<Cell> = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
+    all.retain(|c| !cells.iter().any(|n| n.task == c.task && n.length == c.length && n.overrides == c.overrides));
+    all.extend(cells.iter().cloned());
+    std::fs::write(&path, serde_json::to_string_pretty(&all)?).map_err(|e| crate::Error::io(&path, e))?;
+    Ok(path)
+}
+
+/// Write one cell's per-sample records to `ruler_samples/<task>-<length>[-<overrides>].jsonl`.
+pub fn write_samples(run: &std::path::Path, cell: &Cell, records: &[diagnose::SampleRecord]) -> crate::Result<std::path::PathBuf> {
+    let slug: String = cell.overrides.as_deref().map(|o| format!("-{}", o.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect::<String>())).unwrap_or_default();
+    let dir = run.join("ruler_samples");
+    std::fs::create_dir_all(&dir).map_err(|e| crate::Error::io(&dir, e))?;
+    let path = dir.join(format!("{}-{}{slug}.jsonl", cell.task, cell.length));
+    let mut text = String::new();
+    for r in records {
+        text.push_str(&serde_json::to_string(r)?);
+        text.push('\n');
+    }
+    std::fs::write(&path, text).map_err(|e| crate::Error::io(&path, e))?;
+    Ok(path)
 }
 
 /// Greedy answers to text prompts: the tokenizer's BOS (if any) is prepended, as HF tokenizers do.
@@ -325,10 +374,24 @@ impl<'a> Greedy<'a> {
 
     /// The decoded greedy continuation of `prompt` (`max_new` tokens) and the prompt's length in tokens.
     pub fn answer(&self, prompt: &str, max_new: usize) -> crate::Result<(String, usize)> {
+        let (ids, _) = self.encode(prompt)?;
+        Ok((self.answer_ids(&ids, max_new)?, ids.len()))
+    }
+
+    /// The prompt's token ids (BOS first, if any) and each token's byte span in `prompt` (BOS: (0, 0)).
+    pub fn encode(&self, prompt: &str) -> crate::Result<(Vec<u32>, Vec<(usize, usize)>)> {
+        let enc = self.tok.inner.encode(prompt, false).map_err(|e| crate::Error::Tokenizer(e.to_string()))?;
         let mut ids: Vec<u32> = self.bos.into_iter().collect();
-        ids.extend(self.tok.encode(prompt)?);
-        let out = crate::eval::generate::generate(self.model, &ids, max_new, crate::eval::generate::Sampling { temperature: 0.0, seed: 0 }, None, self.device);
-        Ok((self.tok.decode(&out.tokens)?, ids.len()))
+        let mut offsets: Vec<(usize, usize)> = self.bos.iter().map(|_| (0, 0)).collect();
+        ids.extend_from_slice(enc.get_ids());
+        offsets.extend_from_slice(enc.get_offsets());
+        Ok((ids, offsets))
+    }
+
+    /// The decoded greedy continuation of the token ids `ids`.
+    pub fn answer_ids(&self, ids: &[u32], max_new: usize) -> crate::Result<String> {
+        let out = crate::eval::generate::generate(self.model, ids, max_new, crate::eval::generate::Sampling { temperature: 0.0, seed: 0 }, None, self.device);
+        self.tok.decode(&out.tokens)
     }
 }
 

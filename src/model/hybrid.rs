@@ -179,6 +179,34 @@ impl Hybrid {
         self.llama.mlp_residual(i, &hres)
     }
 
+    /// Per layer, what the last token's attention reads (`Still::probe`: its Sel and Win sets and the
+    /// shares of its normalizer); `None` for LoLCATs layers. Inference mode, LoRA applied.
+    pub fn probe(&self, ids: &Tensor) -> Vec<Option<crate::attention::still::Probe>> {
+        let _guard = tch::no_grad_guard();
+        let (cos, sin) = self.llama.rope_tables(ids.size()[1], ids.device());
+        let mut x = self.llama.embed(ids);
+        let mut out = Vec::new();
+        for i in 0..self.attn.len() {
+            let (q, k, v, g) = self.layer_qkvg(i, &x, &cos, &sin, false);
+            out.push(match &self.attn[i] {
+                HybridAttention::Still(s) => Some(s.probe(&q, &k)),
+                HybridAttention::Lolcats(_) => None,
+            });
+            let o = self.attn[i].forward(&q, &k, &v, g.as_ref());
+            x = self.layer_out(i, &x, &o, false);
+        }
+        out
+    }
+
+    /// The positions every STILL layer with `routing: oracle` selects from now on (see `Still::set_oracle`).
+    pub fn set_oracle(&self, positions: Option<Vec<i64>>) {
+        for a in &self.attn {
+            if let HybridAttention::Still(s) = a {
+                s.set_oracle(positions.clone());
+            }
+        }
+    }
+
     pub fn logits(&self, ids: &Tensor, train: bool) -> Tensor {
         self.llama.logits(&self.hidden(ids, train))
     }
@@ -256,9 +284,16 @@ impl Hybrid {
 
     /// Load an export folder ([`Hybrid::save_export`]) onto `device`: the weights, LoRA merged, no adapters.
     pub fn load_export(dir: &Path, device: tch::Device) -> Result<(nn::VarStore, Hybrid)> {
+        Self::load_export_with(dir, device, &[])
+    }
+
+    /// [`Hybrid::load_export`] with the operator's options changed by `overrides`
+    /// (`attention.KEY=VALUE`, YAML values) without retraining: e.g. `attention.tokens_per_chunk=16`,
+    /// `attention.routing=oracle`, `attention.linear_branch=false`, `attention.normalizer=max_compensated`.
+    pub fn load_export_with(dir: &Path, device: tch::Device, overrides: &[String]) -> Result<(nn::VarStore, Hybrid)> {
         let read = |name: &str| std::fs::read_to_string(dir.join(name)).at(dir.join(name));
         let cfg = super::LlamaConfig::from_hf_json(&read("config.json")?)?;
-        let variant: Variant = serde_yaml::from_str(&read(EXPORT_VARIANT)?).map_err(|e| Error::Data(format!("{}: {e}", dir.join(EXPORT_VARIANT).display())))?;
+        let variant = variant_with_overrides(&read(EXPORT_VARIANT)?, overrides, &dir.join(EXPORT_VARIANT))?;
         let vs = nn::VarStore::new(device);
         let h = Hybrid::new(&vs, cfg, &variant, &LoraConfig { targets: vec![], ..LoraConfig::default() })?;
         let file = dir.join(EXPORT_WEIGHTS);
@@ -273,6 +308,21 @@ impl Hybrid {
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
     }
+}
+
+/// The hybrid operator of an export's `hybrid.yaml` text with `attention.KEY=VALUE` overrides applied.
+pub fn variant_with_overrides(yaml: &str, overrides: &[String], file: &Path) -> Result<Variant> {
+    let bad = |msg: String| Error::Data(format!("{}: {msg}", file.display()));
+    let mut map = serde_yaml::Mapping::new();
+    map.insert("attention".into(), serde_yaml::from_str(yaml).map_err(|e| bad(e.to_string()))?);
+    let mut root = serde_yaml::Value::Mapping(map);
+    for o in overrides {
+        if !o.starts_with("attention.") {
+            return Err(bad(format!("--set {o}: a linearized model takes only attention.KEY=VALUE overrides (its operator's options)")));
+        }
+        crate::spec::apply_override(&mut root, o).map_err(|e| bad(format!("--set {o}: {e}")))?;
+    }
+    serde_yaml::from_value(root["attention"].clone()).map_err(|e| bad(format!("with {}: {e}", if overrides.is_empty() { "no overrides".to_string() } else { overrides.join(" ") })))
 }
 
 pub mod decode;

@@ -93,7 +93,11 @@ fn read_cells(path: &Path, prefix: &str, warnings: &mut Vec<String>) -> Vec<rule
     let Ok(text) = std::fs::read_to_string(path) else { return Vec::new() };
     match serde_json::from_str::<Vec<ruler::Cell>>(&text) {
         Ok(cells) => cells.into_iter().map(|mut c| {
-            c.task = format!("{prefix}{}", c.task);
+            // A cell evaluated with --set overrides (another κ, the oracle, …) is its own row.
+            c.task = match &c.overrides {
+                Some(o) => format!("{prefix}{} [{o}]", c.task),
+                None => format!("{prefix}{}", c.task),
+            };
             c
         }).collect(),
         Err(e) => {

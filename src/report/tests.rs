@@ -320,7 +320,7 @@ fn cells(dir: &Path, file: &str, v: &[(&str, usize, f64)]) {
         return;
     }
     let cells: Vec<crate::eval::ruler::Cell> =
-        v.iter().map(|&(t, l, s)| crate::eval::ruler::Cell { task: t.into(), length: l, samples: 10, score: s, mean_prompt_tokens: l as f64 - 130.0 }).collect();
+        v.iter().map(|&(t, l, s)| crate::eval::ruler::Cell { task: t.into(), length: l, samples: 10, score: s, mean_prompt_tokens: l as f64 - 130.0 , ..Default::default() }).collect();
     std::fs::write(dir.join(file), serde_json::to_string_pretty(&cells).unwrap()).unwrap();
 }
 
