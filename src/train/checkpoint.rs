@@ -174,11 +174,8 @@ pub fn save(run: &Path, vs: &VarStore, opt: &AdamW, state: &State, keep: usize) 
     if let Err(e) = written {
         // Free what the failed write took (a full disk) and say what is still there.
         let _ = std::fs::remove_dir_all(&tmp);
-        let last = list(run).pop().map_or("none yet".to_string(), |(s, p)| format!("step {s} ({})", p.display()));
-        return Err(Error::Run {
-            dir: run.into(),
-            msg: format!("writing checkpoint {} failed: {e}; nothing else changed, the last complete checkpoint is {last}: free the space and run again to resume", fin.display()),
-        });
+        let last = list(run).pop().map_or("there is no complete checkpoint yet".to_string(), |(s, p)| format!("the last complete checkpoint is step {s} ({})", p.display()));
+        return Err(Error::Run { dir: run.into(), msg: format!("writing checkpoint {} failed: {e}; nothing else changed and {last}: free the space and run again to resume", fin.display()) });
     }
     if fin.exists() {
         // Only after a resume from an older checkpoint: move the stale one aside first.
@@ -214,7 +211,7 @@ fn write_tmp(tmp: &Path, vs: &VarStore, opt: &AdamW, state: &State) -> Result<()
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     let model = tmp.join(FILES[0]);
-    Tensor::write_safetensors(&vars, &model).map_err(|e| Error::Other(format!("{}: {e}", model.display())))?;
+    Tensor::write_safetensors(&vars, &model)?;
     super::fault::checkpoint_pause();
     super::fault::io("checkpoint", Some(state.step), &tmp.join(FILES[1]))?;
     let mut moments: Vec<(String, Tensor)> = Vec::new();
@@ -223,7 +220,7 @@ fn write_tmp(tmp: &Path, vs: &VarStore, opt: &AdamW, state: &State) -> Result<()
         moments.push((format!("exp_avg_sq.{}", s.name), s.exp_avg_sq.shallow_clone()));
     }
     let optf = tmp.join(FILES[1]);
-    Tensor::write_safetensors(&moments, &optf).map_err(|e| Error::Other(format!("{}: {e}", optf.display())))?;
+    Tensor::write_safetensors(&moments, &optf)?;
     let mut sha256 = BTreeMap::new();
     for name in FILES {
         let p = tmp.join(name);

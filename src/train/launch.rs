@@ -54,7 +54,7 @@ fn free_port() -> Result<u16> {
 pub fn launch(exe: &Path, args: &[std::ffi::OsString], devices: &[String], run_dir: Option<&Path>) -> Result<()> {
     // Rank 0 takes the run directory's lock; refuse before starting any worker when it is taken.
     if let Some(holder) = run_dir.and_then(super::lock::holder) {
-        return Err(Error::Busy { dir: run_dir.expect("checked").to_path_buf(), holder });
+        return Err(super::lock::busy(run_dir.expect("checked"), holder));
     }
     let port = free_port()?;
     let world = devices.len();

@@ -67,6 +67,12 @@ fn describe_holder(path: &Path) -> String {
     }
 }
 
+/// The error for a run directory another process holds, naming it by its absolute path (on a
+/// cluster a relative one does not say which directory).
+pub fn busy(dir: &Path, holder: String) -> Error {
+    Error::Busy { dir: dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf()), holder }
+}
+
 impl RunLock {
     /// Take the lock of run directory `dir` (which must exist), or fail at once with
     /// `Error::Busy` naming the directory and the holder's pid and host.
@@ -75,7 +81,7 @@ impl RunLock {
         // Never truncate on open: the file's text is the current holder's until we own the lock.
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).at(&path)?;
         if !try_flock(&file, libc::LOCK_EX).at(&path)? {
-            return Err(Error::Busy { dir: dir.to_path_buf(), holder: describe_holder(&path) });
+            return Err(busy(dir, describe_holder(&path)));
         }
         let me = format!("pid {} on host {}\n", std::process::id(), hostname());
         file.set_len(0).at(&path)?;
