@@ -275,14 +275,14 @@ pub fn load(dir: &Path, vs: &VarStore, opt: &mut AdamW) -> Result<State> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tch::{Device, Kind};
+    use tch::Device;
 
     /// A VarStore with two parameters and its AdamW, values depending on `seed`.
     fn model(seed: f64) -> (VarStore, AdamW) {
         let vs = VarStore::new(Device::Cpu);
         let root = vs.root();
-        let _a = root.var("a.weight", &[4, 3], tch::nn::Init::Const(seed));
-        let _b = root.var("b.bias", &[5], tch::nn::Init::Const(seed + 0.5));
+        let _a = (&root / "a").var("weight", &[4, 3], tch::nn::Init::Const(seed));
+        let _b = (&root / "b").var("bias", &[5], tch::nn::Init::Const(seed + 0.5));
         let params = crate::train::named_parameters(&vs);
         let opt = AdamW::new(params, super::super::optim::Hyper { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1 });
         tch::no_grad(|| {
@@ -314,7 +314,7 @@ mod tests {
         let (vs, mut opt) = model(0.0);
         let st = load(&dir, &vs, &mut opt).unwrap();
         assert_eq!((st.step, st.tokens, weight(&vs), opt.steps_done()), (7, 70, 7.0, 7));
-        assert_eq!(opt.slots[0].exp_avg.double_value(&[0]), 14.0);
+        assert_eq!(opt.slots[0].exp_avg.double_value(&[0, 0]), 14.0);
     }
 
     #[test]

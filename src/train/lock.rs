@@ -165,10 +165,11 @@ mod tests {
 
     #[test]
     fn a_lock_held_by_another_process_is_reported_busy() {
-        // util-linux `flock` holds the lock from a separate process, as a second `attnlab train` would see it.
+        // util-linux `flock` holds the lock from a separate process, as a second `attnlab train`
+        // would see it (-o: only flock itself holds it, not its `sleep`).
         let tmp = tempfile::tempdir().unwrap();
         let lockfile = tmp.path().join(FILE);
-        let Ok(mut child) = std::process::Command::new("flock").arg(&lockfile).args(["sleep", "30"]).spawn() else {
+        let Ok(mut child) = std::process::Command::new("flock").arg("-o").arg(&lockfile).args(["sleep", "30"]).spawn() else {
             eprintln!("skipped: no `flock` utility");
             return;
         };
