@@ -127,14 +127,15 @@ echo "   $kills kills ($inside inside checkpoint writes): bit-identical to the r
 
 # ------------------------------------------------------------------------------------------------
 step "2. a second writer is refused; readers need no lock"
-ATTNLAB_FAULT_INJECT=checkpoint-sleep-ms=150 "$BIN" train --quiet --out busy "${SETS[@]}" >/dev/null 2>busy.err &
+# The first writer is slowed down (1 s per checkpoint) so that it surely outlives the checks.
+ATTNLAB_FAULT_INJECT=checkpoint-sleep-ms=1000 "$BIN" train --quiet --out busy "${SETS[@]}" >/dev/null 2>busy.err &
 first=$!
 wait_for "grep -q 'pid $first ' busy/lock 2>/dev/null" 60
 t=$SECONDS
 rc=0; train busy >/dev/null 2>second.err || rc=$?
 [ $rc -eq 75 ] || { cat second.err; fail "second writer: exit $rc, want 75"; }
 (( SECONDS - t < 10 )) || fail "second writer was not refused at once"
-grep -q "$WORK/busy" second.err && grep -q "pid $first on host $(hostname)" second.err || { cat second.err; fail "refusal does not name dir, pid and host"; }
+grep -q "$WORK/busy" second.err && grep -q "pid $first on host $(cat /proc/sys/kernel/hostname)" second.err || { cat second.err; fail "refusal does not name dir, pid and host"; }
 rc=0; train busy --gpus cpu,cpu >/dev/null 2>second.err || rc=$?
 [ $rc -eq 75 ] && grep -q "pid $first" second.err || { cat second.err; fail "data-parallel second writer: exit $rc"; }
 wait $first || { cat busy.err; fail "the first writer failed"; }
@@ -231,14 +232,15 @@ EOF
 runs=$(cd sweep-ref && ls -d s*-*)
 [ "$(echo "$runs" | wc -l)" = 3 ] || fail "reference sweep: runs $runs"
 first_run=$(echo "$runs" | head -1); second_run=$(echo "$runs" | sed -n 2p)
-"$BIN" sweep sweep.yaml --out sweep-kill >/dev/null 2>&1 &
+# Slowed down (0.3 s per checkpoint) so that the kills land while a run is in progress.
+ATTNLAB_FAULT_INJECT=checkpoint-sleep-ms=300 "$BIN" sweep sweep.yaml --out sweep-kill >/dev/null 2>&1 &
 sweep=$!
 wait_for "[ -f sweep-kill/$first_run/DONE ] && [ -f sweep-kill/$second_run/checkpoints/4/state.json ]" 120
 child=$(sed -E 's/pid ([0-9]+) .*/\1/' "sweep-kill/$second_run/lock")
 kill -9 $sweep; wait $sweep 2>/dev/null || true
 wait_for "! alive $child" 10
 echo "   SIGKILL of the sweep: its child $child died with it"
-"$BIN" sweep sweep.yaml --out sweep-kill >/dev/null 2>sweep.err &
+ATTNLAB_FAULT_INJECT=checkpoint-sleep-ms=300 "$BIN" sweep sweep.yaml --out sweep-kill >/dev/null 2>sweep.err &
 sweep=$!
 wait_for "grep -q 'pid' sweep-kill/$second_run/lock && ! grep -q 'pid $child ' sweep-kill/$second_run/lock" 60
 child=$(sed -E 's/pid ([0-9]+) .*/\1/' "sweep-kill/$second_run/lock")
@@ -246,6 +248,7 @@ kill -INT $sweep
 rc=0; wait $sweep || rc=$?
 [ $rc -ne 0 ] && grep -q "stopped by signal 2" sweep.err || { cat sweep.err; fail "SIGINT: sweep exit $rc"; }
 ! alive $child || fail "SIGINT: the sweep's child $child still runs"
+[ ! -f "sweep-kill/$second_run/DONE" ] || fail "SIGINT came too late: $second_run finished"
 "$BIN" sweep sweep.yaml --out sweep-kill >sweep.out 2>sweep.err || { cat sweep.err; fail "relaunched sweep failed"; }
 grep -q "1 run(s) already done, skipped" sweep.err || { cat sweep.err; fail "the relaunch did not skip the finished run"; }
 [ "$(grep -c '== attnlab sweep:' "sweep-kill/$first_run/train.log")" = 1 ] || fail "the finished run was launched again"
