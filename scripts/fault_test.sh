@@ -9,8 +9,9 @@
 #      is there, held open by the test-only ATTNLAB_FAULT_INJECT=checkpoint-sleep-ms), then
 #      resuming until done → losses, eval.json and final weights bit-identical to an uninterrupted run.
 #   2. A second writer on a run directory in use → refused at once (exit 75) naming the dir, the
-#      holder's pid and host (also through the data-parallel launcher); readers (eval, generate,
-#      report) work while the lock is held.
+#      holder's pid and host (also through the data-parallel launcher); under data parallelism
+#      rank 0 holds the lock, and a SIGKILLed launcher takes its workers (and the lock) along;
+#      readers (eval, generate, report) work while the lock is held.
 #   3. A truncated newest checkpoint → renamed <step>.corrupt, the previous one used, same result;
 #      no complete checkpoint left → a clear error.
 #   4. No space left (injected ENOSPC while writing a checkpoint, then a metrics row; a real 3 MB
@@ -67,7 +68,13 @@ wait_for() {
     sleep 0.02
   done
 }
-alive() { kill -0 "$1" 2>/dev/null; }
+# Whether process $1 runs (a zombie, dead but not yet reaped by a new parent, does not).
+alive() {
+  local st
+  st=$(sed -E 's/.*\) (.).*/\1/' "/proc/$1/stat" 2>/dev/null) || return 1
+  [ -n "$st" ] && [ "$st" != Z ] && [ "$st" != X ]
+}
+pid_in() { sed -E 's/pid ([0-9]+) .*/\1/' "$1/lock"; }
 
 step "reference run"
 train ref
@@ -140,6 +147,22 @@ rc=0; train busy --gpus cpu,cpu >/dev/null 2>second.err || rc=$?
 [ $rc -eq 75 ] && grep -q "pid $first" second.err || { cat second.err; fail "data-parallel second writer: exit $rc"; }
 wait $first || { cat busy.err; fail "the first writer failed"; }
 same busy ref
+# Data parallel: rank 0 holds the lock; a SIGKILLed launcher takes its workers along, and with
+# them the lock.
+ATTNLAB_FAULT_INJECT=checkpoint-sleep-ms=1000 "$BIN" train --quiet --out ddp "${SETS[@]}" --gpus cpu,cpu >/dev/null 2>&1 &
+launcher=$!
+wait_for "grep -q pid ddp/lock 2>/dev/null" 60
+holder=$(pid_in ddp)
+tr '\0' '\n' < "/proc/$holder/environ" | grep -qx RANK=0 || fail "the lock holder $holder is not rank 0"
+rc=0; train ddp >/dev/null 2>second.err || rc=$?
+[ $rc -eq 75 ] && grep -q "pid $holder" second.err || { cat second.err; fail "writer beside a data-parallel job: exit $rc"; }
+workers=$(cat "/proc/$launcher/task/$launcher/children")
+[ "$(echo $workers | wc -w)" = 2 ] || fail "want 2 workers, found: $workers"
+kill -9 $launcher; wait $launcher 2>/dev/null || true
+for w in $workers; do wait_for "! alive $w" 15; done
+rc=0; train ddp --stop-after 1 >/dev/null 2>&1 || rc=$?
+[ $rc -eq 0 ] || fail "the lock outlived the killed data-parallel job (exit $rc)"
+echo "   SIGKILL of the data-parallel launcher: workers $workers died with it, the lock with them"
 # Readers on a run directory whose lock is held (util-linux flock stands in for a writer).
 if command -v flock >/dev/null; then
   mkdir -p readers && cp -r ref readers/run
@@ -236,14 +259,14 @@ first_run=$(echo "$runs" | head -1); second_run=$(echo "$runs" | sed -n 2p)
 ATTNLAB_FAULT_INJECT=checkpoint-sleep-ms=300 "$BIN" sweep sweep.yaml --out sweep-kill >/dev/null 2>&1 &
 sweep=$!
 wait_for "[ -f sweep-kill/$first_run/DONE ] && [ -f sweep-kill/$second_run/checkpoints/4/state.json ]" 120
-child=$(sed -E 's/pid ([0-9]+) .*/\1/' "sweep-kill/$second_run/lock")
+child=$(pid_in "sweep-kill/$second_run")
 kill -9 $sweep; wait $sweep 2>/dev/null || true
 wait_for "! alive $child" 10
 echo "   SIGKILL of the sweep: its child $child died with it"
 ATTNLAB_FAULT_INJECT=checkpoint-sleep-ms=300 "$BIN" sweep sweep.yaml --out sweep-kill >/dev/null 2>sweep.err &
 sweep=$!
 wait_for "grep -q 'pid' sweep-kill/$second_run/lock && ! grep -q 'pid $child ' sweep-kill/$second_run/lock" 60
-child=$(sed -E 's/pid ([0-9]+) .*/\1/' "sweep-kill/$second_run/lock")
+child=$(pid_in "sweep-kill/$second_run")
 kill -INT $sweep
 rc=0; wait $sweep || rc=$?
 [ $rc -ne 0 ] && grep -q "stopped by signal 2" sweep.err || { cat sweep.err; fail "SIGINT: sweep exit $rc"; }
