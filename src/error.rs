@@ -27,6 +27,9 @@ pub enum Error {
     Kernel(String),
     #[error("{0}")]
     Other(String),
+    /// Another process holds the run directory's lock (train::lock): one writer at a time.
+    #[error("run directory {dir} is in use by another attnlab process ({holder}); wait for it to end or stop it, then run again")]
+    Busy { dir: PathBuf, holder: String },
 }
 
 impl Error {

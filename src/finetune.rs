@@ -448,9 +448,9 @@ impl stages::StagedTask for Task<'_> {
 
 /// Held-out rows logged with `at` (before training, after each stage), last row per `at` wins.
 fn boundary_losses(dir: &Path) -> Value {
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
     let mut out = Map::new();
-    for v in text.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()) {
+    for (_, row) in crate::train::metrics::read(&dir.join("metrics.jsonl")).map(|r| r.rows).unwrap_or_default() {
+        let v = Value::Object(row);
         if let (Some(at), Some(l)) = (v.get("at").and_then(|a| a.as_str()), v.get("eval_loss").and_then(|l| l.as_f64())) {
             out.insert(at.to_string(), json!({"step": v["step"], "loss": l, "ppl": l.exp()}));
         }

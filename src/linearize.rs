@@ -505,10 +505,9 @@ fn replay_plateau(dir: &RunDir, s: &StageSpec, stage: u64, step: u64) -> Result<
     if s.schedule == Schedule::Constant {
         return Ok(p);
     }
-    let path = dir.path.join("metrics.jsonl");
-    let text = if path.is_file() { std::fs::read_to_string(&path).at(&path)? } else { String::new() };
     let mut seen = std::collections::BTreeMap::new();
-    for v in text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()) {
+    for (_, row) in crate::train::metrics::read(&dir.path.join("metrics.jsonl"))?.rows {
+        let v = serde_json::Value::Object(row);
         if let (Some(at), Some(val), Some(st)) = (v["step"].as_u64(), v["val_loss"].as_f64(), v["stage"].as_u64()) {
             if st == stage && at <= step {
                 seen.insert(at, val);
@@ -563,7 +562,7 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
     let mut state = checkpoint::State { step: 0, tokens: 0, elapsed_s: 0.0 };
     let mut stage = 1;
     let mut opt = optimizer_for(&vs, 1, wd(1));
-    if let Some((step, path)) = checkpoint::list(&dir.path).pop() {
+    if let Some((step, path)) = checkpoint::resume_point(&dir.path)? {
         stage = if step <= s1 { 1 } else { 2 };
         opt = optimizer_for(&vs, stage, wd(stage));
         state = checkpoint::load(&path, &vs, &mut opt)?;

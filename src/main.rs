@@ -333,7 +333,9 @@ fn main() {
         for cause in e.chain().skip(1) {
             eprintln!("  caused by: {cause}");
         }
-        std::process::exit(1);
+        // Another process holds the run directory: a distinct status, so `sweep` reports it busy.
+        let busy = e.chain().any(|c| matches!(c.downcast_ref::<attnlab::Error>(), Some(attnlab::Error::Busy { .. })));
+        std::process::exit(if busy { train::lock::BUSY_EXIT } else { 1 });
     }
 }
 

@@ -496,3 +496,16 @@ fn finetune_two_stages_resume_and_eval() {
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("olmo-dar/export/config.json")).unwrap()).unwrap();
     assert!(cfg["model_type"] == "olmo2" && cfg["attnlab_attention"]["d_down"] == 16, "{cfg}");
 }
+
+/// scripts/fault_test.sh on the tiny spec: random SIGKILLs (some inside checkpoint writes), a
+/// second writer, a truncated checkpoint, a full disk, a malformed metrics line and a killed and
+/// relaunched sweep, each ending bit-identical to an uninterrupted run (see the script's header).
+#[test]
+fn fault_test_script_passes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/fault_test.sh");
+    let out = Command::new("bash").arg(&script).arg(env!("CARGO_BIN_EXE_attnlab")).arg(tmp.path()).output().expect("bash runs");
+    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "fault test failed (exit {:?})\nstdout:\n{so}\nstderr:\n{se}", out.status.code());
+    assert!(so.contains("all fault checks passed"), "{so}");
+}

@@ -127,17 +127,11 @@ pub fn load_run(dir: &Path, rel: String) -> Result<Run> {
     let spec = crate::spec::from_str(&text, &cfg.display().to_string(), &[])?;
     let mut run = Run { rel, dir: dir.to_path_buf(), spec, done: dir.join("DONE").is_file(), rows: BTreeMap::new(), warnings: Vec::new() };
     let metrics = dir.join("metrics.jsonl");
-    if metrics.is_file() {
-        let text = std::fs::read_to_string(&metrics).at(&metrics)?;
-        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            match serde_json::from_str::<Value>(line) {
-                Ok(Value::Object(obj)) => {
-                    merge_metrics_line(&mut run.rows, &obj).unwrap_or_else(|| run.warnings.push(format!("metrics.jsonl line {}: no step", i + 1)))
-                }
-                // A crash can leave a truncated last line: skip it, say so.
-                _ => run.warnings.push(format!("metrics.jsonl line {}: not a JSON object", i + 1)),
-            }
-        }
+    // Malformed lines (a torn last row, say) are skipped with a warning on stderr and in the report.
+    let read = crate::train::metrics::read(&metrics)?;
+    run.warnings.extend(read.warnings);
+    for (line, obj) in read.rows {
+        merge_metrics_line(&mut run.rows, &obj).unwrap_or_else(|| run.warnings.push(format!("{} line {line}: no step", metrics.display())));
     }
     let eval = dir.join("eval.json");
     if eval.is_file() {

@@ -1,13 +1,56 @@
 //! Launching runs as child processes (`attnlab train SPEC --quiet`), one per slot: a GPU, or a
-//! CPU process when no GPUs are given. A failing run is reported and the others go on.
+//! CPU process when no GPUs are given. A failing run is reported and the others go on; a run whose
+//! directory another process holds (train::lock) is reported busy and not launched.
+//!
+//! Children never outlive the sweep: each gets SIGTERM from the kernel when the sweep dies
+//! (PR_SET_PDEATHSIG, even on SIGKILL), and a SIGINT / SIGTERM to the sweep is passed on to its
+//! running children, after which the sweep starts nothing new and exits with an error. A killed
+//! child loses only the steps since its last checkpoint (checkpoints are written atomically);
+//! running the sweep again finishes exactly the missing runs.
 use super::{final_loss, report, Outcome, PlannedRun, RunReport, RunStatus, SweepOptions, SweepPlan};
 use std::collections::VecDeque;
 use std::fs::OpenOptions;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// The signal (SIGINT / SIGTERM) that asked the sweep to stop; 0 while none has.
+static STOP: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_stop_signal(sig: libc::c_int) {
+    // A second signal means "now": die at once (children get SIGTERM through PR_SET_PDEATHSIG).
+    if STOP.swap(sig, Ordering::SeqCst) != 0 {
+        // SAFETY: _exit is async-signal-safe.
+        unsafe { libc::_exit(128 + sig) };
+    }
+}
+
+/// Catch SIGINT and SIGTERM for the rest of the sweep: they set STOP (async-signal-safe).
+fn install_stop_handlers() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: a zeroed sigaction with a plain handler and an empty mask is valid; the handler
+        // only touches an atomic and calls _exit.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_stop_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            libc::sigemptyset(&mut sa.sa_mask);
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
+/// The signal that stopped the sweep, if one did.
+pub(super) fn stopped_by() -> Option<i32> {
+    match STOP.load(Ordering::SeqCst) {
+        0 => None,
+        s => Some(s),
+    }
+}
+
 
 /// Launch every run that is not DONE; returns one report per run, in plan order.
 pub(super) fn run_all(plan: &SweepPlan, opts: &SweepOptions, exe: &Path) -> Vec<RunReport> {
@@ -22,6 +65,7 @@ pub(super) fn run_all(plan: &SweepPlan, opts: &SweepOptions, exe: &Path) -> Vec<
     let mut slots: Vec<Option<&str>> = if opts.gpus.is_empty() { vec![None; opts.max_parallel.max(1)] } else { opts.gpus.iter().map(|g| Some(g.as_str())).collect() };
     slots.truncate(total.max(1));
 
+    install_stop_handlers();
     let queue = Mutex::new(todo);
     let results: Mutex<Vec<(usize, Launched)>> = Mutex::new(Vec::new());
     let started = Mutex::new(0usize);
@@ -29,6 +73,9 @@ pub(super) fn run_all(plan: &SweepPlan, opts: &SweepOptions, exe: &Path) -> Vec<
     std::thread::scope(|s| {
         for &gpu in &slots {
             s.spawn(move || loop {
+                if stopped_by().is_some() {
+                    break;
+                }
                 let Some(i) = queue_ref.lock().expect("queue").pop_front() else { break };
                 let run = &plan.runs[i];
                 let k = {
@@ -36,10 +83,19 @@ pub(super) fn run_all(plan: &SweepPlan, opts: &SweepOptions, exe: &Path) -> Vec<
                     *n += 1;
                     *n
                 };
+                // Another process (an earlier sweep still running, a job of the same array)
+                // is writing this run: leave it to that one.
+                if let Some(holder) = crate::train::lock::holder(&run.dir) {
+                    eprintln!("sweep: [{k}/{total}] {} is busy: {} is in use by {holder}; not launched", run.name, run.dir.display());
+                    results_ref.lock().expect("results").push((i, Launched { exit: None, wall_s: 0.0, failure: None, log: run.dir.join("train.log"), end: End::Busy }));
+                    continue;
+                }
                 let on = gpu.map(|g| format!(" on GPU {g}")).unwrap_or_default();
                 eprintln!("sweep: [{k}/{total}] start {}{on} ({}){}", run.name, reports_label(run), if RunStatus::of(&run.dir) == RunStatus::Partial { ", resuming" } else { "" });
                 let l = launch(run, gpu, exe);
                 match &l.failure {
+                    _ if l.end == End::Busy => eprintln!("sweep: [{k}/{total}] {} is busy (another process took its run directory first); see {}", run.name, l.log.display()),
+                    _ if l.end == End::Stopped => eprintln!("sweep: [{k}/{total}] {} stopped by the sweep's signal after {:.1}s; its last checkpoint is kept: run the sweep again to resume", run.name, l.wall_s),
                     None => eprintln!("sweep: [{k}/{total}] {} finished in {:.1}s", run.name, l.wall_s),
                     Some(tail) => eprintln!(
                         "sweep: [{k}/{total}] {} FAILED ({}) after {:.1}s; full log: {}\n{}",
@@ -56,11 +112,22 @@ pub(super) fn run_all(plan: &SweepPlan, opts: &SweepOptions, exe: &Path) -> Vec<
     });
     for (i, l) in results.into_inner().expect("results") {
         let r = &mut reports[i];
-        r.outcome = if l.failure.is_none() { Outcome::Trained } else { Outcome::Failed };
+        r.outcome = match (l.end, &l.failure) {
+            (End::Busy, _) => Outcome::Busy,
+            (End::Stopped, _) => Outcome::Stopped,
+            (End::Exited, None) => Outcome::Trained,
+            (End::Exited, Some(_)) => Outcome::Failed,
+        };
         r.exit = l.exit;
         r.wall_s = Some(l.wall_s);
         r.final_loss = final_loss(&r.dir);
         r.log = Some(l.log);
+    }
+    if stopped_by().is_some() {
+        // Runs the stop kept from starting.
+        for r in reports.iter_mut().filter(|r| r.outcome == Outcome::Skipped && r.before != RunStatus::Done) {
+            r.outcome = Outcome::Planned;
+        }
     }
     reports
 }
@@ -79,13 +146,24 @@ struct Launched {
     /// The tail of this launch's output when it failed.
     failure: Option<String>,
     log: PathBuf,
+    end: End,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// The child ran and exited (successfully or not).
+    Exited,
+    /// Not run, or refused at once: another process holds the run directory.
+    Busy,
+    /// Stopped by a signal the sweep received and passed on.
+    Stopped,
 }
 
 /// Run `exe train SPEC --quiet` for one run, its stdout and stderr appended to `<run dir>/train.log`.
 fn launch(run: &PlannedRun, gpu: Option<&str>, exe: &Path) -> Launched {
     let log = run.dir.join("train.log");
     let start = Instant::now();
-    let failed = |exit, msg: String| Launched { exit, wall_s: start.elapsed().as_secs_f64(), failure: Some(msg), log: log.clone() };
+    let failed = |exit, msg: String| Launched { exit, wall_s: start.elapsed().as_secs_f64(), failure: Some(msg), log: log.clone(), end: End::Exited };
     if let Err(e) = std::fs::create_dir_all(&run.dir) {
         return failed(None, format!("cannot create {}: {e}", run.dir.display()));
     }
@@ -111,19 +189,45 @@ fn launch(run: &PlannedRun, gpu: Option<&str>, exe: &Path) -> Launched {
         (Ok(o), Ok(e)) => (o, e),
         (Err(e), _) | (_, Err(e)) => return failed(None, format!("cannot share {}: {e}", log.display())),
     };
-    let status = cmd.stdout(out).stderr(err).status();
+    crate::train::launch::die_with_parent(&mut cmd);
+    let status = cmd.stdout(out).stderr(err).spawn().and_then(|mut child| wait_passing_on_stop(&mut child));
     let wall_s = start.elapsed().as_secs_f64();
     match status {
-        Ok(s) if s.success() => Launched { exit: s.code(), wall_s, failure: None, log },
-        Ok(s) => {
+        Ok((s, _)) if s.success() => Launched { exit: s.code(), wall_s, failure: None, log, end: End::Exited },
+        Ok((s, stopped)) => {
             let tail = tail_since(&log, offset, 15);
             let code = s.code();
-            Launched { exit: code, wall_s, failure: Some(if code.is_none() { format!("killed by a signal ({s})\n{tail}") } else { tail }), log }
+            // A Ctrl-C in the terminal reaches the child directly, maybe before we pass it on.
+            let end = if stopped || stopped_by().is_some() {
+                End::Stopped
+            } else if code == Some(crate::train::lock::BUSY_EXIT) {
+                End::Busy
+            } else {
+                End::Exited
+            };
+            Launched { exit: code, wall_s, failure: Some(if code.is_none() { format!("killed by a signal ({s})\n{tail}") } else { tail }), log, end }
         }
         Err(e) => {
             let _ = writeln!(file, "could not start {}: {e}", exe.display());
-            Launched { exit: None, wall_s, failure: Some(format!("could not start {}: {e}", exe.display())), log }
+            Launched { exit: None, wall_s, failure: Some(format!("could not start {}: {e}", exe.display())), log, end: End::Exited }
         }
+    }
+}
+
+/// Wait for `child`; once the sweep is asked to stop, pass the signal on to it (once) and keep
+/// waiting. Returns its status and whether it was signalled.
+fn wait_passing_on_stop(child: &mut std::process::Child) -> std::io::Result<(std::process::ExitStatus, bool)> {
+    let mut passed = false;
+    loop {
+        if let Some(s) = child.try_wait()? {
+            return Ok((s, passed));
+        }
+        if let (Some(sig), false) = (stopped_by(), passed) {
+            // SAFETY: kill on our own child's pid (not yet reaped, so not reused).
+            unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+            passed = true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

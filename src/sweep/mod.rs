@@ -128,6 +128,10 @@ pub enum Outcome {
     Trained,
     /// Launched and failed (non-zero exit, or could not start).
     Failed,
+    /// Not launched (or refused at once): another process holds the run directory's lock.
+    Busy,
+    /// Launched and stopped by a SIGINT / SIGTERM the sweep passed on (last checkpoint kept).
+    Stopped,
 }
 
 #[derive(Debug, Clone)]
@@ -157,7 +161,11 @@ pub struct SweepSummary {
 
 impl SweepSummary {
     pub fn failed(&self) -> usize {
-        self.runs.iter().filter(|r| r.outcome == Outcome::Failed).count()
+        self.count(Outcome::Failed)
+    }
+
+    pub fn count(&self, outcome: Outcome) -> usize {
+        self.runs.iter().filter(|r| r.outcome == outcome).count()
     }
 }
 
@@ -193,6 +201,16 @@ pub fn run_sweep(file: &Path, opts: &SweepOptions) -> Result<SweepSummary> {
     write_specs(&plan)?;
     summary.runs = launch::run_all(&plan, opts, &exe);
     print!("{}", summary_table(&summary.runs));
+    if summary.count(Outcome::Busy) > 0 {
+        println!("{} run(s) busy: another process is writing them (not launched; run the sweep again once it is done)", summary.count(Outcome::Busy));
+    }
+    if let Some(sig) = launch::stopped_by() {
+        return Err(crate::Error::Other(format!(
+            "sweep stopped by signal {sig}: {} run(s) stopped (their last checkpoints kept), {} not started; run the sweep again to finish them",
+            summary.count(Outcome::Stopped),
+            summary.count(Outcome::Planned)
+        )));
+    }
     if summary.failed() > 0 {
         println!("{} of {} runs failed; their logs:", summary.failed(), summary.runs.len());
         for r in summary.runs.iter().filter(|r| r.outcome == Outcome::Failed) {
@@ -238,13 +256,17 @@ fn headline(plan: &SweepPlan) -> String {
 
 /// The last training loss logged in `<dir>/metrics.jsonl` (eval rows have no `loss` key).
 pub fn final_loss(dir: &Path) -> Option<f64> {
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).ok()?;
-    text.lines().rev().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).find_map(|v| v.get("loss").and_then(|l| l.as_f64()))
+    let rows = crate::train::metrics::read(&dir.join("metrics.jsonl")).ok()?.rows;
+    rows.iter().rev().find_map(|(_, v)| v.get("loss").and_then(|l| l.as_f64()))
 }
 
 /// The dry-run table: name, overrides, run dir, status.
 pub fn plan_table(runs: &[RunReport]) -> String {
-    let rows: Vec<Vec<String>> = runs.iter().map(|r| vec![r.name.clone(), r.overrides.clone(), r.dir.display().to_string(), r.before.label().into()]).collect();
+    let status = |r: &RunReport| match crate::train::lock::holder(&r.dir) {
+        Some(h) if r.before != RunStatus::Done => format!("{} (busy: {h})", r.before.label()),
+        _ => r.before.label().to_string(),
+    };
+    let rows: Vec<Vec<String>> = runs.iter().map(|r| vec![r.name.clone(), r.overrides.clone(), r.dir.display().to_string(), status(r)]).collect();
     table(&["name", "overrides", "run dir", "status"], &rows)
 }
 
@@ -259,6 +281,8 @@ pub fn summary_table(runs: &[RunReport]) -> String {
                 Outcome::Trained if r.before == RunStatus::Partial => "resumed, done",
                 Outcome::Trained => "done",
                 Outcome::Failed => "FAILED",
+                Outcome::Busy => "busy (another process)",
+                Outcome::Stopped => "stopped (signal)",
             };
             vec![
                 r.name.clone(),

@@ -263,6 +263,7 @@ out=$(sed -n 's/^output: //p' "$2")
 echo "args: $* gpu=${CUDA_VISIBLE_DEVICES:-none}"
 mkdir -p "$out" && cp "$2" "$out/config.yaml"
 if grep -q "seed: 666" "$2"; then echo "boom: loss is NaN" >&2; exit 3; fi
+if grep -q "seed: 75" "$2"; then echo "run directory $out is in use by another attnlab process" >&2; exit 75; fi
 sleep 0.2
 echo '{"step": 4, "loss": 2.5}' >> "$out/metrics.jsonl"
 touch "$out/DONE"
@@ -330,6 +331,35 @@ grid: {train.seed: [1, 666, 3, 4]}
     let opts = SweepOptions { exe: Some(tmp.path().join("no-such-attnlab")), ..Default::default() };
     let s = run_sweep(&file, &opts).unwrap();
     assert_eq!((s.failed(), s.runs[1].exit), (1, None));
+}
+
+/// A run whose directory another process holds is reported busy and not launched (or, when the
+/// child finds it taken, exit 75); the other runs go on; the busy one runs once it is free.
+#[cfg(unix)]
+#[test]
+fn a_locked_run_is_busy_and_the_others_go_on() {
+    let (tmp, file) = setup(
+        r#"
+base: base.yaml
+output: OUT
+name: "s{train.seed}"
+grid: {train.seed: [1, 2, 75]}
+"#,
+    );
+    let exe = fake_attnlab(tmp.path());
+    let p = plan(&file, &[], None).unwrap();
+    std::fs::create_dir_all(&p.runs[1].dir).unwrap();
+    let lock = crate::train::lock::RunLock::try_acquire(&p.runs[1].dir).unwrap();
+    let dry = run_sweep(&file, &SweepOptions { dry_run: true, ..Default::default() }).unwrap();
+    assert!(plan_table(&dry.runs).lines().any(|l| l.starts_with("s2") && l.contains("busy: pid")), "{}", plan_table(&dry.runs));
+    let s = run_sweep(&file, &SweepOptions { exe: Some(exe.clone()), ..Default::default() }).unwrap();
+    assert_eq!(s.runs.iter().map(|r| r.outcome).collect::<Vec<_>>(), [Outcome::Trained, Outcome::Busy, Outcome::Busy]);
+    assert_eq!((s.failed(), s.runs[2].exit), (0, Some(75)));
+    assert!(!p.runs[1].dir.join("config.yaml").exists(), "a busy run must not be launched");
+    assert!(summary_table(&s.runs).lines().any(|l| l.starts_with("s2") && l.contains("busy")));
+    drop(lock);
+    let s = run_sweep(&file, &SweepOptions { exe: Some(exe), ..Default::default() }).unwrap();
+    assert_eq!(s.runs.iter().map(|r| r.outcome).collect::<Vec<_>>(), [Outcome::Skipped, Outcome::Trained, Outcome::Busy]);
 }
 
 /// Expected runs per file in sweeps/ (every file there must be listed).

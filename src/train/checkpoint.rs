@@ -1,11 +1,22 @@
 //! Checkpoints: `checkpoints/<step>/` holding `model.safetensors` (Hugging Face names),
-//! `optimizer.safetensors` (`exp_avg.<name>`, `exp_avg_sq.<name>`) and `state.json`. Written into a
-//! temporary folder and renamed, so a folder named by a number is always complete.
+//! `optimizer.safetensors` (`exp_avg.<name>`, `exp_avg_sq.<name>`) and `state.json`.
+//!
+//! What makes them survive crashes, full disks and bad copies:
+//! - written into `checkpoints/.tmp-<step>/`, flushed to disk (fsync of files and folders) and
+//!   renamed, so a folder named by a number is complete, also after a power cut; a failed write
+//!   removes its temporary folder, and a writer removes any left over at start (`resume_point`);
+//! - `state.json` records the sha256 of every other file of the checkpoint, and a checkpoint is
+//!   used only once they match (`verify`); one that fails is renamed `<step>.corrupt` (never
+//!   deleted) and the previous complete one is used, with a warning naming both. Checkpoints
+//!   written before the hashes existed are checked for complete safetensors files instead;
+//! - old checkpoints beyond `keep` are renamed into a temporary folder before being deleted, so
+//!   an interrupted deletion never leaves a half-deleted numbered folder.
 use super::optim::AdamW;
 use crate::model::neox::is_ignored_buffer;
 use crate::{Error, IoContext, Result};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use tch::{nn::VarStore, Tensor};
 
@@ -17,7 +28,20 @@ pub struct State {
     pub elapsed_s: f64,
 }
 
-/// Complete checkpoints under `run/checkpoints`, oldest first.
+/// state.json: the state and the sha256 (hex) of each other file of the checkpoint, by file name.
+/// Older checkpoints have no `sha256` (an empty map).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Stored {
+    #[serde(flatten)]
+    state: State,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    sha256: BTreeMap<String, String>,
+}
+
+const FILES: [&str; 2] = ["model.safetensors", "optimizer.safetensors"];
+
+/// Checkpoints under `run/checkpoints` named by a step and holding a state.json, oldest first
+/// (not yet verified: see `resume_point` / `newest_verified`).
 pub fn list(run: &Path) -> Vec<(u64, PathBuf)> {
     let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(run.join("checkpoints"))
         .into_iter()
@@ -32,31 +56,186 @@ pub fn list(run: &Path) -> Vec<(u64, PathBuf)> {
     out
 }
 
+fn sha256_file(path: &Path) -> Result<String> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).at(path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).at(path)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(format!("{:x}", h.finalize()))
+}
+
+fn fsync(path: &Path) -> Result<()> {
+    std::fs::File::open(path).and_then(|f| f.sync_all()).at(path)
+}
+
+/// Check that checkpoint folder `dir` is complete and intact: state.json parses, and every file
+/// it lists has its recorded sha256 (or, for a checkpoint without hashes, every safetensors file
+/// is whole). The error says what is wrong.
+pub fn verify(dir: &Path) -> std::result::Result<(), String> {
+    let sp = dir.join("state.json");
+    let text = std::fs::read_to_string(&sp).map_err(|e| format!("state.json: {e}"))?;
+    let stored: Stored = serde_json::from_str(&text).map_err(|e| format!("state.json: {e}"))?;
+    if stored.sha256.is_empty() {
+        for name in FILES {
+            let p = dir.join(name);
+            let f = std::fs::File::open(&p).map_err(|e| format!("{name}: {e}"))?;
+            // SAFETY: read-only map of a file that writers never modify in place (they rename).
+            let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| format!("{name}: {e}"))?;
+            safetensors::SafeTensors::read_metadata(&map).map_err(|e| format!("{name}: not a complete safetensors file ({e})"))?;
+        }
+        return Ok(());
+    }
+    for (name, want) in &stored.sha256 {
+        let got = sha256_file(&dir.join(name)).map_err(|e| format!("{name}: {e}"))?;
+        if &got != want {
+            return Err(format!("{name}: sha256 {} differs from the recorded {}", &got[..12], &want[..want.len().min(12)]));
+        }
+    }
+    Ok(())
+}
+
+/// Remove `checkpoints/.tmp-*` folders (writes and deletions a dead process left behind). Only
+/// for the process holding the run directory's lock: another one may be writing them.
+pub fn remove_leftovers(run: &Path) {
+    for e in std::fs::read_dir(run.join("checkpoints")).into_iter().flatten().flatten() {
+        if e.file_name().to_string_lossy().starts_with(".tmp-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// Rename checkpoint `dir` to `<step>.corrupt` (or `.corrupt.2`, … if taken); returns the new path.
+fn quarantine(dir: &Path) -> Result<PathBuf> {
+    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut dest = dir.with_file_name(format!("{name}.corrupt"));
+    let mut k = 2;
+    while dest.exists() {
+        dest = dir.with_file_name(format!("{name}.corrupt.{k}"));
+        k += 1;
+    }
+    std::fs::rename(dir, &dest).at(dir)?;
+    Ok(dest)
+}
+
+/// Where a writer resumes: removes leftover temporary folders, then returns the newest checkpoint
+/// that verifies. Every newer one that fails is renamed `<step>.corrupt`, with a warning naming it
+/// and the one used. None when there is no checkpoint; an error when there are only corrupt ones.
+/// Call with the run directory's lock held.
+pub fn resume_point(run: &Path) -> Result<Option<(u64, PathBuf)>> {
+    remove_leftovers(run);
+    newest(run, true)
+}
+
+/// The newest checkpoint that verifies, for readers (eval, generate): corrupt ones are skipped with
+/// a warning but left in place (the run's writer renames them).
+pub fn newest_verified(run: &Path) -> Result<Option<(u64, PathBuf)>> {
+    newest(run, false)
+}
+
+fn newest(run: &Path, rename: bool) -> Result<Option<(u64, PathBuf)>> {
+    let mut bad: Vec<String> = Vec::new();
+    for (step, dir) in list(run).into_iter().rev() {
+        match verify(&dir) {
+            Ok(()) => {
+                if !bad.is_empty() {
+                    eprintln!("warning: {}; using the previous complete checkpoint {} (step {step})", bad.join("; "), dir.display());
+                }
+                return Ok(Some((step, dir)));
+            }
+            Err(why) => {
+                let what = if rename {
+                    let dest = quarantine(&dir)?;
+                    format!("checkpoint {} is corrupt ({why}): renamed to {}", dir.display(), dest.display())
+                } else {
+                    format!("checkpoint {} is corrupt ({why})", dir.display())
+                };
+                bad.push(what);
+            }
+        }
+    }
+    if bad.is_empty() {
+        return Ok(None);
+    }
+    Err(Error::Run { dir: run.into(), msg: format!("has no complete checkpoint left: {}; restore a checkpoint or start the run in a new directory", bad.join("; ")) })
+}
+
 pub fn save(run: &Path, vs: &VarStore, opt: &AdamW, state: &State, keep: usize) -> Result<PathBuf> {
     let dir = run.join("checkpoints");
     let tmp = dir.join(format!(".tmp-{}", state.step));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).at(&tmp)?;
+    let fin = dir.join(state.step.to_string());
+    let written = write_tmp(&tmp, vs, opt, state);
+    if let Err(e) = written {
+        // Free what the failed write took (a full disk) and say what is still there.
+        let _ = std::fs::remove_dir_all(&tmp);
+        let last = list(run).pop().map_or("there is no complete checkpoint yet".to_string(), |(s, p)| format!("the last complete checkpoint is step {s} ({})", p.display()));
+        return Err(Error::Run { dir: run.into(), msg: format!("writing checkpoint {} failed: {e}; nothing else changed and {last}: free the space and run again to resume", fin.display()) });
+    }
+    if fin.exists() {
+        // Only after a resume from an older checkpoint: move the stale one aside first.
+        let old = dir.join(format!(".tmp-old-{}", state.step));
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::rename(&fin, &old).at(&fin)?;
+        let _ = std::fs::remove_dir_all(&old);
+    }
+    // What the run wrote before this checkpoint reaches the disk before the checkpoint does (a
+    // power cut must not keep a checkpoint whose earlier metrics rows were lost).
+    for f in ["config.yaml", "metrics.jsonl"] {
+        if let Ok(f) = std::fs::File::open(run.join(f)) {
+            let _ = f.sync_all();
+        }
+    }
+    std::fs::rename(&tmp, &fin).at(&fin)?;
+    fsync(&dir)?;
+    // Keep the newest `keep` (corrupt ones are not listed, so never deleted).
+    let all = list(run);
+    for (step, p) in all.iter().take(all.len().saturating_sub(keep)) {
+        let doomed = dir.join(format!(".tmp-del-{step}"));
+        if std::fs::rename(p, &doomed).is_ok() {
+            let _ = std::fs::remove_dir_all(&doomed);
+        }
+    }
+    Ok(fin)
+}
+
+/// Write the files of a checkpoint into `tmp` and flush them to disk.
+fn write_tmp(tmp: &Path, vs: &VarStore, opt: &AdamW, state: &State) -> Result<()> {
+    let _ = std::fs::remove_dir_all(tmp);
+    std::fs::create_dir_all(tmp).at(tmp)?;
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
-    Tensor::write_safetensors(&vars, tmp.join("model.safetensors"))?;
+    let model = tmp.join(FILES[0]);
+    Tensor::write_safetensors(&vars, &model)?;
+    super::fault::checkpoint_pause();
+    super::fault::io("checkpoint", Some(state.step), &tmp.join(FILES[1]))?;
     let mut moments: Vec<(String, Tensor)> = Vec::new();
     for s in &opt.slots {
         moments.push((format!("exp_avg.{}", s.name), s.exp_avg.shallow_clone()));
         moments.push((format!("exp_avg_sq.{}", s.name), s.exp_avg_sq.shallow_clone()));
     }
-    Tensor::write_safetensors(&moments, tmp.join("optimizer.safetensors"))?;
-    let sp = tmp.join("state.json");
-    std::fs::write(&sp, serde_json::to_string_pretty(state)?).at(&sp)?;
-    let fin = dir.join(state.step.to_string());
-    let _ = std::fs::remove_dir_all(&fin);
-    std::fs::rename(&tmp, &fin).at(&fin)?;
-    // Keep the newest `keep`.
-    let all = list(run);
-    for (_, p) in all.iter().take(all.len().saturating_sub(keep)) {
-        let _ = std::fs::remove_dir_all(p);
+    let optf = tmp.join(FILES[1]);
+    Tensor::write_safetensors(&moments, &optf)?;
+    let mut sha256 = BTreeMap::new();
+    for name in FILES {
+        let p = tmp.join(name);
+        fsync(&p)?;
+        sha256.insert(name.to_string(), sha256_file(&p)?);
     }
-    Ok(fin)
+    let sp = tmp.join("state.json");
+    let text = serde_json::to_string_pretty(&Stored { state: state.clone(), sha256 })?;
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&sp).at(&sp)?;
+        f.write_all(text.as_bytes()).at(&sp)?;
+        f.sync_all().at(&sp)?;
+    }
+    fsync(tmp)
 }
 
 /// Copy weights from a safetensors file into `vs` (HF GPT-NeoX buffers skipped, `lm_head` read as
@@ -91,4 +270,137 @@ pub fn load(dir: &Path, vs: &VarStore, opt: &mut AdamW) -> Result<State> {
     let state: State = serde_json::from_str(&std::fs::read_to_string(&sp).at(&sp)?)?;
     opt.set_steps_done(state.step);
     Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    /// A VarStore with two parameters and its AdamW, values depending on `seed`.
+    fn model(seed: f64) -> (VarStore, AdamW) {
+        let vs = VarStore::new(Device::Cpu);
+        let root = vs.root();
+        let _a = (&root / "a").var("weight", &[4, 3], tch::nn::Init::Const(seed));
+        let _b = (&root / "b").var("bias", &[5], tch::nn::Init::Const(seed + 0.5));
+        let params = crate::train::named_parameters(&vs);
+        let opt = AdamW::new(params, super::super::optim::Hyper { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1 });
+        tch::no_grad(|| {
+            for s in &opt.slots {
+                let _ = s.exp_avg.shallow_clone().fill_(seed * 2.0);
+            }
+        });
+        (vs, opt)
+    }
+
+    fn save_at(run: &Path, step: u64, keep: usize) -> PathBuf {
+        let (vs, opt) = model(step as f64);
+        save(run, &vs, &opt, &State { step, tokens: step * 10, elapsed_s: 1.0 }, keep).unwrap()
+    }
+
+    fn weight(vs: &VarStore) -> f64 {
+        vs.variables()["a.weight"].double_value(&[0, 0])
+    }
+
+    #[test]
+    fn state_json_records_the_files_sha256_and_a_checkpoint_round_trips() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = save_at(tmp.path(), 7, 3);
+        let stored: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).unwrap()).unwrap();
+        for f in FILES {
+            assert_eq!(stored["sha256"][f].as_str().unwrap(), sha256_file(&dir.join(f)).unwrap());
+        }
+        assert_eq!(verify(&dir), Ok(()));
+        let (vs, mut opt) = model(0.0);
+        let st = load(&dir, &vs, &mut opt).unwrap();
+        assert_eq!((st.step, st.tokens, weight(&vs), opt.steps_done()), (7, 70, 7.0, 7));
+        assert_eq!(opt.slots[0].exp_avg.double_value(&[0, 0]), 14.0);
+    }
+
+    #[test]
+    fn a_corrupt_newest_checkpoint_is_renamed_and_the_previous_one_used() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path();
+        for s in [4, 8, 12] {
+            save_at(run, s, 3);
+        }
+        // 12: model cut short (a copy that stopped, a bad disk); 8: one flipped byte in the
+        // optimizer moments, which the safetensors header alone would not notice.
+        let m12 = run.join("checkpoints/12/model.safetensors");
+        let len = std::fs::metadata(&m12).unwrap().len();
+        std::fs::OpenOptions::new().write(true).open(&m12).unwrap().set_len(len / 2).unwrap();
+        let o8 = run.join("checkpoints/8/optimizer.safetensors");
+        let mut bytes = std::fs::read(&o8).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x40;
+        std::fs::write(&o8, bytes).unwrap();
+        assert!(verify(&run.join("checkpoints/12")).unwrap_err().contains("model.safetensors"));
+        assert!(verify(&run.join("checkpoints/8")).unwrap_err().contains("optimizer.safetensors"));
+
+        // A reader skips them and leaves them in place.
+        assert_eq!(newest_verified(run).unwrap().unwrap().0, 4);
+        assert!(run.join("checkpoints/12").is_dir());
+        // The writer renames them (never deletes) and resumes from 4.
+        let (step, dir) = resume_point(run).unwrap().unwrap();
+        assert_eq!((step, dir.clone()), (4, run.join("checkpoints/4")));
+        assert_eq!(std::fs::metadata(run.join("checkpoints/12.corrupt/model.safetensors")).unwrap().len(), len / 2);
+        assert!(run.join("checkpoints/8.corrupt/optimizer.safetensors").is_file());
+        assert_eq!(list(run).iter().map(|c| c.0).collect::<Vec<_>>(), [4]);
+        let (vs, mut opt) = model(0.0);
+        assert_eq!(load(&dir, &vs, &mut opt).unwrap().step, 4);
+        assert_eq!(weight(&vs), 4.0);
+        // Pruning to `keep` never touches the corrupt ones; a second corrupt 12 gets its own name.
+        save_at(run, 12, 1);
+        std::fs::OpenOptions::new().write(true).open(run.join("checkpoints/12/state.json")).unwrap().set_len(3).unwrap();
+        assert_eq!(resume_point(run).unwrap_err().to_string().contains("no complete checkpoint left"), true);
+        assert!(run.join("checkpoints/12.corrupt.2/state.json").is_file() && run.join("checkpoints/8.corrupt").is_dir());
+    }
+
+    #[test]
+    fn only_corrupt_checkpoints_give_a_clear_error_and_none_is_not_an_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        assert!(resume_point(tmp.path()).unwrap().is_none());
+        let dir = save_at(tmp.path(), 3, 2);
+        std::fs::write(dir.join("model.safetensors"), b"").unwrap();
+        let err = resume_point(tmp.path()).unwrap_err().to_string();
+        assert!(err.contains("no complete checkpoint left") && err.contains("checkpoints/3") && err.contains("3.corrupt"), "{err}");
+    }
+
+    #[test]
+    fn checkpoints_without_hashes_still_load_and_truncated_ones_are_caught() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = save_at(tmp.path(), 5, 2);
+        // As written before the hashes existed.
+        std::fs::write(dir.join("state.json"), r#"{"step": 5, "tokens": 50, "elapsed_s": 1.0}"#).unwrap();
+        assert_eq!(verify(&dir), Ok(()));
+        assert_eq!(resume_point(tmp.path()).unwrap().unwrap().0, 5);
+        let (vs, mut opt) = model(0.0);
+        assert_eq!(load(&dir, &vs, &mut opt).unwrap().step, 5);
+        let p = dir.join("optimizer.safetensors");
+        let len = std::fs::metadata(&p).unwrap().len();
+        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(len - 4).unwrap();
+        assert!(verify(&dir).unwrap_err().contains("not a complete safetensors file"));
+    }
+
+    #[test]
+    fn leftovers_are_removed_at_start_and_a_failed_write_leaves_nothing_behind() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path();
+        save_at(run, 2, 2);
+        std::fs::create_dir_all(run.join("checkpoints/.tmp-4")).unwrap();
+        std::fs::write(run.join("checkpoints/.tmp-4/model.safetensors"), b"half").unwrap();
+        assert_eq!(resume_point(run).unwrap().unwrap().0, 2);
+        assert!(!run.join("checkpoints/.tmp-4").exists());
+
+        // A full disk in the middle of writing step 4 (injected; lib tests run on one thread).
+        std::env::set_var("ATTNLAB_FAULT_INJECT", "enospc-checkpoint=4");
+        let (vs, opt) = model(4.0);
+        let err = save(run, &vs, &opt, &State { step: 4, tokens: 0, elapsed_s: 0.0 }, 2);
+        std::env::remove_var("ATTNLAB_FAULT_INJECT");
+        let err = err.unwrap_err().to_string();
+        assert!(err.contains("No space left on device") && err.contains("checkpoints/4") && err.contains("last complete checkpoint is step 2"), "{err}");
+        let names: Vec<String> = std::fs::read_dir(run.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        assert_eq!(names, ["2"]);
+        assert_eq!(verify(&run.join("checkpoints/2")), Ok(()));
+    }
 }

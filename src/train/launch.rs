@@ -23,6 +23,25 @@ pub fn device_names(list: &[String]) -> Result<Vec<String>> {
         .collect()
 }
 
+/// Make `cmd`'s child get SIGTERM when the thread that spawns it (and waits for it) ends, which
+/// is when this process dies (the data-parallel launcher and `attnlab sweep` use it).
+pub fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: getpid before the fork; prctl, getppid and _exit are async-signal-safe, as
+    // pre_exec requires.
+    let parent = unsafe { libc::getpid() };
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            // The parent died between fork and prctl: the signal will never come.
+            if libc::getppid() != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+}
+
 /// A free TCP port on loopback for rank 0's store (the kernel picks it; released at once).
 fn free_port() -> Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| Error::Other(format!("no free port for the rendezvous: {e}")))?;
@@ -33,6 +52,10 @@ fn free_port() -> Result<u16> {
 /// set (and CUDA_VISIBLE_DEVICES pinning each GPU worker to its GPU), until all succeed or one fails.
 /// `run_dir` is named in the failure message with its newest complete checkpoint.
 pub fn launch(exe: &Path, args: &[std::ffi::OsString], devices: &[String], run_dir: Option<&Path>) -> Result<()> {
+    // Rank 0 takes the run directory's lock; refuse before starting any worker when it is taken.
+    if let Some(holder) = run_dir.and_then(super::lock::holder) {
+        return Err(super::lock::busy(run_dir.expect("checked"), holder));
+    }
     let port = free_port()?;
     let world = devices.len();
     // A GPU index means the parent's numbering: map it through the parent's CUDA_VISIBLE_DEVICES.
@@ -56,14 +79,7 @@ pub fn launch(exe: &Path, args: &[std::ffi::OsString], devices: &[String], run_d
         }
         // A worker must not outlive the launcher (killed by `timeout`, the batch system or a
         // crash): the kernel sends it SIGTERM when the launcher dies.
-        // SAFETY: prctl is async-signal-safe, as pre_exec requires.
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-                Ok(())
-            });
-        }
+        die_with_parent(&mut cmd);
         match cmd.spawn() {
             Ok(c) => children.push((rank, dev.clone(), c)),
             Err(e) => {
@@ -127,5 +143,37 @@ fn stop_all(children: &mut [(usize, String, Child)]) {
         }
         let _ = c.2.kill();
         let _ = c.2.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The child of a thread that ends gets SIGTERM (PR_SET_PDEATHSIG fires when the spawning
+    /// thread ends; a process's death ends all its threads), so no worker outlives its launcher.
+    #[test]
+    fn a_child_gets_sigterm_when_its_spawning_thread_ends() {
+        use std::os::unix::process::ExitStatusExt;
+        let mut child = std::thread::spawn(|| {
+            let mut cmd = Command::new("sleep");
+            cmd.arg("30");
+            die_with_parent(&mut cmd);
+            cmd.spawn().unwrap()
+        })
+        .join()
+        .unwrap();
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if t.elapsed() > Duration::from_secs(10) {
+                child.kill().unwrap();
+                panic!("the child outlived the thread that started it");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(status.signal(), Some(libc::SIGTERM));
     }
 }

@@ -3,8 +3,11 @@
 //! complete checkpoint; a finished run is never overwritten; a different config is refused.
 pub mod checkpoint;
 pub mod distributed;
+pub mod fault;
 pub mod launch;
+pub mod lock;
 pub mod lora;
+pub mod metrics;
 pub mod optim;
 pub mod run;
 pub mod stages;
@@ -13,7 +16,7 @@ use crate::data::{shards, Batcher, TokenStream};
 use crate::eval::perplexity::{self, CorpusResult, EvalCorpus};
 use crate::model::Model;
 use crate::spec::{Precision, Spec};
-use crate::{Error, IoContext, Result};
+use crate::{Error, Result};
 use optim::{AdamW, Hyper};
 use run::RunDir;
 use serde_json::{json, Map, Value};
@@ -92,6 +95,9 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
         let eval = dir.read_eval().unwrap_or_default();
         return Ok(Outcome { dir: dir.path.clone(), step: spec.steps(), eval, already_done: true, tokens_per_s: 0.0 });
     }
+    // Rank 0 (holding the lock) clears leftovers and sets corrupt checkpoints aside before the
+    // other ranks pass the barrier below and look for the same checkpoint.
+    let resume = if rank0 { checkpoint::resume_point(&dir.path)? } else { None };
     let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
     let autocast = use_autocast(&spec, device)?;
     let (mut comm, dog) = match &opts.dist {
@@ -125,7 +131,8 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
     let mut opt = AdamW::new(params, hyper);
 
     let mut state = checkpoint::State { step: 0, tokens: 0, elapsed_s: 0.0 };
-    if let Some((step, path)) = checkpoint::list(&dir.path).pop() {
+    let resume = if rank0 { resume } else { checkpoint::list(&dir.path).pop() };
+    if let Some((step, path)) = resume {
         state = checkpoint::load(&path, &vs, &mut opt)?;
         if !quiet {
             eprintln!("resuming {} from step {step}", dir.path.display());
@@ -312,11 +319,8 @@ impl RunDir {
         self.path.join("metrics.jsonl")
     }
 
-    /// Append one JSON object as a line of metrics.jsonl (flushed at once: nothing lost on a crash).
+    /// Append one JSON object as a line of metrics.jsonl (one write: see `metrics::append`).
     pub fn append_metrics(&self, row: &Map<String, Value>) -> Result<()> {
-        use std::io::Write;
-        let p = self.metrics_path();
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&p).at(&p)?;
-        writeln!(f, "{}", Value::Object(row.clone())).at(&p)
+        metrics::append(&self.metrics_path(), row)
     }
 }

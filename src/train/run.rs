@@ -57,6 +57,8 @@ impl RunDir {
     pub fn prepare(spec: &Spec) -> Result<RunDir> {
         let path = spec.output.clone().ok_or_else(|| Error::Spec { file: "spec".into(), key: "output".into(), line: None, msg: "no run directory: set `output:` or pass --out".into() })?;
         std::fs::create_dir_all(&path).at(&path)?;
+        // One writer at a time, from before the first write to the end of the process.
+        super::lock::hold(&path)?;
         let cfg = path.join("config.yaml");
         let yaml = spec.to_yaml();
         if cfg.is_file() {
@@ -129,10 +131,14 @@ pub fn load(run: &Path, step: Option<u64>, device: Option<&str>) -> Result<Loade
     let spec = crate::spec::from_str(&text, &cfg.display().to_string(), &[])?;
     let tok = Tok::load(spec.data.tokenizer.as_ref().expect("resolved"))?;
     let device = crate::device::parse_device(device.unwrap_or(spec.train.device.as_deref().unwrap_or("auto")))?;
-    let ckpts = checkpoint::list(run);
+    // Read-only: no lock, and a corrupt checkpoint is skipped (with a warning), not renamed.
     let (step, dir) = match step {
-        Some(s) => ckpts.into_iter().find(|c| c.0 == s).ok_or_else(|| Error::Run { dir: run.into(), msg: format!("has no complete checkpoint for step {s}") })?,
-        None => ckpts.into_iter().last().ok_or_else(|| Error::Run { dir: run.into(), msg: "has no complete checkpoint".into() })?,
+        Some(s) => {
+            let c = checkpoint::list(run).into_iter().find(|c| c.0 == s).ok_or_else(|| Error::Run { dir: run.into(), msg: format!("has no complete checkpoint for step {s}") })?;
+            checkpoint::verify(&c.1).map_err(|why| Error::Run { dir: run.into(), msg: format!("checkpoint {} is corrupt: {why}", c.1.display()) })?;
+            c
+        }
+        None => checkpoint::newest_verified(run)?.ok_or_else(|| Error::Run { dir: run.into(), msg: "has no complete checkpoint".into() })?,
     };
     let vs = VarStore::new(device);
     let model = build_model(&spec, &vs);

@@ -91,7 +91,7 @@ pub fn run(dir: &RunDir, vs: &VarStore, plan: &Plan, task: &mut impl StagedTask)
     let total = plan.total();
     let mut state = State { step: 0, tokens: 0, elapsed_s: 0.0 };
     let mut current: Option<(usize, AdamW)> = None;
-    match checkpoint::list(&dir.path).pop() {
+    match checkpoint::resume_point(&dir.path)? {
         Some((step, path)) => {
             match plan.stage_of(step) {
                 // Mid-stage: weights, this stage's moments and its own update count.
@@ -188,6 +188,8 @@ pub fn step_items<T>(items: &[T], step: u64, b: usize, seed: u64, stage: u64) ->
 /// device) is refused.
 pub fn prepare_dir<S: PartialEq + Clone + Serialize + DeserializeOwned>(path: &Path, spec: &S, normalize: impl Fn(&mut S), what: &str) -> Result<RunDir> {
     std::fs::create_dir_all(path).map_err(|e| Error::io(path, e))?;
+    // One writer at a time, from before the first write to the end of the process.
+    super::lock::hold(path)?;
     let cfg = path.join("config.yaml");
     if cfg.is_file() {
         let text = std::fs::read_to_string(&cfg).map_err(|e| Error::io(&cfg, e))?;
