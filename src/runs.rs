@@ -128,7 +128,9 @@ pub fn inspect(dir: &Path) -> Result<RunInfo> {
 
 /// The headline numbers of an eval.json.
 fn final_metrics(command: Command, e: &Value) -> Vec<(String, f64)> {
-    let pick = |pairs: &[(&str, &str, &str)]| pairs.iter().filter_map(|(name, a, b)| e[a][b].as_f64().map(|v| (name.to_string(), v))).collect();
+    let pick = |pairs: &[(&str, &str, &str)]| -> Vec<(String, f64)> {
+        pairs.iter().filter_map(|(name, a, b)| e[a][b].as_f64().map(|v| (name.to_string(), v))).collect()
+    };
     match command {
         Command::Train => e["corpora"]
             .as_object()
@@ -192,7 +194,7 @@ pub fn table(root: &Path, runs: &[RunInfo]) -> String {
     let rows: Vec<Vec<String>> = runs
         .iter()
         .map(|r| {
-            let rel = r.dir.strip_prefix(root).ok().filter(|p| !p.as_os_str().is_empty()).unwrap_or(&r.dir);
+            let rel = r.dir.strip_prefix(root).ok().filter(|p| !p.as_os_str().is_empty()).unwrap_or(r.dir.as_path());
             let step = match (r.step, r.steps) {
                 (Some(s), Some(t)) => format!("{s}/{t}"),
                 (Some(s), None) => s.to_string(),

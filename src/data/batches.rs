@@ -104,8 +104,8 @@ mod tests {
         let mut b = Batcher::sequential(Arc::new(Counting(100)), 4, 3, 8).unwrap();
         let (x, y) = b.micro_batch(1, 1, 4, 2);
         // Step 1 of batch 4, second micro-batch of 2: global samples 6, 7 → stream samples 9, 10.
-        assert_eq!(Vec::<i64>::try_from(x.flatten(0, -1)).unwrap(), [45, 46, 47, 48, 50, 51, 52, 53]);
-        assert_eq!(Vec::<i64>::try_from(y.flatten(0, -1)).unwrap(), [46, 47, 48, 49, 51, 52, 53, 54]);
+        assert_eq!(Vec::<i64>::try_from(&x.flatten(0, -1)).unwrap(), [45, 46, 47, 48, 50, 51, 52, 53]);
+        assert_eq!(Vec::<i64>::try_from(&y.flatten(0, -1)).unwrap(), [46, 47, 48, 49, 51, 52, 53, 54]);
         let e = Batcher::sequential(Arc::new(Counting(100)), 4, 3, 18).err().unwrap().to_string();
         assert!(e.contains("holds 20 samples") && e.contains("start_sample 3 + 18"), "{e}");
     }

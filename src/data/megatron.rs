@@ -350,7 +350,7 @@ mod tests {
         let want = expected();
         for set in want["datasets"].as_array().unwrap() {
             let prefix = set["prefix"].as_str().unwrap();
-            let d = MegatronData::open(&[fixture(&format!("{prefix}.bin"))], Some(&fixture(&format!("{prefix}.idx"))), None).unwrap();
+            let d = MegatronData::open(&[fixture(&format!("{prefix}.bin"))], Some(fixture(&format!("{prefix}.idx")).as_path()), None).unwrap();
             assert_eq!(d.dtype.code() as u64, set["dtype_code"].as_u64().unwrap(), "{prefix}");
             let docs = set["documents"].as_array().unwrap();
             let idx = d.index.as_ref().unwrap();
@@ -402,7 +402,7 @@ mod tests {
         let try_idx = |bytes: Vec<u8>| {
             let p = dir.path().join("x.idx");
             std::fs::write(&p, bytes).unwrap();
-            MegatronData::open(&[bin.clone()], Some(&p), None).err().map(|e| e.to_string()).unwrap_or_default()
+            MegatronData::open(&[bin.clone()], Some(p.as_path()), None).err().map(|e| e.to_string()).unwrap_or_default()
         };
         let mut magic = idx.clone();
         magic[0] = b'X';
@@ -426,10 +426,10 @@ mod tests {
         let bytes = std::fs::read(&bin).unwrap();
         let short = dir.path().join("short.bin");
         std::fs::write(&short, &bytes[..bytes.len() - 2]).unwrap();
-        let e = MegatronData::open(&[short], Some(&fixture(&format!("{prefix}.idx"))), None).err().unwrap().to_string();
+        let e = MegatronData::open(&[short], Some(fixture(&format!("{prefix}.idx")).as_path()), None).err().unwrap().to_string();
         assert!(e.contains("short.bin") && e.contains("shorter than its index"), "{e}");
         // A dtype in the spec that contradicts the header.
-        let e = MegatronData::open(&[bin.clone()], Some(&fixture(&format!("{prefix}.idx"))), Some(DType::I64)).err().unwrap().to_string();
+        let e = MegatronData::open(&[bin.clone()], Some(fixture(&format!("{prefix}.idx")).as_path()), Some(DType::I64)).err().unwrap().to_string();
         assert!(e.contains("header says"), "{e}");
     }
 }
