@@ -186,6 +186,23 @@ mod tests {
     }
 
     #[test]
+    fn errors_in_an_inherited_spec_name_the_file_and_line_that_set_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("root.yaml"), "data: {train: {synthetic: {docs: 10}}}\ntrain: {steps: 5}\nattention:\n  kind: dar\n  d_down: 0\n").unwrap();
+        std::fs::write(dir.path().join("leaf.yaml"), "base: root.yaml\ntrain: {steps: 2}\n").unwrap();
+        let e = crate::spec::load(&dir.path().join("leaf.yaml"), &[]).unwrap_err().to_string();
+        assert!(e.contains("root.yaml: `attention.d_down` (line 5)"), "{e}");
+        // Fixed in the inheriting file: the merged spec resolves, and records no `base`.
+        std::fs::write(dir.path().join("leaf.yaml"), "base: root.yaml\ntrain: {steps: 2}\nattention: {d_down: 8}\n").unwrap();
+        let s = crate::spec::load(&dir.path().join("leaf.yaml"), &["train.seed=7".into()]).unwrap();
+        assert_eq!((s.steps(), s.d_down(), s.seed()), (2, 8, 7));
+        // An unknown key anywhere in the chain is a schema error naming the chain.
+        std::fs::write(dir.path().join("leaf.yaml"), "base: root.yaml\nmodel: {colour: red}\n").unwrap();
+        let e = crate::spec::load(&dir.path().join("leaf.yaml"), &[]).unwrap_err().to_string();
+        assert!(e.contains("leaf.yaml (base ") && e.contains("colour"), "{e}");
+    }
+
+    #[test]
     fn cycles_and_missing_bases_name_both_files() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("a.yaml"), "base: b.yaml\ntrain: {steps: 1}\n").unwrap();
