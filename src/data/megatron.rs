@@ -217,6 +217,9 @@ impl MegatronData {
     /// agree with the header, when given).
     pub fn open(bin: &[PathBuf], idx: Option<&Path>, dtype: Option<DType>) -> Result<MegatronData> {
         let pieces = Pieces::open(bin)?;
+        if let Some(i) = pieces.maps.iter().position(|m| m.len() >= MAGIC.len() && &m[..MAGIC.len()] == MAGIC) {
+            return Err(Error::Data(format!("{}: a Megatron index (.idx), not token data; name it as `idx` and its .bin as `bin`", pieces.files[i].display())));
+        }
         let index = idx.map(Index::open).transpose()?;
         let dtype = match (&index, dtype) {
             (Some(i), Some(d)) if i.dtype != d => {
@@ -428,6 +431,9 @@ mod tests {
         std::fs::write(&short, &bytes[..bytes.len() - 2]).unwrap();
         let e = MegatronData::open(&[short], Some(fixture(&format!("{prefix}.idx")).as_path()), None).err().unwrap().to_string();
         assert!(e.contains("short.bin") && e.contains("shorter than its index"), "{e}");
+        // An index given as data.
+        let e = MegatronData::open(&[fixture(&format!("{prefix}.idx"))], None, None).err().unwrap().to_string();
+        assert!(e.contains("a Megatron index (.idx), not token data"), "{e}");
         // A dtype in the spec that contradicts the header.
         let e = MegatronData::open(&[bin.clone()], Some(fixture(&format!("{prefix}.idx")).as_path()), Some(DType::I64)).err().unwrap().to_string();
         assert!(e.contains("header says"), "{e}");
