@@ -1,5 +1,5 @@
 # attnlab set-up and everyday commands. Everything builds in release mode (GPU.md §8: one cold
-# release build is ~22 min on 2 cores; tests reuse it).
+# release build is ~32 min on 2 cores, measured from a fresh clone; tests reuse it).
 .PHONY: demo test setup build gpu-bin fixture clean-results
 
 setup:

@@ -16,6 +16,7 @@ pub mod model;
 pub mod progress;
 #[cfg(feature = "analysis")]
 pub mod report;
+pub mod runs;
 pub mod spec;
 pub mod sweep;
 pub mod train;

@@ -299,6 +299,11 @@ enum Cmd {
         #[command(flatten)]
         spec: SpecArgs,
     },
+    /// List the run directories below RESULTS (recursively): command, status (done / partial / new),
+    /// step, last loss and final metrics, as a table.
+    Runs {
+        results: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -411,7 +416,7 @@ fn run(cli: Cli) -> Result<()> {
                 println!("linearized {} to step {}", o.dir.display(), o.step);
             }
             if !o.eval.is_null() {
-                println!("{}", serde_json::to_string_pretty(&o.eval)?);
+                print!("{}", attnlab::runs::linearize_summary(&o.dir, &o.eval));
             }
         }
         Cmd::Finetune { run: StagedArgs { spec, sets, out, stop_after, quiet } } => {
@@ -427,7 +432,7 @@ fn run(cli: Cli) -> Result<()> {
                 println!("fine-tuned {} to step {}", o.dir.display(), o.step);
             }
             if !o.eval.is_null() {
-                println!("{}", serde_json::to_string_pretty(&o.eval)?);
+                print!("{}", attnlab::runs::finetune_summary(&o.dir, &o.eval));
             }
         }
         Cmd::Compare { spec, kinds, quiet } => {
@@ -659,7 +664,11 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
-        Cmd::Config { spec } => print!("{}", load_spec(&spec)?.to_yaml()),
+        Cmd::Config { spec } => match spec.spec.as_deref().map(|p| spec::staged_config_yaml(p, &spec.sets)).transpose()?.flatten() {
+            Some(staged) => print!("{staged}"),
+            None => print!("{}", load_spec(&spec)?.to_yaml()),
+        },
+        Cmd::Runs { results } => print!("{}", attnlab::runs::table(&results, &attnlab::runs::list(&results)?)),
         Cmd::Sweep { file, dry_run, gpus, max_parallel, emit, sets, out, gpus_per_run, nodes } => {
             if (gpus_per_run > 1 || nodes > 1) && emit.is_none() {
                 bail!("--gpus-per-run / --nodes shape the runs of an emitted batch script (--emit slurm); a local sweep runs one GPU per run (or `attnlab train --gpus` for one data-parallel run)");

@@ -509,3 +509,51 @@ fn fault_test_script_passes() {
     assert!(out.status.success(), "fault test failed (exit {:?})\nstdout:\n{so}\nstderr:\n{se}", out.status.code());
     assert!(so.contains("all fault checks passed"), "{so}");
 }
+
+/// Issue 17: a spec that inherits (`base:`) trains a tiny model on megatron-core's fixture, read
+/// with its index and as a flat `.bin` (the same stream, so the same losses) from a start sample;
+/// `attnlab config` prints the merged spec, config.yaml has no `base:`, `attnlab runs` lists the
+/// runs with their status, and a bad start sample or a bad base is a clear error.
+#[test]
+fn megatron_source_inherited_spec_and_runs_table() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/megatron");
+    std::fs::create_dir(cwd.join("common")).unwrap();
+    // ids < 1000: the builtin tokenizer names the run's tokenizer, model.vocab the embedding rows.
+    std::fs::write(
+        cwd.join("common/base.yaml"),
+        format!(
+            "model: {{flavor: tiny, vocab: 1024}}\nattention: {{kind: dar, d_down: 16, window: 4}}\ndata:\n  tokenizer: builtin\n  seq_len: 8\n  train: {{megatron: {{bin: {}, idx: {}, start_sample: 2}}}}\ntrain: {{steps: 4, batch_size: 2, device: cpu, log_every: 1}}\n",
+            fx.join("pythia_u16.bin").display(),
+            fx.join("pythia_u16.idx").display()
+        ),
+    )
+    .unwrap();
+    std::fs::write(cwd.join("idx.yaml"), "base: common/base.yaml\ntrain: {steps: 3}\noutput: runs/idx\n").unwrap();
+    std::fs::write(cwd.join("flat.yaml"), "base: idx.yaml\ndata: {train: {megatron: {idx: null}}}\noutput: runs/flat\n").unwrap();
+    let merged = ok(&attnlab(&["config", "flat.yaml"], cwd));
+    let top_base = |y: &str| y.lines().any(|l| l.starts_with("base:"));
+    assert!(!top_base(&merged) && !merged.contains("idx:") && merged.contains("steps: 3") && merged.contains("start_sample: 2") && merged.contains("d_down: 16"), "{merged}");
+    ok(&attnlab(&["train", "idx.yaml", "--quiet"], cwd));
+    ok(&attnlab(&["train", "flat.yaml", "--quiet"], cwd));
+    let (a, b) = (losses(&cwd.join("runs/idx")), losses(&cwd.join("runs/flat")));
+    assert_eq!(a.len(), 3);
+    assert_eq!(a, b, "index and flat reading give other batches");
+    let cfg = std::fs::read_to_string(cwd.join("runs/idx/config.yaml")).unwrap();
+    assert!(!top_base(&cfg) && cfg.contains("megatron:") && cfg.contains("steps: 3"), "{cfg}");
+    // Another start sample: other data, other losses.
+    ok(&attnlab(&["train", "idx.yaml", "--quiet", "--set", "data.train.megatron.start_sample=5", "--out", "runs/later", "--stop-after", "2"], cwd));
+    assert_ne!(losses(&cwd.join("runs/later"))[&1], a[&1]);
+    let table = ok(&attnlab(&["runs", "runs"], cwd));
+    let line = |name: &str| table.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name} row:\n{table}")).split_whitespace().collect::<Vec<_>>()[..4].join(" ");
+    assert_eq!(line("idx"), "idx train done 3/3", "{table}");
+    assert_eq!(line("later"), "later train partial 2/3", "{table}");
+    // The fixture holds 14 samples of 9 tokens: starting at 12, 6 more do not fit.
+    let err = fails(&attnlab(&["train", "idx.yaml", "--set", "data.train.megatron.start_sample=12", "--out", "runs/x"], cwd));
+    assert!(err.contains("holds 14 samples") && err.contains("start_sample 12 + 6"), "{err}");
+    std::fs::write(cwd.join("loop.yaml"), "base: loop2.yaml\n").unwrap();
+    std::fs::write(cwd.join("loop2.yaml"), "base: loop.yaml\n").unwrap();
+    let err = fails(&attnlab(&["config", "loop.yaml"], cwd));
+    assert!(err.contains("loop2.yaml: `base`") && err.contains("cycle"), "{err}");
+}

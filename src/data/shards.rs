@@ -160,6 +160,15 @@ impl TokenStream {
     }
 }
 
+impl super::batches::TokenSource for TokenStream {
+    fn len(&self) -> usize {
+        TokenStream::len(self)
+    }
+    fn read(&self, start: usize, n: usize, out: &mut Vec<i64>) {
+        TokenStream::read(self, start, n, out)
+    }
+}
+
 /// Shards for a training source: a prepared directory as is, otherwise tokenized once into
 /// `cache/<hash of source + tokenizer>/` and reused by every later run.
 pub fn ensure_prepared(src: &crate::spec::SourceSpec, tok: &Tok, cache: &Path, quiet: bool) -> Result<PathBuf> {

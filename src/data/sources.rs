@@ -28,6 +28,7 @@ pub fn read_documents(src: &SourceSpec) -> Result<Vec<Doc>> {
         SourceSpec::Local(l) => read_local(l),
         SourceSpec::Needles { needles } => Ok(super::needles::documents(needles)?.into_iter().map(Doc::plain).collect()),
         SourceSpec::Mix { mix } => Ok(mix.iter().map(read_documents).collect::<Result<Vec<_>>>()?.concat()),
+        SourceSpec::Megatron { megatron } => Err(Error::Data(format!("megatron source {}: token ids, not text documents; use it as data.train", megatron.bin.join(" + ")))),
         SourceSpec::Hub { hf } => {
             let mut docs = Vec::new();
             for f in &hf.files {

@@ -122,6 +122,7 @@ fn source_words(src: &SourceSpec) -> String {
         SourceSpec::Synthetic { synthetic } => format!("synthetic (seed {}, {} docs)", synthetic.seed, synthetic.docs),
         SourceSpec::Needles { needles } => format!("{} RULER-format needle documents ({})", needles.docs, needles.tasks.join(", ")),
         SourceSpec::Mix { mix } => mix.iter().map(source_words).collect::<Vec<_>>().join(" + "),
+        SourceSpec::Megatron { megatron } => format!("Megatron tokens {}{}", megatron.hf.as_ref().map(|r| format!("hf `{r}` ")).unwrap_or_default(), megatron.bin.join(" + ")),
     }
 }
 

@@ -2,32 +2,57 @@
 //! `checkpoint`, `output`. Loading = parse (unknown keys rejected with serde's line/column) →
 //! `--set` overrides → resolve defaults (pythia.md) → validate (errors name the key path and the
 //! line in the file where it is known). The resolved spec is what a run directory records.
+//! A spec file may inherit another with `base: other.yaml` (`base`; merged before the overrides).
+pub mod base;
 mod lines;
+mod megatron;
 mod overrides;
 mod schema;
 
+pub use megatron::MegatronSource;
 pub use overrides::apply_override;
 pub use schema::*;
 
 use crate::{Error, Result};
 use std::path::Path;
 
-/// A YAML file deserialized as `T` after `--set key=value` overrides (values are YAML): the loader of
-/// the specs that have no resolve/validate step of their own (`linearize`, `finetune`).
+/// A YAML file (with its `base:` chain merged) deserialized as `T` after `--set key=value` overrides
+/// (values are YAML): the loader of the specs that have no resolve/validate step of their own
+/// (`linearize`, `finetune`).
 pub fn read_with_overrides<T: serde::de::DeserializeOwned>(path: &Path, sets: &[String]) -> Result<T> {
-    let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let mut value: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| Error::Schema { file: file.clone(), msg: e.to_string() })?;
+    let tree = base::read_tree(path)?;
+    let file = tree.origin();
+    let mut value = tree.value.clone();
     for s in sets {
         apply_override(&mut value, s).map_err(|msg| Error::Spec { file: file.clone(), key: s.split('=').next().unwrap_or("").to_string(), line: None, msg })?;
     }
-    serde_yaml::from_value(value).map_err(|e| Error::Schema { file, msg: e.to_string() })
+    serde_yaml::from_value(value).map_err(|e| tree.relocate(Error::Schema { file, msg: e.to_string() }))
 }
 
-/// Load, override, resolve and validate a spec file.
+/// Load (merging `base:` files), override, resolve and validate a spec file.
 pub fn load(path: &Path, sets: &[String]) -> Result<Spec> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    from_str(&text, &path.display().to_string(), sets)
+    let tree = base::read_tree(path)?;
+    if tree.is_single() {
+        // No inheritance: parse the file's own text, so that errors carry its lines and columns.
+        return from_str(&tree.layers[0].text, &path.display().to_string(), sets);
+    }
+    let text = serde_yaml::to_string(&tree.value).map_err(|e| Error::Schema { file: tree.origin(), msg: e.to_string() })?;
+    from_str(&text, &tree.origin(), sets).map_err(|e| tree.relocate(e))
+}
+
+/// `attnlab config` for the staged commands: a linearize spec (`teacher:`) or a finetune spec (a
+/// `base:` model) merged, overridden and resolved as that command records it in config.yaml;
+/// `None` for a train spec.
+pub fn staged_config_yaml(path: &Path, sets: &[String]) -> Result<Option<String>> {
+    fn yaml<T: serde::Serialize>(path: &Path, v: &T) -> Result<String> {
+        serde_yaml::to_string(v).map_err(|e| Error::Other(format!("{}: {e}", path.display())))
+    }
+    use crate::runs::Command;
+    Ok(match Command::of_config(&base::read_tree(path)?.value) {
+        Command::Train => None,
+        Command::Linearize => Some(yaml(path, &read_with_overrides::<crate::linearize::LinearizeSpec>(path, sets)?.resolved())?),
+        Command::Finetune => Some(yaml(path, &read_with_overrides::<crate::finetune::FinetuneSpec>(path, sets)?.resolved())?),
+    })
 }
 
 /// The built-in default experiment: a tiny model on the synthetic corpus (what the Quick start runs).

@@ -236,6 +236,8 @@ pub enum SourceSpec {
     Needles { needles: NeedleSpec },
     /// The documents of several sources (batches shuffle blocks, so they interleave in training).
     Mix { mix: Vec<SourceSpec> },
+    /// Token ids in Megatron's `.bin` (+ `.idx`) format, read in order (`data.train` only).
+    Megatron { megatron: super::megatron::MegatronSource },
 }
 
 impl SourceSpec {
@@ -268,10 +270,14 @@ impl SourceSpec {
                     return Err((".mix".into(), "lists no source".into()));
                 }
                 for (i, s) in mix.iter().enumerate() {
+                    if matches!(s, SourceSpec::Megatron { .. }) {
+                        return Err((format!(".mix[{i}]"), "a megatron source is already tokenized and in its order; it cannot be mixed".into()));
+                    }
                     s.check().map_err(|(k, m)| (format!(".mix[{i}]{k}"), m))?;
                 }
                 Ok(())
             }
+            SourceSpec::Megatron { megatron } => megatron.check(),
             _ => Ok(()),
         }
     }
@@ -632,6 +638,9 @@ impl Spec {
         for (name, src) in &self.data.eval {
             if name.is_empty() || name.contains('/') || name.contains('=') {
                 return bad(&format!("data.eval.{name}"), "corpus names must be non-empty and contain no '/' or '='".into());
+            }
+            if matches!(src, SourceSpec::Megatron { .. }) {
+                return bad(&format!("data.eval.{name}"), "a megatron source holds token ids, not text; it can only be data.train".into());
             }
             if let SourceSpec::Hub { hf } = src {
                 if hf.files.is_empty() {

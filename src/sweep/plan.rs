@@ -124,8 +124,11 @@ pub fn plan(file: &Path, sets: &[String], output: Option<&Path>) -> Result<Sweep
     // `base` is relative to the sweep file; every path inside specs stays relative to the current
     // directory (as for `attnlab train`).
     let base = file.parent().unwrap_or(Path::new("")).join(&sf.base);
-    let base_text = std::fs::read_to_string(&base).map_err(|e| bad(("base".into(), format!("cannot read {}: {e}", base.display()))))?;
-    let base_value: Value = serde_yaml::from_str(&base_text).map_err(|e| Error::Schema { file: base.display().to_string(), msg: e.to_string() })?;
+    if !base.is_file() {
+        return Err(bad(("base".into(), format!("cannot read {}: no such file", base.display()))));
+    }
+    // The base spec may itself inherit (`base:` in a spec file): merged here as `attnlab train` would.
+    let base_value: Value = crate::spec::base::read_tree(&base)?.value;
     let out_dir = output.map(Path::to_path_buf).unwrap_or_else(|| sf.output.clone());
     let linearize = base_value.get("teacher").is_some();
 

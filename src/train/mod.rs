@@ -12,7 +12,7 @@ pub mod optim;
 pub mod run;
 pub mod stages;
 
-use crate::data::{shards, Batcher, TokenStream};
+use crate::data::Batcher;
 use crate::eval::perplexity::{self, CorpusResult, EvalCorpus};
 use crate::model::Model;
 use crate::spec::{Precision, Spec};
@@ -22,7 +22,6 @@ use run::RunDir;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 use tch::{nn::VarStore, Device, Kind, Tensor};
 
@@ -107,7 +106,7 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
             // Rank 0 checks (or writes) config.yaml and tokenizes the corpus into the cache alone;
             // the others wait for it, then find the cache ready.
             if env.rank == 0 {
-                shards::ensure_prepared(&spec.data.train, &tok, spec.data.cache.as_ref().expect("resolved"), quiet)?;
+                crate::data::prepare_train(&spec.data.train, &tok, spec.data.cache.as_ref().expect("resolved"), quiet)?;
             }
             comm.barrier()?;
             (Some(comm), Some(distributed::Watchdog::start(env.rank, timeout)))
@@ -145,7 +144,6 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
             tch::no_grad(|| comm.broadcast(&mut t.shallow_clone(), 0))?;
         }
     }
-    let stream = Arc::new(TokenStream::open(&shards::ensure_prepared(&spec.data.train, &tok, spec.data.cache.as_ref().expect("resolved"), quiet)?)?);
     let corpora = load_eval_corpora(&spec, &tok)?;
     let (steps, batch, accum, seq) = (spec.steps(), spec.batch_size(), spec.grad_accum(), spec.seq_len());
     let end = opts.stop_after.map_or(steps, |s| s.min(steps));
@@ -153,7 +151,8 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
     let (rank, world) = opts.dist.as_ref().map_or((0, 1), |d| (d.rank, d.world));
     let micros = distributed::rank_micro_batches(batch, accum, rank, world)?;
     let per_step = micros.len();
-    let batches = prefetch(Batcher::new(stream, seq, spec.seed())?, state.step, end, batch, micros);
+    let batcher = crate::data::train_batcher(&spec.data.train, &tok, spec.data.cache.as_ref().expect("resolved"), seq, spec.seed(), steps * batch as u64, quiet)?;
+    let batches = prefetch(batcher, state.step, end, batch, micros);
 
     let tokens_per_step = (batch * seq) as u64;
     let lr_max = spec.train.lr.expect("resolved");
