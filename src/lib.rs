@@ -18,6 +18,7 @@ pub mod progress;
 pub mod report;
 pub mod spec;
 pub mod sweep;
+pub mod tensorboard;
 pub mod train;
 pub mod util;
 

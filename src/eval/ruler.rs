@@ -285,6 +285,33 @@ pub fn evaluate(
     device: tch::Device,
     quiet: bool,
 ) -> crate::Result<Vec<Cell>> {
+    Ok(evaluate_records(model, tok, name, lengths, samples, essay, max_new, device, quiet)?.0)
+}
+
+/// One scored sample (for lm-eval's per-sample file).
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub length: usize,
+    pub index: usize,
+    pub sample: Sample,
+    pub answer: String,
+    /// string_match_all, % (0 or 100 when there is one needle).
+    pub score: f64,
+}
+
+/// `evaluate`, with every sample's prompt, answer and score.
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate_records(
+    model: &crate::model::Model,
+    tok: &crate::data::Tok,
+    name: &str,
+    lengths: &[usize],
+    samples: usize,
+    essay: Option<&str>,
+    max_new: usize,
+    device: tch::Device,
+    quiet: bool,
+) -> crate::Result<(Vec<Cell>, Vec<Record>)> {
     let t = task(name).ok_or_else(|| crate::Error::Other(format!("unknown RULER task `{name}` (known: {})", TASKS.join(", "))))?;
     if t.haystack == Haystack::Essay && essay.is_none() {
         return Err(crate::Error::Other(format!("{name} needs the essay haystack: pass --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)")));
@@ -293,6 +320,7 @@ pub fn evaluate(
     let greedy = Greedy::new(model, tok, device);
     let count = |s: &str| tok.encode(s).map(|v| v.len()).unwrap_or(usize::MAX);
     let mut cells = Vec::new();
+    let mut records = Vec::new();
     for &len in lengths {
         let bar = crate::progress::bar(samples as u64, &format!("{name} @ {len}"), quiet);
         let (mut total, mut prompt_tokens) = (0.0, 0usize);
@@ -300,13 +328,15 @@ pub fn evaluate(
             let s = g.sized(&t, len, TOKENS_TO_GENERATE, &count, &mut rng(42, len, i));
             let (answer, n) = greedy.answer(&format!("{}{}", s.input, s.answer_prefix), max_new)?;
             prompt_tokens += n;
-            total += match_all(&answer, &s.outputs);
+            let score = match_all(&answer, &s.outputs);
+            total += score;
+            records.push(Record { length: len, index: i, sample: s, answer, score });
             bar.inc(1);
         }
         bar.finish_and_clear();
         cells.push(Cell { task: name.to_string(), length: len, samples, score: total / samples.max(1) as f64, mean_prompt_tokens: prompt_tokens as f64 / samples.max(1) as f64 });
     }
-    Ok(cells)
+    Ok((cells, records))
 }
 
 /// Greedy answers to text prompts: the tokenizer's BOS (if any) is prepended, as HF tokenizers do.

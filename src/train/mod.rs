@@ -312,9 +312,12 @@ impl RunDir {
         self.path.join("metrics.jsonl")
     }
 
-    /// Append one JSON object as a line of metrics.jsonl (flushed at once: nothing lost on a crash).
+    /// Append one JSON object as a line of metrics.jsonl (flushed at once: nothing lost on a crash),
+    /// and its scalars to the run's TensorBoard event file (crate::tensorboard; before the line, so
+    /// that a resumed process rebuilds the file from the rows of earlier sessions only).
     pub fn append_metrics(&self, row: &Map<String, Value>) -> Result<()> {
         use std::io::Write;
+        crate::tensorboard::log_row(&self.path, row);
         let p = self.metrics_path();
         let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&p).at(&p)?;
         writeln!(f, "{}", Value::Object(row.clone())).at(&p)
