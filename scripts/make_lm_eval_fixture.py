@@ -108,6 +108,18 @@ doc_to_target: "{{{{answer}}}}"
     for f in glob.glob(os.path.join(out, "**", "*.json*"), recursive=True):
         text = open(f).read().replace(tmp, "/tmp/lm_eval_fixture")
         open(os.path.join(OUT, os.path.basename(f)), "w").write(text)
+    # attnlab's JSON objects have sorted keys, so its doc_hash is lm-eval's hash of the doc with
+    # sorted keys: computed here with Python's json for every fixture sample.
+    import hashlib
+
+    sorted_hashes = {}
+    for f in sorted(glob.glob(os.path.join(OUT, "samples_*.jsonl"))):
+        for line in open(f):
+            s = json.loads(line)
+            text = json.dumps(s["doc"], indent=2, ensure_ascii=False, sort_keys=True)
+            sorted_hashes.setdefault(os.path.basename(f).split("_2")[0], []).append(hashlib.sha256(text.encode("utf-8")).hexdigest())
+    with open(os.path.join(OUT, "sorted_doc_hashes.json"), "w") as f:
+        json.dump(sorted_hashes, f, indent=1, sort_keys=True)
     print("lm-eval", getattr(lm_eval, "__version__", "?"), "wrote", sorted(os.listdir(OUT)))
 
 
