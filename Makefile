@@ -33,9 +33,9 @@ fixture:
 clean-results:
 	rm -rf results/tiny results/compare
 
-# The analysis notebook (notebooks/analysis.ipynb, paired with analysis.py), run headless on a fresh
-# smoke sweep (Table 1 smoke, evaluated every 10 steps, plus a 2-document downstream task on two
-# runs) in target/notebook/, with pandas / pyarrow / matplotlib / nbclient pinned in a virtual
+# The analysis notebook (notebooks/analysis.ipynb, paired with analysis.py), run headless on fresh
+# smoke results (vanilla / DAR / uniform of the smoke spec, 20 steps evaluated every 10, plus a
+# 2-document downstream task on two runs; about 2 CPU-minutes) in target/notebook/, with pandas / pyarrow / matplotlib / nbclient pinned in a virtual
 # environment under target/. A failing cell fails the target.
 NB_VENV := target/venv-notebook
 NB_OUT := target/notebook
@@ -48,8 +48,8 @@ $(NB_VENV)/.done:
 
 notebook: build $(NB_VENV)/.done
 	rm -rf $(NB_OUT)
-	./target/release/attnlab sweep sweeps/table1-smoke.yaml --out $(NB_OUT)/results --set eval.every=10 --max-parallel 2
-	for r in $(NB_OUT)/results/*vanilla* $(NB_OUT)/results/*-dar-d16-*; do \
+	./target/release/attnlab compare experiments/tiny-synthetic-smoke.yaml --out $(NB_OUT)/results --set train.steps=20 --set eval.every=10 --quiet
+	for r in $(NB_OUT)/results/vanilla $(NB_OUT)/results/dar; do \
 		./target/release/attnlab eval $$r --task hellaswag --data tests/fixtures/tasks/hellaswag --limit 2 > /dev/null || exit 1; done
 	./target/release/attnlab report $(NB_OUT)/results > /dev/null
 	ATTNLAB_RESULTS=$(NB_OUT)/results ATTNLAB_NOTEBOOK_OUT=$(NB_OUT) $(NB_VENV)/bin/python scripts/run_notebook.py

@@ -140,8 +140,10 @@ rel.tail()
 # width; Table 3: DAR at d_down = d_model / 4 over windows.
 
 # %%
-final = evals.pivot_table(index=[c for c in ["run", "kind", "d_model", "d_down", "window", "scale", "recipe", SEED] if c], columns="corpus", values="word_ppl", dropna=False).reset_index()
 corpora = sorted(evals["corpus"].unique())
+# One row per run: its word PPL per corpus beside its config (vanilla has no d_down / window).
+final = evals.pivot(index="run", columns="corpus", values="word_ppl").join(meta).reset_index()
+final.columns.name = None
 vkeys = ["scale", "recipe"] + ([SEED] if SEED else [])
 vanilla = final[final["kind"] == "vanilla"].groupby(vkeys)[corpora].mean()
 final["rel"] = final.apply(lambda r: 100 * np.mean([r[c] / vanilla.loc[tuple(r[k] for k in vkeys), c] for c in corpora]) if tuple(r[k] for k in vkeys) in vanilla.index else np.nan, axis=1)
@@ -152,7 +154,25 @@ table3 = final[(final["kind"] == "dar") & (final["d_model"] == width) & (final["
 print("Table 1 (bottleneck sweep):\n", table1.to_string(index=False), "\n")
 print("Table 2 (scaling, word PPL of", corpora[0], "):\n", table2.to_string(), "\n")
 print("Table 3 (windows):\n", table3.to_string(index=False))
-assert len(table1) > 0 and table1["rel"].notna().any(), "Table 1 has no Rel.% (no vanilla run?)"
+assert final["run"].is_unique and len(final) == evals["run"].nunique()
+assert len(table1) > 0 and table1.loc[table1["kind"] != "vanilla", "rel"].notna().all(), "Table 1 lacks Rel.% (no vanilla run of the same scale and recipe?)"
+assert (table1.loc[table1["kind"] == "vanilla", "rel"] == 100).all()
+
+# %% [markdown]
+# The same Rel.% as the report's own Tables 1 and 3 (`REPORT/tables/*.csv`, computed in Rust):
+
+# %%
+checked = 0
+for csv in sorted((REPORT / "tables").glob("table[13]-*.csv")):
+    t = pd.read_csv(csv)
+    ours = final.assign(name=final["run"].map(lambda r: Path(r).name)).set_index("name")["rel"]
+    for _, row in t.dropna(subset=["Rel.% (word)"]).iterrows():
+        name = Path(str(row["run"])).name
+        if name in ours.index:
+            assert abs(ours[name] - row["Rel.% (word)"]) < 1e-6, f"{csv.name} {name}: report {row['Rel.% (word)']} vs notebook {ours[name]}"
+            checked += 1
+print(f"{checked} Rel.% values agree with the report's tables")
+assert checked > 0 or not list((REPORT / "tables").glob("table1-*.csv"))
 
 # %% [markdown]
 # ## Downstream tasks (tasks/*.json)
@@ -161,5 +181,6 @@ assert len(table1) > 0 and table1["rel"].notna().any(), "Table 1 has no Rel.% (n
 if tasks.empty:
     print("no tasks/*.json below", RESULTS)
 else:
-    primary = tasks[tasks["primary"]].pivot_table(index=["run", "kind", "d_down"], columns="task", values="value", dropna=False)
+    primary = tasks[tasks["primary"]].pivot(index="run", columns="task", values="value").join(meta[["kind", "d_down", "window"]])
     print(primary.to_string())
+    assert primary.notna().any().any()

@@ -478,11 +478,11 @@ fn tensorboard_curve_survives_resume_and_eval_writes_lm_eval_files() {
     let cwd = tmp.path();
     let run = cwd.join("results/r");
     let args = |extra: &[&str]| -> Vec<String> {
-        let mut a: Vec<String> = ["train", "--quiet", "--out", run.to_str().unwrap(), "--set", "train.steps=12", "--set", "train.log_every=1", "--set", "checkpoint.every=4", "--set", "eval.every=6"]
+        let mut a: Vec<String> = ["train", "--quiet", "--out", run.to_str().unwrap(), "--set", "train.steps=8", "--set", "train.log_every=1", "--set", "checkpoint.every=4", "--set", "eval.every=6"]
             .iter()
             .map(|s| s.to_string())
             .collect();
-        a.extend(["--set", "train.device=cpu", "--set", "data.train.synthetic.docs=200"].map(String::from));
+        a.extend(["--set", "train.device=cpu", "--set", "data.train.synthetic.docs=200", "--set", "data.eval.synthetic.synthetic.docs=20"].map(String::from));
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     };
@@ -492,9 +492,9 @@ fn tensorboard_curve_survives_resume_and_eval_writes_lm_eval_files() {
     let events = run.join(FILE_NAME);
     let tb = read_scalars(&events).unwrap();
     let want: Vec<(i64, f64)> = losses(&run).into_iter().map(|(s, l)| (s as i64, l as f32 as f64)).collect();
-    assert_eq!(want.len(), 12);
+    assert_eq!(want.len(), 8);
     assert_eq!(tb["train/loss"], want, "one curve, each step once, metrics.jsonl's values");
-    assert_eq!(tb["eval/synthetic/ppl"].iter().map(|p| p.0).collect::<Vec<_>>(), [6, 12]);
+    assert_eq!(tb["eval/synthetic/ppl"].iter().map(|p| p.0).collect::<Vec<_>>(), [6, 8]);
     for tag in ["train/lr", "train/grad_norm", "train/tokens_per_s", "eval/synthetic/loss"] {
         assert!(tb.contains_key(tag), "{tag} missing: {:?}", tb.keys());
     }
