@@ -1,6 +1,6 @@
 # attnlab set-up and everyday commands. Everything builds in release mode (GPU.md §8: one cold
 # release build is ~32 min on 2 cores, measured from a fresh clone; tests reuse it).
-.PHONY: demo test setup build gpu-bin fixture clean-results
+.PHONY: demo test setup build gpu-bin fixture clean-results notebook
 
 setup:
 	@./scripts/setup-libtorch.sh
@@ -17,6 +17,7 @@ demo: build
 test: setup
 	cargo test --release --lib -- --test-threads=1
 	cargo test --release --test cli
+	$(MAKE) notebook
 
 # Lean training binary for the GPU host (no polars/plotters/hf-hub), stripped, in .gpu/.
 gpu-bin: setup
@@ -31,3 +32,24 @@ fixture:
 
 clean-results:
 	rm -rf results/tiny results/compare
+
+# The analysis notebook (notebooks/analysis.ipynb, paired with analysis.py), run headless on fresh
+# smoke results (vanilla / DAR / uniform of the smoke spec, 20 steps evaluated every 10, plus a
+# 2-document downstream task on two runs; about 2 CPU-minutes) in target/notebook/, with pandas / pyarrow / matplotlib / nbclient pinned in a virtual
+# environment under target/. A failing cell fails the target.
+NB_VENV := target/venv-notebook
+NB_OUT := target/notebook
+NB_PINS := pandas==3.1.1 pyarrow==26.0.1 numpy==2.4.6 matplotlib==3.11.2 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0 jupytext==1.19.6
+
+$(NB_VENV)/.done:
+	python3 -m venv $(NB_VENV)
+	$(NB_VENV)/bin/pip install -q $(NB_PINS)
+	touch $@
+
+notebook: build $(NB_VENV)/.done
+	rm -rf $(NB_OUT)
+	./target/release/attnlab compare experiments/tiny-synthetic-smoke.yaml --out $(NB_OUT)/results --set train.steps=20 --set eval.every=10 --quiet
+	for r in $(NB_OUT)/results/vanilla $(NB_OUT)/results/dar; do \
+		./target/release/attnlab eval $$r --task hellaswag --data tests/fixtures/tasks/hellaswag --limit 2 > /dev/null || exit 1; done
+	./target/release/attnlab report $(NB_OUT)/results > /dev/null
+	ATTNLAB_RESULTS=$(NB_OUT)/results ATTNLAB_NOTEBOOK_OUT=$(NB_OUT) $(NB_VENV)/bin/python scripts/run_notebook.py

@@ -19,6 +19,7 @@ pub mod report;
 pub mod runs;
 pub mod spec;
 pub mod sweep;
+pub mod tensorboard;
 pub mod train;
 pub mod util;
 

@@ -304,6 +304,13 @@ enum Cmd {
     Runs {
         results: PathBuf,
     },
+    /// (Re)write the TensorBoard event file (events.out.tfevents.attnlab) of every run directory at
+    /// or below each DIR from its metrics.jsonl, eval.json and tasks/*.json (train, finetune and
+    /// linearize write it as they log; this is for older runs). View: tensorboard --logdir DIR.
+    Tensorboard {
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -476,7 +483,10 @@ fn run(cli: Cli) -> Result<()> {
                 window: if vanilla { None } else { a.window.map(|x| x as usize) },
             };
             let path = tasks::write(&run, &result, &samples)?;
-            println!("{} at step {}: {} over {} documents ({}-shot) in {:.1}s → {}", run.display(), loaded.step, result.task, result.docs, result.num_fewshot, result.seconds, path.display());
+            let info = attnlab::eval::lm_eval::RunInfo { run: run.clone(), step: loaded.step, device: format!("{:?}", loaded.device), limit, seconds: result.seconds };
+            let lm = attnlab::eval::lm_eval::write(&info, &[attnlab::eval::lm_eval::downstream_task(&def, &result, &samples)])?;
+            attnlab::tensorboard::refresh(&run);
+            println!("{} at step {}: {} over {} documents ({}-shot) in {:.1}s → {} (lm-eval format: {})", run.display(), loaded.step, result.task, result.docs, result.num_fewshot, result.seconds, path.display(), lm.display());
             for (k, v) in &result.metrics {
                 println!("  {k:32} {v:.4}{}", if *k == result.primary_metric { "  (primary)" } else { "" });
             }
@@ -501,12 +511,17 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 let name = task.strip_prefix("ruler:").with_context(|| format!("--task `{task}`: want ruler:<task> or babilong:<task>"))?;
                 let max_new = max_new_tokens.unwrap_or(attnlab::eval::ruler::TOKENS_TO_GENERATE);
-                let mut cells = Vec::new();
+                let t0 = std::time::Instant::now();
+                let (mut cells, mut all_records) = (Vec::new(), Vec::new());
                 for (cell, records) in attnlab::eval::ruler::evaluate(&loaded.model, &loaded.tok, name, &lengths, samples, essay.as_deref(), max_new, loaded.device, false)? {
                     let cell = attnlab::eval::ruler::Cell { overrides: overrides.clone(), ..cell };
                     attnlab::eval::ruler::write_samples(&run, &cell, &records)?;
                     cells.push(cell);
+                    all_records.extend(records);
                 }
+                let info = attnlab::eval::lm_eval::RunInfo { run: run.clone(), step: loaded.step, device: format!("{:?}", loaded.device), limit: Some(samples), seconds: t0.elapsed().as_secs_f64() };
+                let lm = attnlab::eval::lm_eval::write(&info, &[attnlab::eval::lm_eval::ruler_task(name, &cells, &all_records, max_new)])?;
+                println!("lm-eval format: {}", lm.display());
                 (cells, "ruler.json")
             };
             let path = attnlab::eval::ruler::write_cells(&run, file, &cells)?;
@@ -540,8 +555,17 @@ fn run(cli: Cli) -> Result<()> {
             if corpora.is_empty() {
                 bail!("no evaluation corpora: the run's spec lists none; add --corpus NAME=PATH");
             }
-            let results = train::evaluate_all(&loaded.model, &corpora, &spec, loaded.device);
+            let t0 = std::time::Instant::now();
+            let scored = attnlab::eval::lm_eval::evaluate_perplexity(&loaded.model, &corpora, &spec, loaded.device);
+            let results: std::collections::BTreeMap<_, _> = scored.iter().map(|(k, v)| (k.clone(), v.0.clone())).collect();
             train::run::RunDir { path: run.clone() }.write_eval(loaded.step, &results)?;
+            let lm_tasks: Vec<_> = corpora.iter().filter_map(|c| scored.get(&c.name).and_then(|(r, d)| attnlab::eval::lm_eval::perplexity_task(c, r, d))).collect();
+            let info = attnlab::eval::lm_eval::RunInfo { run: run.clone(), step: loaded.step, device: format!("{:?}", loaded.device), limit: None, seconds: t0.elapsed().as_secs_f64() };
+            if !lm_tasks.is_empty() {
+                let lm = attnlab::eval::lm_eval::write(&info, &lm_tasks)?;
+                println!("lm-eval format: {}", lm.display());
+            }
+            attnlab::tensorboard::refresh(&run);
             println!("{} at step {}:", run.display(), loaded.step);
             print_eval_table(&[(run.display().to_string(), results)]);
         }
@@ -669,6 +693,18 @@ fn run(cli: Cli) -> Result<()> {
             None => print!("{}", load_spec(&spec)?.to_yaml()),
         },
         Cmd::Runs { results } => print!("{}", attnlab::runs::table(&results, &attnlab::runs::list(&results)?)),
+        Cmd::Tensorboard { dirs } => {
+            for d in &dirs {
+                let runs = attnlab::tensorboard::find_runs(d);
+                if runs.is_empty() {
+                    bail!("{}: no run directory (a folder with metrics.jsonl) at or below it", d.display());
+                }
+                for r in runs {
+                    let (path, s) = attnlab::tensorboard::regenerate(&r)?;
+                    println!("{}: {} tags, {} points", path.display(), s.tags.len(), s.points());
+                }
+            }
+        }
         Cmd::Sweep { file, dry_run, gpus, max_parallel, emit, sets, out, gpus_per_run, nodes } => {
             if (gpus_per_run > 1 || nodes > 1) && emit.is_none() {
                 bail!("--gpus-per-run / --nodes shape the runs of an emitted batch script (--emit slurm); a local sweep runs one GPU per run (or `attnlab train --gpus` for one data-parallel run)");

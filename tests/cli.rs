@@ -557,3 +557,90 @@ fn megatron_source_inherited_spec_and_runs_table() {
     let err = fails(&attnlab(&["config", "loop.yaml"], cwd));
     assert!(err.contains("loop2.yaml: `base`") && err.contains("cycle"), "{err}");
 }
+
+/// TensorBoard: an interrupted and resumed run's event file holds one curve (every step once, the
+/// values of metrics.jsonl), and `attnlab tensorboard` rebuilds the same from metrics.jsonl. lm-eval
+/// files: `attnlab eval` writes results_<date>.json and per-sample files for a perplexity corpus,
+/// a downstream task and a RULER task, with the numbers of eval.json / tasks/*.json / ruler.json.
+#[test]
+fn tensorboard_curve_survives_resume_and_eval_writes_lm_eval_files() {
+    use attnlab::tensorboard::{read_scalars, FILE_NAME};
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let run = cwd.join("results/r");
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = ["train", "--quiet", "--out", run.to_str().unwrap(), "--set", "train.steps=8", "--set", "train.log_every=1", "--set", "checkpoint.every=4", "--set", "eval.every=6"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(["--set", "train.device=cpu", "--set", "data.train.synthetic.docs=200", "--set", "data.eval.synthetic.synthetic.docs=20"].map(String::from));
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let call = |a: Vec<String>| attnlab(&a.iter().map(String::as_str).collect::<Vec<_>>(), cwd);
+    ok(&call(args(&["--stop-after", "6"])));
+    ok(&call(args(&[])));
+    let events = run.join(FILE_NAME);
+    let tb = read_scalars(&events).unwrap();
+    let want: Vec<(i64, f64)> = losses(&run).into_iter().map(|(s, l)| (s as i64, l as f32 as f64)).collect();
+    assert_eq!(want.len(), 8);
+    assert_eq!(tb["train/loss"], want, "one curve, each step once, metrics.jsonl's values");
+    assert_eq!(tb["eval/synthetic/ppl"].iter().map(|p| p.0).collect::<Vec<_>>(), [6, 8]);
+    for tag in ["train/lr", "train/grad_norm", "train/tokens_per_s", "eval/synthetic/loss"] {
+        assert!(tb.contains_key(tag), "{tag} missing: {:?}", tb.keys());
+    }
+    // Rebuilt from metrics.jsonl (the interrupted session's rows 5, 6 are there twice): the same.
+    std::fs::remove_file(&events).unwrap();
+    let out = ok(&attnlab(&["tensorboard", cwd.join("results").to_str().unwrap()], cwd));
+    assert!(out.contains(FILE_NAME), "{out}");
+    assert_eq!(read_scalars(&events).unwrap()["train/loss"], want);
+
+    // lm-eval format: perplexity (eval.json's corpus), a downstream task, RULER.
+    let r = run.to_str().unwrap();
+    ok(&attnlab(&["eval", r], cwd));
+    let lm = |name: &str| -> (serde_json::Value, Vec<serde_json::Value>) {
+        let dir = run.join("lm_eval");
+        let mut files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+        files.sort();
+        let res = files.iter().rev().find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("results_") && {
+            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+            v["results"].get(name).is_some()
+        });
+        let res = res.unwrap_or_else(|| panic!("no results file with {name}: {files:?}"));
+        let date = res.file_name().unwrap().to_str().unwrap().trim_start_matches("results_").trim_end_matches(".json").to_string();
+        let samples = std::fs::read_to_string(dir.join(format!("samples_{name}_{date}.jsonl"))).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        (serde_json::from_str(&std::fs::read_to_string(res).unwrap()).unwrap(), samples)
+    };
+    let eval: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("eval.json")).unwrap()).unwrap();
+    let (res, samples) = lm("synthetic");
+    let c = &eval["corpora"]["synthetic"];
+    assert_eq!(res["results"]["synthetic"]["word_perplexity,none"], c["word_ppl"]);
+    assert_eq!(res["results"]["synthetic"]["bits_per_byte,none"], c["bits_per_byte"]);
+    assert_eq!(res["results"]["synthetic"]["word_perplexity_stderr,none"], "N/A");
+    assert!(res["versions"]["synthetic"].as_str().unwrap().starts_with("attnlab-"));
+    assert_eq!(samples.len() as u64, c["docs"].as_u64().unwrap());
+    // lm-eval's weighted perplexity from the per-document [loglikelihood, words] pairs.
+    let (ll, words) = samples.iter().fold((0.0, 0.0), |(a, w), s| (a + s["word_perplexity"][0].as_f64().unwrap(), w + s["word_perplexity"][1].as_f64().unwrap()));
+    let wp = (-ll / words).exp();
+    assert!((wp - c["word_ppl"].as_f64().unwrap()).abs() < 1e-6 * wp, "{wp} vs {}", c["word_ppl"]);
+    assert_eq!(samples[0]["doc_hash"].as_str().unwrap().len(), 64);
+
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tasks/hellaswag");
+    ok(&attnlab(&["eval", r, "--task", "hellaswag", "--data", data.to_str().unwrap(), "--limit", "2"], cwd));
+    let (res, samples) = lm("hellaswag");
+    let task: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("tasks/hellaswag.json")).unwrap()).unwrap();
+    assert_eq!(res["results"]["hellaswag"]["acc_norm,none"], task["metrics"]["acc_norm"]);
+    assert!(res["results"]["hellaswag"].get("acc_norm_stderr,none").is_some());
+    assert_eq!(samples.len(), 2);
+    assert_eq!(samples[0]["arguments"].as_object().unwrap().len(), 4, "one request per ending");
+    assert!(samples[0]["arguments"]["gen_args_0"]["arg_1"].as_str().unwrap().starts_with(' '));
+    // The event file now has the task's score too.
+    assert!(read_scalars(&events).unwrap().contains_key("tasks/hellaswag/acc_norm"));
+
+    ok(&attnlab(&["eval", r, "--task", "ruler:niah_single_1", "--lengths", "300", "--samples", "2", "--max-new-tokens", "4"], cwd));
+    let (res, samples) = lm("niah_single_1");
+    let cells: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("ruler.json")).unwrap()).unwrap();
+    assert_eq!(res["results"]["niah_single_1"]["300,none"].as_f64().unwrap(), cells[0]["score"].as_f64().unwrap() / 100.0);
+    assert_eq!(samples.len(), 2);
+    assert_eq!(samples[1]["doc"]["max_length"], 300);
+}

@@ -2,6 +2,7 @@
 pub mod babilong;
 pub mod decode_bench;
 pub mod generate;
+pub mod lm_eval;
 pub mod perplexity;
 pub mod ruler;
 pub mod tasks;

@@ -107,20 +107,23 @@ impl CorpusResult {
     }
 }
 
-/// Sum of −log p(target) over the last `scored[i]` positions of each row of a right-padded batch.
-fn batch_nll(model: &Model, inputs: &[Vec<i64>], targets: &[Vec<i64>], scored: &[usize], device: Device) -> f64 {
+/// Sum of −log p(target) over the last `scored[i]` positions of each row of a right-padded batch,
+/// and the same sum per row (`rows[i]` += row i's part; the total is summed as before, per chunk).
+fn batch_nll(model: &Model, inputs: &[Vec<i64>], targets: &[Vec<i64>], scored: &[usize], device: Device, rows: Option<&mut [f64]>) -> f64 {
     let t = inputs.iter().map(Vec::len).max().unwrap_or(0);
     let pad = |rows: &[Vec<i64>]| -> Tensor {
         let flat: Vec<i64> = rows.iter().flat_map(|r| r.iter().copied().chain(std::iter::repeat(0).take(t - r.len()))).collect();
         Tensor::from_slice(&flat).view([rows.len() as i64, t as i64]).to_device(device)
     };
     let (x, y) = (pad(inputs), pad(targets));
-    // Positions scored: the last `scored` of each row's real length.
-    let mut pos = Vec::new();
+    // Positions scored: the last `scored` of each row's real length (and the row each belongs to).
+    let (mut pos, mut row_of) = (Vec::new(), Vec::new());
     for (r, (row, &s)) in inputs.iter().zip(scored).enumerate() {
         pos.extend((row.len() - s..row.len()).map(|p| (r * t + p) as i64));
+        row_of.extend(std::iter::repeat(r).take(s));
     }
     let pos = Tensor::from_slice(&pos).to_device(device);
+    let mut rows = rows;
     tch::no_grad(|| {
         let autocast = device.is_cuda();
         crate::kernels::autocast(autocast, || {
@@ -128,9 +131,16 @@ fn batch_nll(model: &Model, inputs: &[Vec<i64>], targets: &[Vec<i64>], scored: &
             let y = y.flatten(0, 1).index_select(0, &pos);
             // Logits for at most 4096 positions at a time: never a [B·T, V] fp32 tensor.
             let mut total = 0.0;
-            for (hc, yc) in h.split(4096, 0).iter().zip(y.split(4096, 0)) {
+            for (c, (hc, yc)) in h.split(4096, 0).iter().zip(y.split(4096, 0)).enumerate() {
                 let lp = model.logits(hc).to_kind(Kind::Float).log_softmax(-1, Kind::Float);
-                total -= lp.gather(1, &yc.unsqueeze(1), false).sum(Kind::Double).double_value(&[]);
+                let g = lp.gather(1, &yc.unsqueeze(1), false);
+                total -= g.sum(Kind::Double).double_value(&[]);
+                if let Some(rows) = rows.as_deref_mut() {
+                    let v = Vec::<f64>::try_from(g.flatten(0, -1).to_kind(Kind::Double).to_device(Device::Cpu)).unwrap_or_default();
+                    for (i, x) in v.iter().enumerate() {
+                        rows[row_of[c * 4096 + i]] -= x;
+                    }
+                }
             }
             total
         })
@@ -140,12 +150,28 @@ fn batch_nll(model: &Model, inputs: &[Vec<i64>], targets: &[Vec<i64>], scored: &
 /// Evaluate `corpus` with context length `t`, `batch` windows per forward, stopping after the
 /// document during which `max_tokens` scored tokens is reached.
 pub fn evaluate(model: &Model, corpus: &EvalCorpus, t: usize, batch: usize, max_tokens: Option<usize>, protocol: EvalProtocol, device: Device) -> CorpusResult {
+    evaluate_docs(model, corpus, t, batch, max_tokens, protocol, device).0
+}
+
+/// `evaluate`, and under the rolling protocol the summed NLL of each evaluated document (for
+/// lm-eval's per-document samples; empty for the stream protocol). The corpus total is summed
+/// exactly as `evaluate` always did.
+pub fn evaluate_docs(model: &Model, corpus: &EvalCorpus, t: usize, batch: usize, max_tokens: Option<usize>, protocol: EvalProtocol, device: Device) -> (CorpusResult, Vec<f64>) {
     let limit = max_tokens.unwrap_or(usize::MAX);
     let (mut docs, mut tokens, mut words, mut bytes, mut nll) = (0, 0, 0, 0, 0.0);
-    let mut pending: (Vec<Vec<i64>>, Vec<Vec<i64>>, Vec<usize>) = Default::default();
-    let flush = |p: &mut (Vec<Vec<i64>>, Vec<Vec<i64>>, Vec<usize>), nll: &mut f64| {
+    let mut doc_nll: Vec<f64> = Vec::new();
+    // Windows waiting for a forward: inputs, targets, scored positions, document index.
+    type Pending = (Vec<Vec<i64>>, Vec<Vec<i64>>, Vec<usize>, Vec<usize>);
+    let mut pending: Pending = Default::default();
+    let flush = |p: &mut Pending, nll: &mut f64, doc_nll: &mut Vec<f64>| {
         if !p.0.is_empty() {
-            *nll += batch_nll(model, &p.0, &p.1, &p.2, device);
+            let mut rows = vec![0.0; p.0.len()];
+            *nll += batch_nll(model, &p.0, &p.1, &p.2, device, (protocol == EvalProtocol::Rolling).then_some(&mut rows[..]));
+            if protocol == EvalProtocol::Rolling {
+                for (&d, r) in p.3.iter().zip(&rows) {
+                    doc_nll[d] += r;
+                }
+            }
             *p = Default::default();
         }
     };
@@ -155,13 +181,15 @@ pub fn evaluate(model: &Model, corpus: &EvalCorpus, t: usize, batch: usize, max_
                 if tokens >= limit {
                     break;
                 }
+                doc_nll.push(0.0);
                 let y: Vec<i64> = std::iter::once(corpus.prefix).chain(ids.iter().copied()).map(i64::from).collect();
                 for w in rolling_windows(ids.len(), t) {
                     pending.0.push(y[w.start..w.start + w.len].to_vec());
                     pending.1.push(y[w.start + 1..w.start + w.len + 1].to_vec());
                     pending.2.push(w.scored);
+                    pending.3.push(docs);
                     if pending.0.len() == batch {
-                        flush(&mut pending, &mut nll);
+                        flush(&mut pending, &mut nll, &mut doc_nll);
                     }
                 }
                 docs += 1;
@@ -188,21 +216,46 @@ pub fn evaluate(model: &Model, corpus: &EvalCorpus, t: usize, batch: usize, max_
                 pending.0.push(stream[start..start + len].to_vec());
                 pending.1.push(stream[start + 1..start + len + 1].to_vec());
                 pending.2.push(len);
+                pending.3.push(0);
                 tokens += len;
                 if pending.0.len() == batch {
-                    flush(&mut pending, &mut nll);
+                    flush(&mut pending, &mut nll, &mut doc_nll);
                 }
                 start += t;
             }
         }
     }
-    flush(&mut pending, &mut nll);
-    CorpusResult::new(protocol, docs, tokens, words, bytes, nll)
+    flush(&mut pending, &mut nll, &mut doc_nll);
+    (CorpusResult::new(protocol, docs, tokens, words, bytes, nll), doc_nll)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Per-document NLLs (windows of several documents share a forward) equal each document scored
+    /// alone, and add up to the corpus total.
+    #[test]
+    fn per_document_nll_matches_each_document_alone() {
+        let mut spec = crate::spec::from_str(crate::spec::BUILTIN_TINY, "tiny", &[]).unwrap();
+        spec.model.vocab = Some(128);
+        tch::manual_seed(3);
+        let vs = tch::nn::VarStore::new(Device::Cpu);
+        let model = Model::Neox(crate::model::GptNeox::new(&vs.root(), crate::train::run::model_config(&spec)));
+        let doc = |n: usize, k: u32| ((0..n as u32).map(|i| (i * 7 + k) % 120 + 1).collect::<Vec<u32>>(), Doc { text: String::new(), words: n, bytes: n });
+        let corpus = EvalCorpus { name: "c".into(), docs: vec![doc(5, 1), doc(19, 2), doc(1, 3), doc(11, 4)], prefix: 0 };
+        let (all, per) = evaluate_docs(&model, &corpus, 8, 3, None, EvalProtocol::Rolling, Device::Cpu);
+        assert_eq!(per.len(), 4);
+        assert!((per.iter().sum::<f64>() - all.nll).abs() < 1e-6 * all.nll, "{per:?} vs {}", all.nll);
+        assert_eq!(all, evaluate(&model, &corpus, 8, 3, None, EvalProtocol::Rolling, Device::Cpu));
+        for (i, d) in corpus.docs.iter().enumerate() {
+            let alone = EvalCorpus { name: "one".into(), docs: vec![d.clone()], prefix: 0 };
+            let r = evaluate(&model, &alone, 8, 1, None, EvalProtocol::Rolling, Device::Cpu);
+            assert!((r.nll - per[i]).abs() < 1e-4 * r.nll.max(1.0), "doc {i}: {} alone vs {} in the corpus", r.nll, per[i]);
+        }
+        let (_, none) = evaluate_docs(&model, &corpus, 8, 3, None, EvalProtocol::Stream, Device::Cpu);
+        assert!(none.is_empty());
+    }
 
     /// Every token of a document is scored exactly once, windows never exceed T, full windows start
     /// one token before their first target, and partial windows end just before their last target.

@@ -296,7 +296,7 @@ pub fn evaluate(
     max_new: usize,
     device: tch::Device,
     quiet: bool,
-) -> crate::Result<Vec<(Cell, Vec<diagnose::SampleRecord>)>> {
+) -> crate::Result<Vec<(Cell, Vec<Record>)>> {
     let t = task(name).ok_or_else(|| crate::Error::Other(format!("unknown RULER task `{name}` (known: {})", TASKS.join(", "))))?;
     if t.haystack == Haystack::Essay && essay.is_none() {
         return Err(crate::Error::Other(format!("{name} needs the essay haystack: pass --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)")));
@@ -321,15 +321,23 @@ pub fn evaluate(
             let score = match_all(&answer, &s.outputs);
             prompt_tokens += ids.len();
             total += score;
-            records.push(diagnose::SampleRecord { index: i, length: len, prompt_tokens: ids.len(), depths: s.depths.clone(), needles, prediction: answer, references: s.outputs.clone(), score, layers: reads });
+            let result = diagnose::SampleRecord { index: i, length: len, prompt_tokens: ids.len(), depths: s.depths.clone(), needles, prediction: answer, references: s.outputs.clone(), score, layers: reads };
+            records.push(Record { sample: s, result });
             bar.inc(1);
         }
         bar.finish_and_clear();
         let n = samples.max(1) as f64;
-        let diagnostics = diagnose::summarize(&records);
+        let diagnostics = diagnose::summarize(&records.iter().map(|r| r.result.clone()).collect::<Vec<_>>());
         cells.push((Cell { task: name.to_string(), length: len, samples, score: total / n, mean_prompt_tokens: prompt_tokens as f64 / n, overrides: None, diagnostics }, records));
     }
-    Ok(cells)
+    Ok((cells, records))
+}
+
+/// One scored sample: the generated sample and what `ruler_samples/*.jsonl` records of it.
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub sample: Sample,
+    pub result: diagnose::SampleRecord,
 }
 
 /// Merge `cells` into the run's `file` (`ruler.json` / `babilong.json`): a cell replaces the one of
@@ -344,14 +352,14 @@ pub fn write_cells(run: &std::path::Path, file: &str, cells: &[Cell]) -> crate::
 }
 
 /// Write one cell's per-sample records to `ruler_samples/<task>-<length>[-<overrides>].jsonl`.
-pub fn write_samples(run: &std::path::Path, cell: &Cell, records: &[diagnose::SampleRecord]) -> crate::Result<std::path::PathBuf> {
+pub fn write_samples(run: &std::path::Path, cell: &Cell, records: &[Record]) -> crate::Result<std::path::PathBuf> {
     let slug: String = cell.overrides.as_deref().map(|o| format!("-{}", o.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect::<String>())).unwrap_or_default();
     let dir = run.join("ruler_samples");
     std::fs::create_dir_all(&dir).map_err(|e| crate::Error::io(&dir, e))?;
     let path = dir.join(format!("{}-{}{slug}.jsonl", cell.task, cell.length));
     let mut text = String::new();
     for r in records {
-        text.push_str(&serde_json::to_string(r)?);
+        text.push_str(&serde_json::to_string(&r.result)?);
         text.push('\n');
     }
     std::fs::write(&path, text).map_err(|e| crate::Error::io(&path, e))?;

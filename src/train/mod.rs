@@ -318,8 +318,11 @@ impl RunDir {
         self.path.join("metrics.jsonl")
     }
 
-    /// Append one JSON object as a line of metrics.jsonl (one write: see `metrics::append`).
+    /// Append one JSON object as a line of metrics.jsonl (one write: see `metrics::append`), and its
+    /// scalars to the run's TensorBoard event file (crate::tensorboard; before the line, so that a
+    /// resumed process rebuilds the file from the rows of earlier sessions only).
     pub fn append_metrics(&self, row: &Map<String, Value>) -> Result<()> {
+        crate::tensorboard::log_row(&self.path, row);
         metrics::append(&self.metrics_path(), row)
     }
 }

@@ -407,6 +407,18 @@ pub struct Sample {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub response: Option<String>,
     pub metrics: BTreeMap<String, f64>,
+    /// For lm-eval's per-sample file (eval::lm_eval), not in samples.jsonl: the processed document,
+    /// the full prompt, the scored continuations (multiple choice) and the target as text.
+    #[serde(skip)]
+    pub lm_eval: LmEvalDoc,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct LmEvalDoc {
+    pub doc: Value,
+    pub prompt: String,
+    pub continuations: Vec<String>,
+    pub target: String,
 }
 
 /// The few-shot documents for `doc` (index `i`): first_n or seeded random, within its group.
@@ -568,7 +580,8 @@ pub fn evaluate(model: &Model, tok: &Tok, def: &TaskDef, opts: &Options, device:
                 for def_m in &def.metrics {
                     m.insert(def_m.key(), if matches!(def_m, MetricDef::Acc) { acc } else { acc_norm });
                 }
-                samples.push(Sample { doc: i, prompt_tokens: reqs[span.start].context.len(), loglikelihoods: l, gold: Some(golds[i]), response: None, metrics: m });
+                let lm_eval = LmEvalDoc { doc: docs[i].clone(), prompt: prompts[i].clone(), continuations: all_choices[i].iter().map(|c| format!("{}{c}", def.target_delimiter)).collect(), target: golds[i].to_string() };
+                samples.push(Sample { doc: i, prompt_tokens: reqs[span.start].context.len(), loglikelihoods: l, gold: Some(golds[i]), response: None, metrics: m, lm_eval });
             }
         }
         OutputType::GenerateUntil => {
@@ -607,7 +620,9 @@ pub fn evaluate(model: &Model, tok: &Tok, def: &TaskDef, opts: &Options, device:
                     };
                     m.insert(def_m.key(), v);
                 }
-                samples.push(Sample { doc: i, prompt_tokens: ids.len(), loglikelihoods: Vec::new(), gold: None, response: Some(response), metrics: m });
+                let target = if refs.len() == 1 { refs[0].clone() } else { serde_json::to_string(&refs)? };
+                let lm_eval = LmEvalDoc { doc: d.clone(), prompt: p.clone(), continuations: Vec::new(), target };
+                samples.push(Sample { doc: i, prompt_tokens: ids.len(), loglikelihoods: Vec::new(), gold: None, response: Some(response), metrics: m, lm_eval });
                 bar.inc(1);
             }
             if def.metrics.iter().any(|m| matches!(m, MetricDef::PassAt1 { .. })) && !isolated {
