@@ -330,7 +330,7 @@ pub fn evaluate(
         let diagnostics = diagnose::summarize(&records.iter().map(|r| r.result.clone()).collect::<Vec<_>>());
         cells.push((Cell { task: name.to_string(), length: len, samples, score: total / n, mean_prompt_tokens: prompt_tokens as f64 / n, overrides: None, diagnostics }, records));
     }
-    Ok((cells, records))
+    Ok(cells)
 }
 
 /// One scored sample: the generated sample and what `ruler_samples/*.jsonl` records of it.
