@@ -3,6 +3,8 @@
 //! read from its full-width version (k_l, v_l) when the query is closer than `window`, and from its
 //! bottleneck version (k_g, v_g) otherwise. `uniform` is DAR with window 0. Every fast path has the
 //! explicit masked reference beside it, and tests hold them together.
+pub mod cache;
+pub mod dar;
 pub mod feature_maps;
 pub mod lolcats;
 pub mod still;

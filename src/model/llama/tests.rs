@@ -248,8 +248,45 @@ fn dar_cached_decoding_equals_full_forward() {
         }
         let d = max_diff(&Tensor::cat(&got, 1), &full);
         assert!(d < 1e-4, "{name}: {d}");
-        // Two sets of 2 KV heads per layer.
-        assert_eq!(cache.bytes(), 2 * 2 * 2 * (2 * 2 * 12 * 16) * 4);
+        // The latent cache (dar.md §3): batch 2 × 2 layers × (T·d_down + 2·w·d_kv) f32, d_kv = 2 KV heads × 16.
+        assert_eq!(cache.bytes(), 2 * 2 * (12 * 16 + 2 * 3 * 2 * 16) * 4);
+    }
+}
+
+/// The latent cache in f64: prefill (1, 4 or 8 tokens), then one token at a time: the logits equal
+/// the full forward on every prefix (llama and olmo2, uniform and DAR with windows inside and beyond the
+/// sequence, linear and sigmoid latents), and the cache holds exactly (T·d_down + 2·min(w, T)·d_kv)
+/// elements per layer and sequence, d_kv = kv_heads·head_dim — not the query heads' width.
+#[test]
+fn dar_latent_cache_equals_full_forward_on_every_prefix() {
+    let t_max = 9;
+    let x = (Tensor::arange(2 * t_max, (Kind::Int64, Device::Cpu)).view([2, t_max]) * 7).remainder(128);
+    for name in ["llama_tiny", "olmo2_tiny"] {
+        for (kind, w, act) in [(AttentionKind::Uniform, 0, DarAct::Linear), (AttentionKind::Dar, 1, DarAct::Linear), (AttentionKind::Dar, 3, DarAct::Sigmoid), (AttentionKind::Dar, 40, DarAct::Linear)] {
+            let (mut vs, mut m) = load(name);
+            tch::manual_seed(11);
+            m.add_dar(&vs.root(), DarConfig { kind, d_down: 12, window: w, dar_act: act, implementation: AttentionImpl::Reference }).unwrap();
+            vs.double();
+            let (kvh, hd) = (m.cfg.num_key_value_heads as i64, m.cfg.head_dim() as i64);
+            assert!(kvh < m.cfg.num_attention_heads as i64, "the fixture has GQA");
+            let full: Vec<Tensor> = (1..=t_max).map(|t| tch::no_grad(|| m.logits(&m.hidden(&x.narrow(1, 0, t))))).collect();
+            let mut worst = 0f64;
+            for prompt in [1, 4, 8] {
+                let mut cache = m.new_cache(2, Kind::Double, Device::Cpu);
+                let first = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, prompt)));
+                worst = worst.max(max_diff(&first, &full[prompt as usize - 1]));
+                for t in prompt..t_max {
+                    let step = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, 1)));
+                    worst = worst.max(max_diff(&step, &full[t as usize].narrow(1, t, 1)));
+                    let n = t + 1;
+                    let per_layer = n * 12 + 2 * (w as i64).min(n) * kvh * hd;
+                    assert_eq!(cache.bytes(), 2 * 2 * per_layer * 8, "{name} {kind:?} w={w}: batch 2 × 2 layers × f64 after {n} tokens");
+                }
+            }
+            // RMSNorm keeps its statistics in fp32 (as Hugging Face), so agreement is to fp32 rounding.
+            eprintln!("{name} {kind:?} w={w} {act:?}: max |Δlogits| {worst:.2e}");
+            assert!(worst < 1e-5, "{name} {kind:?} w={w} {act:?}: {worst}");
+        }
     }
 }
 
