@@ -110,6 +110,7 @@ pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4],
             AttentionKind::Vanilla => attention::causal(&q, &kl, &vl, imp),
             AttentionKind::Dar => attention::dar(&q, &kl, &vl, &kg, &vg, window, imp),
             AttentionKind::Uniform => attention::dar(&q, &kl, &vl, &kg, &vg, 0, imp),
+            AttentionKind::Window => attention::window::forward(&q, &kl, &vl, window, None, imp),
         };
         (o * &go).sum(Kind::Float).backward();
     };

@@ -190,7 +190,7 @@ enum Cmd {
     },
     /// Decode benchmark: KV-cache bytes (total and per token), prefill time and decode tokens/s at the
     /// spec's model size, for several context lengths, with random weights and tokens (speed and memory
-    /// only). vanilla / dar / uniform are GPT-NeoX models with the spec's DAR settings; still /
+    /// only). vanilla / dar / uniform / window are GPT-NeoX models with the spec's DAR settings; still /
     /// still-budget / lolcats are hybrid Llamas of the same width, depth, heads, MLP and vocabulary
     /// (still: κ = 4 per 64-token chunk, uncapped; still-budget: m = 384 for 4096 tokens, flat memory).
     /// A context that runs out of memory ends that variant's sweep. Prints a table (or JSON lines);
@@ -205,7 +205,7 @@ enum Cmd {
         new_tokens: usize,
         #[arg(long, default_value_t = 50304)]
         vocab: usize,
-        /// Variants, comma-separated: vanilla, dar, uniform, still, still-budget, lolcats, or
+        /// Variants, comma-separated: vanilla, dar, uniform, window, still, still-budget, lolcats, or
         /// NAME={kind: still|lolcats, …} (a hybrid.yaml; quote it).
         #[arg(long, default_value = "vanilla,dar,uniform,still,still-budget,lolcats")]
         attention: String,
@@ -702,7 +702,7 @@ fn bench_attention(spec: &Spec, reps: usize, json: bool) -> Result<()> {
         vec![AttentionImpl::Auto, AttentionImpl::Reference]
     };
     let mut base_ms = None;
-    for kind in [AttentionKind::Vanilla, AttentionKind::Dar, AttentionKind::Uniform] {
+    for kind in [AttentionKind::Vanilla, AttentionKind::Dar, AttentionKind::Uniform, AttentionKind::Window] {
         for &imp in &imps {
             if kind == AttentionKind::Vanilla && imp != AttentionImpl::Auto && device.is_cuda() {
                 continue;

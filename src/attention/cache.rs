@@ -98,6 +98,7 @@ impl LayerCache {
         match kind {
             AttentionKind::Vanilla => LayerCache::Recent(Recent::new(shape, None)),
             AttentionKind::Dar | AttentionKind::Uniform => LayerCache::Dar(DarCache::new(shape, window, d_down)),
+            AttentionKind::Window => LayerCache::Recent(super::window::new_cache(shape, window)),
         }
     }
 

@@ -73,7 +73,7 @@ impl DarConfig {
     }
 
     pub fn has_bottleneck(&self) -> bool {
-        self.kind != AttentionKind::Vanilla
+        self.kind.has_bottleneck()
     }
 }
 
@@ -179,7 +179,7 @@ impl LlamaConfig {
             "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
             "attention_bias": false, "mlp_bias": false, "bos_token_id": serde_json::Value::Null, "torch_dtype": "float32"
         });
-        if self.attention.has_bottleneck() {
+        if self.attention.kind != AttentionKind::Vanilla {
             v[DAR_KEY] = serde_json::to_value(self.attention).expect("serializes");
         }
         v
@@ -312,7 +312,7 @@ impl Llama {
     pub fn add_dar(&mut self, root: &nn::Path, attention: DarConfig) -> Result<()> {
         let d = self.cfg.hidden_size;
         if !attention.has_bottleneck() {
-            return Err(Error::Other("add_dar: attention kind is vanilla".into()));
+            return Err(Error::Other(format!("add_dar: attention kind {:?} has no bottleneck", attention.kind)));
         }
         if self.cfg.attention.has_bottleneck() {
             return Err(Error::Other("add_dar: the model already has DAR bottlenecks".into()));
@@ -447,6 +447,7 @@ impl Llama {
         let imp = self.cfg.attention.implementation;
         let w = self.cfg.attention.window as i64;
         let o = match (&global, seg) {
+            (None, _) if self.cfg.attention.kind == AttentionKind::Window => attention::window::forward(&q, &k, &v, w, seg, imp),
             (None, None) => attention::causal(&q, &k, &v, imp),
             (Some((kg, vg)), None) => attention::dar(&q, &k, &v, kg, vg, w, imp),
             (None, Some(seg)) => {

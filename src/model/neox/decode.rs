@@ -64,10 +64,11 @@ mod tests {
     use crate::spec::AttentionKind;
 
     /// Prefill a prompt, then feed tokens one at a time: every step's logits equal the full forward
-    /// pass on the growing sequence; the cache holds T·d_down + 2·min(w, T)·d numbers per layer for DAR.
+    /// pass on the growing sequence; the cache holds T·d_down + 2·min(w, T)·d numbers per layer for DAR,
+    /// 2·min(w, T)·d for window.
     #[test]
     fn cached_decoding_equals_full_forward() {
-        for (kind, d_down, w) in [(AttentionKind::Vanilla, 0, 0), (AttentionKind::Dar, 8, 3), (AttentionKind::Dar, 8, 1), (AttentionKind::Uniform, 8, 0), (AttentionKind::Dar, 8, 40)] {
+        for (kind, d_down, w) in [(AttentionKind::Vanilla, 0, 0), (AttentionKind::Dar, 8, 3), (AttentionKind::Dar, 8, 1), (AttentionKind::Uniform, 8, 0), (AttentionKind::Dar, 8, 40), (AttentionKind::Window, 0, 3), (AttentionKind::Window, 0, 40)] {
             let (_vs, m) = build(cfg(kind, d_down, w), 21);
             let x = ids(2, 14);
             let mut cache = m.new_cache(2, tch::Kind::Double, tch::Device::Cpu);
@@ -83,6 +84,8 @@ mod tests {
             }
             let per_layer = match kind {
                 AttentionKind::Vanilla => 2 * 14 * 32,
+                // Window: bounded by the last w tokens' keys and values.
+                AttentionKind::Window => 2 * (w as i64).min(14) * 32,
                 _ => 14 * 8 + 2 * (w as i64).min(14) * 32,
             };
             assert_eq!(cache.bytes(), 2 * 2 * per_layer * 8, "{kind:?} w={w}: batch 2 × 2 layers × f64");
