@@ -14,6 +14,7 @@ pub mod kernels;
 pub mod linearize;
 pub mod model;
 pub mod progress;
+pub mod run_kind;
 #[cfg(feature = "analysis")]
 pub mod report;
 pub mod spec;

@@ -499,7 +499,8 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Eval { run, step, corpora, device, task: None, .. } => {
-            if run.join("export/hybrid.yaml").is_file() || run.join("hybrid.yaml").is_file() {
+            // A linearize run directory, or its export folder (hybrid.yaml, no config.yaml).
+            if run.join("hybrid.yaml").is_file() || attnlab::run_kind::RunKind::of(&run).ok() == Some(attnlab::run_kind::RunKind::Linearize) {
                 bail!("{}: a linearized model; its held-out perplexity is in the run's eval.json (for RULER give --task)", run.display());
             }
             let loaded = train::run::load(&run, step, device.as_deref())?;
