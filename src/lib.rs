@@ -8,6 +8,7 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod eval;
+pub mod export;
 pub mod finetune;
 pub mod hub;
 pub mod kernels;

@@ -8,6 +8,7 @@ pub mod lora;
 pub mod optim;
 pub mod run;
 pub mod stages;
+pub mod workers;
 
 use crate::data::{shards, Batcher, TokenStream};
 use crate::eval::perplexity::{self, CorpusResult, EvalCorpus};
