@@ -110,6 +110,7 @@ pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4],
             AttentionKind::Vanilla => attention::causal(&q, &kl, &vl, imp),
             AttentionKind::Dar => attention::dar(&q, &kl, &vl, &kg, &vg, window, imp),
             AttentionKind::Uniform => attention::dar(&q, &kl, &vl, &kg, &vg, 0, imp),
+            AttentionKind::Window => attention::window::forward(&q, &kl, &vl, window, None, imp),
         };
         (o * &go).sum(Kind::Float).backward();
     };
@@ -166,4 +167,51 @@ pub fn attention_check(imp: AttentionImpl, shape: [i64; 4], window: i64, device:
         rel_err[i] = (a - b).abs().max().double_value(&[]) / scale;
     }
     CheckRow { implementation: format!("{imp:?}").to_lowercase(), shape, window, pass: rel_err.iter().all(|e| e.is_finite() && *e < tol), rel_err }
+}
+
+/// Every fast path against the reference at the spec's shape and a ragged one, over windows inside,
+/// at and beyond the sequence (bf16 kernels vs fp32 on CUDA: 3e-2 relative; fp64 on CPU: 1e-9).
+/// Calls `each` per row; returns how many failed.
+pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> {
+    let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
+    let s = spec.shape();
+    let (t, hd) = (spec.seq_len() as i64, (s.d_model / s.heads) as i64);
+    let shapes = [[spec.batch_size() as i64, s.heads as i64, t, hd], [1, 3, t / 2 + 3, hd]];
+    let imps: &[AttentionImpl] = if device.is_cuda() { &[AttentionImpl::Sdpa, AttentionImpl::SplitMerge, AttentionImpl::SplitMergeCudnn] } else { &[AttentionImpl::Sdpa] };
+    let tol = if device.is_cuda() { 3e-2 } else { 1e-9 };
+    let mut failed = 0;
+    for shape in shapes {
+        for w in [0, 1, 4, 64, 128, 256, shape[2], shape[2] + 5] {
+            for &imp in imps {
+                let r = attention_check(imp, shape, w, device, tol);
+                failed += usize::from(!r.pass);
+                each(&r);
+            }
+        }
+    }
+    Ok(failed)
+}
+
+/// `attention_bench` for every attention kind and implementation at the spec's shape; `each` gets
+/// every row and the first row's (vanilla's) time.
+pub fn bench_all(spec: &Spec, reps: usize, mut each: impl FnMut(&OpBench, f64)) -> Result<()> {
+    let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
+    let s = spec.shape();
+    let hd = (s.d_model / s.heads) as i64;
+    let shape = [spec.batch_size() as i64, s.heads as i64, spec.seq_len() as i64, hd];
+    let window = spec.attention.window.unwrap_or(128);
+    let imps: Vec<AttentionImpl> = if device.is_cuda() { vec![AttentionImpl::Auto, AttentionImpl::SplitMerge, AttentionImpl::Sdpa] } else { vec![AttentionImpl::Auto, AttentionImpl::Reference] };
+    let mut base_ms = None;
+    // Window is `attention_bench(AttentionKind::Window, …)`; the table keeps its three kinds.
+    for kind in [AttentionKind::Vanilla, AttentionKind::Dar, AttentionKind::Uniform] {
+        for &imp in &imps {
+            if kind == AttentionKind::Vanilla && imp != AttentionImpl::Auto && device.is_cuda() {
+                continue;
+            }
+            let r = attention_bench(kind, imp, shape, window, device, reps)?;
+            let base = *base_ms.get_or_insert(r.fwd_bwd_ms);
+            each(&r, base);
+        }
+    }
+    Ok(())
 }

@@ -200,7 +200,7 @@ fn default_clip() -> f64 {
 
 impl FinetuneSpec {
     pub fn from_yaml(text: &str) -> Result<FinetuneSpec> {
-        serde_yaml::from_str(text).map_err(|e| Error::Other(format!("finetune spec: {e}")))
+        serde_yaml::from_str(&crate::run_kind::RunKind::Finetune.strip(text)).map_err(|e| Error::Other(format!("finetune spec: {e}")))
     }
 
     /// Read a spec file with `--set key.path=value` overrides applied.

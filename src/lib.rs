@@ -8,12 +8,14 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod eval;
+pub mod export;
 pub mod finetune;
 pub mod hub;
 pub mod kernels;
 pub mod linearize;
 pub mod model;
 pub mod progress;
+pub mod run_kind;
 #[cfg(feature = "analysis")]
 pub mod report;
 pub mod runs;

@@ -1,6 +1,6 @@
 //! The `attnlab` command line. Errors print their cause chain and exit non-zero.
 use anyhow::{bail, Context, Result};
-use attnlab::spec::{self, AttentionImpl, AttentionKind, Spec};
+use attnlab::spec::{self, AttentionKind, Spec};
 use attnlab::train::{self, TrainOptions};
 use clap::{Args, Parser, Subcommand};
 use std::path::{Path, PathBuf};
@@ -196,7 +196,7 @@ enum Cmd {
     },
     /// Decode benchmark: KV-cache bytes (total and per token), prefill time and decode tokens/s at the
     /// spec's model size, for several context lengths, with random weights and tokens (speed and memory
-    /// only). vanilla / dar / uniform are GPT-NeoX models with the spec's DAR settings; still /
+    /// only). vanilla / dar / uniform / window are GPT-NeoX models with the spec's DAR settings; still /
     /// still-budget / lolcats are hybrid Llamas of the same width, depth, heads, MLP and vocabulary
     /// (still: κ = 4 per 64-token chunk, uncapped; still-budget: m = 384 for 4096 tokens, flat memory).
     /// A context that runs out of memory ends that variant's sweep. Prints a table (or JSON lines);
@@ -211,7 +211,7 @@ enum Cmd {
         new_tokens: usize,
         #[arg(long, default_value_t = 50304)]
         vocab: usize,
-        /// Variants, comma-separated: vanilla, dar, uniform, still, still-budget, lolcats, or
+        /// Variants, comma-separated: vanilla, dar, uniform, window, still, still-budget, lolcats, or
         /// NAME={kind: still|lolcats, …} (a hybrid.yaml; quote it).
         #[arg(long, default_value = "vanilla,dar,uniform,still,still-budget,lolcats")]
         attention: String,
@@ -378,26 +378,11 @@ fn run(cli: Cli) -> Result<()> {
                 spec.train.devices = Some(gpus.into_iter().map(spec::DeviceEntry::Name).collect());
                 spec = spec.resolve().map_err(|(key, msg)| anyhow::anyhow!("--gpus: `{key}`: {msg}"))?;
             }
-            let dist = train::distributed::DistEnv::from_env()?;
-            let devices = train::launch::device_names(&spec.train.devices.iter().flatten().map(|d| d.to_string()).collect::<Vec<_>>())?;
-            if dist.is_none() && devices.len() > 1 {
-                // The launcher: the same command once per device, as workers.
-                let exe = std::env::current_exe().context("locating the attnlab executable")?;
-                let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-                return Ok(train::launch::launch(&exe, &args, &devices, spec.output.as_deref())?);
-            }
-            if let Some(d) = &dist {
-                // A worker trains on the CPU or on the one GPU left visible to it (pin_local_gpu).
-                let local = devices.get(d.local_rank).cloned().or(spec.train.device.clone()).unwrap_or_else(|| "auto".into());
-                let local = local.as_str();
-                spec.train.device = Some(if local == "cpu" { "cpu" } else if local == "auto" { "auto" } else { "cuda:0" }.to_string());
-                if local == "cpu" {
-                    // CPU workers on one machine share its cores instead of each taking all of them.
-                    let per_node = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(d.world);
-                    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                    tch::set_num_threads((cores / per_node.max(1)).max(1) as i32);
-                }
-            }
+            let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+            let dist = match train::workers::launch_or_join(&mut spec, &args)? {
+                train::workers::Role::Launched => return Ok(()),
+                train::workers::Role::Train(dist) => dist,
+            };
             let rank0 = dist.as_ref().is_none_or(|d| d.rank == 0);
             let o = train::train(spec, &TrainOptions { quiet, stop_after, dist })?;
             if !rank0 {
@@ -538,7 +523,8 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Eval { run, step, corpora, device, task: None, .. } => {
-            if run.join("export/hybrid.yaml").is_file() || run.join("hybrid.yaml").is_file() {
+            // A linearize run directory, or its export folder (hybrid.yaml, no config.yaml).
+            if run.join("hybrid.yaml").is_file() || attnlab::run_kind::RunKind::of(&run).ok() == Some(attnlab::run_kind::RunKind::Linearize) {
                 bail!("{}: a linearized model; its held-out perplexity is in the run's eval.json (for RULER give --task)", run.display());
             }
             let loaded = train::run::load(&run, step, device.as_deref())?;
@@ -640,16 +626,8 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Export { run, out, step } => {
-            let loaded = train::run::load(&run, step, Some("cpu"))?;
-            let config = match &loaded.model {
-                attnlab::model::Model::Llama(m) => m.cfg.to_hf_json(),
-                attnlab::model::Model::Neox(m) if m.cfg.attention == AttentionKind::Vanilla => attnlab::model::hf::neox_config_json(&m.cfg, loaded.spec.seq_len()),
-                attnlab::model::Model::Neox(_) => bail!("{}: {:?} attention has no Hugging Face architecture; only vanilla runs export", run.display(), loaded.spec.attention.kind),
-                attnlab::model::Model::Hybrid(_) => bail!("{}: linearize runs write their export/ themselves", run.display()),
-            };
-            attnlab::model::hf::save_folder(&loaded.vs, &config, &out)?;
-            std::fs::write(out.join("tokenizer.json"), loaded.tok.inner.to_string(true).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?)?;
-            println!("wrote {} (step {}) to {}", run.display(), loaded.step, out.display());
+            let step = attnlab::export::export(&run, &out, step)?;
+            println!("wrote {} (step {}) to {}", run.display(), step, out.display());
         }
         Cmd::Data(DataCmd::Prepare { source, tokenizer, out, field, format, synthetic }) => {
             let tok = attnlab::data::Tok::load(&tokenizer_spec(&tokenizer))?;
@@ -726,28 +704,14 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn check_attention(spec: &Spec, json: bool) -> Result<()> {
-    let device = attnlab::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
-    let s = spec.shape();
-    let (t, hd) = (spec.seq_len() as i64, (s.d_model / s.heads) as i64);
-    let shapes = [[spec.batch_size() as i64, s.heads as i64, t, hd], [1, 3, t / 2 + 3, hd]];
-    let imps: &[AttentionImpl] = if device.is_cuda() { &[AttentionImpl::Sdpa, AttentionImpl::SplitMerge, AttentionImpl::SplitMergeCudnn] } else { &[AttentionImpl::Sdpa] };
-    // bf16 kernels against an fp32 reference: 3e-2 relative (as ../shared/bench); fp64 on CPU: 1e-9.
-    let tol = if device.is_cuda() { 3e-2 } else { 1e-9 };
-    let mut failed = 0;
-    for shape in shapes {
-        for w in [0, 1, 4, 64, 128, 256, shape[2], shape[2] + 5] {
-            for &imp in imps {
-                let r = attnlab::bench::attention_check(imp, shape, w, device, tol);
-                failed += usize::from(!r.pass);
-                if json {
-                    println!("{}", serde_json::to_string(&r)?);
-                } else {
-                    let e = r.rel_err.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ");
-                    println!("{:18} {:?} w {:5}: rel err out/dq/dkl/dvl/dkg/dvg {e}  {}", r.implementation, r.shape, r.window, if r.pass { "ok" } else { "FAIL" });
-                }
-            }
+    let failed = attnlab::bench::check_all(spec, |r| {
+        if json {
+            println!("{}", serde_json::to_string(r).expect("serializes"));
+        } else {
+            let e = r.rel_err.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ");
+            println!("{:18} {:?} w {:5}: rel err out/dq/dkl/dvl/dkg/dvg {e}  {}", r.implementation, r.shape, r.window, if r.pass { "ok" } else { "FAIL" });
         }
-    }
+    })?;
     if failed > 0 {
         bail!("{failed} attention checks failed");
     }
@@ -755,31 +719,13 @@ fn check_attention(spec: &Spec, json: bool) -> Result<()> {
 }
 
 fn bench_attention(spec: &Spec, reps: usize, json: bool) -> Result<()> {
-    let device = attnlab::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
-    let s = spec.shape();
-    let hd = (s.d_model / s.heads) as i64;
-    let shape = [spec.batch_size() as i64, s.heads as i64, spec.seq_len() as i64, hd];
-    let window = spec.attention.window.unwrap_or(128);
-    let imps: Vec<AttentionImpl> = if device.is_cuda() {
-        vec![AttentionImpl::Auto, AttentionImpl::SplitMerge, AttentionImpl::Sdpa]
-    } else {
-        vec![AttentionImpl::Auto, AttentionImpl::Reference]
-    };
-    let mut base_ms = None;
-    for kind in [AttentionKind::Vanilla, AttentionKind::Dar, AttentionKind::Uniform] {
-        for &imp in &imps {
-            if kind == AttentionKind::Vanilla && imp != AttentionImpl::Auto && device.is_cuda() {
-                continue;
-            }
-            let r = attnlab::bench::attention_bench(kind, imp, shape, window, device, reps)?;
-            let base = *base_ms.get_or_insert(r.fwd_bwd_ms);
-            if json {
-                println!("{}", serde_json::to_string(&r)?);
-            } else {
-                println!("{:8} {:10} B·H {} T {} hd {} w {:4}: {:8.3} ms fwd+bwd ({:.2}× vanilla)", r.attention, r.implementation, r.batch_heads, r.seq_len, r.head_dim, r.window, r.fwd_bwd_ms, r.fwd_bwd_ms / base);
-            }
+    attnlab::bench::bench_all(spec, reps, |r, base| {
+        if json {
+            println!("{}", serde_json::to_string(r).expect("serializes"));
+        } else {
+            println!("{:8} {:10} B·H {} T {} hd {} w {:4}: {:8.3} ms fwd+bwd ({:.2}× vanilla)", r.attention, r.implementation, r.batch_heads, r.seq_len, r.head_dim, r.window, r.fwd_bwd_ms, r.fwd_bwd_ms / base);
         }
-    }
+    })?;
     Ok(())
 }
 

@@ -1,11 +1,15 @@
 //! Attention over already-projected, already-rotated heads (`[B, H, T, hd]`). Variants:
 //! `vanilla` (causal softmax attention) and DAR (dar.md §1.3): one joint softmax in which key j is
 //! read from its full-width version (k_l, v_l) when the query is closer than `window`, and from its
-//! bottleneck version (k_g, v_g) otherwise. `uniform` is DAR with window 0. Every fast path has the
+//! bottleneck version (k_g, v_g) otherwise. `uniform` is DAR with window 0; `window` (window.rs) is
+//! DAR without the distant keys. Every fast path has the
 //! explicit masked reference beside it, and tests hold them together.
+pub mod cache;
+pub mod dar;
 pub mod feature_maps;
 pub mod lolcats;
 pub mod still;
+pub mod window;
 use crate::kernels::{self, GlobalBackend};
 use crate::spec::AttentionImpl;
 use tch::{Device, Kind, Tensor};
@@ -152,15 +156,16 @@ pub fn masked_softmax_attention(q: &Tensor, parts: &[(&Tensor, &Tensor, &Tensor)
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn rand(shape: &[i64], seed: i64) -> Tensor {
+    /// f64 normal samples that require grad.
+    pub(crate) fn rand(shape: &[i64], seed: i64) -> Tensor {
         tch::manual_seed(seed);
         Tensor::randn(shape, (Kind::Double, Device::Cpu)).set_requires_grad(true)
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
         (a - b).abs().max().double_value(&[])
     }
 

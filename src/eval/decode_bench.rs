@@ -1,6 +1,6 @@
 //! `attnlab bench-decode`: KV-cache memory and decode speed of every attention variant at one model
 //! size, over context lengths (issue 6). The GPT-NeoX variants (vanilla, DAR, uniform) are built from
-//! the spec; the STILL / LoLCATs hybrids are Llamas of the same width, depth, heads, MLP width and
+//! the spec (and window: sliding-window only); the STILL / LoLCATs hybrids are Llamas of the same width, depth, heads, MLP width and
 //! vocabulary. Weights and prompt tokens are random: the numbers are speed and memory, not quality.
 use super::generate::{decode_bench, DecodeBench};
 use crate::model::hybrid::{Hybrid, Variant};
@@ -12,10 +12,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use tch::{nn::VarStore, Device};
 
 /// The attention names `--attention` knows, with what they build.
-pub const NAMES: [(&str, &str); 6] = [
+pub const NAMES: [(&str, &str); 7] = [
     ("vanilla", "GPT-NeoX, softmax attention: K/V of every token"),
     ("dar", "GPT-NeoX, the spec's DAR: full K/V for the last w tokens, d_down-wide latents before"),
     ("uniform", "GPT-NeoX, DAR with w = 0"),
+    ("window", "GPT-NeoX, sliding-window attention only (the spec's window, default 128): K/V of the last w tokens"),
     ("still", "{kind: still}: still.md's reference (C = 64, κ = 4 per chunk, uncapped)"),
     ("still-budget", "{kind: still, budget: {m: 384, max_len: 4096}}: still.md §6's worked budget, flat memory"),
     ("lolcats", "{kind: lolcats}: terrace window of 64, Hedgehog linear attention"),
@@ -68,12 +69,8 @@ pub fn bench_model(base: &Spec, name: &str, vocab: usize, device: Device) -> Res
             let cfg = crate::train::run::llama_config(&s);
             Model::Hybrid(Hybrid::new(&vs, cfg, &variant?, &LoraConfig { targets: vec![], ..LoraConfig::default() })?)
         }
-        (kind @ ("vanilla" | "dar" | "uniform"), None) => {
-            let kind = match kind {
-                "vanilla" => AttentionKind::Vanilla,
-                "dar" => AttentionKind::Dar,
-                _ => AttentionKind::Uniform,
-            };
+        (kind @ ("vanilla" | "dar" | "uniform" | "window"), None) => {
+            let kind: AttentionKind = serde_yaml::from_str(kind).expect("a known kind");
             let mut s = base.with_attention(kind).map_err(|(k, m)| bad(k, m))?;
             s.model.vocab.get_or_insert(vocab);
             crate::train::run::build_model(&s, &vs)

@@ -87,8 +87,8 @@ pub fn load(path: &Path, step: Option<u64>, device: Option<&str>) -> Result<Load
 /// kinds take none: their attention is part of what was trained).
 pub fn load_with(path: &Path, step: Option<u64>, device: Option<&str>, overrides: &[String]) -> Result<Loaded> {
     let exported = path.join(EXPORT_VARIANT).is_file() || path.join(linearize::EXPORT_DIR).join(EXPORT_VARIANT).is_file();
-    let lin_spec = || linearize::LinearizeSpec::from_file(&path.join("config.yaml"));
-    if !exported && path.join("config.yaml").is_file() && lin_spec().is_ok() {
+    let kind = || crate::run_kind::RunKind::of(path).ok();
+    if !exported && kind() == Some(crate::run_kind::RunKind::Linearize) {
         return Err(Error::Run { dir: path.into(), msg: format!("is a linearize run without {}/ (not finished yet)", linearize::EXPORT_DIR) });
     }
     if !exported {

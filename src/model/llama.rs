@@ -15,6 +15,8 @@
 //! Packed rows: `hidden_docs` takes per-token document ids (block-diagonal mask, positions restarting
 //! at every document).
 use crate::attention;
+use crate::attention::cache::{CacheShape, DecodeCache};
+use crate::attention::dar::Distant;
 use crate::spec::{AttentionImpl, AttentionKind, DarAct};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -71,7 +73,7 @@ impl DarConfig {
     }
 
     pub fn has_bottleneck(&self) -> bool {
-        self.kind != AttentionKind::Vanilla
+        self.kind.has_bottleneck()
     }
 }
 
@@ -177,7 +179,7 @@ impl LlamaConfig {
             "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
             "attention_bias": false, "mlp_bias": false, "bos_token_id": serde_json::Value::Null, "torch_dtype": "float32"
         });
-        if self.attention.has_bottleneck() {
+        if self.attention.kind != AttentionKind::Vanilla {
             v[DAR_KEY] = serde_json::to_value(self.attention).expect("serializes");
         }
         v
@@ -226,19 +228,9 @@ struct Block {
     bottleneck: Option<(Tensor, Tensor)>,
 }
 
-/// Keys and values per layer `[B, H_kv, T, hd]` (rotated keys); DAR models also keep the
-/// bottleneck keys/values of every token in `global` (the paper's two-set cache, dar.md §3).
-pub struct LlamaCache {
-    pub layers: Vec<(Tensor, Tensor)>,
-    pub global: Vec<(Tensor, Tensor)>,
-    pub len: i64,
-}
-
-impl LlamaCache {
-    pub fn bytes(&self) -> i64 {
-        self.layers.iter().chain(&self.global).map(|(k, v)| (k.numel() + v.numel()) as i64 * k.kind().elt_size_in_bytes() as i64).sum()
-    }
-}
+/// A Llama-family decode cache: one `attention::cache::LayerCache` per layer, keys and values per
+/// KV head (vanilla: every token; DAR: dar.md §3's latent cache, `attention::dar::DarCache`).
+pub type LlamaCache = DecodeCache;
 
 pub struct Llama {
     pub cfg: LlamaConfig,
@@ -320,7 +312,7 @@ impl Llama {
     pub fn add_dar(&mut self, root: &nn::Path, attention: DarConfig) -> Result<()> {
         let d = self.cfg.hidden_size;
         if !attention.has_bottleneck() {
-            return Err(Error::Other("add_dar: attention kind is vanilla".into()));
+            return Err(Error::Other(format!("add_dar: attention kind {:?} has no bottleneck", attention.kind)));
         }
         if self.cfg.attention.has_bottleneck() {
             return Err(Error::Other("add_dar: the model already has DAR bottlenecks".into()));
@@ -423,11 +415,21 @@ impl Llama {
     /// function, 2·kv·d_down instead of 2·kv·d per token after the latent), then k_norm and RoPE as local keys.
     fn bottleneck_kv(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<(Tensor, Tensor)> {
         let (down, up) = b.bottleneck.as_ref()?;
+        Some(self.kv_from_latent(b, up, &self.latent(down, a), cos, sin))
+    }
+
+    /// h^D = a·W_down (σ of it for `dar_act: sigmoid`): what DAR's decode cache keeps per token.
+    fn latent(&self, down: &Tensor, a: &Tensor) -> Tensor {
         let latent = a.linear::<Tensor>(down, None);
-        let latent = if self.cfg.attention.dar_act == DarAct::Sigmoid { latent.sigmoid() } else { latent };
+        if self.cfg.attention.dar_act == DarAct::Sigmoid { latent.sigmoid() } else { latent }
+    }
+
+    /// Distant keys (k_norm'd after the absorbed up-projection, then rotated by (cos, sin)) and values
+    /// `[B, H_kv, n, hd]` from latents `[B, n, d_down]`.
+    fn kv_from_latent(&self, b: &Block, up: &Tensor, latent: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor) {
         let k = latent.linear::<Tensor>(&b.k_proj.ws.matmul(up), None);
         let v = latent.linear::<Tensor>(&b.v_proj.ws.matmul(up), None);
-        Some((self.keys(b, k, cos, sin), self.heads(&v, self.cfg.num_key_value_heads)))
+        (self.keys(b, k, cos, sin), self.heads(&v, self.cfg.num_key_value_heads))
     }
 
     /// Grouped-query attention: each KV head serves h / kvh consecutive query heads (HF repeat_kv).
@@ -445,6 +447,7 @@ impl Llama {
         let imp = self.cfg.attention.implementation;
         let w = self.cfg.attention.window as i64;
         let o = match (&global, seg) {
+            (None, _) if self.cfg.attention.kind == AttentionKind::Window => attention::window::forward(&q, &k, &v, w, seg, imp),
             (None, None) => attention::causal(&q, &k, &v, imp),
             (Some((kg, vg)), None) => attention::dar(&q, &k, &v, kg, vg, w, imp),
             (None, Some(seg)) => {
@@ -459,12 +462,11 @@ impl Llama {
         b.o_proj.forward(&o.transpose(1, 2).reshape([bs, t, self.cfg.hidden_size as i64]))
     }
 
-    /// An empty KV cache (keys/values per KV head, so grouped-query attention keeps its saving).
+    /// An empty decode cache (keys/values per KV head, so grouped-query attention keeps its saving).
     pub fn new_cache(&self, batch: i64, kind: Kind, device: Device) -> LlamaCache {
-        let shape = [batch, self.cfg.num_key_value_heads as i64, 0, self.cfg.head_dim() as i64];
-        let empty = |n: usize| (0..n).map(|_| (Tensor::zeros(shape, (kind, device)), Tensor::zeros(shape, (kind, device)))).collect();
-        let global = if self.cfg.attention.has_bottleneck() { self.cfg.num_hidden_layers } else { 0 };
-        LlamaCache { layers: empty(self.cfg.num_hidden_layers), global: empty(global), len: 0 }
+        let c = &self.cfg;
+        let shape = CacheShape { batch, kv_heads: c.num_key_value_heads as i64, head_dim: c.head_dim() as i64, kind, device };
+        DecodeCache::new(c.num_hidden_layers, c.attention.kind, c.attention.window as i64, c.attention.d_down as i64, &shape)
     }
 
     /// Run `ids` (`[B, n]`, after the cached tokens): logits `[B, n, V]`, cache extended.
@@ -473,25 +475,20 @@ impl Llama {
         let p0 = cache.len;
         let device = ids.device();
         let (cos, sin) = self.rope(p0, n, device);
-        let qpos = Tensor::arange_start(p0, p0 + n, (Kind::Int64, device)).unsqueeze(1);
-        let dist = &qpos - Tensor::arange(p0 + n, (Kind::Int64, device)).unsqueeze(0);
-        let window = if self.cfg.attention.has_bottleneck() { self.cfg.attention.window as i64 } else { p0 + n };
-        let (local, far) = (dist.ge(0).logical_and(&dist.lt(window)), dist.ge(window));
         let mut x = self.embed(ids);
         for (i, b) in self.layers.iter().enumerate() {
             let a = self.kv_input(i, &x);
             let (q, k, v) = self.qkv(b, &a, &cos, &sin);
-            let (ck, cv) = &mut cache.layers[i];
-            *ck = Tensor::cat(&[&*ck, &k], 2);
-            *cv = Tensor::cat(&[&*cv, &v], 2);
-            let (ck, cv) = (self.repeat_kv(ck), self.repeat_kv(cv));
-            let o = match self.bottleneck_kv(b, &a, &cos, &sin) {
-                None => attention::masked_softmax_attention(&q, &[(&ck, &cv, &local)]),
-                Some((kg, vg)) => {
-                    let (gk, gv) = &mut cache.global[i];
-                    *gk = Tensor::cat(&[&*gk, &kg], 2);
-                    *gv = Tensor::cat(&[&*gv, &vg], 2);
-                    attention::masked_softmax_attention(&q, &[(&ck, &cv, &local), (&self.repeat_kv(gk), &self.repeat_kv(gv), &far)])
+            let lc = &mut cache.layers[i];
+            let o = match &b.bottleneck {
+                None => lc.attend(&q, &k, &v, p0, None),
+                Some((down, up)) => {
+                    // Distant keys at positions 0..g, through the same k_norm and RoPE as the full forward.
+                    let kv = |latent: &Tensor| {
+                        let (gcos, gsin) = self.rope(0, latent.size()[1], device);
+                        self.kv_from_latent(b, up, latent, &gcos, &gsin)
+                    };
+                    lc.attend(&q, &k, &v, p0, Some(Distant { latent: self.latent(down, &a), kv: &kv }))
                 }
             };
             let h = self.attn_residual(i, &x, &b.o_proj.forward(&o.transpose(1, 2).reshape([bs, n, self.cfg.hidden_size as i64])));

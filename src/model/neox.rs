@@ -56,7 +56,7 @@ impl NeoxConfig {
     }
 
     fn has_bottleneck(&self) -> bool {
-        self.attention != AttentionKind::Vanilla
+        self.attention.has_bottleneck()
     }
 
     /// Matmul weights N_mm = 12·L·d² + V·d (pythia.md §6; excludes embed_in, biases, LayerNorm).
@@ -196,6 +196,7 @@ impl GptNeox {
         let k = self.rope.apply(&qkv[1], cos, sin);
         let v = &qkv[2];
         let o = match &layer.bottleneck {
+            None if self.cfg.attention == AttentionKind::Window => attention::window::forward(&q, &k, v, self.cfg.window as i64, None, self.cfg.attention_impl),
             None => attention::causal(&q, &k, v, self.cfg.attention_impl),
             Some((down, up)) => {
                 let (kg, vg) = self.bottleneck_kv(layer, down, up, a);

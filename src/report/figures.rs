@@ -74,7 +74,7 @@ pub fn run_figures(run: &Run, out: &Path, unit: Unit) -> Result<Vec<Figure>> {
 
 /// Legend labels: the attention config, plus the run path where two runs share a config.
 fn labels(runs: &[&Run]) -> Vec<String> {
-    let sigmoid = |r: &Run| r.spec.attention.kind != AttentionKind::Vanilla && r.spec.attention.dar_act == DarAct::Sigmoid;
+    let sigmoid = |r: &Run| r.spec.attention.kind.has_bottleneck() && r.spec.attention.dar_act == DarAct::Sigmoid;
     let configs: Vec<String> = runs.iter().map(|r| Config::of(&r.spec).label() + if sigmoid(r) { " sigmoid" } else { "" }).collect();
     configs.iter().zip(runs).map(|(c, r)| if configs.iter().filter(|x| *x == c).count() > 1 { format!("{c} [{}]", r.rel) } else { c.clone() }).collect()
 }

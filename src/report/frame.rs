@@ -27,13 +27,14 @@ pub fn build(runs: &[Run]) -> Result<DataFrame> {
 
     let text = |f: &dyn Fn(&Run) -> Option<String>| -> Vec<Option<String>> { keys.iter().map(|&(i, _)| f(&runs[i])).collect() };
     let int = |f: &dyn Fn(&Run) -> Option<i64>| -> Vec<Option<i64>> { keys.iter().map(|&(i, _)| f(&runs[i])).collect() };
-    let bottleneck = |r: &Run| r.spec.attention.kind != AttentionKind::Vanilla;
+    let bottleneck = |r: &Run| r.spec.attention.kind.has_bottleneck();
+    let windowed = |r: &Run| r.spec.attention.kind != AttentionKind::Vanilla;
     let mut cols = vec![
         Column::new("run".into(), text(&|r| Some(r.rel.clone()))),
         Column::new("name".into(), text(&|r| Some(r.name()))),
         Column::new("kind".into(), text(&|r| serde_json::to_value(r.spec.attention.kind).ok().and_then(|v| v.as_str().map(String::from)))),
         Column::new("d_down".into(), int(&|r| bottleneck(r).then(|| r.spec.d_down() as i64))),
-        Column::new("window".into(), int(&|r| bottleneck(r).then(|| r.spec.window() as i64))),
+        Column::new("window".into(), int(&|r| windowed(r).then(|| r.spec.window() as i64))),
         Column::new("dar_act".into(), text(&|r| serde_json::to_value(r.spec.attention.dar_act).ok().and_then(|v| v.as_str().map(String::from)))),
         Column::new("flavor".into(), text(&|r| r.spec.model.flavor.map(groups::flavor_name))),
         Column::new("d_model".into(), int(&|r| Some(r.spec.shape().d_model as i64))),

@@ -138,6 +138,7 @@ impl Config {
     pub fn of(spec: &Spec) -> Config {
         match spec.attention.kind {
             AttentionKind::Vanilla => Config::vanilla(),
+            AttentionKind::Window => Config { kind: AttentionKind::Window, d_down: None, window: Some(spec.window()) },
             _ => Config::bottleneck(spec.d_down(), spec.window()),
         }
     }
@@ -158,10 +159,11 @@ impl Config {
         self == other
     }
 
-    /// "DAR (d_down 128, w 128)", "uniform (d_down 128)", "vanilla": legends and run lists.
+    /// "DAR (d_down 128, w 128)", "uniform (d_down 128)", "window (w 128)", "vanilla": legends and run lists.
     pub fn label(&self) -> String {
         match (self.kind, self.d_down, self.window) {
             (AttentionKind::Vanilla, _, _) => "vanilla".into(),
+            (AttentionKind::Window, _, Some(w)) => format!("window (w {w})"),
             (_, Some(d), Some(0)) => format!("uniform (d_down {d})"),
             (_, Some(d), Some(w)) => format!("DAR (d_down {d}, w {w})"),
             _ => "?".into(),

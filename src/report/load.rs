@@ -93,7 +93,7 @@ pub fn discover(root: &Path) -> Result<(Vec<Run>, Vec<Skipped>)> {
 }
 
 fn is_linearize_run(dir: &Path) -> bool {
-    std::fs::read_to_string(dir.join("config.yaml")).is_ok_and(|t| crate::linearize::LinearizeSpec::from_yaml(&t).is_ok())
+    crate::run_kind::RunKind::of(dir).is_ok_and(|k| k == crate::run_kind::RunKind::Linearize)
 }
 
 fn relative(root: &Path, dir: &Path) -> String {

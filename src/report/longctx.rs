@@ -134,18 +134,24 @@ pub fn discover(root: &Path) -> crate::Result<Vec<LongRun>> {
     let mut out = Vec::new();
     for dir in dirs {
         let Ok(text) = std::fs::read_to_string(dir.join("config.yaml")) else { continue };
-        let (attention, still, recipe) = if let Ok(spec) = LinearizeSpec::from_yaml(&text) {
-            match &spec.attention {
-                Variant::Still(c) => {
-                    let key = StillKey { routing: name(&c.routing), gate: c.gate, feature_map: name(&c.feature_map) };
-                    (format!("STILL ({})", key.label()), Some(key), linearize_recipe(&spec))
+        use crate::run_kind::RunKind;
+        let (attention, still, recipe) = match RunKind::of_config(&text) {
+            Ok(RunKind::Linearize) => {
+                let Ok(spec) = LinearizeSpec::from_yaml(&text) else { continue };
+                match &spec.attention {
+                    Variant::Still(c) => {
+                        let key = StillKey { routing: name(&c.routing), gate: c.gate, feature_map: name(&c.feature_map) };
+                        (format!("STILL ({})", key.label()), Some(key), linearize_recipe(&spec))
+                    }
+                    Variant::Lolcats(_) => ("LoLCATs".to_string(), None, linearize_recipe(&spec)),
                 }
-                Variant::Lolcats(_) => ("LoLCATs".to_string(), None, linearize_recipe(&spec)),
             }
-        } else if let Ok(spec) = crate::spec::from_str(&text, "config.yaml", &[]) {
-            (groups::Config::of(&spec).label(), None, groups::key_id(&groups::recipe_key(&spec)))
-        } else {
-            continue; // load::discover reports unreadable configs
+            Ok(RunKind::Train) => {
+                let Ok(spec) = crate::spec::from_str(&text, "config.yaml", &[]) else { continue };
+                (groups::Config::of(&spec).label(), None, groups::key_id(&groups::recipe_key(&spec)))
+            }
+            // Finetune runs have no long-context rows yet; load::discover reports unreadable configs.
+            _ => continue,
         };
         let mut warnings = Vec::new();
         let mut cells = read_cells(&dir.join("ruler.json"), "", &mut warnings);

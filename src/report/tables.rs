@@ -85,6 +85,7 @@ impl Row {
             AttentionKind::Vanilla => "Vanilla",
             AttentionKind::Dar => "DAR",
             AttentionKind::Uniform => "Uniform",
+            AttentionKind::Window => "Window",
         }
     }
     pub fn describe(&self) -> String {

@@ -60,6 +60,8 @@ pub const BUILTIN_TINY: &str = include_str!("../../experiments/tiny-synthetic.ya
 
 /// Parse `text` (named `origin` in errors), apply `--set key=value` overrides, resolve and validate.
 pub fn from_str(text: &str, origin: &str, sets: &[String]) -> Result<Spec> {
+    // A run directory's config.yaml records `command: train` (crate::run_kind); the spec has no such key.
+    let text = &crate::run_kind::RunKind::Train.strip(text);
     let schema_err = |e: serde_yaml::Error| Error::Schema { file: origin.to_string(), msg: e.to_string() };
     // Parse once straight from the text so that schema errors carry serde's line and column.
     let _: Spec = serde_yaml::from_str(text).map_err(schema_err)?;

@@ -165,6 +165,15 @@ pub enum AttentionKind {
     Vanilla,
     Dar,
     Uniform,
+    /// Sliding-window attention only: keys at distance < window, nothing farther (DAR without its distant keys).
+    Window,
+}
+
+impl AttentionKind {
+    /// DAR and uniform add a d_down bottleneck per layer; vanilla and window do not.
+    pub fn has_bottleneck(self) -> bool {
+        matches!(self, AttentionKind::Dar | AttentionKind::Uniform)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -619,6 +628,16 @@ impl Spec {
                     a.note = Some(format!("dar: keys at distance < {w} (the current token included) full width, farther keys through the d_down bottleneck"));
                 }
             }
+            AttentionKind::Window => {
+                if a.d_down.is_some() {
+                    return bad("attention.d_down", "is meaningless for kind: window (it has no distant keys; use dar)".into());
+                }
+                let w = *a.window.get_or_insert(128);
+                if w < 1 {
+                    return bad("attention.window", format!("{w}: kind: window needs window ≥ 1 (the current token)"));
+                }
+                a.note = Some(format!("window: keys at distance < {w} (the current token included), nothing farther"));
+            }
         }
 
         // Data.
@@ -793,6 +812,12 @@ impl Spec {
             AttentionKind::Uniform => s.attention.window = None,
             AttentionKind::Dar => {
                 if self.attention.kind != AttentionKind::Dar {
+                    s.attention.window = None;
+                }
+            }
+            AttentionKind::Window => {
+                s.attention.d_down = None;
+                if !matches!(self.attention.kind, AttentionKind::Dar | AttentionKind::Window) {
                     s.attention.window = None;
                 }
             }

@@ -1,6 +1,8 @@
 //! Sweep file → the list of runs it describes: axis expansion, overrides (with `null` deleting a
 //! key), validation through `crate::spec::from_str`, names from the template, de-duplication.
+use crate::finetune::FinetuneSpec;
 use crate::linearize::LinearizeSpec;
+use crate::run_kind::RunKind;
 use crate::spec::Spec;
 use crate::{Error, IoContext, Result};
 use serde::Deserialize;
@@ -43,12 +45,13 @@ pub struct PlannedRun {
     pub spec_path: PathBuf,
 }
 
-/// What a run of a sweep is: an `attnlab train` spec, or an `attnlab linearize` spec (chosen by the
-/// base: a linearize spec names a `teacher:`). Both follow the same run-directory contract.
+/// What a run of a sweep is: an `attnlab train`, `finetune` or `linearize` spec (chosen by the base,
+/// `RunKind::of_config`). All follow the same run-directory contract.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RunSpec {
     Train(Spec),
     Linearize(LinearizeSpec),
+    Finetune(FinetuneSpec),
 }
 
 impl RunSpec {
@@ -57,6 +60,7 @@ impl RunSpec {
         match self {
             RunSpec::Train(_) => "train",
             RunSpec::Linearize(_) => "linearize",
+            RunSpec::Finetune(_) => "finetune",
         }
     }
 
@@ -64,13 +68,14 @@ impl RunSpec {
         match self {
             RunSpec::Train(s) => s.to_yaml(),
             RunSpec::Linearize(s) => s.to_yaml(),
+            RunSpec::Finetune(s) => s.to_yaml(),
         }
     }
 
     pub fn as_train(&self) -> Option<&Spec> {
         match self {
             RunSpec::Train(s) => Some(s),
-            RunSpec::Linearize(_) => None,
+            RunSpec::Linearize(_) | RunSpec::Finetune(_) => None,
         }
     }
 
@@ -84,6 +89,8 @@ impl RunSpec {
                 s.name = Some(name.to_string());
                 s.output = dir.to_path_buf();
             }
+            // A finetune spec has no name: the run directory carries it.
+            RunSpec::Finetune(s) => s.output = dir.to_path_buf(),
         }
     }
 
@@ -91,6 +98,7 @@ impl RunSpec {
         match self {
             RunSpec::Train(s) => serde_yaml::to_value(s),
             RunSpec::Linearize(s) => serde_yaml::to_value(s),
+            RunSpec::Finetune(s) => serde_yaml::to_value(s),
         }
         .map_err(|e| e.to_string())
     }
@@ -130,7 +138,7 @@ pub fn plan(file: &Path, sets: &[String], output: Option<&Path>) -> Result<Sweep
     // The base spec may itself inherit (`base:` in a spec file): merged here as `attnlab train` would.
     let base_value: Value = crate::spec::base::read_tree(&base)?.value;
     let out_dir = output.map(Path::to_path_buf).unwrap_or_else(|| sf.output.clone());
-    let linearize = base_value.get("teacher").is_some();
+    let kind = RunKind::of_config(&base_text).map_err(|msg| Error::Spec { file: base.display().to_string(), key: crate::run_kind::KEY.into(), line: None, msg })?;
 
     let common = assignments(&sf.set, "set").map_err(bad)?;
     let cli: Assign = sets.iter().map(|s| parse_set(s)).collect::<Result<_, Bad>>().map_err(|(k, m)| Error::Spec { file: "--set".into(), key: k, line: None, msg: m })?;
@@ -155,7 +163,7 @@ pub fn plan(file: &Path, sets: &[String], output: Option<&Path>) -> Result<Sweep
                 }
                 let described = describe(&distinct);
                 let origin = format!("{origin} (run {}{}; base {})", runs.len() + merged, if described.is_empty() { String::new() } else { format!(": {described}") }, base.display());
-                let mut spec = resolve(value, &origin, linearize)?;
+                let mut spec = resolve(value, &origin, kind)?;
                 let hash = crate::util::short_hash(&spec.to_yaml());
                 if !seen.insert(hash.clone()) {
                     merged += 1;
@@ -217,12 +225,21 @@ pub fn remove_path(root: &mut Value, path: &str) -> Result<(), String> {
 
 /// The merged YAML tree → a resolved, validated spec. The sweep owns `name` and `output`, so they
 /// are cleared first: the config hash then depends on nothing but the experiment itself.
-fn resolve(mut value: Value, origin: &str, linearize: bool) -> Result<RunSpec> {
+fn resolve(mut value: Value, origin: &str, kind: RunKind) -> Result<RunSpec> {
     for key in ["name", "output"] {
         // A base that is not a mapping fails in from_str below, with serde's message.
         let _ = remove_path(&mut value, key);
     }
-    if linearize {
+    // The spec types have no `command` key (config.yaml records it; a base may state it).
+    let _ = remove_path(&mut value, crate::run_kind::KEY);
+    if kind == RunKind::Finetune {
+        // As for linearize below: a fixed `output` stand-in keeps the config hash free of it.
+        apply(&mut value, "output", &Value::String(".".into())).map_err(|msg| Error::Spec { file: origin.into(), key: "output".into(), line: None, msg })?;
+        let text = serde_yaml::to_string(&value).map_err(|e| Error::Other(format!("{origin}: {e}")))?;
+        let spec = FinetuneSpec::from_yaml(&text).map_err(|e| Error::Other(format!("{origin}: {e}")))?;
+        return Ok(RunSpec::Finetune(spec.resolved()));
+    }
+    if kind == RunKind::Linearize {
         // `output` is required in a linearize spec; a fixed stand-in keeps the config hash free of it.
         apply(&mut value, "output", &Value::String(".".into())).map_err(|msg| Error::Spec { file: origin.into(), key: "output".into(), line: None, msg })?;
         let text = serde_yaml::to_string(&value).map_err(|e| Error::Other(format!("{origin}: {e}")))?;

@@ -11,6 +11,7 @@ pub mod metrics;
 pub mod optim;
 pub mod run;
 pub mod stages;
+pub mod workers;
 
 use crate::data::Batcher;
 use crate::eval::perplexity::{self, CorpusResult, EvalCorpus};

@@ -78,7 +78,7 @@ impl RunDir {
                 return Err(Error::Run { dir: path, msg: format!("holds a run with a different config ({diff}); choose another output directory") });
             }
         } else {
-            std::fs::write(&cfg, &yaml).at(&cfg)?;
+            std::fs::write(&cfg, crate::run_kind::RunKind::Train.record(&yaml)).at(&cfg)?;
         }
         Ok(RunDir { path })
     }

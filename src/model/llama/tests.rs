@@ -248,8 +248,44 @@ fn dar_cached_decoding_equals_full_forward() {
         }
         let d = max_diff(&Tensor::cat(&got, 1), &full);
         assert!(d < 1e-4, "{name}: {d}");
-        // Two sets of 2 KV heads per layer.
-        assert_eq!(cache.bytes(), 2 * 2 * 2 * (2 * 2 * 12 * 16) * 4);
+        // The latent cache (dar.md §3): batch 2 × 2 layers × (T·d_down + 2·w·d_kv) f32, d_kv = 2 KV heads × 16.
+        assert_eq!(cache.bytes(), 2 * 2 * (12 * 16 + 2 * 3 * 2 * 16) * 4);
+    }
+}
+
+/// The latent cache in f64: prefill (1 or 5 tokens), then one token at a time: the logits equal
+/// the full forward on every prefix (llama and olmo2, uniform and DAR with windows inside and beyond the
+/// sequence, linear and sigmoid latents), and the cache holds exactly (T·d_down + 2·min(w, T)·d_kv)
+/// elements per layer and sequence, d_kv = kv_heads·head_dim — not the query heads' width.
+#[test]
+fn dar_latent_cache_equals_full_forward_on_every_prefix() {
+    let t_max = 9;
+    let x = (Tensor::arange(2 * t_max, (Kind::Int64, Device::Cpu)).view([2, t_max]) * 7).remainder(128);
+    for name in ["llama_tiny", "olmo2_tiny"] {
+        for (kind, w, act) in [(AttentionKind::Uniform, 0, DarAct::Linear), (AttentionKind::Dar, 1, DarAct::Linear), (AttentionKind::Dar, 3, DarAct::Sigmoid), (AttentionKind::Dar, 40, DarAct::Linear)] {
+            let (mut vs, mut m) = load(name);
+            tch::manual_seed(11);
+            m.add_dar(&vs.root(), DarConfig { kind, d_down: 12, window: w, dar_act: act, implementation: AttentionImpl::Reference }).unwrap();
+            vs.double();
+            let (kvh, hd) = (m.cfg.num_key_value_heads as i64, m.cfg.head_dim() as i64);
+            assert!(kvh < m.cfg.num_attention_heads as i64, "the fixture has GQA");
+            let full: Vec<Tensor> = (1..=t_max).map(|t| tch::no_grad(|| m.logits(&m.hidden(&x.narrow(1, 0, t))))).collect();
+            let mut worst = 0f64;
+            for prompt in [1, 5] {
+                let mut cache = m.new_cache(2, Kind::Double, Device::Cpu);
+                let first = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, prompt)));
+                worst = worst.max(max_diff(&first, &full[prompt as usize - 1]));
+                for t in prompt..t_max {
+                    let step = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, 1)));
+                    worst = worst.max(max_diff(&step, &full[t as usize].narrow(1, t, 1)));
+                    let n = t + 1;
+                    let per_layer = n * 12 + 2 * (w as i64).min(n) * kvh * hd;
+                    assert_eq!(cache.bytes(), 2 * 2 * per_layer * 8, "{name} {kind:?} w={w}: batch 2 × 2 layers × f64 after {n} tokens");
+                }
+            }
+            eprintln!("{name} {kind:?} w={w} {act:?}: max |Δlogits| {worst:.2e}");
+            assert!(worst < 1e-12, "{name} {kind:?} w={w} {act:?}: {worst}");
+        }
     }
 }
 
@@ -266,4 +302,37 @@ fn dar_checkpoint_round_trips() {
     assert_eq!(again.cfg, m.cfg);
     let x = (Tensor::arange(40, (Kind::Int64, Device::Cpu)).view([2, 20]) * 3).remainder(128);
     assert_eq!(max_diff(&m.logits(&m.hidden(&x)), &again.logits(&again.hidden(&x))), 0.0);
+}
+
+/// `window` attention in the Llama family: it changes the function (vs vanilla), the SDPA path equals
+/// the reference, a packed row equals its documents run alone, and decoding equals the forward with a
+/// cache of only the last w tokens: 2·min(w, T)·d_kv per layer and sequence.
+#[test]
+fn window_attention_decodes_packs_and_matches_reference() {
+    let x = (Tensor::arange(24, (Kind::Int64, Device::Cpu)).view([2, 12]) * 5).remainder(128);
+    for name in ["llama_tiny", "olmo2_tiny"] {
+        let (_vs, mut m) = load(name);
+        let vanilla = tch::no_grad(|| m.logits(&m.hidden(&x)));
+        m.cfg.attention = DarConfig { kind: AttentionKind::Window, d_down: 0, window: 3, dar_act: DarAct::Linear, implementation: AttentionImpl::Reference };
+        let full = tch::no_grad(|| m.logits(&m.hidden(&x)));
+        assert!(max_diff(&full, &vanilla) > 1e-3, "{name}: window 3 of 12 must differ from vanilla");
+        let mut cache = m.new_cache(2, Kind::Float, Device::Cpu);
+        let mut got = vec![tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, 4)))];
+        for t in 4..12 {
+            got.push(tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, 1))));
+            assert_eq!(cache.bytes(), 2 * 2 * (2 * 3 * 2 * 16) * 4, "{name}: batch 2 × 2 layers × 2·w·d_kv f32");
+        }
+        assert!(max_diff(&Tensor::cat(&got, 1), &full) < 1e-5, "{name} decode");
+        let docs = Tensor::from_slice(&[1i64, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2]).view([1, 12]);
+        for imp in [AttentionImpl::Reference, AttentionImpl::Sdpa] {
+            m.cfg.attention.implementation = imp;
+            let fwd = tch::no_grad(|| m.logits(&m.hidden(&x)));
+            assert!(max_diff(&fwd, &full) < 1e-5, "{name} {imp:?} vs reference");
+            let packed = tch::no_grad(|| m.logits(&m.hidden_docs(&x.narrow(0, 0, 1), Some(&docs))));
+            for (at, n) in [(0, 5), (5, 7)] {
+                let alone = tch::no_grad(|| m.logits(&m.hidden(&x.narrow(0, 0, 1).narrow(1, at, n))));
+                assert!(max_diff(&packed.narrow(1, at, n), &alone) < 1e-5, "{name} {imp:?} doc at {at}");
+            }
+        }
+    }
 }

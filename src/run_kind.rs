@@ -1,0 +1,87 @@
+//! Which command made a run directory: config.yaml's top-level `command: train | finetune |
+//! linearize`, or — for run directories written before that key existed — which spec the config
+//! parses as. Every command that opens a run directory asks `RunKind::of` instead of guessing.
+use crate::finetune::FinetuneSpec;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// The top-level key of config.yaml that names the command.
+pub const KEY: &str = "command";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RunKind {
+    Train,
+    Finetune,
+    Linearize,
+}
+
+impl RunKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            RunKind::Train => "train",
+            RunKind::Finetune => "finetune",
+            RunKind::Linearize => "linearize",
+        }
+    }
+
+    /// The kind of the run directory `dir` (its config.yaml).
+    pub fn of(dir: &Path) -> Result<RunKind> {
+        let cfg = dir.join("config.yaml");
+        let text = std::fs::read_to_string(&cfg).map_err(|e| Error::io(&cfg, e))?;
+        RunKind::of_config(&text).map_err(|msg| Error::Run { dir: dir.into(), msg: format!("config.yaml: {msg}") })
+    }
+
+    /// The kind of a config or spec text: its `command:` when present; otherwise (older run
+    /// directories, spec files) a spec naming a `teacher:` is linearize (as sweeps always decided),
+    /// one that parses as a finetune spec is finetune, anything else train.
+    pub fn of_config(text: &str) -> std::result::Result<RunKind, String> {
+        let v: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+        if let Some(c) = v.get(KEY) {
+            return serde_yaml::from_value(c.clone()).map_err(|e| format!("`{KEY}`: {e} (train, finetune or linearize)"));
+        }
+        // A spec file (a sweep's base) may leave `output` to the command line: stand one in.
+        let mut with_output = v.clone();
+        if let Some(m) = with_output.as_mapping_mut() {
+            m.entry("output".into()).or_insert_with(|| ".".into());
+        }
+        let finetune = serde_yaml::from_value::<FinetuneSpec>(with_output).is_ok();
+        Ok(if v.get("teacher").is_some() {
+            RunKind::Linearize
+        } else if finetune {
+            RunKind::Finetune
+        } else {
+            RunKind::Train
+        })
+    }
+
+    /// A spec's YAML as config.yaml records it: `command: <kind>` first.
+    pub fn record(self, yaml: &str) -> String {
+        format!("{KEY}: {}\n{yaml}", self.name())
+    }
+
+    /// `text` without its top-level `command: <this kind>` line (blanked, so that line numbers in
+    /// errors still point into the file): what the spec parsers read. Another kind's line is kept,
+    /// so that reading a finetune config as a train spec still fails.
+    pub fn strip(self, text: &str) -> String {
+        let own = format!("{KEY}: {}", self.name());
+        blank_lines(text, |l| l == own)
+    }
+
+    /// The kind a command's name stands for (`train`, `finetune`, `linearize`).
+    pub fn named(name: &str) -> Option<RunKind> {
+        [RunKind::Train, RunKind::Finetune, RunKind::Linearize].into_iter().find(|k| k.name() == name)
+    }
+}
+
+/// `text` with the lines (end-trimmed) that `hit` matches blanked; unchanged when none does.
+fn blank_lines(text: &str, hit: impl Fn(&str) -> bool) -> String {
+    if !text.lines().any(|l| hit(l.trim_end())) {
+        return text.to_string();
+    }
+    text.lines().map(|l| if hit(l.trim_end()) { "" } else { l }).collect::<Vec<_>>().join("\n") + "\n"
+}
+
+#[cfg(test)]
+mod tests;
