@@ -138,7 +138,7 @@ pub fn plan(file: &Path, sets: &[String], output: Option<&Path>) -> Result<Sweep
     // The base spec may itself inherit (`base:` in a spec file): merged here as `attnlab train` would.
     let base_value: Value = crate::spec::base::read_tree(&base)?.value;
     let out_dir = output.map(Path::to_path_buf).unwrap_or_else(|| sf.output.clone());
-    let kind = RunKind::of_config(&base_text).map_err(|msg| Error::Spec { file: base.display().to_string(), key: crate::run_kind::KEY.into(), line: None, msg })?;
+    let kind = RunKind::of_config(&serde_yaml::to_string(&base_value).expect("YAML serializes")).map_err(|msg| Error::Spec { file: base.display().to_string(), key: crate::run_kind::KEY.into(), line: None, msg })?;
 
     let common = assignments(&sf.set, "set").map_err(bad)?;
     let cli: Assign = sets.iter().map(|s| parse_set(s)).collect::<Result<_, Bad>>().map_err(|(k, m)| Error::Spec { file: "--set".into(), key: k, line: None, msg: m })?;
