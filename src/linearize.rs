@@ -209,7 +209,7 @@ fn default_keep() -> usize {
 
 impl LinearizeSpec {
     pub fn from_yaml(text: &str) -> Result<LinearizeSpec> {
-        serde_yaml::from_str(text).map_err(|e| Error::Other(format!("linearize spec: {e}")))
+        serde_yaml::from_str(&crate::run_kind::RunKind::Linearize.strip(text)).map_err(|e| Error::Other(format!("linearize spec: {e}")))
     }
 
     pub fn from_file(path: &Path) -> Result<LinearizeSpec> {

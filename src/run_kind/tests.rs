@@ -37,7 +37,12 @@ fn dispatch_on_every_run_kind() {
     let lin = tmp.path().join("lin");
     let lin_spec = LinearizeSpec::from_yaml(&LINEARIZE.replace("OUT", &lin.display().to_string())).unwrap();
     prepare_dir(&lin, &lin_spec, |_| {}, "linearize").unwrap();
+    let text = std::fs::read_to_string(lin.join("config.yaml")).unwrap();
+    assert!(text.starts_with("command: linearize\n"), "{text}");
     assert_eq!(RunKind::of(&lin).unwrap(), RunKind::Linearize);
+    assert_eq!(LinearizeSpec::from_yaml(&text).unwrap(), lin_spec);
+    assert_eq!(LinearizeSpec::from_file(&lin.join("config.yaml")).unwrap(), lin_spec, "the file reader takes it too");
+    prepare_dir(&lin, &lin_spec, |_| {}, "linearize").expect("reopens its own run directory");
 
     let bad = tmp.path().join("bad");
     std::fs::create_dir_all(&bad).unwrap();

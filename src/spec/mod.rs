@@ -23,6 +23,12 @@ pub fn read_with_overrides<T: serde::de::DeserializeOwned>(path: &Path, sets: &[
     let tree = base::read_tree(path)?;
     let file = tree.origin();
     let mut value = tree.value.clone();
+    // A run's config.yaml starts with `command: <kind>` (crate::run_kind): not a spec key.
+    if let Some(m) = value.as_mapping_mut() {
+        if m.get("command").and_then(|c| c.as_str()).is_some_and(|c| crate::run_kind::RunKind::named(c).is_some()) {
+            m.remove("command");
+        }
+    }
     for s in sets {
         apply_override(&mut value, s).map_err(|msg| Error::Spec { file: file.clone(), key: s.split('=').next().unwrap_or("").to_string(), line: None, msg })?;
     }

@@ -191,9 +191,8 @@ pub fn prepare_dir<S: PartialEq + Clone + Serialize + DeserializeOwned>(path: &P
     // One writer at a time, from before the first write to the end of the process.
     super::lock::hold(path)?;
     let cfg = path.join("config.yaml");
-    // config.yaml records the command (crate::run_kind); not yet for linearize, whose spec readers
-    // (linearize.rs) do not accept the key yet: RunKind::of still tells its runs by their `teacher:`.
-    let kind = crate::run_kind::RunKind::named(what).filter(|k| *k != crate::run_kind::RunKind::Linearize);
+    // config.yaml records the command (crate::run_kind).
+    let kind = crate::run_kind::RunKind::named(what);
     if cfg.is_file() {
         let text = std::fs::read_to_string(&cfg).map_err(|e| Error::io(&cfg, e))?;
         let old: S = serde_yaml::from_str(&kind.map_or(text.clone(), |k| k.strip(&text))).map_err(|e| Error::Other(format!("{}: {e}", cfg.display())))?;
