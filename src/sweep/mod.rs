@@ -11,6 +11,7 @@
 //! set: {train.steps: 100}                    # overrides for every run
 //! grid: {attention.d_down: [256, 128, 64]}   # Cartesian product over these lists
 //! zip: {train.seed: [1, 2], train.lr: [1.0e-3, 6.0e-4]}   # lock-step lists (same length)
+//! seeds: [1, 2, 3]                           # optional: every run once per train.seed, seed-major (names get -s<seed>)
 //! runs:                                      # optional; default: one empty entry
 //!   - {name: "vanilla", attention.kind: vanilla, attention.d_down: null, attention.window: null}
 //!   - {attention.kind: dar}
