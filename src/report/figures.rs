@@ -118,9 +118,11 @@ fn series<'a>(runs: &[&'a Run]) -> Vec<Series<'a>> {
         _ => 3,
     };
     out.sort_by_key(|s| (rank(&s.config), std::cmp::Reverse(s.config.d_down), std::cmp::Reverse(s.config.window), s.config.init.map(|i| i as u8), s.sigmoid));
+    // Colour by window only in a window ablation: one d_down, several DAR windows (uniform's 0
+    // alone does not make one).
     let bottleneck: Vec<&Config> = out.iter().map(|s| &s.config).filter(|c| c.has_bottleneck()).collect();
     let d_downs: BTreeSet<Option<usize>> = bottleneck.iter().map(|c| c.d_down).collect();
-    let windows: BTreeSet<Option<usize>> = bottleneck.iter().map(|c| c.window).collect();
+    let windows: BTreeSet<Option<usize>> = bottleneck.iter().filter(|c| c.kind == AttentionKind::Dar).map(|c| c.window).collect();
     let by_window = d_downs.len() <= 1 && windows.len() > 1;
     let key = |c: &Config| -> String {
         match (c.has_bottleneck(), by_window) {

@@ -148,6 +148,36 @@ fn bounds(chart: &Chart) -> (Range<f64>, Range<f64>) {
     (x0..x1, y0..y1)
 }
 
+/// The corner of the plot the fewest points (and bands) fall in, for the legend: upper right
+/// unless the data sit there.
+fn legend_corner(c: &Chart) -> SeriesLabelPosition {
+    let (x, y) = bounds(c);
+    let ty = |v: f64| if c.log_y { v.max(f64::MIN_POSITIVE).ln() } else { v };
+    let (y0, y1) = (ty(y.start), ty(y.end));
+    let pts = c.lines.iter().flat_map(|l| l.points.iter().copied().chain(l.band.iter().flat_map(|&(px, lo, hi)| [(px, lo), (px, hi)])));
+    let mut counts = [0usize; 4]; // upper right, lower right, upper left, lower left
+    for (px, py) in pts.filter(|p| p.0.is_finite() && p.1.is_finite()) {
+        let fx = (px - x.start) / (x.end - x.start);
+        let fy = (ty(py) - y0) / (y1 - y0);
+        let (right, up) = (fx > 0.55, fy > 0.6);
+        let (left, down) = (fx < 0.45, fy < 0.4);
+        if right && up {
+            counts[0] += 1;
+        }
+        if right && down {
+            counts[1] += 1;
+        }
+        if left && up {
+            counts[2] += 1;
+        }
+        if left && down {
+            counts[3] += 1;
+        }
+    }
+    let best = (0..4).min_by_key(|&i| (counts[i], i)).unwrap_or(0);
+    [SeriesLabelPosition::UpperRight, SeriesLabelPosition::LowerRight, SeriesLabelPosition::UpperLeft, SeriesLabelPosition::LowerLeft][best].clone()
+}
+
 /// 1, 2, 5 × 10^k inside [lo, hi] (every integer multiple when that gives fewer than 4 ticks).
 fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
     let decades = lo.log10().floor() as i32..=hi.log10().ceil() as i32;
@@ -248,7 +278,7 @@ where
         .label_font((FAMILY, 14))
         .background_style(WHITE.mix(0.85))
         .border_style(RGBColor(160, 160, 160))
-        .position(SeriesLabelPosition::UpperRight)
+        .position(legend_corner(c))
         .draw()
         .map_err(err)?;
     Ok(())
