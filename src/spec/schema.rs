@@ -801,6 +801,7 @@ impl Spec {
             AttentionKind::Vanilla => {
                 s.attention.d_down = None;
                 s.attention.window = None;
+                s.attention.init = None;
             }
             AttentionKind::Uniform => s.attention.window = None,
             AttentionKind::Dar => {
