@@ -136,6 +136,8 @@ pub struct RunReport {
     pub name: String,
     pub dir: PathBuf,
     pub overrides: String,
+    /// "steps × batch × T" of a training run (empty for linearize runs): what the dry run shows.
+    pub shape: String,
     /// The run directory's state before the sweep acted.
     pub before: RunStatus,
     pub outcome: Outcome,
@@ -220,6 +222,7 @@ fn report(r: &PlannedRun, outcome: Outcome) -> RunReport {
         name: r.name.clone(),
         dir: r.dir.clone(),
         overrides: r.overrides.clone(),
+        shape: r.spec.as_train().map_or(String::new(), |s| format!("{} × {} × {}", s.steps(), s.batch_size(), s.seq_len())),
         before: RunStatus::of(&r.dir),
         outcome,
         exit: None,
@@ -245,8 +248,8 @@ pub fn final_loss(dir: &Path) -> Option<f64> {
 
 /// The dry-run table: name, overrides, run dir, status.
 pub fn plan_table(runs: &[RunReport]) -> String {
-    let rows: Vec<Vec<String>> = runs.iter().map(|r| vec![r.name.clone(), r.overrides.clone(), r.dir.display().to_string(), r.before.label().into()]).collect();
-    table(&["name", "overrides", "run dir", "status"], &rows)
+    let rows: Vec<Vec<String>> = runs.iter().map(|r| vec![r.name.clone(), r.overrides.clone(), r.shape.clone(), r.dir.display().to_string(), r.before.label().into()]).collect();
+    table(&["name", "overrides", "steps × batch × T", "run dir", "status"], &rows)
 }
 
 /// The end-of-sweep table: name, status, exit, wall time, final loss.
