@@ -121,6 +121,10 @@ enum Cmd {
         /// Downstream tasks: few-shot examples per prompt (default: the task's, e.g. MMLU 5).
         #[arg(long)]
         shots: Option<usize>,
+        /// Downstream tasks: leave out documents whose input is shorter than N tokens (default: the
+        /// model's window for DAR models, as the DAR paper; 0 for vanilla).
+        #[arg(long)]
+        min_context: Option<usize>,
         /// Downstream multiple choice: padded tokens per forward pass.
         #[arg(long, default_value_t = 16384)]
         batch_tokens: usize,
@@ -448,14 +452,15 @@ fn run(cli: Cli) -> Result<()> {
             }
             print_eval_table(&rows);
         }
-        Cmd::Eval { run, step, corpora, device, task: Some(task), data, limit, shots, batch_tokens, .. } if !task.starts_with("ruler:") && !task.starts_with("babilong:") => {
+        Cmd::Eval { run, step, corpora, device, task: Some(task), data, limit, shots, min_context, batch_tokens, .. } if !task.starts_with("ruler:") && !task.starts_with("babilong:") => {
             if !corpora.is_empty() {
                 bail!("--corpus is for perplexity; --task {task} is a downstream task (give one or the other)");
             }
             use attnlab::eval::tasks;
             let def = tasks::TaskDef::load(&task)?;
             let loaded = train::run::load(&run, step, device.as_deref())?;
-            let opts = tasks::Options { data, limit, shots, max_len: loaded.spec.seq_len(), batch_tokens, quiet: false };
+            let min_context = min_context.unwrap_or(if loaded.spec.attention.kind == AttentionKind::Vanilla { 0 } else { loaded.spec.window() });
+            let opts = tasks::Options { data, limit, shots, max_len: loaded.spec.seq_len(), min_context, batch_tokens, quiet: false };
             let (mut result, samples) = tasks::evaluate(&loaded.model, &loaded.tok, &def, &opts, loaded.device).with_context(|| format!("task {task} on {}", run.display()))?;
             let a = &loaded.spec.attention;
             let vanilla = a.kind == AttentionKind::Vanilla;
@@ -472,6 +477,9 @@ fn run(cli: Cli) -> Result<()> {
             let lm = attnlab::eval::lm_eval::write(&info, &[attnlab::eval::lm_eval::downstream_task(&def, &result, &samples)])?;
             attnlab::tensorboard::refresh(&run);
             println!("{} at step {}: {} over {} documents ({}-shot) in {:.1}s → {} (lm-eval format: {})", run.display(), loaded.step, result.task, result.docs, result.num_fewshot, result.seconds, path.display(), lm.display());
+            if result.min_context > 0 {
+                println!("  kept {} of {} documents: inputs ≥ {} tokens (--min-context)", result.docs, result.docs_total, result.min_context);
+            }
             for (k, v) in &result.metrics {
                 println!("  {k:32} {v:.4}{}", if *k == result.primary_metric { "  (primary)" } else { "" });
             }

@@ -644,3 +644,55 @@ fn tensorboard_curve_survives_resume_and_eval_writes_lm_eval_files() {
     assert_eq!(samples.len(), 2);
     assert_eq!(samples[1]["doc"]["max_length"], 300);
 }
+
+/// Issue 18: the evidence smoke sweep with three seeds (steps cut to 10) → report tables with
+/// mean ± s.d. (n) and 95% t-intervals, and Rel.% paired by seed: recomputed here from each run's
+/// eval.json (DAR of seed s against vanilla of seed s, then averaged; t quantile from a printed
+/// table), and equal to the CSV's values.
+#[test]
+fn seeded_smoke_sweep_reports_intervals_and_paired_rel() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let sweep = repo.join("sweeps/dar-evidence-smoke.yaml");
+    let out = cwd.join("runs");
+    let args = ["sweep", sweep.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-parallel", "2", "--set", "train.steps=10", "--set", "eval.every=5", "--set", "data.train.synthetic.docs=200"];
+    ok(&attnlab(&args, cwd));
+    let report = cwd.join("report");
+    ok(&attnlab(&["report", out.to_str().unwrap(), "--out", report.to_str().unwrap()], cwd));
+    let md = std::fs::read_to_string(report.join("report.md")).unwrap();
+    assert!(md.contains("seed-to-seed variance") && md.contains(" ± ") && md.contains("(3) ["), "{md}");
+    assert!(md.contains("| DAR (orthogonal) | 16 | 8 |"), "the orthogonal arm has its own row: {md}");
+
+    // Per-seed word PPL from eval.json; run directories are named <name>-s<seed>-<hash>.
+    let ppl = |prefix: &str| -> Vec<f64> {
+        (1..=3)
+            .map(|s| {
+                let dir = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().path()).find(|p| p.file_name().unwrap().to_string_lossy().starts_with(&format!("{prefix}-s{s}-"))).unwrap_or_else(|| panic!("no {prefix}-s{s}"));
+                let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("eval.json")).unwrap()).unwrap();
+                v["corpora"]["synthetic"]["word_ppl"].as_f64().unwrap()
+            })
+            .collect()
+    };
+    let (vanilla, dar) = (ppl("2x64-vanilla"), ppl("2x64-dar-d16-w8-small_init"));
+    let rels: Vec<f64> = dar.iter().zip(&vanilla).map(|(d, v)| 100.0 * d / v).collect();
+    let mean = rels.iter().sum::<f64>() / 3.0;
+    let sd = (rels.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / 2.0).sqrt();
+    let half = 4.302_652_729_911_275 * sd / 3f64.sqrt(); // t(0.975, 2 df)
+    assert!(sd > 0.0, "seeds gave identical runs: {rels:?}");
+
+    let csv = std::fs::read_dir(report.join("tables")).unwrap().map(|e| e.unwrap().path()).find(|p| p.file_name().unwrap().to_string_lossy().starts_with("table1-") && p.extension().unwrap() == "csv").expect("Table 1 CSV");
+    let csv = std::fs::read_to_string(csv).unwrap();
+    let head: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let row: Vec<&str> = csv.lines().find(|l| l.starts_with("DAR,16,8,")).unwrap_or_else(|| panic!("{csv}")).split(',').collect();
+    let col = |name: &str| -> f64 { row[head.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no column {name}: {head:?}"))].parse().unwrap() };
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-6 * b.abs().max(1.0);
+    assert!(close(col("Rel.% (word)"), mean), "paired Rel.% {} vs {mean} from {rels:?}", col("Rel.% (word)"));
+    assert!(close(col("Rel.% (word) sd"), sd) && col("Rel.% (word) n") == 3.0);
+    assert!(close(col("Rel.% (word) ci95_lo"), mean - half) && close(col("Rel.% (word) ci95_hi"), mean + half));
+    let dar_mean = dar.iter().sum::<f64>() / 3.0;
+    assert!(close(col("synthetic (word)"), dar_mean));
+    // Figure 3 with the seed band, and runs.parquet's seed column.
+    assert!(md.contains("bands: ± 1 s.d. over seeds"), "{md}");
+    assert!(std::fs::metadata(report.join("runs.parquet")).unwrap().len() > 0);
+}

@@ -156,8 +156,11 @@ pub fn plot(rows: &[DecodeBench], stem: &std::path::Path) -> Result<Vec<std::pat
             .map(|(i, n)| Line {
                 label: n.to_string(),
                 points: rows.iter().filter(|r| r.attention == *n).map(|r| ((r.context as f64).log2(), y(r))).collect(),
-                color: i,
-                reference: *n == "vanilla",
+                band: Vec::new(),
+                // Vanilla black, as in the report's charts.
+                color: (*n != "vanilla").then_some(i),
+                dash: crate::report::plots::Dash::Solid,
+                reference: false,
             })
             .collect();
         Chart { title: format!("{title} (random weights)"), x_label: "log2 context length (10 = 1K, 16 = 64K tokens)".into(), y_label: y_label.into(), lines, log_y: false }.log_y_if_wide()

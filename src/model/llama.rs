@@ -17,7 +17,7 @@
 use crate::attention;
 use crate::attention::cache::{CacheShape, DecodeCache};
 use crate::attention::dar::Distant;
-use crate::spec::{AttentionImpl, AttentionKind, DarAct};
+use crate::spec::{AttentionImpl, AttentionInit, AttentionKind, DarAct};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::nn::{self, Init, Module};
@@ -58,18 +58,26 @@ pub struct DarConfig {
     /// Not part of the model's function: which implementation computes it.
     #[serde(rename = "impl")]
     pub implementation: AttentionImpl,
+    /// How `Llama::new` starts the bottleneck, and the seed of its own stream
+    /// (model::bottleneck::pretraining_start). Not part of a checkpoint's config.
+    #[serde(default, skip_serializing)]
+    pub init: AttentionInit,
+    #[serde(default, skip_serializing)]
+    pub init_seed: u64,
 }
 
 impl Default for DarConfig {
     fn default() -> Self {
-        DarConfig { kind: AttentionKind::Vanilla, d_down: 0, window: 0, dar_act: DarAct::Linear, implementation: AttentionImpl::Auto }
+        DarConfig { kind: AttentionKind::Vanilla, d_down: 0, window: 0, dar_act: DarAct::Linear, implementation: AttentionImpl::Auto, init: AttentionInit::SmallInit, init_seed: 0 }
     }
 }
 
 impl DarConfig {
     /// The `attention:` section of a resolved spec.
     pub fn from_spec(spec: &crate::spec::Spec) -> Self {
-        DarConfig { kind: spec.attention.kind, d_down: spec.d_down(), window: spec.window(), dar_act: spec.attention.dar_act, implementation: spec.attention.implementation }
+        let a = &spec.attention;
+        let (init, init_seed) = (a.init.unwrap_or_default(), spec.train.seed.unwrap_or(1234));
+        DarConfig { kind: a.kind, d_down: spec.d_down(), window: spec.window(), dar_act: a.dar_act, implementation: a.implementation, init, init_seed }
     }
 
     pub fn has_bottleneck(&self) -> bool {
@@ -263,16 +271,18 @@ fn rotate_half(x: &Tensor) -> Tensor {
 }
 
 /// The bottleneck of one layer, `(down [d_down, d], up [d, d_down])`, as `small_init` (dar.md §2):
-/// N(0, 2/(5d)) for both, the GPT-NeoX recipe.
-fn new_bottleneck(attn: &nn::Path, d: usize, d_down: usize) -> (Tensor, Tensor) {
-    let init = Init::Randn { mean: 0.0, stdev: (2.0 / (5.0 * d as f64)).sqrt() };
+/// N(0, 2/(5d)) for both, the GPT-NeoX recipe, drawn from the global generator (`add_dar`); with
+/// `zeros`, no draw at all (`Llama::new` fills it from its own stream afterwards).
+fn new_bottleneck(attn: &nn::Path, d: usize, d_down: usize, zeros: bool) -> (Tensor, Tensor) {
+    let init = if zeros { Init::Const(0.0) } else { Init::Randn { mean: 0.0, stdev: (2.0 / (5.0 * d as f64)).sqrt() } };
     let down = (attn / "bottleneck_down").var("weight", &[d_down as i64, d as i64], init);
     let up = (attn / "bottleneck_up").var("weight", &[d as i64, d_down as i64], init);
     (down, up)
 }
 
 impl Llama {
-    /// Build under `root` with HF's init (N(0, 0.02) matrices, unit norms; DAR bottlenecks small_init).
+    /// Build under `root` with HF's init (N(0, 0.02) matrices, unit norms; DAR bottlenecks as
+    /// `cfg.attention.init`, from their own stream after every other weight).
     pub fn new(root: &nn::Path, cfg: LlamaConfig) -> Llama {
         let (d, hd) = (cfg.hidden_size, cfg.head_dim());
         let (h, kvh) = (cfg.num_attention_heads, cfg.num_key_value_heads);
@@ -297,12 +307,22 @@ impl Llama {
                     gate_proj: linear(&f / "gate_proj", d, cfg.intermediate_size),
                     up_proj: linear(&f / "up_proj", d, cfg.intermediate_size),
                     down_proj: linear(&f / "down_proj", cfg.intermediate_size, d),
-                    bottleneck: cfg.attention.has_bottleneck().then(|| new_bottleneck(&a, d, cfg.attention.d_down)),
+                    bottleneck: cfg.attention.has_bottleneck().then(|| new_bottleneck(&a, d, cfg.attention.d_down, true)),
                 }
             })
-            .collect();
+            .collect::<Vec<Block>>();
         let norm = ones(&m / "norm", d);
         let lm_head = (!cfg.tie_word_embeddings).then(|| (root / "lm_head").var("weight", &[cfg.vocab_size as i64, d as i64], init));
+        // The bottlenecks last, from their own stream: every other weight equals a vanilla model's.
+        tch::no_grad(|| {
+            for (i, b) in layers.iter().enumerate() {
+                if let Some((down, up)) = &b.bottleneck {
+                    let (d0, u0) = super::bottleneck::pretraining_start(cfg.attention.init, cfg.attention.init_seed, i, d, cfg.attention.d_down);
+                    down.shallow_clone().copy_(&d0);
+                    up.shallow_clone().copy_(&u0);
+                }
+            }
+        });
         Llama { cfg, embed_tokens, layers, norm, lm_head }
     }
 
@@ -325,7 +345,7 @@ impl Llama {
         }
         let m = root / "model";
         for (i, b) in self.layers.iter_mut().enumerate() {
-            b.bottleneck = Some(new_bottleneck(&(&m / "layers" / i / "self_attn"), d, attention.d_down));
+            b.bottleneck = Some(new_bottleneck(&(&m / "layers" / i / "self_attn"), d, attention.d_down, false));
         }
         self.cfg.attention = attention;
         Ok(())

@@ -4,7 +4,7 @@
 //! keys/values from `LN1(x)·W_down·W_up` through the SAME k/v rows and bias of `query_key_value`.
 use super::rope::Rope;
 use crate::attention;
-use crate::spec::{AttentionImpl, AttentionKind, DarAct, Gelu, Spec};
+use crate::spec::{AttentionImpl, AttentionInit, AttentionKind, DarAct, Gelu, Spec};
 use tch::nn::{self, Init, Module};
 use tch::Tensor;
 
@@ -27,6 +27,9 @@ pub struct NeoxConfig {
     pub window: usize,
     pub dar_act: DarAct,
     pub attention_impl: AttentionImpl,
+    /// How the bottleneck starts, and the seed of its own stream (model::bottleneck::pretraining_start).
+    pub init: AttentionInit,
+    pub init_seed: u64,
 }
 
 impl NeoxConfig {
@@ -48,6 +51,8 @@ impl NeoxConfig {
             window: spec.window(),
             dar_act: spec.attention.dar_act,
             attention_impl: spec.attention.implementation,
+            init: spec.attention.init.unwrap_or_default(),
+            init_seed: spec.train.seed.unwrap_or(1234),
         }
     }
 
@@ -102,7 +107,8 @@ fn layer_norm(p: nn::Path, d: usize, eps: f64) -> nn::LayerNorm {
 
 impl GptNeox {
     /// Build the model under `root` with Pythia's init (pythia.md §4): small_init σ = sqrt(2/(5d)) for
-    /// embeddings, QKV, MLP-in and the DAR bottleneck (dar.md §2); wang_init σ = 2/(L·sqrt(d)) for the
+    /// embeddings, QKV and MLP-in; the DAR bottleneck as `cfg.init` from its own stream, after every
+    /// other weight (so those equal a vanilla model's of the same seed); wang_init σ = 2/(L·sqrt(d)) for the
     /// two projections that write into the residual stream; biases 0, LayerNorm 1/0.
     pub fn new(root: &nn::Path, cfg: NeoxConfig) -> Self {
         let (d, l) = (cfg.d_model, cfg.layers);
@@ -110,12 +116,13 @@ impl GptNeox {
         let wang = 2.0 / (l as f64 * (d as f64).sqrt());
         let g = root / "gpt_neox";
         let embed_in = (&g / "embed_in").var("weight", &[cfg.vocab as i64, d as i64], Init::Randn { mean: 0.0, stdev: small });
-        let layers = (0..l)
+        let layers: Vec<Layer> = (0..l)
             .map(|i| {
                 let p = &g / "layers" / i;
                 let a = &p / "attention";
+                // Zeros for now (no draw from the global generator): filled below from their own stream.
                 let bottleneck = cfg.has_bottleneck().then(|| {
-                    let init = Init::Randn { mean: 0.0, stdev: small };
+                    let init = Init::Const(0.0);
                     let down = (&a / "bottleneck_down").var("weight", &[cfg.d_down as i64, d as i64], init);
                     let up = (&a / "bottleneck_up").var("weight", &[d as i64, cfg.d_down as i64], init);
                     (down, up)
@@ -133,6 +140,15 @@ impl GptNeox {
             .collect();
         let final_layer_norm = layer_norm(&g / "final_layer_norm", d, cfg.ln_eps);
         let embed_out = (root / "embed_out").var("weight", &[cfg.vocab as i64, d as i64], Init::Randn { mean: 0.0, stdev: small });
+        tch::no_grad(|| {
+            for (i, layer) in layers.iter().enumerate() {
+                if let Some((down, up)) = &layer.bottleneck {
+                    let (d0, u0) = super::bottleneck::pretraining_start(cfg.init, cfg.init_seed, i, d, cfg.d_down);
+                    down.shallow_clone().copy_(&d0);
+                    up.shallow_clone().copy_(&u0);
+                }
+            }
+        });
         let rope = Rope::new(cfg.head_dim(), cfg.rotary_pct, cfg.rotary_base);
         GptNeox { cfg, embed_in, layers, final_layer_norm, embed_out, rope }
     }

@@ -55,7 +55,8 @@ pub fn write(i: &Inputs) -> String {
         i.unit.other().name()
     );
     let _ = writeln!(o, "- Paper values: `data/papers/dar.csv` (arXiv 2606.18587 via a third-party summary, shared/specs/dar.md §5).");
-    let _ = writeln!(o, "- Every logged value: `runs.parquet` (one row per run and step; the run's config in columns beside every metric).\n");
+    let _ = writeln!(o, "- Every logged value: `runs.parquet` (one row per run and step; the run's config, its seed included, in columns beside every metric).");
+    let _ = writeln!(o, "- Seeds: runs of one recipe and configuration that differ only in `train.seed` fill one table row. {} Rel.(%) is computed per seed against the vanilla run of the same seed, then summarised (paired).\n", super::stats::WHAT_INTERVALS_MEAN);
 
     let missing: Vec<String> = i.tables.iter().flat_map(|t| t.missing()).chain(i.long.iter().flat_map(|g| g.missing.clone())).collect();
     let _ = writeln!(o, "## Missing rows\n");
@@ -149,7 +150,7 @@ pub fn write(i: &Inputs) -> String {
             }
         }
     }
-    let _ = writeln!(o, "| run | scale | attention | recipe | logged step / steps | DONE | tables |\n|---|---|---|---|---|---|---|");
+    let _ = writeln!(o, "| run | scale | attention | recipe | seed | logged step / steps | DONE | tables |\n|---|---|---|---|---|---|---|---|");
     for r in i.runs {
         let mut attention = Config::of(&r.spec).label();
         if r.spec.attention.dar_act != crate::spec::DarAct::Linear && r.spec.attention.kind.has_bottleneck() {
@@ -158,11 +159,12 @@ pub fn write(i: &Inputs) -> String {
         let tables = in_tables.get(r.rel.as_str()).map_or("none".to_string(), |v| v.join(", "));
         let _ = writeln!(
             o,
-            "| {} | {} | {} | `{}` | {} / {} | {} | {} |",
+            "| {} | {} | {} | `{}` | {} | {} / {} | {} | {} |",
             r.rel,
             groups::scale(&r.spec),
             attention,
             groups::key_id(&groups::recipe_key(&r.spec)),
+            r.spec.seed(),
             r.last_step().map_or("–".into(), |s| s.to_string()),
             r.steps(),
             if r.done { "yes" } else { "no" },
@@ -170,15 +172,17 @@ pub fn write(i: &Inputs) -> String {
         );
     }
     o.push('\n');
-    let mut recipes: BTreeMap<String, String> = BTreeMap::new();
+    let mut recipes: BTreeMap<String, (String, std::collections::BTreeSet<u64>)> = BTreeMap::new();
     for r in i.runs {
-        recipes
+        let e = recipes
             .entry(groups::key_id(&groups::recipe_key(&r.spec)))
-            .or_insert_with(|| format!("{}: {}", groups::scale(&r.spec), groups::recipe_summary(&r.spec)));
+            .or_insert_with(|| (format!("{}: {}", groups::scale(&r.spec), groups::recipe_summary(&r.spec)), Default::default()));
+        e.1.insert(r.spec.seed());
     }
-    let _ = writeln!(o, "Recipes (runs with one recipe differ only in attention and bookkeeping):\n");
-    for (id, what) in &recipes {
-        let _ = writeln!(o, "- `{id}`: {what}");
+    let _ = writeln!(o, "Recipes (runs with one recipe differ only in attention, seed and bookkeeping):\n");
+    for (id, (what, seeds)) in &recipes {
+        let seeds: Vec<String> = seeds.iter().map(u64::to_string).collect();
+        let _ = writeln!(o, "- `{id}`: {what}; seeds {}", seeds.join(", "));
     }
     o.push('\n');
 

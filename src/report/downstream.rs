@@ -68,6 +68,8 @@ pub struct DownRun {
     pub scores: BTreeMap<String, f64>,
     /// Task → the metric shown (acc, exact_match,strict-match, …).
     pub metric: BTreeMap<String, String>,
+    /// Task → (documents kept, documents in all, min_context) where a min_context filter applied.
+    pub kept: BTreeMap<String, (usize, usize, usize)>,
 }
 
 impl DownRun {
@@ -98,6 +100,7 @@ pub fn collect(root: &Path) -> Result<Vec<DownRun>> {
         let mut scores = BTreeMap::new();
         let mut metric = BTreeMap::new();
         let mut model = None;
+        let mut kept = BTreeMap::new();
         let mut files: Vec<PathBuf> = std::fs::read_dir(&tasks).at(&tasks)?.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "json")).collect();
         files.sort();
         for f in files {
@@ -106,10 +109,13 @@ pub fn collect(root: &Path) -> Result<Vec<DownRun>> {
             model.get_or_insert(r.model.clone());
             scores.insert(r.task.clone(), r.primary);
             metric.insert(r.task.clone(), r.primary_metric.clone());
+            if r.min_context > 0 {
+                kept.insert(r.task.clone(), (r.docs, r.docs_total, r.min_context));
+            }
         }
         if let Some(model) = model {
             let rel = dir.strip_prefix(root).map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
-            runs.push(DownRun { rel: if rel.is_empty() { ".".into() } else { rel }, model, scores, metric });
+            runs.push(DownRun { rel: if rel.is_empty() { ".".into() } else { rel }, model, scores, metric, kept });
         }
     }
     Ok(runs)
@@ -165,10 +171,19 @@ pub fn build(runs: &[DownRun], paper: &[PaperRow]) -> Vec<Table> {
             TASKS.iter().filter_map(|t| members.iter().find_map(|r| r.metric.get(*t)).map(|m| format!("{t}: {m}"))).collect::<Vec<_>>().join(", ")
         )];
         match base {
-            Some(b) => notes.push(format!("Baseline: `{}` (d_down = {}).", b.rel, b.label())),
+            Some(b) if b.model.d_down.is_none() => notes.push(format!("Baseline: `{}` ({}): the group has no DAR run with d_down = d_model, the paper's baseline.", b.rel, b.label())),
+            Some(b) => notes.push(format!("Baseline: `{}` (d_down = {} = d_model, as the paper's Table 4).", b.rel, b.label())),
             None => notes.push("No baseline run (d_down = d_model or vanilla) in this group: Rel.(%) is not computed.".into()),
         }
         notes.push("Paper columns: DAR Table 4 (OLMo-2-1B-SFT, d = 2048), matched by d_model / d_down.".into());
+        // The paper scores only samples whose input is at least w tokens long: say what was kept.
+        let kept: Vec<String> = members
+            .iter()
+            .flat_map(|r| r.kept.iter().map(move |(t, (k, n, m))| format!("`{}` {t}: {k} of {n} (inputs ≥ {m} tokens)", r.rel)))
+            .collect();
+        if !kept.is_empty() {
+            notes.push(format!("Documents kept by the min_context filter: {}.", kept.join("; ")));
+        }
         let rows = members
             .iter()
             .map(|r| {
@@ -300,6 +315,8 @@ mod tests {
                 task: task.to_string(),
                 model: ModelInfo { step: 10, arch: "llama".into(), attention: if d_down.is_some() { "dar" } else { "vanilla" }.into(), d_model: 64, d_down, window: d_down.map(|_| 128) },
                 docs: 10,
+                docs_total: 10,
+                min_context: 0,
                 num_fewshot: 0,
                 metrics: [("acc".to_string(), *v)].into_iter().collect(),
                 primary_metric: "acc".into(),

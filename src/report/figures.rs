@@ -1,9 +1,13 @@
 //! The report's figures: per-run and per-sweep loss / perplexity against step, and Figure 3
 //! (Rel.(%) against step for every configuration of a sweep, vanilla as the 100% line).
-//! A sweep is a recipe group (groups.rs): runs of one scale and recipe that differ in attention only.
+//! A sweep is a recipe group (groups.rs): runs of one scale and recipe that differ in attention and
+//! seed only. A sweep's charts draw one series per configuration: the mean over its seeds, with a
+//! band of ± one s.d. where there are several; vanilla black, DAR solid, uniform dashed,
+//! window-only dotted, one colour per d_down (per window in a window ablation).
 use super::groups::{self, Config, Key};
 use super::load::Run;
-use super::plots::{self, Chart, Line};
+use super::plots::{self, Chart, Dash, Line};
+use super::stats::Stat;
 use super::tables::{rel, Unit};
 use crate::spec::{AttentionKind, DarAct};
 use crate::Result;
@@ -51,7 +55,7 @@ pub fn run_figures(run: &Run, out: &Path, unit: Unit) -> Result<Vec<Figure>> {
         title: format!("Training loss: {}", run.rel),
         x_label: "step".into(),
         y_label: "training loss (nats / token)".into(),
-        lines: vec![Line { label: "train loss".into(), points: run.series("loss"), color: 0, reference: false }],
+        lines: vec![Line::solid("train loss".into(), run.series("loss"), 0)],
         log_y: false,
     };
     let ppl = Chart {
@@ -61,7 +65,7 @@ pub fn run_figures(run: &Run, out: &Path, unit: Unit) -> Result<Vec<Figure>> {
         lines: corpora(run)
             .into_iter()
             .enumerate()
-            .map(|(i, c)| Line { points: run.series(&format!("eval/{c}/{}", unit.field())), label: c, color: i, reference: false })
+            .map(|(i, c)| Line::solid(c.clone(), run.series(&format!("eval/{c}/{}", unit.field())), i))
             .collect(),
         log_y: false,
     }
@@ -72,51 +76,148 @@ pub fn run_figures(run: &Run, out: &Path, unit: Unit) -> Result<Vec<Figure>> {
     Ok(out_figs)
 }
 
-/// Legend labels: the attention config, plus the run path where two runs share a config.
-fn labels(runs: &[&Run]) -> Vec<String> {
-    let sigmoid = |r: &Run| r.spec.attention.kind.has_bottleneck() && r.spec.attention.dar_act == DarAct::Sigmoid;
-    let configs: Vec<String> = runs.iter().map(|r| Config::of(&r.spec).label() + if sigmoid(r) { " sigmoid" } else { "" }).collect();
-    configs.iter().zip(runs).map(|(c, r)| if configs.iter().filter(|x| *x == c).count() > 1 { format!("{c} [{}]", r.rel) } else { c.clone() }).collect()
+/// One configuration of a sweep: its runs (one per seed, usually) and how it is drawn.
+struct Series<'a> {
+    config: Config,
+    sigmoid: bool,
+    runs: Vec<&'a Run>,
+    label: String,
+    color: Option<usize>,
+    dash: Dash,
 }
 
-/// Runs of a sweep in table order: vanilla, DAR by d_down and window (wide first), uniform.
-fn ordered<'a>(runs: &[&'a Run]) -> Vec<&'a Run> {
-    let mut v = runs.to_vec();
-    v.sort_by_key(|r| {
-        let c = Config::of(&r.spec);
-        (c.kind != AttentionKind::Vanilla, c.kind == AttentionKind::Uniform, std::cmp::Reverse(c.d_down), std::cmp::Reverse(c.window), r.rel.clone())
-    });
-    v
+fn is_sigmoid(r: &Run) -> bool {
+    r.spec.attention.kind != AttentionKind::Vanilla && r.spec.attention.dar_act == DarAct::Sigmoid
 }
 
-/// Loss and per-corpus perplexity of every run of a sweep on shared axes.
+/// The dash of a kind: vanilla and DAR solid, uniform dashed, window-only dotted.
+fn dash_of(c: &Config) -> Dash {
+    match groups::kind_name(c.kind).as_str() {
+        "uniform" => Dash::Dashed,
+        "window" => Dash::Dotted,
+        _ => Dash::Solid,
+    }
+}
+
+/// A sweep's runs as series, in table order (vanilla, DAR by d_down and window, wide first,
+/// uniform, others), with colours: one per d_down (per window when only the window varies),
+/// vanilla black, and never two series with the same colour and dash.
+fn series<'a>(runs: &[&'a Run]) -> Vec<Series<'a>> {
+    let mut out: Vec<Series<'a>> = Vec::new();
+    for &r in runs {
+        let (config, sigmoid) = (Config::of(&r.spec), is_sigmoid(r));
+        match out.iter_mut().find(|s| s.config == config && s.sigmoid == sigmoid) {
+            Some(s) => s.runs.push(r),
+            None => out.push(Series { config, sigmoid, runs: vec![r], label: String::new(), color: None, dash: dash_of(&config) }),
+        }
+    }
+    let rank = |c: &Config| match groups::kind_name(c.kind).as_str() {
+        "vanilla" => 0,
+        "dar" => 1,
+        "uniform" => 2,
+        _ => 3,
+    };
+    out.sort_by_key(|s| (rank(&s.config), std::cmp::Reverse(s.config.d_down), std::cmp::Reverse(s.config.window), s.config.init.map(|i| i as u8), s.sigmoid));
+    // Colour by window only in a window ablation: one d_down, several DAR windows (uniform's 0
+    // alone does not make one).
+    let bottleneck: Vec<&Config> = out.iter().map(|s| &s.config).filter(|c| c.has_bottleneck()).collect();
+    let d_downs: BTreeSet<Option<usize>> = bottleneck.iter().map(|c| c.d_down).collect();
+    let windows: BTreeSet<Option<usize>> = bottleneck.iter().filter(|c| c.kind == AttentionKind::Dar).map(|c| c.window).collect();
+    let by_window = d_downs.len() <= 1 && windows.len() > 1;
+    let key = |c: &Config| -> String {
+        match (c.has_bottleneck(), by_window) {
+            (true, false) => format!("d{}", c.d_down.unwrap_or(0)),
+            _ => format!("w{}", c.window.unwrap_or(0)),
+        }
+    };
+    let mut colors: BTreeMap<String, usize> = BTreeMap::new();
+    let mut taken: BTreeSet<(usize, bool, bool, bool)> = BTreeSet::new();
+    let mut next = 0;
+    for s in out.iter_mut() {
+        let n = s.runs.iter().map(|r| r.spec.seed()).collect::<BTreeSet<_>>().len();
+        let seeds = if n > 1 { format!(", {n} seeds") } else { String::new() };
+        s.label = format!("{}{}{seeds}", s.config.label(), if s.sigmoid { " sigmoid" } else { "" });
+        if s.config.kind == AttentionKind::Vanilla {
+            continue;
+        }
+        let dash = (s.dash == Dash::Solid, s.dash == Dash::Dashed, s.dash == Dash::Dotted);
+        let mut c = *colors.entry(key(&s.config)).or_insert_with(|| {
+            next += 1;
+            next - 1
+        });
+        // The same colour and dash as an earlier series (another start or activation of one
+        // configuration): the next colour no key uses.
+        if taken.contains(&(c, dash.0, dash.1, dash.2)) {
+            c = next;
+            next += 1;
+        }
+        taken.insert((c, dash.0, dash.1, dash.2));
+        s.color = Some(c);
+    }
+    out
+}
+
+/// (label, colour, dash) of each series of a sweep, for tests.
+#[cfg(test)]
+pub fn styles_for_test(runs: &[&Run]) -> Vec<(String, Option<usize>, Dash)> {
+    series(runs).into_iter().map(|s| (s.label, s.color, s.dash)).collect()
+}
+
+/// Mean over curves at each x every curve has (any curve has, when there is one), with the band
+/// mean ± s.d. where more than one curve contributes.
+fn pool(curves: &[Vec<(f64, f64)>]) -> (Vec<(f64, f64)>, Vec<(f64, f64, f64)>) {
+    let mut at: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
+    for c in curves {
+        for &(x, y) in c {
+            if y.is_finite() {
+                at.entry(x.to_bits()).or_default().push(y);
+            }
+        }
+    }
+    let n = curves.iter().filter(|c| !c.is_empty()).count();
+    let (mut points, mut band) = (Vec::new(), Vec::new());
+    let mut xs: Vec<(f64, Vec<f64>)> = at.into_iter().map(|(x, v)| (f64::from_bits(x), v)).filter(|(_, v)| v.len() == n || n <= 1).collect();
+    xs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    for (x, v) in xs {
+        let Some(s) = Stat::of(&v) else { continue };
+        points.push((x, s.mean));
+        if n > 1 {
+            band.push((x, s.mean - s.sd, s.mean + s.sd));
+        }
+    }
+    (points, band)
+}
+
+fn pooled_line(s: &Series, curves: &[Vec<(f64, f64)>]) -> Line {
+    let (points, band) = pool(curves);
+    Line { label: s.label.clone(), points, band, color: s.color, dash: s.dash, reference: false }
+}
+
+/// Loss and per-corpus perplexity of every configuration of a sweep on shared axes (seeds pooled).
 pub fn sweep_figures(key: &Key, runs: &[&Run], out: &Path, unit: Unit) -> Result<Vec<Figure>> {
-    let runs = ordered(runs);
-    let names = labels(&runs);
+    let all = series(runs);
     let scale = groups::scale(&runs[0].spec);
     let id = format!("{scale}-{}", groups::key_id(key));
     let stem = format!("plots/sweeps/{}", slug(&id));
+    let seeds = all.iter().any(|s| s.runs.len() > 1);
+    let band = if seeds { " Lines: mean over seeds; bands: ± 1 s.d. over seeds." } else { "" };
     let mut figs = Vec::new();
     let loss = Chart {
         title: format!("Training loss, {scale} sweep `{}`", groups::key_id(key)),
         x_label: "step".into(),
         y_label: "training loss (nats / token)".into(),
-        lines: runs.iter().zip(&names).enumerate().map(|(i, (r, n))| Line { label: n.clone(), points: r.series("loss"), color: i, reference: false }).collect(),
+        lines: all.iter().map(|s| pooled_line(s, &s.runs.iter().map(|r| r.series("loss")).collect::<Vec<_>>())).collect(),
         log_y: false,
     };
-    figs.extend(save(loss, out, &format!("{stem}/loss"), format!("Training loss of the {scale} sweep `{}`", groups::key_id(key)))?);
+    figs.extend(save(loss, out, &format!("{stem}/loss"), format!("Training loss of the {scale} sweep `{}`.{band}", groups::key_id(key)))?);
     let all_corpora: BTreeSet<String> = runs.iter().flat_map(|r| corpora(r)).collect();
     for c in all_corpora {
+        let metric = format!("eval/{c}/{}", unit.field());
         let chart = Chart {
             title: format!("{c}: {}, {scale} sweep `{}`", ppl_label(unit), groups::key_id(key)),
             x_label: "step".into(),
             y_label: ppl_label(unit),
-            lines: runs
-                .iter()
-                .zip(&names)
-                .enumerate()
-                .map(|(i, (r, n))| Line { label: n.clone(), points: r.series(&format!("eval/{c}/{}", unit.field())), color: i, reference: false })
-                .collect(),
+            lines: all.iter().map(|s| pooled_line(s, &s.runs.iter().map(|r| r.series(&metric)).collect::<Vec<_>>())).collect(),
             log_y: false,
         }
         .log_y_if_wide();
@@ -124,7 +225,7 @@ pub fn sweep_figures(key: &Key, runs: &[&Run], out: &Path, unit: Unit) -> Result
             chart,
             out,
             &format!("{stem}/ppl-{}", slug(&c)),
-            format!("{c} {} perplexity of the {scale} sweep `{}`", unit.name(), groups::key_id(key)),
+            format!("{c} {} perplexity of the {scale} sweep `{}`.{band}", unit.name(), groups::key_id(key)),
         )?);
     }
     Ok(figs)
@@ -137,27 +238,35 @@ pub fn rel_curve(run: &Run, vanilla: &Run, unit: Unit) -> Vec<(f64, f64)> {
     run.rows.keys().filter_map(|&s| rel(&only(run.eval_at(s, unit.field())), &only(vanilla.eval_at(s, unit.field()))).map(|(r, _)| (s as f64, r))).collect()
 }
 
-/// Figure 3 for one sweep: None without a vanilla run or another configuration.
+/// Figure 3 for one sweep: None without a vanilla run or another configuration. Each run is
+/// compared with the vanilla run of its own seed (or, when the sweep has none, with the vanilla run
+/// evaluated most often), and the per-seed curves are pooled.
 pub fn figure3(key: &Key, runs: &[&Run], out: &Path, unit: Unit) -> Result<Option<Figure>> {
-    let runs = ordered(runs);
     let evals = |r: &Run| r.rows.keys().filter(|&&s| !r.eval_at(s, unit.field()).is_empty()).count();
-    let Some(vanilla) = runs.iter().copied().filter(|r| r.spec.attention.kind == AttentionKind::Vanilla).max_by_key(|r| evals(r)) else {
+    let vanillas: Vec<&Run> = runs.iter().copied().filter(|r| r.spec.attention.kind == AttentionKind::Vanilla).collect();
+    let Some(fallback) = vanillas.iter().copied().max_by_key(|r| evals(r)) else {
         return Ok(None);
     };
-    // Colours by position in the whole sweep, as in the sweep's loss and perplexity charts.
-    let names = labels(&runs);
-    let mut lines: Vec<Line> = (runs.iter().zip(&names).enumerate())
-        .filter(|(_, (r, _))| r.spec.attention.kind != AttentionKind::Vanilla)
-        .map(|(i, (r, n))| Line { label: n.clone(), points: rel_curve(r, vanilla, unit), color: i, reference: false })
+    let vanilla_of = |r: &Run| -> &Run {
+        vanillas.iter().copied().filter(|v| v.spec.seed() == r.spec.seed()).max_by_key(|v| evals(v)).unwrap_or(fallback)
+    };
+    let all = series(runs);
+    let mut lines: Vec<Line> = all
+        .iter()
+        .filter(|s| s.config.kind != AttentionKind::Vanilla)
+        .map(|s| pooled_line(s, &s.runs.iter().map(|r| rel_curve(r, vanilla_of(r), unit)).collect::<Vec<_>>()))
         .collect();
     let xs: Vec<f64> = lines.iter().flat_map(|l| l.points.iter().map(|p| p.0)).collect();
     if xs.is_empty() {
         return Ok(None);
     }
     let (x0, x1) = xs.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
-    lines.push(Line { label: format!("vanilla = 100% [{}]", vanilla.rel), points: vec![(x0, 100.0), (x1, 100.0)], color: 0, reference: true });
+    let seeds: BTreeSet<u64> = vanillas.iter().map(|v| v.spec.seed()).collect();
+    let which = if seeds.len() > 1 { format!("{} seeds", seeds.len()) } else { fallback.rel.clone() };
+    lines.insert(0, Line { label: format!("vanilla = 100% [{which}]"), points: vec![(x0, 100.0), (x1, 100.0)], band: Vec::new(), color: None, dash: Dash::Solid, reference: true });
     let scale = groups::scale(&runs[0].spec);
     let id = groups::key_id(key);
+    let pooled = all.iter().any(|s| s.runs.len() > 1);
     let chart = Chart {
         title: format!("Rel.(%) vs step, {scale} sweep `{id}`"),
         x_label: "step".into(),
@@ -166,8 +275,9 @@ pub fn figure3(key: &Key, runs: &[&Run], out: &Path, unit: Unit) -> Result<Optio
         log_y: false,
     };
     let caption = format!(
-        "Figure 3, {scale} sweep `{id}`: Rel.(%) = 100 · mean over corpora of PPL / PPL(vanilla) at each evaluated step ({} PPL; lower is better)",
-        unit.name()
+        "Figure 3, {scale} sweep `{id}`: Rel.(%) = 100 · mean over corpora of PPL / PPL(vanilla of the same seed) at each evaluated step ({} PPL; lower is better){}",
+        unit.name(),
+        if pooled { "; lines: mean over seeds, bands: ± 1 s.d. over seeds" } else { "" }
     );
     save(chart, out, &format!("plots/figure3-{}", slug(&format!("{scale}-{id}"))), caption)
 }

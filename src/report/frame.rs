@@ -1,9 +1,9 @@
 //! All runs as one polars DataFrame: one row per (run, logged step), the run's config as columns
 //! beside every metric column, written as runs.parquet for notebooks. A run that logged nothing
-//! still gets one row (step null) so that it is visible.
+//! still gets one row (step null) so that it is visible. `recipe` excludes the seed (groups.rs), so
+//! grouping by (recipe, kind, d_down, window, init) pools a configuration's seeds.
 use super::groups;
 use super::load::Run;
-use crate::spec::AttentionKind;
 use crate::{Error, Result};
 use polars::prelude::*;
 use std::collections::BTreeSet;
@@ -27,14 +27,15 @@ pub fn build(runs: &[Run]) -> Result<DataFrame> {
 
     let text = |f: &dyn Fn(&Run) -> Option<String>| -> Vec<Option<String>> { keys.iter().map(|&(i, _)| f(&runs[i])).collect() };
     let int = |f: &dyn Fn(&Run) -> Option<i64>| -> Vec<Option<i64>> { keys.iter().map(|&(i, _)| f(&runs[i])).collect() };
-    let bottleneck = |r: &Run| r.spec.attention.kind.has_bottleneck();
-    let windowed = |r: &Run| r.spec.attention.kind != AttentionKind::Vanilla;
+    let config = |r: &Run| groups::Config::of(&r.spec);
     let mut cols = vec![
         Column::new("run".into(), text(&|r| Some(r.rel.clone()))),
         Column::new("name".into(), text(&|r| Some(r.name()))),
         Column::new("kind".into(), text(&|r| serde_json::to_value(r.spec.attention.kind).ok().and_then(|v| v.as_str().map(String::from)))),
-        Column::new("d_down".into(), int(&|r| bottleneck(r).then(|| r.spec.d_down() as i64))),
-        Column::new("window".into(), int(&|r| windowed(r).then(|| r.spec.window() as i64))),
+        Column::new("d_down".into(), int(&|r| config(r).d_down.map(|d| d as i64))),
+        Column::new("window".into(), int(&|r| config(r).window.map(|w| w as i64))),
+        Column::new("init".into(), text(&|r| r.spec.attention.init.and_then(|i| serde_json::to_value(i).ok()).and_then(|v| v.as_str().map(String::from)))),
+        Column::new("seed".into(), int(&|r| Some(r.spec.seed() as i64))),
         Column::new("dar_act".into(), text(&|r| serde_json::to_value(r.spec.attention.dar_act).ok().and_then(|v| v.as_str().map(String::from)))),
         Column::new("flavor".into(), text(&|r| r.spec.model.flavor.map(groups::flavor_name))),
         Column::new("d_model".into(), int(&|r| Some(r.spec.shape().d_model as i64))),

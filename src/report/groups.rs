@@ -1,9 +1,11 @@
 //! Which runs may be compared: decided from the resolved config, never from directory names.
 //! Two runs are "like with like" when their configs differ only in the attention section and in
-//! bookkeeping (output, name, device, precision, logging/eval cadence, checkpoints, cache): same
-//! model shape, training data, tokenizer, T, steps, batch, optimizer, seed and evaluation corpora.
+//! bookkeeping (output, name, device, precision, logging/eval cadence, checkpoints, cache) and in
+//! their seed: same model shape, training data, tokenizer, T, steps, batch, optimizer and evaluation
+//! corpora. Runs of one recipe and configuration with different seeds are repeats: the tables
+//! summarise them (stats.rs) and pair each with the vanilla run of its own seed.
 use super::load::Run;
-use crate::spec::{AttentionKind, AttentionSpec, CheckpointSpec, DarAct, Flavor, ModelSpec, Precision, SourceSpec, Spec};
+use crate::spec::{AttentionInit, AttentionKind, AttentionSpec, CheckpointSpec, DarAct, Flavor, ModelSpec, Precision, SourceSpec, Spec};
 use serde_json::Value;
 use std::collections::BTreeMap;
 
@@ -48,18 +50,25 @@ pub fn recipe_key(spec: &Spec) -> Key {
     s.eval.batch_size = None;
     s.checkpoint = CheckpointSpec::default();
     s.data.cache = None;
+    s.train.seed = None;
     flatten(&s)
 }
 
-/// As `recipe_key` without the model and its size-dependent learning rates: for Table 2, which
-/// compares scales trained on the same data for the same number of steps.
+/// As `recipe_key` without the model and its size-dependent learning rates, batch and steps: for
+/// Table 2, which compares scales trained on the same data for the same token budget (to three
+/// significant digits: the paper's 256 × 19,073 and 896 × 5,450 sequences of 2048 are both 1.00e10).
 pub fn cross_scale_key(spec: &Spec) -> Key {
     let mut s = spec.clone();
     s.model = ModelSpec::default();
     s.train.lr = None;
     s.train.min_lr = None;
+    s.train.steps = None;
+    s.train.batch_size = None;
+    s.train.grad_accum = None;
     let mut k = recipe_key(&s);
     k.retain(|name, _| !name.starts_with("model."));
+    let tokens = spec.steps() as f64 * spec.batch_size() as f64 * spec.seq_len() as f64;
+    k.insert("train.tokens (3 significant digits)".into(), format!("{tokens:.2e}"));
     k
 }
 
@@ -105,11 +114,10 @@ fn flatten_into(v: &Value, prefix: String, out: &mut Key) {
 pub fn recipe_summary(spec: &Spec) -> String {
     let corpora: Vec<&str> = spec.data.eval.keys().map(String::as_str).collect();
     format!(
-        "T = {}, {} steps × {} sequences, seed {}, train data: {}, eval: {}",
+        "T = {}, {} steps × {} sequences, train data: {}, eval: {}",
         spec.seq_len(),
         spec.steps(),
         spec.batch_size(),
-        spec.seed(),
         source_words(&spec.data.train),
         if corpora.is_empty() { "none".to_string() } else { corpora.join(", ") }
     )
@@ -126,31 +134,48 @@ fn source_words(src: &SourceSpec) -> String {
     }
 }
 
-/// A run's attention configuration as the tables see it: uniform is DAR with window 0.
+/// A run's attention configuration as the tables see it: uniform is DAR with window 0; `init` is
+/// the bottleneck's start (None for kinds without a bottleneck).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Config {
     pub kind: AttentionKind,
     pub d_down: Option<usize>,
     pub window: Option<usize>,
+    pub init: Option<AttentionInit>,
+}
+
+/// The spec's name of an attention kind (`vanilla`, `dar`, `uniform`, `window`, …).
+pub fn kind_name(kind: AttentionKind) -> String {
+    serde_json::to_value(kind).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
 }
 
 impl Config {
     pub fn of(spec: &Spec) -> Config {
-        match spec.attention.kind {
-            AttentionKind::Vanilla => Config::vanilla(),
-            AttentionKind::Window => Config { kind: AttentionKind::Window, d_down: None, window: Some(spec.window()) },
-            _ => Config::bottleneck(spec.d_down(), spec.window()),
+        let a = &spec.attention;
+        if a.kind == AttentionKind::Vanilla {
+            return Config::vanilla();
         }
+        if matches!(a.kind, AttentionKind::Dar | AttentionKind::Uniform) {
+            return Config { init: Some(a.init.unwrap_or_default()), ..Config::bottleneck(spec.d_down(), spec.window()) };
+        }
+        // Kinds without a bottleneck (window-only attention): as the spec sets them.
+        let pos = |v: Option<i64>| v.filter(|&x| x >= 0).map(|x| x as usize);
+        Config { kind: a.kind, d_down: pos(a.d_down), window: pos(a.window), init: None }
     }
 
     pub fn vanilla() -> Config {
-        Config { kind: AttentionKind::Vanilla, d_down: None, window: None }
+        Config { kind: AttentionKind::Vanilla, d_down: None, window: None, init: None }
     }
 
-    /// DAR with a bottleneck of `d_down` beyond `window`; window 0 is uniform (dar.md §1.1).
+    /// DAR with a bottleneck of `d_down` beyond `window` (small_init); window 0 is uniform (dar.md §1.1).
     pub fn bottleneck(d_down: usize, window: usize) -> Config {
         let kind = if window == 0 { AttentionKind::Uniform } else { AttentionKind::Dar };
-        Config { kind, d_down: Some(d_down), window: Some(window) }
+        Config { kind, d_down: Some(d_down), window: Some(window), init: Some(AttentionInit::SmallInit) }
+    }
+
+    /// The same with another bottleneck start.
+    pub fn with_init(self, init: AttentionInit) -> Config {
+        Config { init: Some(init), ..self }
     }
 
     /// Whether a run with config `other` fills the row asking for `self` (`of` already maps DAR at
@@ -159,14 +184,31 @@ impl Config {
         self == other
     }
 
-    /// "DAR (d_down 128, w 128)", "uniform (d_down 128)", "window (w 128)", "vanilla": legends and run lists.
+    /// Whether this is DAR or uniform (a bottleneck beyond a window).
+    pub fn has_bottleneck(&self) -> bool {
+        matches!(self.kind, AttentionKind::Dar | AttentionKind::Uniform)
+    }
+
+    /// "DAR (d_down 128, w 128)", "uniform (d_down 128, orthogonal)", "vanilla", "window-only (w 128)":
+    /// legends and run lists.
     pub fn label(&self) -> String {
+        let init = match self.init {
+            Some(AttentionInit::Orthogonal) => ", orthogonal",
+            _ => "",
+        };
         match (self.kind, self.d_down, self.window) {
             (AttentionKind::Vanilla, _, _) => "vanilla".into(),
-            (AttentionKind::Window, _, Some(w)) => format!("window (w {w})"),
-            (_, Some(d), Some(0)) => format!("uniform (d_down {d})"),
-            (_, Some(d), Some(w)) => format!("DAR (d_down {d}, w {w})"),
-            _ => "?".into(),
+            (AttentionKind::Uniform, Some(d), _) => format!("uniform (d_down {d}{init})"),
+            (AttentionKind::Dar, Some(d), Some(w)) => format!("DAR (d_down {d}, w {w}{init})"),
+            (k, _, Some(w)) if kind_name(k) == "window" => format!("window-only (w {w})"),
+            (k, d, w) => {
+                let parts: Vec<String> = d.map(|d| format!("d_down {d}")).into_iter().chain(w.map(|w| format!("w {w}"))).collect();
+                if parts.is_empty() {
+                    kind_name(k)
+                } else {
+                    format!("{} ({})", kind_name(k), parts.join(", "))
+                }
+            }
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod longctx;
 pub mod paper;
 pub mod plots;
 pub mod render;
+pub mod stats;
 pub mod tables;
 
 #[cfg(test)]

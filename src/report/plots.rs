@@ -12,17 +12,37 @@ static FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans.ttf");
 const FAMILY: &str = "sans-serif";
 const SIZE: (u32, u32) = (960, 600);
 
+/// How a line is stroked: a sweep's charts use one per attention kind (figures.rs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dash {
+    Solid,
+    Dashed,
+    Dotted,
+}
+
 pub struct Line {
     pub label: String,
     pub points: Vec<(f64, f64)>,
-    /// Index into the palette: the same configuration keeps its colour across a sweep's charts.
-    pub color: usize,
-    /// A reference line (vanilla = 100%): dashed black.
+    /// (x, low, high): a shaded band behind the line (the spread over seeds); empty for none.
+    pub band: Vec<(f64, f64, f64)>,
+    /// Index into the palette (the same configuration keeps its colour across a sweep's charts);
+    /// None is black (vanilla).
+    pub color: Option<usize>,
+    pub dash: Dash,
+    /// A reference line (vanilla = 100%): black, thinner, no markers.
     pub reference: bool,
 }
 
-/// Matplotlib's "tab10" colours: distinct, and readable on white (unlike pure yellow).
-const PALETTE: [(u8, u8, u8); 10] = [
+impl Line {
+    /// A plain solid line in palette colour `color`.
+    pub fn solid(label: String, points: Vec<(f64, f64)>, color: usize) -> Line {
+        Line { label, points, band: Vec::new(), color: Some(color), dash: Dash::Solid, reference: false }
+    }
+}
+
+/// Matplotlib's "tab10" colours (distinct, and readable on white, unlike pure yellow), then
+/// tab20's lighter partners: twenty colours before any repeats.
+pub const PALETTE: [(u8, u8, u8); 20] = [
     (31, 119, 180),
     (255, 127, 14),
     (44, 160, 44),
@@ -33,6 +53,16 @@ const PALETTE: [(u8, u8, u8); 10] = [
     (127, 127, 127),
     (188, 189, 34),
     (23, 190, 207),
+    (174, 199, 232),
+    (255, 187, 120),
+    (152, 223, 138),
+    (255, 152, 150),
+    (197, 176, 213),
+    (196, 156, 148),
+    (247, 182, 210),
+    (199, 199, 199),
+    (219, 219, 141),
+    (158, 218, 229),
 ];
 
 pub struct Chart {
@@ -101,7 +131,8 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &Chart) -> std
 
 /// Axis ranges over every point, padded so that lines do not sit on the frame.
 fn bounds(chart: &Chart) -> (Range<f64>, Range<f64>) {
-    let pts: Vec<(f64, f64)> = chart.lines.iter().flat_map(|l| l.points.iter().copied()).filter(|p| p.0.is_finite() && p.1.is_finite()).collect();
+    let band = chart.lines.iter().flat_map(|l| l.band.iter().flat_map(|&(x, lo, hi)| [(x, lo), (x, hi)]));
+    let pts: Vec<(f64, f64)> = chart.lines.iter().flat_map(|l| l.points.iter().copied()).chain(band).filter(|p| p.0.is_finite() && p.1.is_finite() && (!chart.log_y || p.1 > 0.0)).collect();
     let span = |v: &mut dyn Iterator<Item = f64>| v.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
     let (x0, x1) = span(&mut pts.iter().map(|p| p.0));
     let (y0, y1) = span(&mut pts.iter().map(|p| p.1));
@@ -115,6 +146,36 @@ fn bounds(chart: &Chart) -> (Range<f64>, Range<f64>) {
     let (x0, x1) = pad(x0, x1, 0.02);
     let (y0, y1) = if chart.log_y { (y0 / 1.08, y1 * 1.08) } else { pad(y0, y1, 0.06) };
     (x0..x1, y0..y1)
+}
+
+/// The corner of the plot the fewest points (and bands) fall in, for the legend: upper right
+/// unless the data sit there.
+fn legend_corner(c: &Chart) -> SeriesLabelPosition {
+    let (x, y) = bounds(c);
+    let ty = |v: f64| if c.log_y { v.max(f64::MIN_POSITIVE).ln() } else { v };
+    let (y0, y1) = (ty(y.start), ty(y.end));
+    let pts = c.lines.iter().flat_map(|l| l.points.iter().copied().chain(l.band.iter().flat_map(|&(px, lo, hi)| [(px, lo), (px, hi)])));
+    let mut counts = [0usize; 4]; // upper right, lower right, upper left, lower left
+    for (px, py) in pts.filter(|p| p.0.is_finite() && p.1.is_finite()) {
+        let fx = (px - x.start) / (x.end - x.start);
+        let fy = (ty(py) - y0) / (y1 - y0);
+        let (right, up) = (fx > 0.55, fy > 0.6);
+        let (left, down) = (fx < 0.45, fy < 0.4);
+        if right && up {
+            counts[0] += 1;
+        }
+        if right && down {
+            counts[1] += 1;
+        }
+        if left && up {
+            counts[2] += 1;
+        }
+        if left && down {
+            counts[3] += 1;
+        }
+    }
+    let best = (0..4).min_by_key(|&i| (counts[i], i)).unwrap_or(0);
+    [SeriesLabelPosition::UpperRight, SeriesLabelPosition::LowerRight, SeriesLabelPosition::UpperLeft, SeriesLabelPosition::LowerLeft][best].clone()
 }
 
 /// 1, 2, 5 × 10^k inside [lo, hi] (every integer multiple when that gives fewer than 4 ticks).
@@ -169,17 +230,44 @@ where
         .bold_line_style(RGBColor(220, 220, 220))
         .draw()
         .map_err(err)?;
+    let rgb = |l: &Line| -> RGBAColor {
+        match l.color {
+            Some(i) => {
+                let (r, g, b) = PALETTE[i % PALETTE.len()];
+                RGBColor(r, g, b).to_rgba()
+            }
+            None => BLACK.to_rgba(),
+        }
+    };
+    // Bands first, so that every line stays visible on top of them.
+    for line in c.lines.iter().filter(|l| l.band.len() > 1) {
+        let mut poly: Vec<(f64, f64)> = line.band.iter().map(|&(x, _, hi)| (x, hi)).collect();
+        poly.extend(line.band.iter().rev().map(|&(x, lo, _)| (x, if c.log_y { lo.max(f64::MIN_POSITIVE) } else { lo })));
+        chart.draw_series(std::iter::once(Polygon::new(poly, rgb(line).mix(0.16).filled()))).map_err(err)?;
+    }
     // Lines without points (a run not evaluated yet) would only clutter the legend.
     for line in c.lines.iter().filter(|l| !l.points.is_empty()) {
-        let (r, g, b) = PALETTE[line.color % PALETTE.len()];
-        let color: RGBAColor = if line.reference { BLACK.to_rgba() } else { RGBColor(r, g, b).to_rgba() };
-        let style = color.stroke_width(2);
-        let anno = if line.reference {
-            chart.draw_series(DashedLineSeries::new(line.points.clone(), 10, 6, style)).map_err(err)?
-        } else {
-            chart.draw_series(LineSeries::new(line.points.clone(), style)).map_err(err)?
+        let color = rgb(line);
+        let style = color.stroke_width(if line.reference { 1 } else { 2 });
+        let pts = line.points.clone();
+        let anno = match line.dash {
+            Dash::Solid => chart.draw_series(LineSeries::new(pts, style)).map_err(err)?,
+            Dash::Dashed => chart.draw_series(DashedLineSeries::new(pts, 10, 6, style)).map_err(err)?,
+            Dash::Dotted => chart.draw_series(DashedLineSeries::new(pts, 2, 5, style)).map_err(err)?,
         };
-        anno.label(line.label.as_str()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], style));
+        let anno = anno.label(line.label.as_str());
+        // The legend sample is stroked like the line.
+        match line.dash {
+            Dash::Solid => anno.legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], style)),
+            Dash::Dashed => anno.legend(move |(x, y)| EmptyElement::at((x, y)) + PathElement::new(vec![(0, 0), (9, 0)], style) + PathElement::new(vec![(15, 0), (24, 0)], style)),
+            Dash::Dotted => anno.legend(move |(x, y)| {
+                EmptyElement::at((x, y))
+                    + PathElement::new(vec![(0, 0), (2, 0)], style)
+                    + PathElement::new(vec![(7, 0), (9, 0)], style)
+                    + PathElement::new(vec![(14, 0), (16, 0)], style)
+                    + PathElement::new(vec![(21, 0), (23, 0)], style)
+            }),
+        };
         // Markers only where points are few (evaluations), so dense loss curves stay clean.
         if !line.reference && line.points.len() <= 40 {
             chart.draw_series(line.points.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(err)?;
@@ -190,7 +278,7 @@ where
         .label_font((FAMILY, 14))
         .background_style(WHITE.mix(0.85))
         .border_style(RGBColor(160, 160, 160))
-        .position(SeriesLabelPosition::UpperRight)
+        .position(legend_corner(c))
         .draw()
         .map_err(err)?;
     Ok(())

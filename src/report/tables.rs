@@ -3,10 +3,13 @@
 //! of d_model, and at a scale other than the paper's (or when the paper's window is ≥ T) Tables 1
 //! and 2 use the window most of our DAR runs use. A row is filled by the run whose resolved config
 //! matches and whose recipe equals the other rows' (groups.rs); Rel.(%) divides by the vanilla row.
+//! A row holds every seed of its configuration: values are summarised over seeds (stats.rs), and
+//! Rel.(%) is computed per seed against the vanilla run of the same seed, then summarised (paired).
 use super::groups::{self, Config, Key};
 use super::load::Run;
 use super::paper::{self, PaperRow};
-use crate::spec::AttentionKind;
+use super::stats::{self, Stat};
+use crate::spec::{AttentionInit, AttentionKind};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Which perplexity the tables compare: word-level (lm-eval's word_perplexity; the paper's numbers
@@ -57,17 +60,33 @@ pub fn rel(model: &BTreeMap<String, f64>, vanilla: &BTreeMap<String, f64>) -> Op
     Some((100.0 * mean, common))
 }
 
+/// One seed's final perplexities: per corpus in the table's unit, and in the other unit.
+#[derive(Debug, Clone, Default)]
+pub struct SeedResult {
+    pub run: String,
+    pub ppl: BTreeMap<String, f64>,
+    pub ppl_alt: BTreeMap<String, f64>,
+}
+
 pub struct Row {
     pub scale: String,
     /// The configuration this row asks for.
     pub config: Config,
-    /// The run that filled it (path relative to the results directory).
+    /// The run that filled it (the first seed's; path relative to the results directory).
     pub run: Option<String>,
-    /// Final PPL per corpus in the table's unit, and in the other unit.
+    /// Every run that fills it, one per seed, by seed.
+    pub seeds: BTreeMap<u64, SeedResult>,
+    /// Final PPL per corpus in the table's unit, and in the other unit: means over seeds.
     pub ppl: BTreeMap<String, f64>,
     pub ppl_alt: BTreeMap<String, f64>,
+    /// The same as summaries over seeds.
+    pub ppl_stat: BTreeMap<String, Stat>,
+    pub ppl_alt_stat: BTreeMap<String, Stat>,
+    /// Mean over seeds of the per-seed Rel.(%) (paired with the vanilla run of the same seed).
     pub rel: Option<f64>,
     pub rel_alt: Option<f64>,
+    pub rel_stat: Option<Stat>,
+    pub rel_alt_stat: Option<Stat>,
     /// The corpora `rel` averages over.
     pub rel_corpora: Vec<String>,
     pub paper: Option<PaperRow>,
@@ -80,16 +99,21 @@ pub struct Row {
 }
 
 impl Row {
-    pub fn model(&self) -> &'static str {
+    pub fn model(&self) -> String {
+        let init = if self.config.init == Some(AttentionInit::Orthogonal) { " (orthogonal)" } else { "" };
         match self.config.kind {
-            AttentionKind::Vanilla => "Vanilla",
-            AttentionKind::Dar => "DAR",
-            AttentionKind::Uniform => "Uniform",
-            AttentionKind::Window => "Window",
+            AttentionKind::Vanilla => "Vanilla".into(),
+            AttentionKind::Dar => format!("DAR{init}"),
+            AttentionKind::Uniform => format!("Uniform{init}"),
+            AttentionKind::Window => "Window-only".into(),
         }
     }
     pub fn describe(&self) -> String {
         format!("{} {}", self.scale, self.config.label())
+    }
+    /// Number of seeds with a result.
+    pub fn n(&self) -> usize {
+        self.seeds.values().filter(|s| !s.ppl.is_empty()).count()
     }
 }
 
@@ -141,6 +165,16 @@ impl Section<'_> {
     fn id(&self) -> String {
         format!("{}-{}", self.scale(), groups::key_id(&self.key))
     }
+    /// "seed 1234" or "seeds 1, 2, 3".
+    fn seeds_words(&self) -> String {
+        seeds_words(&self.runs)
+    }
+}
+
+fn seeds_words(runs: &[&Run]) -> String {
+    let seeds: BTreeSet<u64> = runs.iter().map(|r| r.spec.seed()).collect();
+    let list: Vec<String> = seeds.iter().map(u64::to_string).collect();
+    format!("{} {}", if list.len() == 1 { "seed" } else { "seeds" }, list.join(", "))
 }
 
 /// Build every table the runs allow.
@@ -235,12 +269,28 @@ fn within_scale(number: u8, sec: &Section, prows: &[&PaperRow], all: &[&Run], un
         let d_downs: BTreeSet<usize> = slots.iter().filter_map(|(c, _)| c.d_down).collect();
         for r in &sec.runs {
             let c = Config::of(&r.spec);
-            if c.kind == AttentionKind::Dar && c.d_down.is_some_and(|x| d_downs.contains(&x)) && !slots.iter().any(|(s, _)| s.accepts(&c)) {
+            let default_init = c.init == Some(AttentionInit::SmallInit);
+            if c.kind == AttentionKind::Dar && default_init && c.d_down.is_some_and(|x| d_downs.contains(&x)) && !slots.iter().any(|(s, _)| s.accepts(&c)) {
                 slots.push((c, None));
             }
         }
         // Vanilla first, then windows from wide to none (uniform last).
         slots.sort_by_key(|(c, _)| (c.kind != AttentionKind::Vanilla, std::cmp::Reverse(c.window)));
+    } else {
+        // Configurations the paper's table lacks (another bottleneck start, window-only attention)
+        // get rows of their own, so that every arm of an experiment is compared with vanilla.
+        let mut extra: Vec<Config> = Vec::new();
+        for r in &sec.runs {
+            let c = Config::of(&r.spec);
+            let other_start = c.has_bottleneck() && c.init != Some(AttentionInit::SmallInit);
+            if c.kind != AttentionKind::Vanilla && (other_start || !c.has_bottleneck()) && !slots.iter().any(|(s, _)| s.accepts(&c)) && !extra.contains(&c) {
+                extra.push(c);
+            }
+        }
+        if !extra.is_empty() {
+            notes.push(format!("Rows without a paper value ({}): configurations of this recipe the paper's table has no row for.", extra.iter().map(|c| c.label()).collect::<Vec<_>>().join("; ")));
+        }
+        slots.extend(extra.into_iter().map(|c| (c, None)));
     }
     let mut rows: Vec<Row> = slots.into_iter().map(|(c, p)| fill(sec, c, p.cloned(), all, unit)).collect();
     add_rel(&mut rows);
@@ -250,7 +300,7 @@ fn within_scale(number: u8, sec: &Section, prows: &[&PaperRow], all: &[&Run], un
     } else {
         format!("d_down = {}", rows.iter().filter_map(|r| r.config.d_down).next().map_or("–".into(), |x| x.to_string()))
     };
-    notes.insert(0, format!("Runs: {} (recipe `{}`).", groups::recipe_summary(sec.spec()), groups::key_id(&sec.key)));
+    notes.insert(0, format!("Runs: {}, {} (recipe `{}`).", groups::recipe_summary(sec.spec()), sec.seeds_words(), groups::key_id(&sec.key)));
     if !at_paper_scale {
         notes.push(format!("Paper columns: the paper's {paper_scale} rows, matched by d_down / d_model and window."));
     }
@@ -321,7 +371,8 @@ fn scaling(cross_key: &Key, members: &[&Run], prows: &[&PaperRow], all: &[&Run],
         return None;
     }
     let ratio = prows.iter().find_map(|p| p.d_down.map(|x| p.d_model / x.max(1))).unwrap_or(4);
-    notes.insert(0, format!("Runs: {} (scale-independent recipe `{}`).", groups::recipe_summary(used[0].spec()), groups::key_id(cross_key)));
+    let all_used: Vec<&Run> = used.iter().flat_map(|s| s.runs.iter().copied()).collect();
+    notes.insert(0, format!("Runs: {}, {} (scale-independent recipe `{}`).", groups::recipe_summary(used[0].spec()), seeds_words(&all_used), groups::key_id(cross_key)));
     let title = format!("Table 2: scaling, vanilla vs DAR at d_down = d_model/{ratio}, w = {paper_w}");
     Some(finish(2, format!("table2-{}", groups::key_id(cross_key)), title, notes, sec_corpora(&used), rows, unit))
 }
@@ -332,33 +383,59 @@ fn sec_corpora(secs: &[&Section]) -> Vec<String> {
     set.into_iter().collect()
 }
 
-/// Fill one row from a section: the matching run (an evaluated one first), or why there is none.
+/// Fill one row from a section: per seed the matching run (an evaluated one first), or why there is none.
 fn fill(sec: &Section, want: Config, paper: Option<PaperRow>, all: &[&Run], unit: Unit) -> Row {
     let mut row = empty_row(sec.scale(), want, paper);
     let matching: Vec<&Run> = sec.runs.iter().copied().filter(|r| want.accepts(&Config::of(&r.spec))).collect();
-    let evaluated = |r: &Run| !r.final_eval(unit.field()).is_empty() || !r.final_eval(unit.other().field()).is_empty();
-    let Some(run) = matching.iter().copied().find(|r| evaluated(*r)).or(matching.first().copied()) else {
+    if matching.is_empty() {
         let want_words = wanted(&groups::scale_words(sec.spec()), &want);
         row.missing =
             Some(format!("{want_words} in recipe `{}`{}", groups::key_id(&sec.key), near_miss(&sec.scale(), &want, &sec.key, groups::recipe_key, all)));
         return row;
-    };
-    row.run = Some(run.rel.clone());
-    let others: Vec<&str> = matching.iter().filter(|r| r.rel != run.rel).map(|r| r.rel.as_str()).collect();
+    }
+    let evaluated = |r: &Run| !r.final_eval(unit.field()).is_empty() || !r.final_eval(unit.other().field()).is_empty();
+    let mut by_seed: BTreeMap<u64, Vec<&Run>> = BTreeMap::new();
+    for r in &matching {
+        by_seed.entry(r.spec.seed()).or_default().push(r);
+    }
+    let (mut others, mut failed) = (Vec::new(), Vec::new());
+    for (seed, runs) in &by_seed {
+        let run = runs.iter().copied().find(|r| evaluated(r)).unwrap_or(runs[0]);
+        others.extend(runs.iter().filter(|r| r.rel != run.rel).map(|r| r.rel.clone()));
+        let res = SeedResult { run: run.rel.clone(), ppl: run.final_eval(unit.field()), ppl_alt: run.final_eval(unit.other().field()) };
+        if res.ppl.is_empty() {
+            let state = if run.done {
+                "finished (DONE)".to_string()
+            } else {
+                format!("not finished: last logged step {}", run.last_step().map_or("none".into(), |s| s.to_string()))
+            };
+            let has_other = if res.ppl_alt.is_empty() { "" } else { " (only the other unit was recorded)" };
+            failed.push(format!("`{}` has no {} perplexity at its final step {}{has_other}; {state}", run.rel, unit.name(), run.steps()));
+        }
+        row.seeds.insert(*seed, res);
+    }
+    row.run = row.seeds.values().find(|s| !s.ppl.is_empty()).or(row.seeds.values().next()).map(|s| s.run.clone());
     if !others.is_empty() {
         row.note = Some(format!("also matches: {}", others.join(", ")));
     }
-    row.ppl = run.final_eval(unit.field());
-    row.ppl_alt = run.final_eval(unit.other().field());
-    if row.ppl.is_empty() {
-        let state = if run.done {
-            "finished (DONE)".to_string()
-        } else {
-            format!("not finished: last logged step {}", run.last_step().map_or("none".into(), |s| s.to_string()))
-        };
-        let has_other = if row.ppl_alt.is_empty() { "" } else { " (only the other unit was recorded)" };
-        row.missing = Some(format!("`{}` has no {} perplexity at its final step {}{has_other}; {state}", run.rel, unit.name(), run.steps()));
+    let done: Vec<&SeedResult> = row.seeds.values().filter(|s| !s.ppl.is_empty()).collect();
+    if done.is_empty() {
+        row.missing = Some(failed.join("; "));
+        return row;
     }
+    if !failed.is_empty() {
+        let n = failed.len();
+        let text = format!("{n} of {} seeds left out: {}", row.seeds.len(), failed.join("; "));
+        row.note = Some(row.note.take().map_or(text.clone(), |t| format!("{t}; {text}")));
+    }
+    let summarise = |field: fn(&SeedResult) -> &BTreeMap<String, f64>| -> BTreeMap<String, Stat> {
+        let corpora: BTreeSet<&String> = done.iter().flat_map(|s| field(s).keys()).collect();
+        corpora.into_iter().filter_map(|c| Stat::of(&done.iter().filter_map(|s| field(s).get(c).copied()).collect::<Vec<_>>()).map(|st| (c.clone(), st))).collect()
+    };
+    row.ppl_stat = summarise(|s| &s.ppl);
+    row.ppl_alt_stat = summarise(|s| &s.ppl_alt);
+    row.ppl = row.ppl_stat.iter().map(|(c, s)| (c.clone(), s.mean)).collect();
+    row.ppl_alt = row.ppl_alt_stat.iter().map(|(c, s)| (c.clone(), s.mean)).collect();
     row
 }
 
@@ -378,10 +455,15 @@ fn empty_row(scale: String, config: Config, paper: Option<PaperRow>) -> Row {
         scale,
         config,
         run: None,
+        seeds: BTreeMap::new(),
         ppl: BTreeMap::new(),
         ppl_alt: BTreeMap::new(),
+        ppl_stat: BTreeMap::new(),
+        ppl_alt_stat: BTreeMap::new(),
         rel: None,
         rel_alt: None,
+        rel_stat: None,
+        rel_alt_stat: None,
         rel_corpora: Vec::new(),
         paper,
         paper_rel_same: None,
@@ -413,17 +495,39 @@ fn near_miss(scale: &str, want: &Config, key: &Key, key_of: fn(&crate::spec::Spe
     }
 }
 
-/// Rel.(%) of every row against the vanilla row among them (rows of one scale), in both units,
-/// and the paper's Rel.(%) over the same corpora when ours averages over fewer.
+/// Rel.(%) of every row against the vanilla row among them (rows of one scale), in both units:
+/// per seed against the vanilla run of the same seed, then summarised over seeds (a paired
+/// comparison); when the two rows share no seed, the ratio of their means, noted as unpaired.
+/// Also the paper's Rel.(%) over the same corpora when ours averages over fewer.
 fn add_rel(rows: &mut [Row]) {
     let Some(v) = rows.iter().position(|r| r.config.kind == AttentionKind::Vanilla) else { return };
-    let (vanilla, vanilla_alt, vanilla_paper) = (rows[v].ppl.clone(), rows[v].ppl_alt.clone(), rows[v].paper.clone());
+    let (vanilla, vanilla_paper) = (rows[v].seeds.clone(), rows[v].paper.clone());
+    let (vanilla_mean, vanilla_mean_alt) = (rows[v].ppl.clone(), rows[v].ppl_alt.clone());
     for row in rows.iter_mut() {
-        if let Some((r, corpora)) = rel(&row.ppl, &vanilla) {
-            row.rel = Some(r);
+        let paired = |field: fn(&SeedResult) -> &BTreeMap<String, f64>| -> (Vec<f64>, Vec<String>) {
+            let (mut rels, mut corpora) = (Vec::new(), Vec::new());
+            for (seed, s) in &row.seeds {
+                if let Some((r, c)) = vanilla.get(seed).and_then(|v| rel(field(s), field(v))) {
+                    rels.push(r);
+                    corpora = c;
+                }
+            }
+            (rels, corpora)
+        };
+        let (rels, corpora) = paired(|s| &s.ppl);
+        let (rels_alt, _) = paired(|s| &s.ppl_alt);
+        if !rels.is_empty() {
+            row.rel_stat = Stat::of(&rels);
             row.rel_corpora = corpora;
+        } else if let Some((r, c)) = rel(&row.ppl, &vanilla_mean) {
+            row.rel_stat = Stat::of(&[r]);
+            row.rel_corpora = c;
+            let text = "unpaired: no seed in common with the vanilla row, Rel.(%) of the means".to_string();
+            row.note = Some(row.note.take().map_or(text.clone(), |t| format!("{t}; {text}")));
         }
-        row.rel_alt = rel(&row.ppl_alt, &vanilla_alt).map(|(r, _)| r);
+        row.rel_alt_stat = if rels_alt.is_empty() { rel(&row.ppl_alt, &vanilla_mean_alt).and_then(|(r, _)| Stat::of(&[r])) } else { Stat::of(&rels_alt) };
+        row.rel = row.rel_stat.map(|s| s.mean);
+        row.rel_alt = row.rel_alt_stat.map(|s| s.mean);
         if let (Some(p), Some(pv)) = (&row.paper, &vanilla_paper) {
             let cols: BTreeSet<String> = row.rel_corpora.iter().filter_map(|c| paper::paper_column(c, p.ppl.keys())).collect();
             if !cols.is_empty() && cols.len() < p.ppl.len() {
@@ -438,11 +542,14 @@ fn finish(number: u8, id: String, title: String, mut notes: Vec<String>, corpora
     let paper_columns: BTreeSet<String> = rows.iter().filter_map(|r| r.paper.as_ref()).flat_map(|p| p.ppl.keys().cloned()).collect();
     let paper_cols: BTreeMap<String, String> = corpora.iter().filter_map(|c| paper::paper_column(c, &paper_columns).map(|p| (c.clone(), p))).collect();
     notes.push(format!(
-        "PPL: {}-level (`{}`), {}-level beside it. Rel.(%) = 100 · mean over corpora of PPL / PPL(vanilla of the same scale and recipe) (dar.md §6).",
+        "PPL: {}-level (`{}`), {}-level beside it. Rel.(%) = 100 · mean over corpora of PPL / PPL(vanilla of the same scale, recipe and seed) (dar.md §6), computed per seed and then summarised over seeds (paired).",
         unit.name(),
         unit.field(),
         unit.other().name()
     ));
+    if rows.iter().any(|r| r.n() > 1) {
+        notes.push(stats::WHAT_INTERVALS_MEAN.to_string());
+    }
     let used: BTreeSet<&String> = rows.iter().flat_map(|r| r.rel_corpora.iter()).collect();
     if !paper_columns.is_empty() && used.len() < paper_columns.len() {
         let ours: Vec<&str> = used.iter().map(|s| s.as_str()).collect();

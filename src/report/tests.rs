@@ -354,6 +354,7 @@ fn value(g: &longctx::Grid, keys: &[&str], col: &str) -> Option<f64> {
     let row = g.body.iter().find(|r| keys.iter().enumerate().all(|(i, k)| text(&r[i]) == *k)).unwrap_or_else(|| panic!("{}: no row {keys:?}", g.title));
     match row[j] {
         render::Cell::Num(v) => Some(v),
+        render::Cell::Stat(s) => Some(s.mean),
         render::Cell::Empty => None,
         render::Cell::Text(ref s) => panic!("{col}: text {s}"),
     }
@@ -451,4 +452,112 @@ fn still_paper_rows() {
     assert_eq!(rows.len(), 11);
     let err = paper::parse_still("table,variant,routing,gate,feature_map,value,metric,note\nrouting,x,y,maybe,np_map,1,m,\n").unwrap_err();
     assert!(err.to_string().contains("line 2") && err.to_string().contains("maybe"), "{err}");
+}
+
+/// Three seeds of vanilla and DAR (tiny, one corpus): one row per configuration with n = 3, the
+/// PPL summarised as mean ± s.d. and t-interval, Rel.(%) the mean of the per-seed ratios (paired by
+/// seed, not the ratio of the means), the intervals in every format, Figure 3 with a band.
+#[test]
+fn seeds_pool_into_rows_with_intervals_and_rel_is_paired_by_seed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, out) = (tmp.path().join("results"), tmp.path().join("report"));
+    let s = |att: &str, dir: &str, seed: u64| {
+        let mut s = spec("tiny", att, 40, &["synthetic"], &root.join(dir));
+        s.train.seed = Some(seed);
+        s
+    };
+    // word PPL: vanilla 20, 30, 40; DAR 22, 30, 36 → per-seed 110, 100, 90 % (mean 100), while the
+    // ratio of the means would be 88/90 = 97.8 %.
+    let (van, dar) = ([20.0, 30.0, 40.0], [22.0, 30.0, 36.0]);
+    for (i, seed) in [1u64, 2, 3].into_iter().enumerate() {
+        finished(&s("{kind: vanilla}", &format!("v{seed}"), seed), &[("synthetic", 2.0 * van[i], 4.0 * van[i])], &[("synthetic", van[i] / 2.0, van[i])]);
+        finished(&s("{kind: dar, d_down: 16, window: 16}", &format!("d{seed}"), seed), &[("synthetic", 2.0 * dar[i], 4.0 * dar[i])], &[("synthetic", dar[i] / 2.0, dar[i])]);
+    }
+    // A fourth DAR seed without its vanilla run, and an orthogonal-start run of seed 1.
+    finished(&s("{kind: uniform, d_down: 16}", "u4", 4), &[], &[("synthetic", 20.0, 40.0)]);
+    finished(&s("{kind: dar, d_down: 16, window: 16, init: orthogonal}", "o1", 1), &[], &[("synthetic", 9.0, 18.0)]);
+    let (runs, _) = load::discover(&root).unwrap();
+    let tables = tables::build(&runs, &paper::dar().unwrap(), Unit::Word);
+    let t1 = table(&tables, 1);
+    let d = row(t1, Config::bottleneck(16, 16));
+    assert_eq!((d.n(), d.seeds.keys().copied().collect::<Vec<_>>()), (3, vec![1, 2, 3]));
+    let rel = d.rel_stat.unwrap();
+    assert!(close(rel.mean, 100.0) && close(rel.sd, 10.0) && rel.n == 3, "{rel:?}");
+    let half = 4.302_652_729_911_275 * 10.0 / 3f64.sqrt();
+    let (lo, hi) = rel.ci.unwrap();
+    assert!((lo - (100.0 - half)).abs() < 1e-6 && (hi - (100.0 + half)).abs() < 1e-6);
+    let p = d.ppl_stat["synthetic"];
+    assert!(close(p.mean, 88.0 / 3.0) && p.n == 3);
+    // Token PPL (the other unit) is paired the same way: here the same ratios.
+    assert!(close(d.rel_alt.unwrap(), 100.0));
+    assert!(close(row(t1, Config::vanilla()).rel.unwrap(), 100.0));
+    // Unpaired: uniform has only seed 4 → the ratio of means, said so.
+    let u = row(t1, Config::bottleneck(16, 0));
+    assert!(close(u.rel.unwrap(), 100.0 * 40.0 / 30.0) && u.note.as_deref().unwrap().contains("unpaired"), "{:?}", u.note);
+    // The orthogonal start gets its own row (no paper value), paired with seed 1's vanilla.
+    let o = row(t1, Config::bottleneck(16, 16).with_init(crate::spec::AttentionInit::Orthogonal));
+    assert!(o.paper.is_none() && close(o.rel.unwrap(), 90.0) && o.n() == 1);
+
+    let summary = run_report(&root, &out, &["md,tex,csv".into()], "word").unwrap();
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("100.00 ± 10.00 (3) [75.16, 124.84]"), "{md}");
+    assert!(md.contains("seed-to-seed variance") && md.contains("| DAR (orthogonal) | 16 | 16 |"));
+    let csv = summary.files.iter().find(|p| p.to_string_lossy().contains("table1-") && p.extension().unwrap() == "csv").unwrap();
+    let csv = std::fs::read_to_string(csv).unwrap();
+    let head: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let line: Vec<&str> = csv.lines().find(|l| l.starts_with("DAR,16,16,")).unwrap().split(',').collect();
+    let at = |h: &str| line[head.iter().position(|x| *x == h).unwrap_or_else(|| panic!("{h}: {head:?}"))].parse::<f64>().unwrap();
+    assert!(close(at("Rel.% (word)"), 100.0) && close(at("Rel.% (word) sd"), 10.0) && at("Rel.% (word) n") == 3.0);
+    assert!((at("Rel.% (word) ci95_hi") - (100.0 + half)).abs() < 1e-9);
+    let tex = std::fs::read_to_string(csv_path(&summary, "tex")).unwrap();
+    assert!(tex.contains("100.00 $\\pm$ 10.00 (3)"), "{tex}");
+    // Figure 3 pools the seeds with a band; runs.parquet has the seed.
+    assert!(md.contains("bands: ± 1 s.d. over seeds"));
+    let back = ParquetReader::new(std::fs::File::open(out.join("runs.parquet")).unwrap()).finish().unwrap();
+    let seeds: std::collections::BTreeSet<i64> = back.column("seed").unwrap().i64().unwrap().iter().flatten().collect();
+    assert_eq!(seeds, [1, 2, 3, 4].into());
+    let recipes: std::collections::BTreeSet<String> = back.column("recipe").unwrap().str().unwrap().iter().flatten().map(String::from).collect();
+    assert_eq!(recipes.len(), 1, "the seed is not part of the recipe");
+}
+
+fn csv_path(s: &ReportSummary, ext: &str) -> PathBuf {
+    s.files.iter().find(|p| p.to_string_lossy().contains("table1-") && p.extension().unwrap() == ext).unwrap().clone()
+}
+
+/// Sweep charts: vanilla black, DAR solid, uniform dashed; one colour per d_down; no two series with
+/// the same colour and dash (a second start of one configuration gets a colour of its own).
+#[test]
+fn sweep_series_get_one_colour_per_d_down_and_a_dash_per_kind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = |att: &str, dir: &str| spec("tiny", att, 40, &["synthetic"], &tmp.path().join(dir));
+    for (att, dir) in [
+        ("{kind: vanilla}", "v"),
+        ("{kind: dar, d_down: 16, window: 16}", "d16"),
+        ("{kind: dar, d_down: 16, window: 16, init: orthogonal}", "o16"),
+        ("{kind: dar, d_down: 8, window: 16}", "d8"),
+        ("{kind: uniform, d_down: 16}", "u16"),
+        ("{kind: uniform, d_down: 8}", "u8"),
+    ] {
+        finished(&s(att, dir), &[("synthetic", 30.0, 60.0)], &[("synthetic", 20.0, 40.0)]);
+    }
+    let (runs, _) = load::discover(tmp.path()).unwrap();
+    let all: Vec<&load::Run> = runs.iter().collect();
+    let styles = figures::styles_for_test(&all);
+    let get = |label: &str| styles.iter().find(|(l, _, _)| l.starts_with(label)).cloned().unwrap_or_else(|| panic!("{label}: {styles:?}"));
+    use plots::Dash;
+    let (_, v_color, v_dash) = get("vanilla");
+    assert_eq!((v_color, v_dash), (None, Dash::Solid));
+    let (_, d16, dash) = get("DAR (d_down 16, w 16)");
+    assert_eq!(dash, Dash::Solid);
+    let (_, u16, udash) = get("uniform (d_down 16)");
+    assert_eq!((u16, udash), (d16, Dash::Dashed), "one colour per d_down");
+    let (_, d8, _) = get("DAR (d_down 8, w 16)");
+    let (_, u8c, _) = get("uniform (d_down 8)");
+    assert_eq!(d8, u8c);
+    let (_, o16, _) = get("DAR (d_down 16, w 16, orthogonal)");
+    assert!(o16 != d16 && o16 != d8, "the orthogonal start would look like another series");
+    let mut seen = std::collections::HashSet::new();
+    for (l, c, d) in &styles {
+        assert!(seen.insert((*c, *d)), "{l} shares colour and dash with another series");
+    }
 }

@@ -218,9 +218,26 @@ pub struct AttentionSpec {
     pub dar_act: DarAct,
     #[serde(default, rename = "impl")]
     pub implementation: AttentionImpl,
+    /// How pretraining starts the bottleneck (DAR / uniform; resolved to small_init).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<AttentionInit>,
     /// Set in the resolved config to explain how the kind was interpreted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+}
+
+/// The start of a pretraining run's DAR bottleneck (dar.md §7.4), drawn from its own seeded stream
+/// so that every other weight equals the vanilla run's of the same seed (model::init).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AttentionInit {
+    /// W_down and W_up each N(0, 2/(5d)), GPT-NeoX's small_init: the distant path starts at about
+    /// 0.4·√(d_down/d) of the local path's norm.
+    #[default]
+    SmallInit,
+    /// W_down with orthonormal rows, W_up = W_downᵀ: the distant path starts as the orthogonal
+    /// projection onto a random d_down-dimensional subspace (norm-preserving on its span).
+    Orthogonal,
 }
 
 /// Where a tokenizer comes from.
@@ -608,8 +625,12 @@ impl Spec {
                     let k = if a.d_down.is_some() { "attention.d_down" } else { "attention.window" };
                     return bad(k, "is meaningless for kind: vanilla (use dar or uniform)".into());
                 }
+                if a.init.is_some() {
+                    return bad("attention.init", "is meaningless for kind: vanilla (it starts the DAR bottleneck)".into());
+                }
             }
             AttentionKind::Dar | AttentionKind::Uniform => {
+                a.init.get_or_insert_default();
                 let d_down = *a.d_down.get_or_insert((shape.d_model / 4) as i64);
                 if d_down <= 0 || d_down as usize > shape.d_model {
                     return bad("attention.d_down", format!("{d_down} is not in 1..={} (d_model)", shape.d_model));
@@ -808,6 +829,7 @@ impl Spec {
             AttentionKind::Vanilla => {
                 s.attention.d_down = None;
                 s.attention.window = None;
+                s.attention.init = None;
             }
             AttentionKind::Uniform => s.attention.window = None,
             AttentionKind::Dar => {

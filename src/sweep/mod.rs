@@ -11,6 +11,7 @@
 //! set: {train.steps: 100}                    # overrides for every run
 //! grid: {attention.d_down: [256, 128, 64]}   # Cartesian product over these lists
 //! zip: {train.seed: [1, 2], train.lr: [1.0e-3, 6.0e-4]}   # lock-step lists (same length)
+//! seeds: [1, 2, 3]                           # optional: every run once per train.seed, seed-major (names get -s<seed>)
 //! runs:                                      # optional; default: one empty entry
 //!   - {name: "vanilla", attention.kind: vanilla, attention.d_down: null, attention.window: null}
 //!   - {attention.kind: dar}
@@ -139,6 +140,8 @@ pub struct RunReport {
     pub name: String,
     pub dir: PathBuf,
     pub overrides: String,
+    /// "steps × batch × T" of a training run (empty for linearize runs): what the dry run shows.
+    pub shape: String,
     /// The run directory's state before the sweep acted.
     pub before: RunStatus,
     pub outcome: Outcome,
@@ -237,6 +240,7 @@ fn report(r: &PlannedRun, outcome: Outcome) -> RunReport {
         name: r.name.clone(),
         dir: r.dir.clone(),
         overrides: r.overrides.clone(),
+        shape: r.spec.as_train().map_or(String::new(), |s| format!("{} × {} × {}", s.steps(), s.batch_size(), s.seq_len())),
         before: RunStatus::of(&r.dir),
         outcome,
         exit: None,
@@ -266,8 +270,8 @@ pub fn plan_table(runs: &[RunReport]) -> String {
         Some(h) if r.before != RunStatus::Done => format!("{} (busy: {h})", r.before.label()),
         _ => r.before.label().to_string(),
     };
-    let rows: Vec<Vec<String>> = runs.iter().map(|r| vec![r.name.clone(), r.overrides.clone(), r.dir.display().to_string(), status(r)]).collect();
-    table(&["name", "overrides", "run dir", "status"], &rows)
+    let rows: Vec<Vec<String>> = runs.iter().map(|r| vec![r.name.clone(), r.overrides.clone(), r.shape.clone(), r.dir.display().to_string(), status(r)]).collect();
+    table(&["name", "overrides", "steps × batch × T", "run dir", "status"], &rows)
 }
 
 /// The end-of-sweep table: name, status, exit, wall time, final loss.

@@ -26,6 +26,10 @@ struct SweepFile {
     zip: Mapping,
     #[serde(default)]
     runs: Vec<Mapping>,
+    /// Seeds as an axis: every run once per seed (`train.seed`), outermost; names get `-s<seed>`
+    /// unless the template names `{train.seed}` itself.
+    #[serde(default)]
+    seeds: Option<Vec<u64>>,
 }
 
 /// One run of a sweep, fully resolved.
@@ -143,37 +147,45 @@ pub fn plan(file: &Path, sets: &[String], output: Option<&Path>) -> Result<Sweep
     let common = assignments(&sf.set, "set").map_err(bad)?;
     let cli: Assign = sets.iter().map(|s| parse_set(s)).collect::<Result<_, Bad>>().map_err(|(k, m)| Error::Spec { file: "--set".into(), key: k, line: None, msg: m })?;
     let top = axis_points(&sf.grid, &sf.zip, "").map_err(bad)?;
+    let seed_points = seed_points(sf.seeds.as_deref(), &sf).map_err(bad)?;
     let entries = if sf.runs.is_empty() { vec![Mapping::new()] } else { sf.runs.clone() };
 
     let mut runs: Vec<PlannedRun> = Vec::new();
     let mut seen = HashSet::new();
     let mut merged = 0;
-    for (e, entry) in entries.iter().enumerate() {
-        let ctx = format!("runs[{e}]");
-        let entry = Entry::parse(entry, &ctx).map_err(bad)?;
-        let template = entry.name.clone().or_else(|| sf.name.clone()).ok_or_else(|| bad((format!("{ctx}.name"), "no name template: give `name:` at the top of the sweep file or in this runs entry".into())))?;
-        let inner = axis_points(&entry.grid, &entry.zip, &format!("{ctx}.")).map_err(bad)?;
-        for outer in &top {
-            for point in &inner {
-                // Precedence, lowest first: base < set < grid/zip < runs entry < its grid/zip < --set.
-                let distinct: Assign = outer.iter().chain(&entry.set).chain(point).cloned().collect();
-                let mut value = base_value.clone();
-                for (k, v) in common.iter().chain(&distinct).chain(&cli) {
-                    apply(&mut value, k, v).map_err(|msg| bad((k.clone(), msg)))?;
+    // Seeds outermost: every configuration of seed 1, then of seed 2, … (a sweep cut short still
+    // has complete, paired seeds).
+    for seed in &seed_points {
+        for (e, entry) in entries.iter().enumerate() {
+            let ctx = format!("runs[{e}]");
+            let entry = Entry::parse(entry, &ctx).map_err(bad)?;
+            let template = entry.name.clone().or_else(|| sf.name.clone()).ok_or_else(|| bad((format!("{ctx}.name"), "no name template: give `name:` at the top of the sweep file or in this runs entry".into())))?;
+            let inner = axis_points(&entry.grid, &entry.zip, &format!("{ctx}.")).map_err(bad)?;
+            for outer in &top {
+                for point in &inner {
+                    // Precedence, lowest first: base < set < seeds < grid/zip < runs entry < its grid/zip < --set.
+                    let distinct: Assign = seed.iter().chain(outer).chain(&entry.set).chain(point).cloned().collect();
+                    let mut value = base_value.clone();
+                    for (k, v) in common.iter().chain(&distinct).chain(&cli) {
+                        apply(&mut value, k, v).map_err(|msg| bad((k.clone(), msg)))?;
+                    }
+                    let described = describe(&distinct);
+                    let origin = format!("{origin} (run {}{}; base {})", runs.len() + merged, if described.is_empty() { String::new() } else { format!(": {described}") }, base.display());
+                    let mut spec = resolve(value, &origin, kind)?;
+                    let hash = crate::util::short_hash(&spec.to_yaml());
+                    if !seen.insert(hash.clone()) {
+                        merged += 1;
+                        continue;
+                    }
+                    let mut name = render(&template, &spec).map_err(|msg| Error::Spec { file: origin.clone(), key: format!("{ctx}.name"), line: None, msg })?;
+                    if let Some(seed) = seed.first().filter(|_| !template.contains("train.seed")).and_then(|(_, v)| scalar_text(v)) {
+                        name = format!("{name}-s{seed}");
+                    }
+                    let id = format!("{name}-{hash}");
+                    let dir = out_dir.join(&id);
+                    spec.set_name_and_output(&name, &dir);
+                    runs.push(PlannedRun { name, id: id.clone(), overrides: described, spec, dir, spec_path: out_dir.join("specs").join(format!("{id}.yaml")) });
                 }
-                let described = describe(&distinct);
-                let origin = format!("{origin} (run {}{}; base {})", runs.len() + merged, if described.is_empty() { String::new() } else { format!(": {described}") }, base.display());
-                let mut spec = resolve(value, &origin, kind)?;
-                let hash = crate::util::short_hash(&spec.to_yaml());
-                if !seen.insert(hash.clone()) {
-                    merged += 1;
-                    continue;
-                }
-                let name = render(&template, &spec).map_err(|msg| Error::Spec { file: origin.clone(), key: format!("{ctx}.name"), line: None, msg })?;
-                let id = format!("{name}-{hash}");
-                let dir = out_dir.join(&id);
-                spec.set_name_and_output(&name, &dir);
-                runs.push(PlannedRun { name, id: id.clone(), overrides: described, spec, dir, spec_path: out_dir.join("specs").join(format!("{id}.yaml")) });
             }
         }
     }
@@ -329,6 +341,26 @@ fn axis_points(grid: &Mapping, zip: &Mapping, prefix: &str) -> Result<Vec<Assign
     let zip_len = zip.first().map_or(1, |(_, v)| v.len());
     let zipped: Vec<Assign> = (0..zip_len).map(|i| zip.iter().map(|(k, v)| (k.clone(), v[i].clone())).collect()).collect();
     Ok(points.iter().flat_map(|p| zipped.iter().map(move |z| [p.clone(), z.clone()].concat())).collect())
+}
+
+/// `seeds: [..]` as points of their own (`train.seed = s`); one empty point without seeds. A seed
+/// list may not be empty or repeat a seed, nor may a grid, zip or runs entry set `train.seed` too.
+fn seed_points(seeds: Option<&[u64]>, sf: &SweepFile) -> Result<Vec<Assign>, Bad> {
+    let Some(seeds) = seeds else { return Ok(vec![Vec::new()]) };
+    if seeds.is_empty() {
+        return Err(("seeds".into(), "is an empty list (leave it out for one run per configuration)".into()));
+    }
+    let in_axes = |m: &Mapping| m.keys().any(|k| k.as_str() == Some("train.seed"));
+    if in_axes(&sf.grid) || in_axes(&sf.zip) || sf.runs.iter().any(|r| r.keys().any(|k| k.as_str() == Some("train.seed")) || ["grid", "zip"].iter().any(|g| r.get(*g).and_then(Value::as_mapping).is_some_and(in_axes))) {
+        return Err(("seeds".into(), "and a grid, zip or runs entry both set `train.seed`: give the seeds in one place".into()));
+    }
+    let mut unique = seeds.to_vec();
+    unique.sort_unstable();
+    unique.dedup();
+    if unique.len() != seeds.len() {
+        return Err(("seeds".into(), format!("{seeds:?} repeats a seed")));
+    }
+    Ok(seeds.iter().map(|&s| vec![("train.seed".to_string(), Value::from(s))]).collect())
 }
 
 /// Fill `{dotted.path}` placeholders from the resolved spec; keep the result a safe folder name.

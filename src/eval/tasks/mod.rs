@@ -355,6 +355,10 @@ pub struct Options {
     pub shots: Option<usize>,
     /// The model's context length: longer inputs are truncated.
     pub max_len: usize,
+    /// Leave out documents whose input (prompt with its shots, in tokens) is shorter than this: the
+    /// DAR paper excludes samples shorter than w so that the distant path is engaged (dar.md §4.2).
+    /// 0 keeps every document.
+    pub min_context: usize,
     /// Padded tokens per log-likelihood forward.
     pub batch_tokens: usize,
     pub quiet: bool,
@@ -380,6 +384,12 @@ pub struct TaskResult {
     #[serde(default)]
     pub model: ModelInfo,
     pub docs: usize,
+    /// Documents before the `min_context` filter (= `docs` without one).
+    #[serde(default)]
+    pub docs_total: usize,
+    /// The filter: documents with inputs shorter than this many tokens were left out (0: none).
+    #[serde(default)]
+    pub min_context: usize,
     pub num_fewshot: usize,
     /// Metric key → mean over documents.
     pub metrics: BTreeMap<String, f64>,
@@ -546,6 +556,23 @@ pub fn evaluate(model: &Model, tok: &Tok, def: &TaskDef, opts: &Options, device:
         }
         prompts.push(build_prompt(def, d, &shots)?);
     }
+    let docs_total = docs.len();
+    // Documents keep their index in the split (Sample::doc) through the min_context filter.
+    let mut ids: Vec<usize> = (0..docs.len()).collect();
+    if opts.min_context > 0 {
+        let mut kept = (Vec::new(), Vec::new(), Vec::new());
+        for ((d, p), i) in docs.into_iter().zip(prompts).zip(ids) {
+            if tok.encode(&p)?.len() >= opts.min_context {
+                kept.0.push(d);
+                kept.1.push(p);
+                kept.2.push(i);
+            }
+        }
+        (docs, prompts, ids) = kept;
+        if docs.is_empty() {
+            return Err(Error::Data(format!("{}: none of {docs_total} documents has an input of ≥ {} tokens (min_context; lower it with --min-context)", def.task, opts.min_context)));
+        }
+    }
     let bar = crate::progress::bar(docs.len() as u64, &def.task, opts.quiet);
     let mut samples = Vec::with_capacity(docs.len());
     let mut notes = Vec::new();
@@ -581,7 +608,7 @@ pub fn evaluate(model: &Model, tok: &Tok, def: &TaskDef, opts: &Options, device:
                     m.insert(def_m.key(), if matches!(def_m, MetricDef::Acc) { acc } else { acc_norm });
                 }
                 let lm_eval = LmEvalDoc { doc: docs[i].clone(), prompt: prompts[i].clone(), continuations: all_choices[i].iter().map(|c| format!("{}{c}", def.target_delimiter)).collect(), target: golds[i].to_string() };
-                samples.push(Sample { doc: i, prompt_tokens: reqs[span.start].context.len(), loglikelihoods: l, gold: Some(golds[i]), response: None, metrics: m, lm_eval });
+                samples.push(Sample { doc: ids[i], prompt_tokens: reqs[span.start].context.len(), loglikelihoods: l, gold: Some(golds[i]), response: None, metrics: m, lm_eval });
             }
         }
         OutputType::GenerateUntil => {
@@ -589,6 +616,7 @@ pub fn evaluate(model: &Model, tok: &Tok, def: &TaskDef, opts: &Options, device:
             let g = &def.generation;
             let budget = opts.max_len.saturating_sub(g.max_gen_toks).max(1);
             let mut isolated = true;
+            let doc_ids = &ids;
             for (i, (d, p)) in docs.iter().zip(&prompts).enumerate() {
                 let ids = truncate(tok.encode(p)?, budget, g.truncate);
                 let response = generate_until(model, tok, &ids, g.max_gen_toks, &g.until, eos, device)?;
@@ -622,7 +650,7 @@ pub fn evaluate(model: &Model, tok: &Tok, def: &TaskDef, opts: &Options, device:
                 }
                 let target = if refs.len() == 1 { refs[0].clone() } else { serde_json::to_string(&refs)? };
                 let lm_eval = LmEvalDoc { doc: d.clone(), prompt: p.clone(), continuations: Vec::new(), target };
-                samples.push(Sample { doc: i, prompt_tokens: ids.len(), loglikelihoods: Vec::new(), gold: None, response: Some(response), metrics: m, lm_eval });
+                samples.push(Sample { doc: doc_ids[i], prompt_tokens: ids.len(), loglikelihoods: Vec::new(), gold: None, response: Some(response), metrics: m, lm_eval });
                 bar.inc(1);
             }
             if def.metrics.iter().any(|m| matches!(m, MetricDef::PassAt1 { .. })) && !isolated {
@@ -636,8 +664,9 @@ pub fn evaluate(model: &Model, tok: &Tok, def: &TaskDef, opts: &Options, device:
     let mut breakdown: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
     if let Some(field) = &def.breakdown {
         let mut groups: BTreeMap<String, Vec<&Sample>> = BTreeMap::new();
-        for s in &samples {
-            groups.entry(docs[s.doc].get(field).map(template::as_text).unwrap_or_default()).or_default().push(s);
+        // Samples are in document order, one per (kept) document.
+        for (j, s) in samples.iter().enumerate() {
+            groups.entry(docs[j].get(field).map(template::as_text).unwrap_or_default()).or_default().push(s);
         }
         for (g, ss) in groups {
             let mut row: BTreeMap<String, f64> = keys.iter().map(|k| (k.clone(), mean(ss.iter().map(|s| s.metrics[k])))).collect();
@@ -647,7 +676,7 @@ pub fn evaluate(model: &Model, tok: &Tok, def: &TaskDef, opts: &Options, device:
     }
     let primary = metrics[&def.primary];
     Ok((
-        TaskResult { task: def.task.clone(), model: ModelInfo::default(), docs: docs.len(), num_fewshot: k, metrics, primary_metric: def.primary.clone(), primary, breakdown, notes, seconds: t0.elapsed().as_secs_f64() },
+        TaskResult { task: def.task.clone(), model: ModelInfo::default(), docs: docs.len(), docs_total, min_context: opts.min_context, num_fewshot: k, metrics, primary_metric: def.primary.clone(), primary, breakdown, notes, seconds: t0.elapsed().as_secs_f64() },
         samples,
     ))
 }

@@ -166,7 +166,7 @@ fn mmlu_end_to_end_matches_direct_log_probs() {
     let tok = neox_tok();
     let (_vs, model) = tiny_model(tok.padded_vocab());
     let def = TaskDef::load("mmlu").unwrap();
-    let opts = Options { data: Some(fixture("mmlu")), limit: None, shots: Some(2), max_len: 512, batch_tokens: 256, quiet: true };
+    let opts = Options { data: Some(fixture("mmlu")), limit: None, shots: Some(2), max_len: 512, min_context: 0, batch_tokens: 256, quiet: true };
     let (res, samples) = evaluate(&model, &tok, &def, &opts, Device::Cpu).unwrap();
     assert_eq!((res.docs, res.num_fewshot, samples.len()), (3, 2, 3));
     let test = docs(&def, "mmlu", &def.dataset.eval, true);
@@ -197,7 +197,7 @@ fn generation_end_to_end() {
     let tok = neox_tok();
     let (_vs, model) = tiny_model(tok.padded_vocab());
     let def = TaskDef::load("gsm8k").unwrap();
-    let opts = Options { data: Some(fixture("gsm8k")), limit: Some(1), shots: Some(2), max_len: 300, batch_tokens: 256, quiet: true };
+    let opts = Options { data: Some(fixture("gsm8k")), limit: Some(1), shots: Some(2), max_len: 300, min_context: 0, batch_tokens: 256, quiet: true };
     let mut short = def.clone();
     short.generation.max_gen_toks = 8;
     let (res, samples) = evaluate(&model, &tok, &short, &opts, Device::Cpu).unwrap();
@@ -217,4 +217,28 @@ fn generation_end_to_end() {
     let full = tok.decode(&toks).unwrap();
     let want = ["Question:", "</s>", "<|im_end|>"].iter().filter_map(|u| full.find(u)).min().map_or(full.clone(), |at| full[..at].to_string());
     assert_eq!(samples[0].response.as_deref(), Some(want.as_str()));
+}
+
+/// `min_context` keeps exactly the documents whose prompt (with its shots) has at least that many
+/// tokens, samples keep their index in the split, and the result says how many of how many were kept.
+#[test]
+fn min_context_drops_short_inputs_and_reports_the_count() {
+    let tok = neox_tok();
+    let (_vs, model) = tiny_model(tok.padded_vocab());
+    let def = TaskDef::load("mmlu").unwrap();
+    let test = docs(&def, "mmlu", &def.dataset.eval, true);
+    let dev = docs(&def, "mmlu", def.dataset.fewshot.as_ref().unwrap(), false);
+    let lens: Vec<usize> = (0..test.len()).map(|i| tok.encode(&build_prompt(&def, &test[i], &pick_shots(&def, &dev, &test[i], i, 2)).unwrap()).unwrap().len()).collect();
+    let mut sorted = lens.clone();
+    sorted.sort_unstable();
+    let min = sorted[2];
+    assert!(sorted[0] < min, "fixture prompts need different lengths: {lens:?}");
+    let opts = Options { data: Some(fixture("mmlu")), limit: None, shots: Some(2), max_len: 512, min_context: min, batch_tokens: 256, quiet: true };
+    let (res, samples) = evaluate(&model, &tok, &def, &opts, Device::Cpu).unwrap();
+    let want: Vec<usize> = (0..lens.len()).filter(|&i| lens[i] >= min).collect();
+    assert_eq!(samples.iter().map(|s| s.doc).collect::<Vec<_>>(), want);
+    assert_eq!((res.docs, res.docs_total, res.min_context), (want.len(), 3, min));
+    let none = Options { min_context: sorted[2] + 1, ..opts };
+    let err = evaluate(&model, &tok, &def, &none, Device::Cpu).unwrap_err().to_string();
+    assert!(err.contains("min_context") && err.contains("none of 3"), "{err}");
 }

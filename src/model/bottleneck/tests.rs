@@ -11,7 +11,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 }
 
 fn dar(d_down: usize, window: usize) -> DarConfig {
-    DarConfig { kind: AttentionKind::Dar, d_down, window, dar_act: DarAct::Linear, implementation: AttentionImpl::Reference }
+    DarConfig { kind: AttentionKind::Dar, d_down, window, dar_act: DarAct::Linear, implementation: AttentionImpl::Reference, ..DarConfig::default() }
 }
 
 /// By hand: rows ±2·e1, ±1·e2 have C = diag(2, 0.5); the top direction is e1 and projecting onto it
@@ -149,4 +149,77 @@ fn bottleneck_parameters_are_recognised() {
     assert_eq!(picked, want);
     assert!(crate::model::is_bottleneck_param("gpt_neox.layers.3.attention.bottleneck_up.weight"));
     assert!(!crate::model::is_bottleneck_param("model.layers.0.self_attn.k_proj.weight"));
+}
+
+/// A resolved tiny spec (`arch` neox or llama) with `attention` (YAML) and `train.seed`.
+fn pretrain_spec(arch: &str, attention: &str, seed: u64) -> crate::spec::Spec {
+    let flavor = if arch == "neox" { "tiny" } else { "llama-tiny" };
+    let yaml = format!("model: {{flavor: {flavor}}}\nattention: {attention}\ndata: {{train: {{synthetic: {{seed: 1, docs: 10}}}}}}\ntrain: {{steps: 2, seed: {seed}}}\n");
+    let mut s = crate::spec::from_str(&yaml, "test", &[]).unwrap();
+    s.model.vocab = Some(97);
+    s
+}
+
+/// Every variable of a model built from `spec`, the global generator seeded with `global`.
+fn weights(spec: &crate::spec::Spec, global: i64) -> std::collections::BTreeMap<String, Tensor> {
+    tch::manual_seed(global);
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let _m = crate::train::run::build_model(spec, &vs);
+    vs.variables().into_iter().collect()
+}
+
+#[test]
+fn dar_and_uniform_runs_start_from_the_vanilla_runs_weights_of_the_same_seed() {
+    for arch in ["neox", "llama"] {
+        let vanilla = weights(&pretrain_spec(arch, "{kind: vanilla}", 5), 5);
+        for att in ["{kind: dar, d_down: 16, window: 8}", "{kind: uniform, d_down: 8}", "{kind: dar, d_down: 16, window: 8, init: orthogonal}"] {
+            let dar = weights(&pretrain_spec(arch, att, 5), 5);
+            for (name, w) in &vanilla {
+                let other = dar.get(name).unwrap_or_else(|| panic!("{arch} {att}: no {name}"));
+                assert!(w.equal(other), "{arch} {att}: {name} differs from vanilla's");
+            }
+            let own: Vec<&String> = dar.keys().filter(|k| !vanilla.contains_key(*k)).collect();
+            assert!(!own.is_empty() && own.iter().all(|k| crate::model::is_bottleneck_param(k)), "{arch}: {own:?}");
+            assert!(own.iter().all(|k| dar[*k].abs().sum(Kind::Double).double_value(&[]) > 0.0), "bottleneck left at zero");
+        }
+        // The bottleneck's stream depends on the run's seed only, not on the global generator's state.
+        let att = "{kind: dar, d_down: 16, window: 8}";
+        let (a, b, c) = (weights(&pretrain_spec(arch, att, 5), 5), weights(&pretrain_spec(arch, att, 5), 99), weights(&pretrain_spec(arch, att, 6), 5));
+        for k in a.keys().filter(|k| crate::model::is_bottleneck_param(k)) {
+            assert!(a[k].equal(&b[k]), "{arch} {k}: depends on the global generator");
+            assert!(!a[k].equal(&c[k]), "{arch} {k}: seeds 5 and 6 drew the same bottleneck");
+        }
+        // Layers draw different matrices.
+        let downs: Vec<&Tensor> = a.iter().filter(|(k, _)| k.ends_with("bottleneck_down.weight")).map(|(_, v)| v).collect();
+        assert!(downs.len() == 2 && !downs[0].equal(downs[1]));
+    }
+}
+
+#[test]
+fn orthogonal_start_has_orthonormal_rows_and_up_is_down_transposed() {
+    for (d, k) in [(64usize, 16usize), (32, 32), (48, 5)] {
+        let (down, up) = pretraining_start(AttentionInit::Orthogonal, 3, 1, d, k);
+        assert_eq!((down.size(), up.size()), (vec![k as i64, d as i64], vec![d as i64, k as i64]));
+        assert!(up.equal(&down.tr()), "W_up = W_downᵀ exactly");
+        let gram = down.to_kind(Kind::Double).matmul(&down.to_kind(Kind::Double).tr());
+        let err = (gram - Tensor::eye(k as i64, (Kind::Double, tch::Device::Cpu))).abs().max().double_value(&[]);
+        assert!(err < 1e-5, "d {d}, d_down {k}: ‖W_down W_downᵀ − I‖∞ = {err}");
+    }
+    // In a built model, and recorded in config.yaml; the default stays small_init with σ² = 2/(5d).
+    let spec = pretrain_spec("neox", "{kind: dar, d_down: 16, window: 8, init: orthogonal}", 1);
+    assert!(spec.to_yaml().contains("init: orthogonal"), "{}", spec.to_yaml());
+    let w = weights(&spec, 1);
+    let down = &w["gpt_neox.layers.0.attention.bottleneck_down.weight"];
+    let up = &w["gpt_neox.layers.0.attention.bottleneck_up.weight"];
+    assert!(up.equal(&down.tr()));
+    let plain = pretrain_spec("neox", "{kind: dar, d_down: 16, window: 8}", 1);
+    assert_eq!(plain.attention.init, Some(AttentionInit::SmallInit));
+    assert!(plain.to_yaml().contains("init: small_init"));
+    let (down, up) = pretraining_start(AttentionInit::SmallInit, 1, 0, 256, 64);
+    for m in [down, up] {
+        let var = m.to_kind(Kind::Double).pow_tensor_scalar(2).mean(Kind::Double).double_value(&[]);
+        assert!((var / (2.0 / (5.0 * 256.0)) - 1.0).abs() < 0.03, "variance {var}");
+    }
+    let e = crate::spec::from_str("model: {flavor: tiny}\nattention: {kind: vanilla, init: orthogonal}\ndata: {train: {synthetic: {seed: 1, docs: 10}}}\ntrain: {steps: 2}\n", "t", &[]).unwrap_err();
+    assert!(e.to_string().contains("attention.init"), "{e}");
 }

@@ -101,7 +101,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 }
 
 fn dar(kind: AttentionKind, d_down: usize, window: usize, implementation: AttentionImpl) -> DarConfig {
-    DarConfig { kind, d_down, window, dar_act: DarAct::Linear, implementation }
+    DarConfig { kind, d_down, window, dar_act: DarAct::Linear, implementation, ..DarConfig::default() }
 }
 
 /// OLMo 2 (QK-norm over the whole projections, norms on sublayer outputs, no input norm, GQA,

@@ -19,6 +19,8 @@ pub(super) fn cfg(kind: AttentionKind, d_down: usize, window: usize) -> NeoxConf
         window,
         dar_act: DarAct::Linear,
         attention_impl: AttentionImpl::Auto,
+        init: AttentionInit::SmallInit,
+        init_seed: 0,
     }
 }
 
