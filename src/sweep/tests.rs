@@ -401,7 +401,6 @@ fn every_sweep_file_expands_to_the_expected_runs() {
     for (name, n) in SWEEPS {
         let p = match plan(&sweep_file(name), &[], None) {
             Ok(p) => p,
-            // Its window-only arm needs `kind: window` (issue 15); until that lands, only that may fail.
             Err(e) => panic!("{name}: {e}"),
         };
         assert_eq!(p.runs.len(), n, "{name}: {:?}", names(&p));
