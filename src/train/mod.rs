@@ -14,7 +14,7 @@ pub mod stages;
 pub mod workers;
 
 use crate::data::Batcher;
-use crate::eval::perplexity::{self, CorpusResult, EvalCorpus};
+use crate::eval::perplexity::{CorpusResult, EvalCorpus};
 use crate::model::Model;
 use crate::spec::{Precision, Spec};
 use crate::{Error, Result};
@@ -70,13 +70,7 @@ pub fn load_eval_corpora(spec: &Spec, tok: &crate::data::Tok) -> Result<Vec<Eval
 }
 
 pub fn evaluate_all(model: &Model, corpora: &[EvalCorpus], spec: &Spec, device: Device) -> BTreeMap<String, CorpusResult> {
-    corpora
-        .iter()
-        .map(|c| {
-            let batch = spec.eval.batch_size.unwrap_or(8) as usize;
-            (c.name.clone(), perplexity::evaluate(model, c, spec.seq_len(), batch, spec.eval.max_tokens, spec.eval.protocol, device))
-        })
-        .collect()
+    crate::eval::lm_eval::evaluate_perplexity(model, corpora, spec, device).into_iter().map(|(name, (result, _))| (name, result)).collect()
 }
 
 /// Train the run a spec describes (or resume it, or report it finished).
