@@ -265,7 +265,7 @@ fn dar_latent_cache_equals_full_forward_on_every_prefix() {
         for (kind, w, act) in [(AttentionKind::Uniform, 0, DarAct::Linear), (AttentionKind::Dar, 1, DarAct::Linear), (AttentionKind::Dar, 3, DarAct::Sigmoid), (AttentionKind::Dar, 40, DarAct::Linear)] {
             let (mut vs, mut m) = load(name);
             tch::manual_seed(11);
-            m.add_dar(&vs.root(), DarConfig { kind, d_down: 12, window: w, dar_act: act, implementation: AttentionImpl::Reference }).unwrap();
+            m.add_dar(&vs.root(), DarConfig { kind, d_down: 12, window: w, dar_act: act, implementation: AttentionImpl::Reference, ..DarConfig::default() }).unwrap();
             vs.double();
             let (kvh, hd) = (m.cfg.num_key_value_heads as i64, m.cfg.head_dim() as i64);
             assert!(kvh < m.cfg.num_attention_heads as i64, "the fixture has GQA");
@@ -313,7 +313,7 @@ fn window_attention_decodes_packs_and_matches_reference() {
     for name in ["llama_tiny", "olmo2_tiny"] {
         let (_vs, mut m) = load(name);
         let vanilla = tch::no_grad(|| m.logits(&m.hidden(&x)));
-        m.cfg.attention = DarConfig { kind: AttentionKind::Window, d_down: 0, window: 3, dar_act: DarAct::Linear, implementation: AttentionImpl::Reference };
+        m.cfg.attention = DarConfig { kind: AttentionKind::Window, d_down: 0, window: 3, dar_act: DarAct::Linear, implementation: AttentionImpl::Reference, ..DarConfig::default() };
         let full = tch::no_grad(|| m.logits(&m.hidden(&x)));
         assert!(max_diff(&full, &vanilla) > 1e-3, "{name}: window 3 of 12 must differ from vanilla");
         let mut cache = m.new_cache(2, Kind::Float, Device::Cpu);
