@@ -50,6 +50,6 @@ notebook: build $(NB_VENV)/.done
 	rm -rf $(NB_OUT)
 	./target/release/attnlab compare experiments/tiny-synthetic-smoke.yaml --out $(NB_OUT)/results --set train.steps=20 --set eval.every=10 --quiet
 	for r in $(NB_OUT)/results/vanilla $(NB_OUT)/results/dar; do \
-		./target/release/attnlab eval $$r --task hellaswag --data tests/fixtures/tasks/hellaswag --limit 2 --shots 0 > /dev/null || exit 1; done
+		./target/release/attnlab eval $$r --task hellaswag --data tests/fixtures/tasks/hellaswag --limit 2 --shots 0 --min-context 0 > /dev/null || exit 1; done
 	./target/release/attnlab report $(NB_OUT)/results > /dev/null
 	ATTNLAB_RESULTS=$(NB_OUT)/results ATTNLAB_NOTEBOOK_OUT=$(NB_OUT) $(NB_VENV)/bin/python scripts/run_notebook.py

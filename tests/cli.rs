@@ -626,7 +626,7 @@ fn tensorboard_curve_survives_resume_and_eval_writes_lm_eval_files() {
     assert_eq!(samples[0]["doc_hash"].as_str().unwrap().len(), 64);
 
     let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tasks/hellaswag");
-    ok(&attnlab(&["eval", r, "--task", "hellaswag", "--data", data.to_str().unwrap(), "--limit", "2", "--shots", "0"], cwd));
+    ok(&attnlab(&["eval", r, "--task", "hellaswag", "--data", data.to_str().unwrap(), "--limit", "2", "--shots", "0", "--min-context", "0"], cwd));
     let (res, samples) = lm("hellaswag");
     let task: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("tasks/hellaswag.json")).unwrap()).unwrap();
     assert_eq!(res["results"]["hellaswag"]["acc_norm,none"], task["metrics"]["acc_norm"]);
