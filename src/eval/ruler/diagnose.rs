@@ -70,9 +70,17 @@ pub struct LayerReads {
     pub shares_best_head: [f64; 3],
 }
 
-/// Per-layer reads of a hybrid model on prompt `ids`; `None` for other models (and LoLCATs layers are skipped).
+/// Prompts longer than this are not probed: the probe runs the chunked prefill over the whole prompt
+/// at once (O(T · |Sel|) memory), where generation prefills in blocks.
+pub const PROBE_MAX_TOKENS: usize = 16384;
+
+/// Per-layer reads of a hybrid model on prompt `ids`; `None` for other models and for prompts over
+/// [`PROBE_MAX_TOKENS`] (LoLCATs layers are skipped).
 pub fn probe(model: &Model, ids: &[u32], needles: &[NeedlePositions], device: Device) -> Option<Vec<LayerReads>> {
     let Model::Hybrid(h) = model else { return None };
+    if ids.len() > PROBE_MAX_TOKENS {
+        return None;
+    }
     let input = Tensor::from_slice(&ids.iter().map(|&i| i as i64).collect::<Vec<_>>()).view([1, -1]).to_device(device);
     let values: Vec<usize> = needles.iter().flat_map(|n| n.value_tokens.iter().copied()).collect();
     let probes = h.probe(&input);
