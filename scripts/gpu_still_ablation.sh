@@ -12,17 +12,10 @@ export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-package
 A=.gpu/attnlab; D=.gpu/data; R=results/gpu-still; T=$R/needle-teacher
 ESSAY=$D/ruler_paul_graham_essays.json.gz
 SAMPLES=${SAMPLES:-40}
-log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/still-ablation.log"; }
+LOG="$OUT/still-ablation.log"
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
 
-teacher() {
-  if [ -f $T/DONE ]; then log "teacher present"; return; fi
-  local t0=$(date +%s)
-  $A train experiments/llama-30m-needle-teacher.yaml --quiet --out $T \
-    --set data.tokenizer=$D/gpt-neox-20b.json --set data.cache=/tmp/cache \
-    --set "data.train.mix=[{path: $D/train-00.jsonl.zst}, {path: $D/train-01.jsonl.zst}, {needles: {tasks: [niah_single_1, niah_single_2, niah_single_3, niah_multikey_1], docs: 30000, min_words: 60, max_words: 700, essay: $ESSAY}}]" \
-    --set "data.eval={valid: {path: $D/valid.jsonl.zst}}" --set train.steps=${TEACHER_STEPS:-5000} 2>&1 | tail -3 | tee -a "$OUT/still-ablation.log"
-  log "teacher trained in $(( $(date +%s) - t0 )) s"
-}
+source "$(dirname "$0")/still_teacher.sh"
 
 niah() { # RUN TASK LENGTHS
   $A eval "$1" --task ruler:$2 --lengths $3 --samples $SAMPLES --max-new-tokens 12 --essay $ESSAY 2>&1 | tail -4 | tee -a "$OUT/still-ablation.log"

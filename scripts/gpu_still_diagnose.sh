@@ -19,17 +19,10 @@ export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-package
 A=.gpu/attnlab; D=.gpu/data; R=results/gpu-still-diag; T=$R/teacher; S=$R/student; SC=$R/student-compensated
 ESSAY=$D/ruler_paul_graham_essays.json.gz
 SAMPLES=${SAMPLES:-50}
-log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/still-diagnose.log"; }
+LOG="$OUT/still-diagnose.log"
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
 
-teacher() {
-  if [ -f $T/DONE ]; then log "teacher present"; return; fi
-  local t0=$(date +%s)
-  $A train experiments/llama-30m-needle-teacher.yaml --quiet --out $T \
-    --set data.tokenizer=$D/gpt-neox-20b.json --set data.cache=/tmp/cache \
-    --set "data.train.mix=[{path: $D/train-00.jsonl.zst}, {path: $D/train-01.jsonl.zst}, {needles: {tasks: [niah_single_1, niah_single_2, niah_single_3, niah_multikey_1], docs: 30000, min_words: 60, max_words: 700, essay: $ESSAY}}]" \
-    --set "data.eval={valid: {path: $D/valid.jsonl.zst}}" --set train.steps=${TEACHER_STEPS:-5000} 2>&1 | tail -3 | tee -a "$OUT/still-diagnose.log"
-  log "teacher trained in $(( $(date +%s) - t0 )) s"
-}
+source "$(dirname "$0")/still_teacher.sh"
 
 student() { # DIR [extra --set ...]
   local dir=$1; shift
