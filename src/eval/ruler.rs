@@ -327,7 +327,7 @@ pub fn evaluate(
         }
         bar.finish_and_clear();
         let n = samples.max(1) as f64;
-        let diagnostics = diagnose::summarize(&records.iter().map(|r| r.result.clone()).collect::<Vec<_>>());
+        let diagnostics = diagnose::summarize(records.iter().map(|r| &r.result));
         cells.push((Cell { task: name.to_string(), length: len, samples, score: total / n, mean_prompt_tokens: prompt_tokens as f64 / n, overrides: None, diagnostics }, records));
     }
     Ok(cells)

@@ -154,8 +154,8 @@ pub struct LayerSummary {
 }
 
 /// Averages of the samples' layer reads; `None` when no sample has any (not a hybrid model).
-pub fn summarize(records: &[SampleRecord]) -> Option<CellDiagnostics> {
-    let with: Vec<&Vec<LayerReads>> = records.iter().filter_map(|r| r.layers.as_ref()).filter(|l| !l.is_empty()).collect();
+pub fn summarize<'a>(records: impl IntoIterator<Item = &'a SampleRecord>) -> Option<CellDiagnostics> {
+    let with: Vec<&Vec<LayerReads>> = records.into_iter().filter_map(|r| r.layers.as_ref()).filter(|l| !l.is_empty()).collect();
     let first = with.first()?;
     let (mut outside, mut total) = (0usize, 0usize);
     for l in &with {
