@@ -1,5 +1,5 @@
-//! `attnlab linearize SPEC.yaml`: turn a softmax-attention Llama (the teacher) into a STILL or LoLCATs
-//! hybrid in two stages (`../shared/specs/still.md` §8):
+//! `attnlab linearize SPEC.yaml`: turn a softmax-attention Llama-family model (the teacher: Llama,
+//! OLMo 2, or a DAR fine-tune of either) into a STILL or LoLCATs student (`student.rs`) in two stages (`../shared/specs/still.md` §8):
 //! 1. attention transfer: teacher-forced, only the new attention parameters train, loss =
 //!    1000 · mean over layers of MSE(student per-head output, teacher softmax output);
 //! 2. LoRA on the attention projections with next-token cross-entropy, everything else frozen.
@@ -17,9 +17,12 @@
 //! Simplifications: the last weights of each stage are kept (the references keep stage 2's best
 //! validation checkpoint); held-out perplexity is over non-overlapping `seq_len` rows, not lm-eval's
 //! rolling windows; no grad clipping (as the reference code).
+pub mod student;
+
+use crate::attention::{is_linearized_param, Variant};
 use crate::data::Tok;
-use crate::model::hybrid::{is_attention_param, Hybrid, Variant};
-use crate::model::LlamaConfig;
+use crate::model::llama::Pass;
+use crate::model::{Llama, LlamaConfig};
 use crate::spec::{SourceSpec, TokenizerSpec};
 use crate::train::checkpoint;
 use crate::train::lora::LoraConfig;
@@ -38,7 +41,8 @@ pub struct LinearizeSpec {
     /// Human-readable run name (sweeps set it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
-    /// A local HF Llama folder, `hf:owner/name`, or an attnlab run directory of a llama flavor.
+    /// A local HF Llama / OLMo 2 folder (DAR ones included), `hf:owner/name`, or an attnlab run
+    /// directory of a llama flavor or a finetune run.
     pub teacher: String,
     /// Default: the teacher folder's tokenizer.json, or the run directory's tokenizer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -373,7 +377,11 @@ fn batch(rows: &[&Row], device: Device) -> (Tensor, Tensor) {
 /// The teacher's VarStore, config and tokenizer.
 pub fn load_teacher(teacher: &str, tokenizer: Option<&TokenizerSpec>, device: Device) -> Result<(VarStore, LlamaConfig, Tok)> {
     let local = Path::new(teacher);
-    let (vs, cfg) = if local.join("config.yaml").is_file() {
+    let (vs, cfg) = if local.join("config.yaml").is_file() && crate::run_kind::RunKind::of(local)? == crate::run_kind::RunKind::Finetune {
+        // A fine-tuned model (DAR or not): its export folder.
+        let (vs, m) = crate::model::hf::load_llama(&local.join("export"), device)?;
+        (vs, m.cfg.clone())
+    } else if local.join("config.yaml").is_file() {
         let loaded = crate::train::run::load(local, None, Some(if device.is_cuda() { "cuda" } else { "cpu" }))?;
         let crate::model::Model::Llama(m) = loaded.model else {
             return Err(Error::Other(format!("{teacher}: the teacher must be a llama-flavor run")));
@@ -405,25 +413,25 @@ pub fn teacher_tokenizer(teacher: &str, tokenizer: Option<&TokenizerSpec>) -> Re
     Tok::load(&TokenizerSpec::Path(tj.display().to_string()))
 }
 
-/// Where a finished run keeps its merged model ([`Hybrid::save_export`] plus `tokenizer.json`).
+/// Where a finished run keeps its merged model ([`Llama::save_export`] plus `tokenizer.json`).
 pub const EXPORT_DIR: &str = "export";
 
 /// A finished linearization loaded for inference, from its run directory or its export folder: the
-/// hybrid (LoRA merged) and its tokenizer (the folder's tokenizer.json; for exports written before it
+/// student (LoRA merged) and its tokenizer (the folder's tokenizer.json; for exports written before it
 /// was saved there, the run spec's tokenizer or the teacher's).
-pub fn load_exported(path: &Path, device: Device) -> Result<(VarStore, Hybrid, Tok)> {
+pub fn load_exported(path: &Path, device: Device) -> Result<(VarStore, Llama, Tok)> {
     load_exported_with(path, device, &[])
 }
 
 /// [`load_exported`] with the operator's options overridden (`attention.KEY=VALUE`, see
-/// [`Hybrid::load_export_with`]): evaluate the same weights at another κ, routing or normalizer.
-pub fn load_exported_with(path: &Path, device: Device, overrides: &[String]) -> Result<(VarStore, Hybrid, Tok)> {
-    let in_export = path.join(crate::model::hybrid::EXPORT_VARIANT).is_file();
+/// [`Llama::load_export_with`]): evaluate the same weights at another κ, routing or normalizer.
+pub fn load_exported_with(path: &Path, device: Device, overrides: &[String]) -> Result<(VarStore, Llama, Tok)> {
+    let in_export = path.join(student::EXPORT_VARIANT).is_file();
     let (run, export) = if in_export { (path.parent().unwrap_or(Path::new(".")).to_path_buf(), path.to_path_buf()) } else { (path.to_path_buf(), path.join(EXPORT_DIR)) };
-    if !export.join(crate::model::hybrid::EXPORT_VARIANT).is_file() {
-        return Err(Error::Run { dir: path.into(), msg: format!("has no {EXPORT_DIR}/{} (is the linearize run finished?)", crate::model::hybrid::EXPORT_VARIANT) });
+    if !export.join(student::EXPORT_VARIANT).is_file() {
+        return Err(Error::Run { dir: path.into(), msg: format!("has no {EXPORT_DIR}/{} (is the linearize run finished?)", student::EXPORT_VARIANT) });
     }
-    let (vs, hybrid) = Hybrid::load_export_with(&export, device, overrides)?;
+    let (vs, hybrid) = Llama::load_export_with(&export, device, overrides)?;
     let tj = export.join("tokenizer.json");
     let tok = if tj.is_file() {
         Tok::load(&TokenizerSpec::Path(tj.display().to_string()))?
@@ -462,21 +470,21 @@ fn is_lora(name: &str) -> bool {
 /// Make exactly the parameters of `stage` trainable; an optimizer over them (sorted by name).
 fn optimizer_for(vs: &VarStore, stage: u64, wd: f64) -> AdamW {
     for (name, t) in vs.variables() {
-        let train = if stage == 1 { is_attention_param(&name) } else { is_lora(&name) };
+        let train = if stage == 1 { is_linearized_param(&name) } else { is_lora(&name) };
         let _ = t.shallow_clone().set_requires_grad(train);
     }
     AdamW::new(crate::train::named_parameters(vs), Hyper { betas: (0.9, 0.999), eps: 1e-8, weight_decay: wd })
 }
 
 /// Mean loss of teacher and student over rows (no grad): (teacher, student).
-pub fn held_out_loss(h: &Hybrid, rows: &[Row], device: Device) -> (f64, f64) {
+pub fn held_out_loss(h: &Llama, rows: &[Row], device: Device) -> (f64, f64) {
     tch::no_grad(|| {
         let (mut lt, mut ls, mut n) = (0.0, 0.0, 0.0);
         for r in rows {
             let (x, y) = batch(&[r], device);
             let w = y.ne(IGNORE).sum(Kind::Float).double_value(&[]);
-            lt += h.teacher_loss(&x, &y).double_value(&[]) * w;
-            ls += h.loss(&x, &y, false).double_value(&[]) * w;
+            lt += h.masked_loss(&x, &y, Pass::Teacher).double_value(&[]) * w;
+            ls += h.masked_loss(&x, &y, Pass::Eval).double_value(&[]) * w;
             n += w;
         }
         (lt / n.max(1.0), ls / n.max(1.0))
@@ -484,13 +492,13 @@ pub fn held_out_loss(h: &Hybrid, rows: &[Row], device: Device) -> (f64, f64) {
 }
 
 /// Held-out loss of a stage (no grad): stage 1 the attention-transfer loss, stage 2 cross-entropy.
-fn stage_loss(h: &Hybrid, rows: &[Row], stage: u64, device: Device) -> f64 {
+fn stage_loss(h: &Llama, rows: &[Row], stage: u64, device: Device) -> f64 {
     tch::no_grad(|| {
         let total: f64 = rows
             .iter()
             .map(|r| {
                 let (x, y) = batch(&[r], device);
-                if stage == 1 { h.attention_transfer_loss(&x).0 } else { h.loss(&x, &y, false) }.double_value(&[])
+                if stage == 1 { h.attention_transfer_loss(&x).0 } else { h.masked_loss(&x, &y, Pass::Eval) }.double_value(&[])
             })
             .sum();
         total / rows.len().max(1) as f64
@@ -555,7 +563,7 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
 
     tch::manual_seed(spec.train.seed as i64);
     let vs = VarStore::new(device);
-    let hybrid = Hybrid::from_teacher(&vs, &teacher_vs, cfg.clone(), &spec.attention, &spec.lora)?;
+    let hybrid = Llama::linearized(&vs, &teacher_vs, cfg.clone(), &spec.attention, &spec.lora)?;
     drop(teacher_vs);
     let wd = |stage: u64| if stage == 1 { spec.stage1.weight_decay.expect("resolved") } else { spec.stage2.weight_decay.expect("resolved") };
 
@@ -593,7 +601,7 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
             let (loss, per_layer) = hybrid.attention_transfer_loss(&x);
             (loss, Some(per_layer))
         } else {
-            (hybrid.loss(&x, &y, true), None)
+            (hybrid.masked_loss(&x, &y, Pass::Train), None)
         };
         loss.backward();
         let lr = plateau.lr;
@@ -639,7 +647,7 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
     // Outputs: adapters alone, the merged export, and the held-out evaluation.
     Tensor::write_safetensors(&hybrid.lora_weights(), dir.path.join("lora.safetensors"))?;
     let export = dir.path.join(EXPORT_DIR);
-    hybrid.save_export(&spec.attention, &export)?;
+    hybrid.save_export(&vs, &export)?;
     // The tokenizer too, so that the folder alone can be loaded for generation.
     let tp = export.join("tokenizer.json");
     std::fs::write(&tp, tok.inner.to_string(false).map_err(|e| Error::Other(format!("tokenizer: {e}")))?).at(&tp)?;

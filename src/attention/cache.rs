@@ -2,12 +2,13 @@
 //! `[B, H, n, hd]` and rotated keys / values `[B, H_kv, n, hd]` (per KV head, so grouped-query
 //! attention keeps its saving) and hands them to its layer's cache, which keeps what later tokens need
 //! and attends the new queries over cached + new keys with the explicit masked softmax (exact for any
-//! number of new tokens). Caches per variant:
+//! number of new tokens). Caches per variant (each made by `Layer::new_cache`):
 //! - vanilla: `Recent` holding every token; window: `Recent` holding the last w (`super::window`);
-//! - DAR / uniform: `super::dar::DarCache` (last w tokens full width, a d_down latent for every token).
-use super::dar::{DarCache, Distant};
+//! - DAR / uniform: `super::dar::DarCache` (last w tokens full width, a d_down latent for every token);
+//! - STILL / LoLCATs: `super::still::HybridCache` (selected K/V, the window of chunks, S and z).
+use super::dar::DarCache;
 use super::masked_softmax_attention;
-use crate::spec::AttentionKind;
+use super::still::HybridCache;
 use tch::{Device, Kind, Tensor};
 
 /// What a layer's cache is made of (the same in every family): batch, KV heads, head dim, dtype, device.
@@ -60,7 +61,7 @@ impl Recent {
     }
 
     /// Attention of the new queries over every cached + new key at distance < `window` (None: all).
-    fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, p0: i64) -> Tensor {
+    pub(crate) fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, p0: i64) -> Tensor {
         let n = q.size()[2];
         let (ck, cv, start) = self.append(k, v, p0 + n);
         let d = distances(p0, n, start, ck.size()[2], q.device());
@@ -90,32 +91,16 @@ pub enum LayerCache {
     Recent(Recent),
     /// DAR / uniform.
     Dar(DarCache),
+    /// STILL / LoLCATs.
+    Linearized(HybridCache),
 }
 
 impl LayerCache {
-    /// An empty cache for a layer of this attention (`window`, `d_down` as resolved in the spec).
-    pub fn new(kind: AttentionKind, window: i64, d_down: i64, shape: &CacheShape) -> Self {
-        match kind {
-            AttentionKind::Vanilla => LayerCache::Recent(Recent::new(shape, None)),
-            AttentionKind::Dar | AttentionKind::Uniform => LayerCache::Dar(DarCache::new(shape, window, d_down)),
-            AttentionKind::Window => LayerCache::Recent(super::window::new_cache(shape, window)),
-        }
-    }
-
     pub fn bytes(&self) -> i64 {
         match self {
             LayerCache::Recent(c) => c.bytes(),
             LayerCache::Dar(c) => c.bytes(),
-        }
-    }
-
-    /// Attention output `[B, H, n, hd]` of the new tokens at positions p0.. (q rotated `[B, H, n, hd]`,
-    /// k rotated and v `[B, H_kv, n, hd]`); extends the cache. `distant`: DAR's latents of the new
-    /// tokens and the model's map from latents to distant keys / values (required for DAR).
-    pub fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, p0: i64, distant: Option<Distant>) -> Tensor {
-        match self {
-            LayerCache::Recent(c) => c.attend(q, k, v, p0),
-            LayerCache::Dar(c) => c.attend(q, k, v, p0, distant.expect("a DAR cache needs the new tokens' latents")),
+            LayerCache::Linearized(c) => c.bytes(),
         }
     }
 }
@@ -127,8 +112,8 @@ pub struct DecodeCache {
 }
 
 impl DecodeCache {
-    pub fn new(layers: usize, kind: AttentionKind, window: i64, d_down: i64, shape: &CacheShape) -> Self {
-        DecodeCache { layers: (0..layers).map(|_| LayerCache::new(kind, window, d_down, shape)).collect(), len: 0 }
+    pub fn new(layers: Vec<LayerCache>) -> Self {
+        DecodeCache { layers, len: 0 }
     }
 
     /// Bytes held by the cache (all layers).

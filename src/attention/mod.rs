@@ -1,16 +1,22 @@
-//! Attention over already-projected, already-rotated heads (`[B, H, T, hd]`). Variants:
-//! `vanilla` (causal softmax attention) and DAR (dar.md §1.3): one joint softmax in which key j is
-//! read from its full-width version (k_l, v_l) when the query is closer than `window`, and from its
-//! bottleneck version (k_g, v_g) otherwise. `uniform` is DAR with window 0; `window` (window.rs) is
-//! DAR without the distant keys. Every fast path has the
-//! explicit masked reference beside it, and tests hold them together.
+//! Attention variants, one file each, behind one interface (`layer.rs`: [`Layer`], [`Heads`],
+//! [`Attention`]): `vanilla` (causal softmax), `dar` (DAR and uniform = DAR with window 0), `window`
+//! (sliding window only), `still` and `lolcats` (linearized operators; feature maps in
+//! `feature_maps.rs`). A model hands each layer its rotated heads; the variant computes the rest. This
+//! file holds what the variants share: masks, packed-document segments and the explicit masked
+//! softmax every fast path is tested against. Decode caches: `cache.rs`.
 pub mod cache;
 pub mod dar;
 pub mod feature_maps;
+pub mod layer;
 pub mod lolcats;
 pub mod still;
+pub mod vanilla;
 pub mod window;
-use crate::kernels::{self, GlobalBackend};
+
+pub use dar::{dar, dar_sdpa, split_merge_supported};
+pub use layer::{is_added_param, is_bottleneck_param, is_linearized_param, Attention, DarConfig, Heads, KvMap, Layer, Positions, Variant};
+pub use vanilla::causal;
+
 use crate::spec::AttentionImpl;
 use tch::{Device, Kind, Tensor};
 
@@ -22,68 +28,6 @@ pub fn dar_masks(t: i64, window: i64, device: Device) -> (Tensor, Tensor) {
     let local = dist.ge(0).logical_and(&dist.lt(window));
     let global = dist.ge(window);
     (local, global)
-}
-
-/// Plain causal attention. `Reference` is the explicit masked softmax; everything else uses SDPA
-/// (flash / cuDNN kernels on CUDA).
-pub fn causal(q: &Tensor, k: &Tensor, v: &Tensor, imp: AttentionImpl) -> Tensor {
-    match imp {
-        AttentionImpl::Reference => {
-            let t = q.size()[2];
-            let (local, _) = dar_masks(t, t, q.device());
-            masked_softmax_attention(q, &[(k, v, &local)])
-        }
-        _ => Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, true, None, false),
-    }
-}
-
-/// DAR attention. `window ≥ T` is vanilla over (k_l, v_l); `window = 0` is causal attention over (k_g, v_g).
-pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64, imp: AttentionImpl) -> Tensor {
-    let t = q.size()[2];
-    let imp = match imp {
-        AttentionImpl::Auto if split_merge_supported(q) => AttentionImpl::SplitMergeCudnn,
-        AttentionImpl::Auto => AttentionImpl::Sdpa,
-        AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn if !split_merge_supported(q) => AttentionImpl::Sdpa,
-        other => other,
-    };
-    if imp != AttentionImpl::Reference {
-        // The edge cases are plain causal attention over one key version.
-        if window >= t {
-            return causal(q, kl, vl, imp);
-        }
-        if window == 0 {
-            return causal(q, kg, vg, imp);
-        }
-    }
-    match imp {
-        AttentionImpl::Reference => {
-            let (local, global) = dar_masks(t, window, q.device());
-            masked_softmax_attention(q, &[(kl, vl, &local), (kg, vg, &global)])
-        }
-        AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn => {
-            let backend = if imp == AttentionImpl::SplitMerge { GlobalBackend::Flash } else { GlobalBackend::Cudnn };
-            // The kernels take [B, T, H, D]; transposes are views.
-            let bthd = |x: &Tensor| x.transpose(1, 2);
-            kernels::dar_split_merge(&bthd(q), &bthd(kl), &bthd(vl), &bthd(kg), &bthd(vg), window, backend)
-                .unwrap_or_else(|e| panic!("DAR split-merge kernel failed: {e}"))
-                .transpose(1, 2)
-        }
-        _ => dar_sdpa(q, kl, vl, kg, vg, window),
-    }
-}
-
-/// Whether the CUDA split-merge path can take these inputs (flash kernels: fp16/bf16, head dim a
-/// multiple of 8 and at most 256).
-pub fn split_merge_supported(q: &Tensor) -> bool {
-    let hd = q.size()[3];
-    q.device().is_cuda() && matches!(q.kind(), Kind::BFloat16 | Kind::Half) && hd % 8 == 0 && hd <= 256
-}
-
-/// dar-kernels.md §2: SDPA over the concatenated keys `[K_l; K_g]` with a `[T, 2T]` boolean mask.
-pub fn dar_sdpa(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64) -> Tensor {
-    let t = q.size()[2];
-    let (local, global) = dar_masks(t, window, q.device());
-    masked_sdpa(q, &[(kl, vl, &local), (kg, vg, &global)])
 }
 
 /// The joint softmax of `masked_softmax_attention` through one SDPA call over the concatenated keys

@@ -257,6 +257,8 @@ pub struct Still {
     pub feature_map_k: FeatureMap,
     /// W_g `[H·D, d_model]`; `None` with `gate: false`.
     pub g_proj: Option<Tensor>,
+    /// A LoRA adapter on W_g (`g_proj.lora_A` / `lora_B`, linearize's stage 2).
+    pub g_lora: Option<crate::train::lora::Lora>,
     /// `routing: oracle`: the positions to select (ascending), set per sample by the evaluator.
     oracle: std::sync::Mutex<Option<Vec<i64>>>,
 }
@@ -275,7 +277,7 @@ impl Still {
             };
             (p / "g_proj").var("weight", &[heads * head_dim, d_model], init)
         });
-        Ok(Still { cfg: cfg.clone(), selection, dims, feature_map_q, feature_map_k, g_proj, oracle: Default::default() })
+        Ok(Still { cfg: cfg.clone(), selection, dims, feature_map_q, feature_map_k, g_proj, g_lora: None, oracle: Default::default() })
     }
 
     /// The positions `routing: oracle` selects from now on (sorted, deduplicated; `None` = nothing).
@@ -299,9 +301,18 @@ impl Still {
     /// g = σ(W_g x) as `[B, H, T, hd]` from the layer input x `[B, T, d_model]` (after the input norm),
     /// or `None` with `gate: false`.
     pub fn gate(&self, x: &Tensor) -> Option<Tensor> {
-        let w = self.g_proj.as_ref()?;
+        self.gate_for(x, false)
+    }
+
+    /// [`Still::gate`] in a training pass (`train`: the adapter's dropout) or not; W_g with its LoRA adapter.
+    pub fn gate_for(&self, x: &Tensor, train: bool) -> Option<Tensor> {
+        let w = self.g_proj.as_ref()?.to_kind(x.kind());
         let (b, t) = (x.size()[0], x.size()[1]);
-        let g = x.matmul(&w.to_kind(x.kind()).tr()).sigmoid();
+        let g = match &self.g_lora {
+            Some(l) => l.forward(&w, x, train),
+            None => x.matmul(&w.tr()),
+        }
+        .sigmoid();
         Some(g.view([b, t, self.dims.heads, self.dims.head_dim]).transpose(1, 2))
     }
 

@@ -29,7 +29,6 @@ pub fn new_cache(shape: &CacheShape, window: i64) -> Recent {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::attention::cache::LayerCache;
     use crate::attention::tests::{max_diff, rand};
     use crate::spec::AttentionKind;
     use tch::{Device, Kind};
@@ -96,11 +95,11 @@ mod tests {
         let (q, k, v) = (rand(&[1, h, t, hd], 4).detach(), rand(&[1, h, t, hd], 5).detach(), rand(&[1, h, t, hd], 6).detach());
         let full = forward(&q, &k, &v, w, None, AttentionImpl::Reference);
         let shape = CacheShape { batch: 1, kv_heads: h, head_dim: hd, kind: Kind::Double, device: Device::Cpu };
-        let mut cache = LayerCache::new(AttentionKind::Window, w, 0, &shape);
+        let mut cache = new_cache(&shape, w);
         let cut = |x: &Tensor, a: i64, n: i64| x.narrow(2, a, n);
-        let mut got = vec![cache.attend(&cut(&q, 0, 4), &cut(&k, 0, 4), &cut(&v, 0, 4), 0, None)];
+        let mut got = vec![cache.attend(&cut(&q, 0, 4), &cut(&k, 0, 4), &cut(&v, 0, 4), 0)];
         for p in 4..t {
-            got.push(cache.attend(&cut(&q, p, 1), &cut(&k, p, 1), &cut(&v, p, 1), p, None));
+            got.push(cache.attend(&cut(&q, p, 1), &cut(&k, p, 1), &cut(&v, p, 1), p));
             assert_eq!(cache.bytes(), 2 * w.min(p + 1) * h * hd * 8, "after {} tokens", p + 1);
         }
         assert!(max_diff(&Tensor::cat(&got, 2), &full) < 1e-12);

@@ -1,12 +1,11 @@
 //! `attnlab bench-decode`: KV-cache memory and decode speed of every attention variant at one model
 //! size, over context lengths (issue 6). The GPT-NeoX variants (vanilla, DAR, uniform) are built from
-//! the spec (and window: sliding-window only); the STILL / LoLCATs hybrids are Llamas of the same width, depth, heads, MLP width and
+//! the spec (and window: sliding-window only); the STILL / LoLCATs students are Llamas of the same width, depth, heads, MLP width and
 //! vocabulary. Weights and prompt tokens are random: the numbers are speed and memory, not quality.
 use super::generate::{decode_bench, DecodeBench};
-use crate::model::hybrid::{Hybrid, Variant};
-use crate::model::Model;
+use crate::attention::{Attention, Variant};
+use crate::model::{Llama, Model};
 use crate::spec::{AttentionKind, Spec};
-use crate::train::lora::LoraConfig;
 use crate::{Error, Result};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use tch::{nn::VarStore, Device};
@@ -66,8 +65,9 @@ pub fn bench_model(base: &Spec, name: &str, vocab: usize, device: Device) -> Res
         (_, Some(variant)) => {
             let mut s = base.with_attention(AttentionKind::Vanilla).map_err(|(k, m)| bad(k, m))?;
             s.model.vocab.get_or_insert(vocab);
-            let cfg = crate::train::run::llama_config(&s);
-            Model::Hybrid(Hybrid::new(&vs, cfg, &variant?, &LoraConfig { targets: vec![], ..LoraConfig::default() })?)
+            let mut cfg = crate::train::run::llama_config(&s);
+            cfg.attention = Attention::Linearized(variant?);
+            Model::Llama(Llama::build(&vs.root(), cfg)?)
         }
         (kind @ ("vanilla" | "dar" | "uniform" | "window"), None) => {
             let kind: AttentionKind = serde_yaml::from_str(kind).expect("a known kind");
@@ -200,13 +200,13 @@ mod tests {
         let base = crate::spec::from_str("model: {flavor: tiny}\nattention: {kind: dar, d_down: 16, window: 8}\ndata: {train: {synthetic: {seed: 1, docs: 10}}}\ntrain: {steps: 1}\n", "test", &[]).unwrap();
         let (_vs, m) = bench_model(&base, "still-budget", 128, Device::Cpu).unwrap();
         let (_vs2, n) = bench_model(&base, "vanilla", 128, Device::Cpu).unwrap();
-        let (Model::Hybrid(h), Model::Neox(x)) = (&m, &n) else { panic!("wrong families") };
-        let c = &h.llama.cfg;
+        let (Model::Llama(h), Model::Neox(x)) = (&m, &n) else { panic!("wrong families") };
+        let c = &h.cfg;
         assert_eq!((c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.vocab_size), (x.cfg.d_model, x.cfg.layers, x.cfg.heads, x.cfg.vocab));
-        let crate::model::hybrid::HybridAttention::Still(s) = &h.attn[0] else { panic!("still") };
+        let crate::attention::Layer::Still(s) = &h.layers[0].attn else { panic!("still") };
         assert_eq!(s.selection.kappa, 4, "λ = ⌊(384 − 128)/⌈4096/64⌉⌋");
         let custom = bench_model(&base, "mine={kind: lolcats, window: 32}", 128, Device::Cpu).unwrap().1;
-        assert!(matches!(custom, Model::Hybrid(ref h) if matches!(h.attn[0], crate::model::hybrid::HybridAttention::Lolcats(ref l) if l.cfg.window == 32)));
+        assert!(matches!(custom, Model::Llama(ref h) if matches!(h.layers[0].attn, crate::attention::Layer::Lolcats(ref l) if l.cfg.window == 32)));
         assert_eq!(split_names("vanilla, mine={kind: still, budget: {m: 200, max_len: 64}},dar"), ["vanilla", "mine={kind: still, budget: {m: 200, max_len: 64}}", "dar"]);
         let err = bench_model(&base, "flash", 128, Device::Cpu).err().unwrap().to_string();
         assert!(err.contains("still-budget"), "{err}");

@@ -1,12 +1,11 @@
 //! Text generation with a KV cache per model and attention variant (vanilla: keys/values of every
-//! token; DAR / uniform: dar.md §3's latent cache; Llama: per KV head; STILL / LoLCATs hybrids:
+//! token; DAR / uniform: dar.md §3's latent cache; Llama: per KV head; STILL / LoLCATs students:
 //! still.md §6's bounded cache), and the decode benchmark.
-use crate::model::hybrid::decode::HybridModelCache;
-use crate::model::llama::LlamaCache;
-use crate::model::neox::decode::NeoxCache;
 use crate::data::Tok;
 use crate::linearize;
-use crate::model::hybrid::EXPORT_VARIANT;
+use crate::linearize::student::EXPORT_VARIANT;
+use crate::model::llama::LlamaCache;
+use crate::model::neox::decode::NeoxCache;
 use crate::model::Model;
 use crate::{Error, Result};
 use serde::Serialize;
@@ -18,7 +17,6 @@ use tch::{Device, Kind, Tensor};
 pub enum Cache {
     Neox(NeoxCache),
     Llama(LlamaCache),
-    Hybrid(HybridModelCache),
 }
 
 impl Cache {
@@ -26,7 +24,6 @@ impl Cache {
         match self {
             Cache::Neox(c) => c.bytes(),
             Cache::Llama(c) => c.bytes(),
-            Cache::Hybrid(c) => c.bytes(),
         }
     }
 
@@ -34,7 +31,6 @@ impl Cache {
         match self {
             Cache::Neox(c) => c.len,
             Cache::Llama(c) => c.len,
-            Cache::Hybrid(c) => c.len,
         }
     }
 
@@ -48,7 +44,6 @@ impl Model {
         match self {
             Model::Neox(m) => Cache::Neox(m.new_cache(batch, kind, device)),
             Model::Llama(m) => Cache::Llama(m.new_cache(batch, kind, device)),
-            Model::Hybrid(m) => Cache::Hybrid(m.new_cache(batch, kind, device)),
         }
     }
 
@@ -57,7 +52,6 @@ impl Model {
         tch::no_grad(|| match (self, cache) {
             (Model::Neox(m), Cache::Neox(c)) => m.extend(c, ids),
             (Model::Llama(m), Cache::Llama(c)) => m.extend(c, ids),
-            (Model::Hybrid(m), Cache::Hybrid(c)) => m.extend(c, ids),
             _ => panic!("cache of another model family"),
         })
     }
@@ -77,7 +71,7 @@ pub struct Loaded {
 }
 
 /// Load what `generate` and `eval --task` read: a training run directory (at checkpoint `step`, default
-/// the newest), a finished `linearize` run directory, or its `export/` folder (STILL / LoLCATs hybrids,
+/// the newest), a finished `linearize` run directory, or its `export/` folder (STILL / LoLCATs students,
 /// LoRA merged). `device` overrides the run's (`auto` for exports).
 pub fn load(path: &Path, step: Option<u64>, device: Option<&str>) -> Result<Loaded> {
     load_with(path, step, device, &[])
@@ -105,7 +99,7 @@ pub fn load_with(path: &Path, step: Option<u64>, device: Option<&str>, overrides
     let (vs, hybrid, tok) = linearize::load_exported_with(path, device, overrides)?;
     let run = if path.join(EXPORT_VARIANT).is_file() { path.parent().unwrap_or(path) } else { path };
     let step = crate::train::checkpoint::list(run).last().map_or(0, |c| c.0);
-    Ok(Loaded { eos: linearize::eos_id(&tok), model: Model::Hybrid(hybrid), tok, device, step, vs })
+    Ok(Loaded { eos: linearize::eos_id(&tok), model: Model::Llama(hybrid), tok, device, step, vs })
 }
 
 /// Greedy when `temperature` is 0, else sampling from softmax(logits / temperature) with `seed`.

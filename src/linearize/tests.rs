@@ -158,14 +158,14 @@ fn stage2_freezes_all_but_lora() {
     let (tvs, cfg, _tok) = load_teacher(teacher.to_str().unwrap(), Some(&TokenizerSpec::Path("builtin".into())), Device::Cpu).unwrap();
     let vs = VarStore::new(Device::Cpu);
     let variant: Variant = serde_yaml::from_str("{kind: lolcats, window: 4, feature_dim: 4}").unwrap();
-    let h = Hybrid::from_teacher(&vs, &tvs, cfg, &variant, &LoraConfig::default()).unwrap();
+    let h = Llama::linearized(&vs, &tvs, cfg, &variant, &LoraConfig::default()).unwrap();
     let mut opt = optimizer_for(&vs, 2, 0.0);
     assert!(!opt.slots.is_empty() && opt.slots.iter().all(|s| is_lora(&s.name)));
     let before: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
     let x = Tensor::randint(100, [2, 16], (Kind::Int64, Device::Cpu));
     for _ in 0..2 {
         opt.zero_grad();
-        h.loss(&x.narrow(1, 0, 15), &x.narrow(1, 1, 15), true).backward();
+        h.masked_loss(&x.narrow(1, 0, 15), &x.narrow(1, 1, 15), Pass::Train).backward();
         opt.step(1e-2).unwrap();
     }
     let now = vs.variables();

@@ -8,16 +8,20 @@
 //! `post_attention_layernorm` / `post_feedforward_layernorm` applied to each sublayer's OUTPUT before
 //! the residual add.
 //!
-//! DAR (dar.md §1, §4.2) sits on the tensor that feeds k_proj/v_proj: `input_layernorm(x)` for Llama,
-//! the residual stream x for OLMo 2. `self_attn.bottleneck_down` / `bottleneck_up` map it to
-//! `h' = h·W_down·W_up`, projected by the SAME k_proj/v_proj (so with GQA the global path also has
-//! kv_heads heads), then k_norm (OLMo 2) and RoPE at the key's own position as the local keys.
-//! Packed rows: `hidden_docs` takes per-token document ids (block-diagonal mask, positions restarting
-//! at every document).
-use crate::attention;
+//! Each layer's attention is a `crate::attention::Layer` (vanilla, DAR, uniform, window, STILL,
+//! LoLCATs): the model computes the rotated heads and hands them over with the tensor that feeds
+//! k_proj / v_proj (`input_layernorm(x)` for Llama, the residual stream x for OLMo 2) and its own k / v
+//! map (`KvMap`: the same k_proj / v_proj, k_norm, RoPE), which DAR's distant keys go through. The
+//! attention projections are LoRA-capable (`train::lora::Linear`), so `attnlab linearize` adapts them
+//! in place (`crate::linearize::student`). Packed rows: `hidden_docs` takes per-token document ids
+//! (block-diagonal mask, positions restarting at every document).
 use crate::attention::cache::{CacheShape, DecodeCache};
-use crate::attention::dar::Distant;
-use crate::spec::{AttentionImpl, AttentionInit, AttentionKind, DarAct};
+use crate::attention::dar::Bottleneck;
+use crate::attention::still::LayerDims;
+use crate::attention::{self, Attention, Heads, KvMap, Layer, Positions};
+pub use crate::attention::DarConfig;
+use crate::spec::AttentionKind;
+use crate::train::lora::Linear;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::nn::{self, Init, Module};
@@ -46,45 +50,6 @@ pub enum Family {
     Olmo2,
 }
 
-/// The attention of a Llama-family model: vanilla, or DAR / uniform with its bottleneck (dar.md §1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DarConfig {
-    pub kind: AttentionKind,
-    /// Bottleneck width (DAR / uniform only).
-    pub d_down: usize,
-    /// Keys at distance < window are full width (uniform: 0).
-    pub window: usize,
-    pub dar_act: DarAct,
-    /// Not part of the model's function: which implementation computes it.
-    #[serde(rename = "impl")]
-    pub implementation: AttentionImpl,
-    /// How `Llama::new` starts the bottleneck, and the seed of its own stream
-    /// (model::bottleneck::pretraining_start). Not part of a checkpoint's config.
-    #[serde(default, skip_serializing)]
-    pub init: AttentionInit,
-    #[serde(default, skip_serializing)]
-    pub init_seed: u64,
-}
-
-impl Default for DarConfig {
-    fn default() -> Self {
-        DarConfig { kind: AttentionKind::Vanilla, d_down: 0, window: 0, dar_act: DarAct::Linear, implementation: AttentionImpl::Auto, init: AttentionInit::SmallInit, init_seed: 0 }
-    }
-}
-
-impl DarConfig {
-    /// The `attention:` section of a resolved spec.
-    pub fn from_spec(spec: &crate::spec::Spec) -> Self {
-        let a = &spec.attention;
-        let (init, init_seed) = (a.init.unwrap_or_default(), spec.train.seed.unwrap_or(1234));
-        DarConfig { kind: a.kind, d_down: spec.d_down(), window: spec.window(), dar_act: a.dar_act, implementation: a.implementation, init, init_seed }
-    }
-
-    pub fn has_bottleneck(&self) -> bool {
-        self.kind.has_bottleneck()
-    }
-}
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
     pub vocab_size: usize,
@@ -100,12 +65,12 @@ pub struct LlamaConfig {
     pub max_position_embeddings: usize,
     #[serde(default)]
     pub family: Family,
-    /// Vanilla unless DAR was added (spec `attention:` or `add_dar`).
+    /// Vanilla unless DAR was added (spec `attention:` or `add_dar`) or the model was linearized.
     #[serde(default)]
-    pub attention: DarConfig,
+    pub attention: Attention,
 }
 
-/// config.json key holding the DAR settings of an attnlab model (Hugging Face ignores unknown keys).
+/// config.json key holding the attention of an attnlab model (Hugging Face ignores unknown keys).
 const DAR_KEY: &str = "attnlab_attention";
 
 impl LlamaConfig {
@@ -124,7 +89,7 @@ impl LlamaConfig {
             Some(other) => return Err(Error::Data(format!("config.json: model_type `{other}` is not supported (llama, olmo2)"))),
         };
         let attention = match get(DAR_KEY) {
-            None => DarConfig::default(),
+            None => Attention::default(),
             Some(a) => serde_json::from_value(a.clone()).map_err(|e| Error::Data(format!("config.json: {DAR_KEY}: {e}")))?,
         };
         let num = |k: &str| get(k).and_then(|x| x.as_f64()).ok_or_else(|| Error::Data(format!("config.json: missing number `{k}`")));
@@ -187,8 +152,8 @@ impl LlamaConfig {
             "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
             "attention_bias": false, "mlp_bias": false, "bos_token_id": serde_json::Value::Null, "torch_dtype": "float32"
         });
-        if self.attention.kind != AttentionKind::Vanilla {
-            v[DAR_KEY] = serde_json::to_value(self.attention).expect("serializes");
+        if !matches!(self.attention, Attention::Softmax(c) if c.kind == AttentionKind::Vanilla) {
+            v[DAR_KEY] = serde_json::to_value(&self.attention).expect("serializes");
         }
         v
     }
@@ -216,7 +181,7 @@ impl LlamaConfig {
 }
 
 /// One decoder layer. The norms present depend on the family (see `Llama`).
-struct Block {
+pub(crate) struct Block {
     /// Llama only: RMSNorm before attention.
     input_layernorm: Option<Tensor>,
     /// Llama: RMSNorm before the MLP. OLMo 2: RMSNorm of the attention output.
@@ -225,25 +190,39 @@ struct Block {
     post_feedforward_layernorm: Option<Tensor>,
     /// OLMo 2 only: RMSNorm over the whole q / k projection outputs `[H·hd]`, `[H_kv·hd]`.
     qk_norm: Option<(Tensor, Tensor)>,
-    q_proj: nn::Linear,
-    k_proj: nn::Linear,
-    v_proj: nn::Linear,
-    o_proj: nn::Linear,
+    pub(crate) q_proj: Linear,
+    pub(crate) k_proj: Linear,
+    pub(crate) v_proj: Linear,
+    pub(crate) o_proj: Linear,
     gate_proj: nn::Linear,
     up_proj: nn::Linear,
     down_proj: nn::Linear,
-    /// DAR: `self_attn.bottleneck_down.weight` `[d_down, d]`, `self_attn.bottleneck_up.weight` `[d, d_down]`.
-    bottleneck: Option<(Tensor, Tensor)>,
+    /// The layer's attention variant (with the parameters it adds: DAR's bottleneck, STILL's maps, …).
+    pub(crate) attn: Layer,
+    /// A linearized model's attention before linearization (the teacher's): the target of attention
+    /// transfer and the teacher's forward (`Pass::Teacher`). None otherwise.
+    pub(crate) teacher: Option<Layer>,
 }
 
-/// A Llama-family decode cache: one `attention::cache::LayerCache` per layer, keys and values per
-/// KV head (vanilla: every token; DAR: dar.md §3's latent cache, `attention::dar::DarCache`).
+/// Which function a forward pass computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// The model (LoRA adapters applied, no dropout).
+    Eval,
+    /// The model in training (LoRA dropout).
+    Train,
+    /// A linearized model's teacher: each layer's original attention, base projections without LoRA.
+    Teacher,
+}
+
+/// A Llama-family decode cache: one `attention::cache::LayerCache` per layer (`Layer::new_cache`),
+/// keys and values per KV head.
 pub type LlamaCache = DecodeCache;
 
 pub struct Llama {
     pub cfg: LlamaConfig,
     embed_tokens: Tensor,
-    layers: Vec<Block>,
+    pub(crate) layers: Vec<Block>,
     norm: Tensor,
     /// None when tied to embed_tokens.
     lm_head: Option<Tensor>,
@@ -251,6 +230,11 @@ pub struct Llama {
 
 fn linear(p: nn::Path, i: usize, o: usize) -> nn::Linear {
     nn::linear(p, i as i64, o as i64, nn::LinearConfig { ws_init: Init::Randn { mean: 0.0, stdev: 0.02 }, bs_init: None, bias: false })
+}
+
+/// An attention projection (LoRA-capable), HF's init N(0, 0.02).
+fn projection(p: nn::Path, i: usize, o: usize) -> Linear {
+    Linear::new(&p, i as i64, o as i64, Init::Randn { mean: 0.0, stdev: 0.02 })
 }
 
 /// RMSNorm with statistics in fp32. HF LlamaRMSNorm casts back to the input dtype before the weight;
@@ -270,20 +254,16 @@ fn rotate_half(x: &Tensor) -> Tensor {
     Tensor::cat(&[x.narrow(-1, h, h).neg(), x.narrow(-1, 0, h)], -1)
 }
 
-/// The bottleneck of one layer, `(down [d_down, d], up [d, d_down])`, as `small_init` (dar.md §2):
-/// N(0, 2/(5d)) for both, the GPT-NeoX recipe, drawn from the global generator (`add_dar`); with
-/// `zeros`, no draw at all (`Llama::new` fills it from its own stream afterwards).
-fn new_bottleneck(attn: &nn::Path, d: usize, d_down: usize, zeros: bool) -> (Tensor, Tensor) {
-    let init = if zeros { Init::Const(0.0) } else { Init::Randn { mean: 0.0, stdev: (2.0 / (5.0 * d as f64)).sqrt() } };
-    let down = (attn / "bottleneck_down").var("weight", &[d_down as i64, d as i64], init);
-    let up = (attn / "bottleneck_up").var("weight", &[d as i64, d_down as i64], init);
-    (down, up)
-}
-
 impl Llama {
     /// Build under `root` with HF's init (N(0, 0.02) matrices, unit norms; DAR bottlenecks as
-    /// `cfg.attention.init`, from their own stream after every other weight).
+    /// `cfg.attention`'s init, from their own stream after every other weight). Panics on a
+    /// linearized operator's invalid options: use [`Llama::build`] where they come from a user.
     pub fn new(root: &nn::Path, cfg: LlamaConfig) -> Llama {
+        Self::build(root, cfg).unwrap_or_else(|e| panic!("Llama::new: {e}"))
+    }
+
+    /// [`Llama::new`], with an error for attention options that do not build.
+    pub fn build(root: &nn::Path, cfg: LlamaConfig) -> Result<Llama> {
         let (d, hd) = (cfg.hidden_size, cfg.head_dim());
         let (h, kvh) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let olmo = cfg.family == Family::Olmo2;
@@ -291,51 +271,54 @@ impl Llama {
         let init = Init::Randn { mean: 0.0, stdev: 0.02 };
         let embed_tokens = (&m / "embed_tokens").var("weight", &[cfg.vocab_size as i64, d as i64], init);
         let ones = |p: nn::Path, n: usize| p.var("weight", &[n as i64], Init::Const(1.0));
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|i| {
-                let l = &m / "layers" / i;
-                let (a, f) = (&l / "self_attn", &l / "mlp");
-                Block {
-                    input_layernorm: (!olmo).then(|| ones(&l / "input_layernorm", d)),
-                    post_attention_layernorm: ones(&l / "post_attention_layernorm", d),
-                    post_feedforward_layernorm: olmo.then(|| ones(&l / "post_feedforward_layernorm", d)),
-                    qk_norm: olmo.then(|| (ones(&a / "q_norm", h * hd), ones(&a / "k_norm", kvh * hd))),
-                    q_proj: linear(&a / "q_proj", d, h * hd),
-                    k_proj: linear(&a / "k_proj", d, kvh * hd),
-                    v_proj: linear(&a / "v_proj", d, kvh * hd),
-                    o_proj: linear(&a / "o_proj", h * hd, d),
-                    gate_proj: linear(&f / "gate_proj", d, cfg.intermediate_size),
-                    up_proj: linear(&f / "up_proj", d, cfg.intermediate_size),
-                    down_proj: linear(&f / "down_proj", cfg.intermediate_size, d),
-                    bottleneck: cfg.attention.has_bottleneck().then(|| new_bottleneck(&a, d, cfg.attention.d_down, true)),
-                }
-            })
-            .collect::<Vec<Block>>();
+        let mut layers = Vec::new();
+        for i in 0..cfg.num_hidden_layers {
+            let l = &m / "layers" / i;
+            let (a, f) = (&l / "self_attn", &l / "mlp");
+            let dims = LayerDims { heads: h as i64, head_dim: hd as i64, d_model: d as i64, layer: i as i64 };
+            layers.push(Block {
+                input_layernorm: (!olmo).then(|| ones(&l / "input_layernorm", d)),
+                post_attention_layernorm: ones(&l / "post_attention_layernorm", d),
+                post_feedforward_layernorm: olmo.then(|| ones(&l / "post_feedforward_layernorm", d)),
+                qk_norm: olmo.then(|| (ones(&a / "q_norm", h * hd), ones(&a / "k_norm", kvh * hd))),
+                q_proj: projection(&a / "q_proj", d, h * hd),
+                k_proj: projection(&a / "k_proj", d, kvh * hd),
+                v_proj: projection(&a / "v_proj", d, kvh * hd),
+                o_proj: projection(&a / "o_proj", h * hd, d),
+                gate_proj: linear(&f / "gate_proj", d, cfg.intermediate_size),
+                up_proj: linear(&f / "up_proj", d, cfg.intermediate_size),
+                down_proj: linear(&f / "down_proj", cfg.intermediate_size, d),
+                attn: Layer::new(&a, &cfg.attention, dims)?,
+                teacher: None,
+            });
+        }
         let norm = ones(&m / "norm", d);
         let lm_head = (!cfg.tie_word_embeddings).then(|| (root / "lm_head").var("weight", &[cfg.vocab_size as i64, d as i64], init));
         // The bottlenecks last, from their own stream: every other weight equals a vanilla model's.
+        let dar = cfg.attention.softmax();
         tch::no_grad(|| {
             for (i, b) in layers.iter().enumerate() {
-                if let Some((down, up)) = &b.bottleneck {
-                    let (d0, u0) = super::bottleneck::pretraining_start(cfg.attention.init, cfg.attention.init_seed, i, d, cfg.attention.d_down);
-                    down.shallow_clone().copy_(&d0);
-                    up.shallow_clone().copy_(&u0);
+                if let Some(bn) = b.attn.bottleneck() {
+                    let (d0, u0) = attention::dar::init::pretraining_start(dar.init, dar.init_seed, i, d, dar.d_down);
+                    bn.down.shallow_clone().copy_(&d0);
+                    bn.up.shallow_clone().copy_(&u0);
                 }
             }
         });
-        Llama { cfg, embed_tokens, layers, norm, lm_head }
+        Ok(Llama { cfg, embed_tokens, layers, norm, lm_head })
     }
 
     /// Turn a vanilla model (e.g. a pretrained checkpoint just loaded under `root`) into a DAR / uniform
-    /// one: adds `self_attn.bottleneck_{down,up}.weight` to every layer, small_init (calibrate them
-    /// afterwards with `model::bottleneck::calibrate_pca` for the PCA start).
+    /// one: adds `self_attn.bottleneck_{down,up}.weight` to every layer, small_init N(0, 2/(5d)) from
+    /// the global generator (calibrate them afterwards with `attention::dar::init::calibrate_pca` for
+    /// the PCA start).
     pub fn add_dar(&mut self, root: &nn::Path, attention: DarConfig) -> Result<()> {
         let d = self.cfg.hidden_size;
         if !attention.has_bottleneck() {
             return Err(Error::Other(format!("add_dar: attention kind {:?} has no bottleneck", attention.kind)));
         }
-        if self.cfg.attention.has_bottleneck() {
-            return Err(Error::Other("add_dar: the model already has DAR bottlenecks".into()));
+        if !matches!(self.cfg.attention, Attention::Softmax(c) if c.kind == AttentionKind::Vanilla) {
+            return Err(Error::Other(format!("add_dar: the model's attention is already {}", self.cfg.attention.label())));
         }
         if attention.d_down == 0 || attention.d_down > d {
             return Err(Error::Other(format!("add_dar: d_down {} is not in 1..={d}", attention.d_down)));
@@ -344,10 +327,35 @@ impl Llama {
             return Err(Error::Other(format!("add_dar: uniform is DAR with window 0, got window {}", attention.window)));
         }
         let m = root / "model";
+        let small = Init::Randn { mean: 0.0, stdev: (2.0 / (5.0 * d as f64)).sqrt() };
         for (i, b) in self.layers.iter_mut().enumerate() {
-            b.bottleneck = Some(new_bottleneck(&(&m / "layers" / i / "self_attn"), d, attention.d_down, false));
+            let bottleneck = Bottleneck::new(&(&m / "layers" / i / "self_attn"), d as i64, attention.d_down as i64, attention.dar_act, small);
+            b.attn = Layer::Dar { bottleneck, window: attention.window as i64, imp: attention.implementation };
         }
-        self.cfg.attention = attention;
+        self.cfg.attention = Attention::Softmax(attention);
+        Ok(())
+    }
+
+    /// Change the softmax attention's options in place, keeping the weights: the implementation, the
+    /// window, vanilla ↔ window, DAR ↔ uniform (the bottleneck kept). A change that would need a
+    /// bottleneck the model lacks, or drop one it has, is an error (use `add_dar`).
+    pub fn set_attention(&mut self, attention: DarConfig) -> Result<()> {
+        let has = self.layers.iter().all(|b| b.attn.bottleneck().is_some());
+        if attention.has_bottleneck() != has || !matches!(self.cfg.attention, Attention::Softmax(_)) {
+            return Err(Error::Other(format!("set_attention: cannot switch {} to {:?} in place", self.cfg.attention.label(), attention.kind)));
+        }
+        let (window, imp) = (attention.window as i64, attention.implementation);
+        for b in &mut self.layers {
+            b.attn = match std::mem::replace(&mut b.attn, Layer::Vanilla { imp }) {
+                Layer::Dar { mut bottleneck, .. } => {
+                    bottleneck.act = attention.dar_act;
+                    Layer::Dar { bottleneck, window, imp }
+                }
+                _ if attention.kind == AttentionKind::Window => Layer::Window { window, imp },
+                _ => Layer::Vanilla { imp },
+            };
+        }
+        self.cfg.attention = Attention::Softmax(attention);
         Ok(())
     }
 
@@ -378,10 +386,15 @@ impl Llama {
     /// (block-diagonal causal mask, combined with the DAR mask) and RoPE positions restart at 0 at every
     /// document, so each document is computed as if it were alone. None: one document per row.
     pub fn hidden_docs(&self, ids: &Tensor, doc_ids: Option<&Tensor>) -> Tensor {
+        self.hidden_pass(ids, doc_ids, Pass::Eval)
+    }
+
+    /// Final hidden states `[B, T, d]` of the function `pass` names.
+    pub fn hidden_pass(&self, ids: &Tensor, doc_ids: Option<&Tensor>, pass: Pass) -> Tensor {
         let (seg, cos, sin) = self.doc_tables(ids, doc_ids);
         let mut x = self.embed(ids);
         for i in 0..self.layers.len() {
-            x = self.layer_forward_docs(i, &x, &cos, &sin, seg.as_ref());
+            x = self.layer_pass(i, &x, &cos, &sin, seg.as_ref(), pass);
         }
         self.final_norm(&x)
     }
@@ -418,100 +431,69 @@ impl Llama {
         apply_rope(&self.heads(&k, self.cfg.num_key_value_heads), cos, sin)
     }
 
+    /// x Wᵀ of an attention projection in `pass` (the teacher's pass reads the base weight alone).
+    fn project(l: &Linear, x: &Tensor, pass: Pass) -> Tensor {
+        match pass {
+            Pass::Teacher => x.linear::<Tensor>(&l.weight, None),
+            Pass::Eval | Pass::Train => l.forward(x, pass == Pass::Train),
+        }
+    }
+
     /// Rotated q `[B, H, n, hd]`, rotated k and v `[B, H_kv, n, hd]` for `a` at positions given by (cos, sin).
-    fn qkv(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
-        let q = b.q_proj.forward(a);
+    fn qkv(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor, pass: Pass) -> (Tensor, Tensor, Tensor) {
+        let q = Self::project(&b.q_proj, a, pass);
         let q = match &b.qk_norm {
             Some((qn, _)) => rms_norm(&q, qn, self.cfg.rms_norm_eps, Family::Olmo2),
             None => q,
         };
         let q = apply_rope(&self.heads(&q, self.cfg.num_attention_heads), cos, sin);
-        let k = self.keys(b, b.k_proj.forward(a), cos, sin);
-        (q, k, self.heads(&b.v_proj.forward(a), self.cfg.num_key_value_heads))
+        let k = self.keys(b, Self::project(&b.k_proj, a, pass), cos, sin);
+        (q, k, self.heads(&Self::project(&b.v_proj, a, pass), self.cfg.num_key_value_heads))
     }
 
-    /// Bottleneck keys (rotated) and values `[B, H_kv, n, hd]` of DAR's global path: k_proj / v_proj of
-    /// `h' = a·W_down·W_up`, computed in the absorbed form `(a·W_down)·(W_k·W_up)ᵀ` (dar.md §2: same
-    /// function, 2·kv·d_down instead of 2·kv·d per token after the latent), then k_norm and RoPE as local keys.
-    fn bottleneck_kv(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<(Tensor, Tensor)> {
-        let (down, up) = b.bottleneck.as_ref()?;
-        Some(self.kv_from_latent(b, up, &self.latent(down, a), cos, sin))
+    /// The variant `pass` runs in layer `b`.
+    fn layer_variant<'a>(b: &'a Block, pass: Pass) -> &'a Layer {
+        match pass {
+            Pass::Teacher => b.teacher.as_ref().unwrap_or(&b.attn),
+            _ => &b.attn,
+        }
     }
 
-    /// h^D = a·W_down (σ of it for `dar_act: sigmoid`): what DAR's decode cache keeps per token.
-    fn latent(&self, down: &Tensor, a: &Tensor) -> Tensor {
-        let latent = a.linear::<Tensor>(down, None);
-        if self.cfg.attention.dar_act == DarAct::Sigmoid { latent.sigmoid() } else { latent }
+    /// Attention heads `[B, H, n, hd]` of layer `i` (before o_proj) for its K/V input `a` at the
+    /// positions of (cos, sin); `seg` = document segments of packed rows.
+    fn attention_heads(&self, i: usize, a: &Tensor, cos: &Tensor, sin: &Tensor, seg: Option<&Tensor>, pass: Pass) -> Tensor {
+        let b = &self.layers[i];
+        let (q, k, v) = self.qkv(b, a, cos, sin, pass);
+        let kv = LayerKv { model: self, block: b, cos, sin };
+        Self::layer_variant(b, pass).forward(&Heads { q, k, v, input: a, seg, kv: &kv, train: pass == Pass::Train })
     }
 
-    /// Distant keys (k_norm'd after the absorbed up-projection, then rotated by (cos, sin)) and values
-    /// `[B, H_kv, n, hd]` from latents `[B, n, d_down]`.
-    fn kv_from_latent(&self, b: &Block, up: &Tensor, latent: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor) {
-        let k = latent.linear::<Tensor>(&b.k_proj.ws.matmul(up), None);
-        let v = latent.linear::<Tensor>(&b.v_proj.ws.matmul(up), None);
-        (self.keys(b, k, cos, sin), self.heads(&v, self.cfg.num_key_value_heads))
-    }
-
-    /// Grouped-query attention: each KV head serves h / kvh consecutive query heads (HF repeat_kv).
-    fn repeat_kv(&self, x: &Tensor) -> Tensor {
-        let rep = (self.cfg.num_attention_heads / self.cfg.num_key_value_heads) as i64;
-        if rep == 1 { x.shallow_clone() } else { x.repeat_interleave_self_int(rep, 1, None) }
-    }
-
-    /// Attention sublayer output (after o_proj) for the K/V input `a`; `seg` = document segments of packed rows.
-    fn attention(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor, seg: Option<&Tensor>) -> Tensor {
-        let (bs, t) = (a.size()[0], a.size()[1]);
-        let (q, k, v) = self.qkv(b, a, cos, sin);
-        let (k, v) = (self.repeat_kv(&k), self.repeat_kv(&v));
-        let global = self.bottleneck_kv(b, a, cos, sin).map(|(kg, vg)| (self.repeat_kv(&kg), self.repeat_kv(&vg)));
-        let imp = self.cfg.attention.implementation;
-        let w = self.cfg.attention.window as i64;
-        let o = match (&global, seg) {
-            (None, _) if self.cfg.attention.kind == AttentionKind::Window => attention::window::forward(&q, &k, &v, w, seg, imp),
-            (None, None) => attention::causal(&q, &k, &v, imp),
-            (Some((kg, vg)), None) => attention::dar(&q, &k, &v, kg, vg, w, imp),
-            (None, Some(seg)) => {
-                let (local, _) = attention::doc_dar_masks(seg, t);
-                attention::masked(&q, &[(&k, &v, &local)], imp)
-            }
-            (Some((kg, vg)), Some(seg)) => {
-                let (local, far) = attention::doc_dar_masks(seg, w);
-                attention::masked(&q, &[(&k, &v, &local), (kg, vg, &far)], imp)
-            }
-        };
-        b.o_proj.forward(&o.transpose(1, 2).reshape([bs, t, self.cfg.hidden_size as i64]))
+    /// o_proj of attention heads `[B, H, n, hd]`.
+    fn attention_out(&self, i: usize, o: &Tensor, pass: Pass) -> Tensor {
+        let (bs, n) = (o.size()[0], o.size()[2]);
+        Self::project(&self.layers[i].o_proj, &o.transpose(1, 2).reshape([bs, n, self.cfg.hidden_size as i64]), pass)
     }
 
     /// An empty decode cache (keys/values per KV head, so grouped-query attention keeps its saving).
     pub fn new_cache(&self, batch: i64, kind: Kind, device: Device) -> LlamaCache {
         let c = &self.cfg;
         let shape = CacheShape { batch, kv_heads: c.num_key_value_heads as i64, head_dim: c.head_dim() as i64, kind, device };
-        DecodeCache::new(c.num_hidden_layers, c.attention.kind, c.attention.window as i64, c.attention.d_down as i64, &shape)
+        DecodeCache::new(self.layers.iter().map(|b| b.attn.new_cache(&shape)).collect())
     }
 
     /// Run `ids` (`[B, n]`, after the cached tokens): logits `[B, n, V]`, cache extended.
     pub fn extend(&self, cache: &mut LlamaCache, ids: &Tensor) -> Tensor {
-        let (bs, n) = (ids.size()[0], ids.size()[1]);
+        let _guard = tch::no_grad_guard();
+        let n = ids.size()[1];
         let p0 = cache.len;
-        let device = ids.device();
-        let (cos, sin) = self.rope(p0, n, device);
+        let (cos, sin) = self.rope(p0, n, ids.device());
         let mut x = self.embed(ids);
         for (i, b) in self.layers.iter().enumerate() {
             let a = self.kv_input(i, &x);
-            let (q, k, v) = self.qkv(b, &a, &cos, &sin);
-            let lc = &mut cache.layers[i];
-            let o = match &b.bottleneck {
-                None => lc.attend(&q, &k, &v, p0, None),
-                Some((down, up)) => {
-                    // Distant keys at positions 0..g, through the same k_norm and RoPE as the full forward.
-                    let kv = |latent: &Tensor| {
-                        let (gcos, gsin) = self.rope(0, latent.size()[1], device);
-                        self.kv_from_latent(b, up, latent, &gcos, &gsin)
-                    };
-                    lc.attend(&q, &k, &v, p0, Some(Distant { latent: self.latent(down, &a), kv: &kv }))
-                }
-            };
-            let h = self.attn_residual(i, &x, &b.o_proj.forward(&o.transpose(1, 2).reshape([bs, n, self.cfg.hidden_size as i64])));
+            let (q, k, v) = self.qkv(b, &a, &cos, &sin, Pass::Eval);
+            let kv = LayerKv { model: self, block: b, cos: &cos, sin: &sin };
+            let o = b.attn.decode(&mut cache.layers[i], &Heads { q, k, v, input: &a, seg: None, kv: &kv, train: false }, p0);
+            let h = self.attn_residual(i, &x, &self.attention_out(i, &o, Pass::Eval));
             x = self.mlp_residual(i, &h);
         }
         cache.len += n;
@@ -523,8 +505,34 @@ impl Llama {
     }
 }
 
-/// Per-layer pieces, chained by `hidden` and `extend` and reused for layer surgery (`model::hybrid`)
-/// and bottleneck calibration (`model::bottleneck`).
+/// A Llama layer's k / v map for DAR's distant keys: the same k_proj / v_proj (base weights, W_up
+/// absorbed), k_norm and RoPE as the layer's own keys.
+struct LayerKv<'a> {
+    model: &'a Llama,
+    block: &'a Block,
+    /// The forward's RoPE tables.
+    cos: &'a Tensor,
+    sin: &'a Tensor,
+}
+
+impl KvMap for LayerKv<'_> {
+    fn kv(&self, w: &Tensor, x: &Tensor, pos: Positions) -> (Tensor, Tensor) {
+        let (b, m) = (self.block, self.model);
+        let k = x.linear::<Tensor>(&b.k_proj.weight.matmul(w), None);
+        let v = x.linear::<Tensor>(&b.v_proj.weight.matmul(w), None);
+        let k = match pos {
+            Positions::Forward => m.keys(b, k, self.cos, self.sin),
+            Positions::From(start) => {
+                let (c, s) = m.rope(start, x.size()[1], x.device());
+                m.keys(b, k, &c, &s)
+            }
+        };
+        (k, m.heads(&v, m.cfg.num_key_value_heads))
+    }
+}
+
+/// Per-layer pieces, chained by `hidden` and `extend` and reused for linearization
+/// (`crate::linearize::student`) and bottleneck calibration (`attention::dar::init`).
 impl Llama {
     pub(crate) fn embed(&self, ids: &Tensor) -> Tensor {
         Tensor::embedding(&self.embed_tokens, ids, -1, false, false)
@@ -551,14 +559,21 @@ impl Llama {
     }
 
     /// Layer `i`'s DAR bottleneck `(down [d_down, d], up [d, d_down])`, if any.
-    pub(crate) fn bottleneck(&self, i: usize) -> Option<&(Tensor, Tensor)> {
-        self.layers[i].bottleneck.as_ref()
+    pub(crate) fn bottleneck(&self, i: usize) -> Option<(&Tensor, &Tensor)> {
+        self.layers[i].attn.bottleneck().map(|b| (&b.down, &b.up))
     }
 
-    /// Rotated q and rotated, GQA-expanded k and v `[B, H, T, hd]` of layer `i` for its attention input `a`.
-    pub(crate) fn layer_qkv(&self, i: usize, a: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
-        let (q, k, v) = self.qkv(&self.layers[i], a, cos, sin);
-        (q, self.repeat_kv(&k), self.repeat_kv(&v))
+    /// Rotated q, rotated k and v `[B, H_kv, T, hd]` of layer `i` for its attention input `a`.
+    pub(crate) fn layer_qkv(&self, i: usize, a: &Tensor, cos: &Tensor, sin: &Tensor, pass: Pass) -> (Tensor, Tensor, Tensor) {
+        self.qkv(&self.layers[i], a, cos, sin, pass)
+    }
+
+    /// Layer `i`'s attention heads `[B, H, T, hd]` by `variant` (this layer's, or its teacher's) for
+    /// the heads the model computed from `a` (linearize's attention transfer compares the two).
+    pub(crate) fn layer_attention(&self, i: usize, variant: &Layer, a: &Tensor, qkv: (Tensor, Tensor, Tensor), cos: &Tensor, sin: &Tensor, train: bool) -> Tensor {
+        let (q, k, v) = qkv;
+        let kv = LayerKv { model: self, block: &self.layers[i], cos, sin };
+        variant.forward(&Heads { q, k, v, input: a, seg: None, kv: &kv, train })
     }
 
     /// x + attention output (OLMo 2: RMSNorm'd by post_attention_layernorm first).
@@ -581,15 +596,15 @@ impl Llama {
         }
     }
 
-    /// One whole layer, as in `hidden`.
-    pub(crate) fn layer_forward(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
-        self.layer_forward_docs(i, x, cos, sin, None)
-    }
-
     /// One whole layer; `seg` = document segments of packed rows (`attention::doc_segments`).
     pub(crate) fn layer_forward_docs(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor, seg: Option<&Tensor>) -> Tensor {
-        let out = self.attention(&self.layers[i], &self.kv_input(i, x), cos, sin, seg);
-        self.mlp_residual(i, &self.attn_residual(i, x, &out))
+        self.layer_pass(i, x, cos, sin, seg, Pass::Eval)
+    }
+
+    /// One whole layer of the function `pass` names.
+    pub(crate) fn layer_pass(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor, seg: Option<&Tensor>, pass: Pass) -> Tensor {
+        let o = self.attention_heads(i, &self.kv_input(i, x), cos, sin, seg, pass);
+        self.mlp_residual(i, &self.attn_residual(i, x, &self.attention_out(i, &o, pass)))
     }
 
     pub(crate) fn final_norm(&self, x: &Tensor) -> Tensor {

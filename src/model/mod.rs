@@ -1,16 +1,16 @@
 //! Model architectures, one file each, parameter names as Hugging Face checkpoints: `neox` (GPT-NeoX
-//! / Pythia with the vanilla, DAR and uniform attention of `crate::attention`), `llama` (Llama and
-//! OLMo 2, vanilla or DAR), and `hybrid` (a Llama whose attention is STILL or LoLCATs, made by
+//! / Pythia) and `llama` (Llama and OLMo 2). They know architecture only: each layer's attention is a
+//! `crate::attention::Layer` (vanilla, DAR, uniform, window; STILL and LoLCATs in a Llama made by
 //! `attnlab linearize`). `Model` is what the trainer, evaluation and benches hold.
-pub mod bottleneck;
 pub mod hf;
-pub mod hybrid;
 pub mod llama;
 pub mod loss;
 pub mod neox;
 pub mod rope;
 
-pub use hybrid::Hybrid;
+/// DAR's bottleneck initialisation (it lives with the variant, `attention::dar::init`).
+pub use crate::attention::dar::init as bottleneck;
+pub use crate::attention::is_bottleneck_param;
 pub use llama::{DarConfig, Family, Llama, LlamaConfig};
 pub use neox::{GptNeox, NeoxConfig};
 
@@ -19,7 +19,6 @@ use tch::Tensor;
 pub enum Model {
     Neox(GptNeox),
     Llama(Llama),
-    Hybrid(Hybrid),
 }
 
 impl Model {
@@ -28,13 +27,12 @@ impl Model {
         match self {
             Model::Neox(m) => m.hidden(ids),
             Model::Llama(m) => m.hidden(ids),
-            Model::Hybrid(m) => m.hidden(ids, false),
         }
     }
 
     /// Final hidden states `[B, T, d]` of packed rows with per-token document ids `[B, T]` (i64): no
     /// attention across documents, positions restarting at each (`Llama::hidden_docs`). GPT-NeoX
-    /// and the hybrids support only `None`.
+    /// supports only `None`.
     pub fn hidden_docs(&self, ids: &Tensor, doc_ids: Option<&Tensor>) -> Tensor {
         match self {
             Model::Llama(m) => m.hidden_docs(ids, doc_ids),
@@ -50,7 +48,6 @@ impl Model {
         match self {
             Model::Neox(m) => m.head_weight(),
             Model::Llama(m) => m.head_weight(),
-            Model::Hybrid(m) => m.llama.head_weight(),
         }
     }
 
@@ -76,8 +73,8 @@ impl Model {
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
         match self {
             Model::Neox(m) => m.cfg.flops_per_token(seq_len),
-            // For the hybrid, its Llama's count (feature maps and gate left out).
-            Model::Llama(Llama { cfg: c, .. }) | Model::Hybrid(Hybrid { llama: Llama { cfg: c, .. }, .. }) => {
+            // A linearized Llama's count leaves its feature maps and gate out.
+            Model::Llama(Llama { cfg: c, .. }) => {
                 let (d, l, hd) = (c.hidden_size as f64, c.num_hidden_layers as f64, c.head_dim() as f64);
                 let attn = d * hd * (2.0 * c.num_attention_heads as f64 + 2.0 * c.num_key_value_heads as f64);
                 let n_mm = l * (attn + 3.0 * d * c.intermediate_size as f64) + c.vocab_size as f64 * d;
@@ -85,11 +82,4 @@ impl Model {
             }
         }
     }
-}
-
-/// Whether a parameter name is a DAR bottleneck matrix (`….bottleneck_down.weight` /
-/// `….bottleneck_up.weight`, GPT-NeoX `attention.` and Llama/OLMo 2 `self_attn.` alike): what the first
-/// fine-tuning stage trains.
-pub fn is_bottleneck_param(name: &str) -> bool {
-    name.ends_with(".bottleneck_down.weight") || name.ends_with(".bottleneck_up.weight")
 }

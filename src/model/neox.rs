@@ -1,10 +1,12 @@
 //! GPT-NeoX / Pythia (pythia.md §1), readable in one sitting. Parallel residual, fused head-major
 //! QKV, partial rotary, erf GELU, untied output head; parameter names as Hugging Face checkpoints.
-//! DAR (dar.md §2) adds `attention.bottleneck_down` / `bottleneck_up` per layer and reads distant
-//! keys/values from `LN1(x)·W_down·W_up` through the SAME k/v rows and bias of `query_key_value`.
+//! Each layer's attention is a `crate::attention::Layer` (vanilla, DAR, uniform, window); the model
+//! hands it the rotated heads, LN1(x) and its k / v map (`KvMap`: the k/v rows and bias of
+//! `query_key_value`, then RoPE), through which DAR's distant keys are built.
 use super::rope::Rope;
-use crate::attention;
-use crate::spec::{AttentionImpl, AttentionInit, AttentionKind, DarAct, Gelu, Spec};
+use crate::attention::still::LayerDims;
+use crate::attention::{self, Attention, DarConfig, Heads, KvMap, Layer as AttentionLayer, Positions};
+use crate::spec::{Gelu, Spec};
 use tch::nn::{self, Init, Module};
 use tch::Tensor;
 
@@ -20,16 +22,8 @@ pub struct NeoxConfig {
     pub rotary_base: f64,
     pub ln_eps: f64,
     pub gelu: Gelu,
-    pub attention: AttentionKind,
-    /// Bottleneck width (DAR / uniform only).
-    pub d_down: usize,
-    /// Keys at distance < window are full width (uniform: 0).
-    pub window: usize,
-    pub dar_act: DarAct,
-    pub attention_impl: AttentionImpl,
-    /// How the bottleneck starts, and the seed of its own stream (model::bottleneck::pretraining_start).
-    pub init: AttentionInit,
-    pub init_seed: u64,
+    /// The layers' attention (vanilla, DAR, uniform or window) with the bottleneck's start.
+    pub attention: DarConfig,
 }
 
 impl NeoxConfig {
@@ -46,22 +40,12 @@ impl NeoxConfig {
             rotary_base: spec.model.rotary_base.unwrap_or(10000.0),
             ln_eps: 1e-5,
             gelu: spec.model.gelu,
-            attention: spec.attention.kind,
-            d_down: spec.d_down(),
-            window: spec.window(),
-            dar_act: spec.attention.dar_act,
-            attention_impl: spec.attention.implementation,
-            init: spec.attention.init.unwrap_or_default(),
-            init_seed: spec.train.seed.unwrap_or(1234),
+            attention: DarConfig::from_spec(spec),
         }
     }
 
     pub fn head_dim(&self) -> usize {
         self.d_model / self.heads
-    }
-
-    fn has_bottleneck(&self) -> bool {
-        self.attention.has_bottleneck()
     }
 
     /// Matmul weights N_mm = 12·L·d² + V·d (pythia.md §6; excludes embed_in, biases, LayerNorm).
@@ -83,8 +67,8 @@ struct Layer {
     dense: nn::Linear,
     dense_h_to_4h: nn::Linear,
     dense_4h_to_h: nn::Linear,
-    /// DAR bottleneck: `bottleneck_down.weight` `[d_down, d]`, `bottleneck_up.weight` `[d, d_down]`.
-    bottleneck: Option<(Tensor, Tensor)>,
+    /// The layer's attention variant (DAR: with its bottleneck under `attention.`).
+    attn: AttentionLayer,
 }
 
 pub struct GptNeox {
@@ -120,13 +104,10 @@ impl GptNeox {
             .map(|i| {
                 let p = &g / "layers" / i;
                 let a = &p / "attention";
-                // Zeros for now (no draw from the global generator): filled below from their own stream.
-                let bottleneck = cfg.has_bottleneck().then(|| {
-                    let init = Init::Const(0.0);
-                    let down = (&a / "bottleneck_down").var("weight", &[cfg.d_down as i64, d as i64], init);
-                    let up = (&a / "bottleneck_up").var("weight", &[d as i64, cfg.d_down as i64], init);
-                    (down, up)
-                });
+                // DAR's bottleneck is zeros for now (no draw from the global generator): filled below
+                // from its own stream.
+                let dims = LayerDims { heads: cfg.heads as i64, head_dim: cfg.head_dim() as i64, d_model: d as i64, layer: i as i64 };
+                let attn = AttentionLayer::new(&a, &Attention::Softmax(cfg.attention), dims).expect("softmax attention builds");
                 Layer {
                     input_layernorm: layer_norm(&p / "input_layernorm", d, cfg.ln_eps),
                     post_attention_layernorm: layer_norm(&p / "post_attention_layernorm", d, cfg.ln_eps),
@@ -134,7 +115,7 @@ impl GptNeox {
                     dense: linear(&a / "dense", d, d, wang, true),
                     dense_h_to_4h: linear(&p / "mlp" / "dense_h_to_4h", d, cfg.ffn, small, true),
                     dense_4h_to_h: linear(&p / "mlp" / "dense_4h_to_h", cfg.ffn, d, wang, true),
-                    bottleneck,
+                    attn,
                 }
             })
             .collect();
@@ -142,10 +123,11 @@ impl GptNeox {
         let embed_out = (root / "embed_out").var("weight", &[cfg.vocab as i64, d as i64], Init::Randn { mean: 0.0, stdev: small });
         tch::no_grad(|| {
             for (i, layer) in layers.iter().enumerate() {
-                if let Some((down, up)) = &layer.bottleneck {
-                    let (d0, u0) = super::bottleneck::pretraining_start(cfg.init, cfg.init_seed, i, d, cfg.d_down);
-                    down.shallow_clone().copy_(&d0);
-                    up.shallow_clone().copy_(&u0);
+                if let Some(b) = layer.attn.bottleneck() {
+                    let a = &cfg.attention;
+                    let (d0, u0) = attention::dar::init::pretraining_start(a.init, a.init_seed, i, d, a.d_down);
+                    b.down.shallow_clone().copy_(&d0);
+                    b.up.shallow_clone().copy_(&u0);
                 }
             }
         });
@@ -205,45 +187,33 @@ impl GptNeox {
         (0..n).map(|s| x.select(3, s).transpose(1, 2)).collect()
     }
 
+    /// Rotated q, k and v `[B, H, T, hd]` of LN1(x) `a` at the positions of (cos, sin).
+    fn qkv(&self, layer: &Layer, a: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
+        let mut qkv = self.split_heads(&layer.query_key_value.forward(a), 3).into_iter();
+        let (q, k, v) = (qkv.next().unwrap(), qkv.next().unwrap(), qkv.next().unwrap());
+        (self.rope.apply(&q, cos, sin), self.rope.apply(&k, cos, sin), v)
+    }
+
     fn attention(&self, layer: &Layer, a: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
-        let (b, t) = (a.size()[0], a.size()[1]);
-        let qkv = self.split_heads(&layer.query_key_value.forward(a), 3);
-        let q = self.rope.apply(&qkv[0], cos, sin);
-        let k = self.rope.apply(&qkv[1], cos, sin);
-        let v = &qkv[2];
-        let o = match &layer.bottleneck {
-            None if self.cfg.attention == AttentionKind::Window => attention::window::forward(&q, &k, v, self.cfg.window as i64, None, self.cfg.attention_impl),
-            None => attention::causal(&q, &k, v, self.cfg.attention_impl),
-            Some((down, up)) => {
-                let (kg, vg) = self.bottleneck_kv(layer, down, up, a);
-                let kg = self.rope.apply(&kg, cos, sin);
-                attention::dar(&q, &k, v, &kg, &vg, self.cfg.window as i64, self.cfg.attention_impl)
-            }
-        };
-        let o = o.transpose(1, 2).reshape([b, t, self.cfg.d_model as i64]);
-        layer.dense.forward(&o)
+        let (q, k, v) = self.qkv(layer, a, cos, sin);
+        let kv = LayerKv { model: self, layer, cos, sin };
+        let o = layer.attn.forward(&Heads { q, k, v, input: a, seg: None, kv: &kv, train: false });
+        self.attention_out(layer, &o)
     }
 
-    /// Global-path keys and values (before RoPE), absorbed form of dar.md §2:
-    /// `(k^g, v^g) = (a·W_down)·(W_kv·W_up)ᵀ + b_kv` — the same function as projecting
-    /// `h' = a·W_down·W_up` with the k/v rows of query_key_value, at 6·d·d_down FLOPs per token.
-    fn bottleneck_kv(&self, layer: &Layer, down: &Tensor, up: &Tensor, a: &Tensor) -> (Tensor, Tensor) {
-        self.kv_from_latent(layer, up, &self.latent(down, a))
+    /// `dense` of attention heads `[B, H, n, hd]`.
+    fn attention_out(&self, layer: &Layer, o: &Tensor) -> Tensor {
+        let (b, n) = (o.size()[0], o.size()[2]);
+        layer.dense.forward(&o.transpose(1, 2).reshape([b, n, self.cfg.d_model as i64]))
     }
 
-    /// h^D = a·W_down (σ of it for `dar_act: sigmoid`): what DAR's decode cache keeps per token.
-    fn latent(&self, down: &Tensor, a: &Tensor) -> Tensor {
-        let low = a.linear::<Tensor>(down, None);
-        if self.cfg.dar_act == DarAct::Sigmoid { low.sigmoid() } else { low }
-    }
-
-    /// Keys and values (before RoPE) of the global path from latents: `h^D·(W_kv·W_up)ᵀ + b_kv`,
-    /// with W_kv, b_kv the k/v rows of query_key_value (head-major).
-    fn kv_from_latent(&self, layer: &Layer, up: &Tensor, latent: &Tensor) -> (Tensor, Tensor) {
+    /// Keys and values (before RoPE) of `x` `[B, n, r]` through the k/v rows of query_key_value
+    /// composed with `w` `[d, r]`: `x·(W_kv·w)ᵀ + b_kv` (head-major).
+    fn kv_through(&self, layer: &Layer, w: &Tensor, x: &Tensor) -> (Tensor, Tensor) {
         let (h, hd, d) = (self.cfg.heads as i64, self.cfg.head_dim() as i64, self.cfg.d_model as i64);
-        let w = layer.query_key_value.ws.view([h, 3, hd, d]).narrow(1, 1, 2).reshape([2 * d, d]);
+        let wkv = layer.query_key_value.ws.view([h, 3, hd, d]).narrow(1, 1, 2).reshape([2 * d, d]);
         let bias = layer.query_key_value.bs.as_ref().expect("qkv has a bias").view([h, 3, hd]).narrow(1, 1, 2).reshape([2 * d]);
-        let kv = latent.linear(&w.matmul(up), Some(&bias));
+        let kv = x.linear(&wkv.matmul(w), Some(&bias));
         let mut parts = self.split_heads(&kv, 2).into_iter();
         (parts.next().unwrap(), parts.next().unwrap())
     }
@@ -252,10 +222,33 @@ impl GptNeox {
     /// Kept to test that the absorbed form computes the same function.
     #[cfg(test)]
     fn bottleneck_kv_direct(&self, layer: &Layer, a: &Tensor) -> (Tensor, Tensor) {
-        let (down, up) = layer.bottleneck.as_ref().unwrap();
-        let h_prime = a.linear::<Tensor>(down, None).linear::<Tensor>(up, None);
+        let b = layer.attn.bottleneck().unwrap();
+        let h_prime = a.linear::<Tensor>(&b.down, None).linear::<Tensor>(&b.up, None);
         let qkv = self.split_heads(&layer.query_key_value.forward(&h_prime), 3);
         (qkv[1].shallow_clone(), qkv[2].shallow_clone())
+    }
+}
+
+/// A GPT-NeoX layer's k / v map for DAR's distant keys: the k/v rows and bias of query_key_value
+/// (W_up absorbed), then RoPE.
+struct LayerKv<'a> {
+    model: &'a GptNeox,
+    layer: &'a Layer,
+    cos: &'a Tensor,
+    sin: &'a Tensor,
+}
+
+impl KvMap for LayerKv<'_> {
+    fn kv(&self, w: &Tensor, x: &Tensor, pos: Positions) -> (Tensor, Tensor) {
+        let (k, v) = self.model.kv_through(self.layer, w, x);
+        let k = match pos {
+            Positions::Forward => self.model.rope.apply(&k, self.cos, self.sin),
+            Positions::From(start) => {
+                let (c, s) = self.model.rope.tables(start, x.size()[1], x.device());
+                self.model.rope.apply(&k, &c, &s)
+            }
+        };
+        (k, v)
     }
 }
 

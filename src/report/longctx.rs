@@ -10,7 +10,7 @@ use super::paper::StillRow;
 use super::render::{self, Cell};
 use crate::eval::ruler;
 use crate::linearize::LinearizeSpec;
-use crate::model::hybrid::Variant;
+use crate::attention::Variant;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 

@@ -457,7 +457,7 @@ fn linearize_sweeps_launch_linearize() {
     let r = &p.runs[4];
     let crate::sweep::RunSpec::Linearize(spec) = &r.spec else { panic!("{} is not a linearize run", r.name) };
     let still = |s: &crate::linearize::LinearizeSpec| match &s.attention {
-        crate::model::hybrid::Variant::Still(c) => c.routing,
+        crate::attention::Variant::Still(c) => c.routing,
         _ => panic!("not still"),
     };
     assert_eq!(still(spec), crate::attention::still::Routing::KeyNorm);

@@ -66,6 +66,43 @@ impl Lora {
     }
 }
 
+/// A bias-free linear layer `weight` `[out, in]` that can carry a LoRA adapter: the Llama family's
+/// attention projections (`q_proj`, `k_proj`, `v_proj`, `o_proj`).
+#[derive(Debug)]
+pub struct Linear {
+    pub weight: Tensor,
+    pub lora: Option<Lora>,
+}
+
+impl Linear {
+    /// `weight` under `p` (e.g. `model.layers.0.self_attn.q_proj.weight`), drawn by `init`.
+    pub fn new(p: &nn::Path, input: i64, output: i64, init: nn::Init) -> Linear {
+        Linear { weight: p.var("weight", &[output, input], init), lora: None }
+    }
+
+    /// x Wᵀ, plus the adapter's update when there is one (`train`: its dropout).
+    pub fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+        match &self.lora {
+            Some(l) => l.forward(&self.weight, x, train),
+            None => x.linear::<Tensor>(&self.weight, None),
+        }
+    }
+
+    /// Give the layer an adapter under its path `p` (`<module>.lora_A`, `.lora_B`).
+    pub fn add_lora(&mut self, p: &nn::Path, cfg: &LoraConfig) {
+        let (o, i) = (self.weight.size()[0], self.weight.size()[1]);
+        self.lora = Some(Lora::new(p, i, o, cfg));
+    }
+
+    /// The weight with the adapter merged in (W + scale·B·A), detached.
+    pub fn merged(&self) -> Tensor {
+        tch::no_grad(|| match &self.lora {
+            Some(l) => l.merged(&self.weight),
+            None => self.weight.detach().copy(),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -39,7 +39,7 @@ pub fn llama_config(spec: &Spec) -> LlamaConfig {
         tie_word_embeddings: spec.model.tie_embeddings.unwrap_or(true),
         max_position_embeddings: spec.seq_len(),
         family: if spec.model.arch == Some(Arch::Olmo2) { Family::Olmo2 } else { Family::Llama },
-        attention: DarConfig::from_spec(spec),
+        attention: crate::attention::Attention::Softmax(DarConfig::from_spec(spec)),
     }
 }
 

@@ -42,10 +42,13 @@ pub fn needle_positions(prompt: &str, queried: &[(String, String)], offsets: &[(
         .collect()
 }
 
-/// Give a hybrid model's `routing: oracle` layers the needle sentences to select. Returns whether
+/// Give a linearized model's `routing: oracle` layers the needle sentences to select. Returns whether
 /// `model` is a hybrid (the only kind with something to probe).
 pub fn set_oracle(model: &Model, needles: &[NeedlePositions]) -> bool {
-    let Model::Hybrid(h) = model else { return false };
+    let Model::Llama(h) = model else { return false };
+    if h.variant().is_none() {
+        return false;
+    }
     let positions: Vec<i64> = needles.iter().flat_map(|n| (n.span[0] as i64)..(n.span[1] as i64)).collect();
     h.set_oracle(Some(positions));
     true
@@ -77,7 +80,8 @@ pub const PROBE_MAX_TOKENS: usize = 16384;
 /// Per-layer reads of a hybrid model on prompt `ids`; `None` for other models and for prompts over
 /// [`PROBE_MAX_TOKENS`] (LoLCATs layers are skipped).
 pub fn probe(model: &Model, ids: &[u32], needles: &[NeedlePositions], device: Device) -> Option<Vec<LayerReads>> {
-    let Model::Hybrid(h) = model else { return None };
+    let Model::Llama(h) = model else { return None };
+    h.variant()?;
     if ids.len() > PROBE_MAX_TOKENS {
         return None;
     }

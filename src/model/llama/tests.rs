@@ -126,7 +126,7 @@ fn olmo2_and_dar_configs_round_trip() {
     let x = Tensor::arange(40, (Kind::Int64, Device::Cpu)).view([2, 20]);
     assert_eq!(max_diff(&model.logits(&model.hidden(&x)), &again.logits(&again.hidden(&x))), 0.0);
     let mut cfg = model.cfg.clone();
-    cfg.attention = dar(AttentionKind::Dar, 16, 7, AttentionImpl::Sdpa);
+    cfg.attention = crate::attention::Attention::Softmax(dar(AttentionKind::Dar, 16, 7, AttentionImpl::Sdpa));
     assert_eq!(LlamaConfig::from_hf_json(&cfg.to_hf_json().to_string()).unwrap(), cfg);
     let bad = r#"{"model_type": "gpt2", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}"#;
     assert!(LlamaConfig::from_hf_json(bad).unwrap_err().to_string().contains("gpt2"));
@@ -160,7 +160,7 @@ fn dar_with_identity_bottleneck_equals_the_original_model() {
         set_bottlenecks(&m, &eye, &eye);
         for (kind, w) in [(AttentionKind::Dar, 5), (AttentionKind::Dar, 1), (AttentionKind::Uniform, 0)] {
             for imp in [AttentionImpl::Reference, AttentionImpl::Sdpa, AttentionImpl::Auto] {
-                m.cfg.attention = dar(kind, d, w, imp);
+                m.set_attention(dar(kind, d, w, imp)).unwrap();
                 let got = tch::no_grad(|| m.logits(&m.hidden(&x)));
                 assert!(max_diff(&got, &want) < 1e-4, "{name} {kind:?} w={w} {imp:?}: {}", max_diff(&got, &want));
             }
@@ -180,10 +180,11 @@ fn bottleneck_keys_equal_the_direct_form() {
         let (cos, sin) = m.rope(0, 10, Device::Cpu);
         let a = m.kv_input(0, &m.embed(&x));
         let b = &m.layers[0];
-        let (kg, vg) = m.bottleneck_kv(b, &a, &cos, &sin).unwrap();
-        let (down, up) = b.bottleneck.as_ref().unwrap();
-        let h_prime = a.linear::<Tensor>(down, None).linear::<Tensor>(up, None);
-        let (_, k, v) = m.qkv(b, &h_prime, &cos, &sin);
+        let bn = b.attn.bottleneck().unwrap();
+        let kv = LayerKv { model: &m, block: b, cos: &cos, sin: &sin };
+        let (kg, vg) = bn.distant(&a, &kv, crate::attention::Positions::Forward);
+        let h_prime = a.linear::<Tensor>(&bn.down, None).linear::<Tensor>(&bn.up, None);
+        let (_, k, v) = m.qkv(b, &h_prime, &cos, &sin, Pass::Eval);
         assert_eq!(kg.size(), vec![2, 2, 10, 16], "{name}: kv_heads heads");
         assert!(max_diff(&kg, &k) < 1e-5 && max_diff(&vg, &v) < 1e-5, "{name}");
     }
@@ -216,7 +217,7 @@ fn packed_documents_equal_separate_runs() {
             // Row 1 is one document: it must equal the plain forward.
             let docs = Tensor::stack(&[Tensor::from_slice(&ids), Tensor::full([16], 4i64, (Kind::Int64, Device::Cpu))], 0);
             for imp in [AttentionImpl::Reference, AttentionImpl::Sdpa] {
-                m.cfg.attention.implementation = imp;
+                m.set_attention(DarConfig { implementation: imp, ..m.cfg.attention.softmax() }).unwrap();
                 let packed = tch::no_grad(|| m.logits(&m.hidden_docs(&x, Some(&docs))));
                 let mut at = 0;
                 for &n in &lens {
@@ -313,7 +314,7 @@ fn window_attention_decodes_packs_and_matches_reference() {
     for name in ["llama_tiny", "olmo2_tiny"] {
         let (_vs, mut m) = load(name);
         let vanilla = tch::no_grad(|| m.logits(&m.hidden(&x)));
-        m.cfg.attention = DarConfig { kind: AttentionKind::Window, d_down: 0, window: 3, dar_act: DarAct::Linear, implementation: AttentionImpl::Reference, ..DarConfig::default() };
+        m.set_attention(DarConfig { kind: AttentionKind::Window, d_down: 0, window: 3, dar_act: DarAct::Linear, implementation: AttentionImpl::Reference, ..DarConfig::default() }).unwrap();
         let full = tch::no_grad(|| m.logits(&m.hidden(&x)));
         assert!(max_diff(&full, &vanilla) > 1e-3, "{name}: window 3 of 12 must differ from vanilla");
         let mut cache = m.new_cache(2, Kind::Float, Device::Cpu);
@@ -325,7 +326,7 @@ fn window_attention_decodes_packs_and_matches_reference() {
         assert!(max_diff(&Tensor::cat(&got, 1), &full) < 1e-5, "{name} decode");
         let docs = Tensor::from_slice(&[1i64, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2]).view([1, 12]);
         for imp in [AttentionImpl::Reference, AttentionImpl::Sdpa] {
-            m.cfg.attention.implementation = imp;
+            m.set_attention(DarConfig { implementation: imp, ..m.cfg.attention.softmax() }).unwrap();
             let fwd = tch::no_grad(|| m.logits(&m.hidden(&x)));
             assert!(max_diff(&fwd, &full) < 1e-5, "{name} {imp:?} vs reference");
             let packed = tch::no_grad(|| m.logits(&m.hidden_docs(&x.narrow(0, 0, 1), Some(&docs))));

@@ -4,9 +4,9 @@
 //! h^D = LN1(x)·W_down with W_up absorbed into the k/v rows of `query_key_value`
 //! ((h^D)·(W_kv·W_up)ᵀ + b_kv, then RoPE at each key's own position). Decoding token by token equals
 //! the full forward pass on the growing sequence (tested).
-use super::{GptNeox, Layer};
-use crate::attention::cache::{CacheShape, DecodeCache, LayerCache};
-use crate::attention::dar::Distant;
+use super::{GptNeox, LayerKv};
+use crate::attention::cache::{CacheShape, DecodeCache};
+use crate::attention::Heads;
 use tch::nn::Module;
 use tch::{Kind, Tensor};
 
@@ -17,7 +17,7 @@ impl GptNeox {
     /// An empty cache for `batch` sequences, of the kind this model's attention needs.
     pub fn new_cache(&self, batch: i64, kind: Kind, device: tch::Device) -> NeoxCache {
         let shape = CacheShape { batch, kv_heads: self.cfg.heads as i64, head_dim: self.cfg.head_dim() as i64, kind, device };
-        DecodeCache::new(self.layers.len(), self.cfg.attention, self.cfg.window as i64, self.cfg.d_down as i64, &shape)
+        DecodeCache::new(self.layers.iter().map(|l| l.attn.new_cache(&shape)).collect())
     }
 
     /// Run `ids` (`[B, n]`, the tokens after those already cached) and return their logits
@@ -28,33 +28,15 @@ impl GptNeox {
         let (cos, sin) = self.rope.tables(p0, n, ids.device());
         let mut x = Tensor::embedding(&self.embed_in, ids, -1, false, false);
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            let attn = self.cached_attention(layer, lc, &layer.input_layernorm.forward(&x), p0, &cos, &sin);
+            let a = layer.input_layernorm.forward(&x);
+            let (q, k, v) = self.qkv(layer, &a, &cos, &sin);
+            let kv = LayerKv { model: self, layer, cos: &cos, sin: &sin };
+            let o = layer.attn.decode(lc, &Heads { q, k, v, input: &a, seg: None, kv: &kv, train: false }, p0);
             let mlp = self.mlp(layer, &layer.post_attention_layernorm.forward(&x));
-            x = x + attn + mlp;
+            x = x + self.attention_out(layer, &o) + mlp;
         }
         cache.len += n;
         self.logits(&self.final_layer_norm.forward(&x))
-    }
-
-    fn cached_attention(&self, layer: &Layer, lc: &mut LayerCache, a: &Tensor, p0: i64, cos: &Tensor, sin: &Tensor) -> Tensor {
-        let (b, n) = (a.size()[0], a.size()[1]);
-        let qkv = self.split_heads(&layer.query_key_value.forward(a), 3);
-        let q = self.rope.apply(&qkv[0], cos, sin);
-        let k = self.rope.apply(&qkv[1], cos, sin);
-        let o = match &layer.bottleneck {
-            Some((down, up)) => {
-                // Distant keys at positions 0..g: W_up absorbed into the k/v rows, RoPE at each key's position.
-                let kv = |latent: &Tensor| {
-                    let (kg, vg) = self.kv_from_latent(layer, up, latent);
-                    let (gcos, gsin) = self.rope.tables(0, latent.size()[1], a.device());
-                    (self.rope.apply(&kg, &gcos, &gsin), vg)
-                };
-                lc.attend(&q, &k, &qkv[2], p0, Some(Distant { latent: self.latent(down, a), kv: &kv }))
-            }
-            _ => lc.attend(&q, &k, &qkv[2], p0, None),
-        };
-        let o = o.transpose(1, 2).reshape([b, n, self.cfg.d_model as i64]);
-        layer.dense.forward(&o)
     }
 }
 

@@ -1,4 +1,5 @@
 use super::*;
+use crate::spec::{AttentionImpl, AttentionKind, DarAct};
 use crate::model::loss::chunked_cross_entropy;
 use crate::train::checkpoint::load_weights;
 use tch::{nn::VarStore, Device, Kind};
@@ -14,13 +15,7 @@ pub(super) fn cfg(kind: AttentionKind, d_down: usize, window: usize) -> NeoxConf
         rotary_base: 10000.0,
         ln_eps: 1e-5,
         gelu: Gelu::Erf,
-        attention: kind,
-        d_down,
-        window,
-        dar_act: DarAct::Linear,
-        attention_impl: AttentionImpl::Auto,
-        init: AttentionInit::SmallInit,
-        init_seed: 0,
+        attention: DarConfig { kind, d_down, window, ..DarConfig::default() },
     }
 }
 
@@ -178,7 +173,7 @@ fn uniform_is_dar_with_window_zero() {
     assert!(max_diff(&uni.forward(&x), &dar0.forward(&x)) < 1e-12);
     // The reference path agrees with the fast path for the whole model too.
     let mut c = cfg(AttentionKind::Dar, 8, 0);
-    c.attention_impl = AttentionImpl::Reference;
+    c.attention.implementation = AttentionImpl::Reference;
     let (vs_r, reference) = build(c, 8);
     copy_shared(&vs_u, &vs_r);
     assert!(max_diff(&uni.forward(&x), &reference.forward(&x)) < 1e-10);
@@ -189,12 +184,13 @@ fn uniform_is_dar_with_window_zero() {
 fn absorbed_bottleneck_equals_direct_form() {
     for act in [DarAct::Linear, DarAct::Sigmoid] {
         let mut c = cfg(AttentionKind::Dar, 8, 4);
-        c.dar_act = act;
+        c.attention.dar_act = act;
         let (_vs, m) = build(c, 9);
         let a = Tensor::randn([2, 7, 32], (Kind::Double, Device::Cpu));
         let layer = &m.layers[1];
-        let (down, up) = layer.bottleneck.as_ref().unwrap();
-        let (k1, v1) = m.bottleneck_kv(layer, down, up, &a);
+        let b = layer.attn.bottleneck().unwrap();
+        let (down, up) = (&b.down, &b.up);
+        let (k1, v1) = m.kv_through(layer, up, &b.latent(&a));
         if act == DarAct::Linear {
             let (k2, v2) = m.bottleneck_kv_direct(layer, &a);
             assert!(max_diff(&k1, &k2) < 1e-12 && max_diff(&v1, &v2) < 1e-12);

@@ -5,7 +5,8 @@
 //! The bottleneck has no bias, so the directions are those of the uncentred second moment
 //! `C = hᵀh / N`: the projection minimising the mean squared reconstruction error, which then equals
 //! the sum of the discarded eigenvalues of C.
-use super::llama::{DarConfig, Llama};
+use crate::attention::DarConfig;
+use crate::model::Llama;
 use crate::spec::{AttentionInit, DarAct};
 use rand::{Rng, SeedableRng};
 use crate::{Error, Result};
@@ -45,10 +46,10 @@ pub fn calibrate_pca(model: &Llama, calib_ids: &Tensor, doc_ids: Option<&Tensor>
     if !cfg.attention.has_bottleneck() {
         return Err(Error::Other("calibrate_pca: the model has no DAR bottleneck (add_dar first)".into()));
     }
-    if cfg.attention.dar_act != DarAct::Linear {
+    if cfg.attention.softmax().dar_act != DarAct::Linear {
         return Err(Error::Other("calibrate_pca: PCA initialisation needs dar_act: linear (a sigmoid latent is not a projection)".into()));
     }
-    let (d, k) = (cfg.hidden_size as i64, cfg.attention.d_down);
+    let (d, k) = (cfg.hidden_size as i64, cfg.attention.softmax().d_down);
     let tokens = calib_ids.numel() as f64;
     tch::no_grad(|| {
         let (seg, cos, sin) = model.doc_tables(calib_ids, doc_ids);

@@ -1,6 +1,6 @@
 use super::*;
 use crate::model::hf;
-use crate::model::llama::{DarConfig, Family, LlamaConfig, RopeScaling};
+use crate::model::llama::{DarConfig, Family, Llama, LlamaConfig, RopeScaling};
 use crate::spec::{AttentionImpl, AttentionKind};
 use std::path::Path;
 use tch::nn::{OptimizerConfig, VarStore};
@@ -98,7 +98,7 @@ fn pca_starts_below_small_init_on_a_trained_model() {
         let cfg = LlamaConfig {
             vocab_size: 16, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
             num_key_value_heads: 2, rms_norm_eps: 1e-5, rope_theta: 10000.0, rope_scaling: RopeScaling::Default,
-            tie_word_embeddings: true, max_position_embeddings: 32, family, attention: DarConfig::default(),
+            tie_word_embeddings: true, max_position_embeddings: 32, family, attention: Default::default(),
         };
         tch::manual_seed(11);
         let vs = VarStore::new(Device::Cpu);
