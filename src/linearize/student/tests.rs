@@ -284,3 +284,68 @@ fn cache_bytes_follow_the_bounded_formula() {
         }
     }
 }
+
+/// `attnlab linearize` end to end on an OLMo 2 teacher and on a DAR teacher (HF folders written by
+/// attnlab: DAR settings in `attnlab_attention`, bottleneck weights): both stages run, the export loads
+/// as a student of the teacher's family, without the teacher's bottlenecks, and the held-out eval
+/// compares it with the teacher's own loss.
+#[test]
+fn linearize_runs_on_olmo2_and_dar_teachers() {
+    use crate::data::Tok;
+    use crate::linearize::{linearize, LinearizeOptions, LinearizeSpec};
+    use crate::model::Family;
+    use crate::spec::TokenizerSpec;
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = Tok::load(&TokenizerSpec::Path("builtin".into())).unwrap();
+    for (family, dar) in [(Family::Olmo2, false), (Family::Llama, true), (Family::Olmo2, true)] {
+        let name = format!("{family:?}-{dar}");
+        let cfg = LlamaConfig {
+            vocab_size: tok.padded_vocab(),
+            hidden_size: 32,
+            intermediate_size: 64,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: crate::model::llama::RopeScaling::Default,
+            tie_word_embeddings: true,
+            max_position_embeddings: 256,
+            family,
+            attention: Default::default(),
+        };
+        tch::manual_seed(7);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut m = Llama::new(&vs.root(), cfg);
+        if dar {
+            m.add_dar(&vs.root(), DarConfig { kind: AttentionKind::Dar, d_down: 8, window: 4, ..DarConfig::default() }).unwrap();
+        }
+        let teacher = tmp.path().join(format!("teacher-{name}"));
+        hf::save_llama(&vs, &m.cfg, &teacher).unwrap();
+        let out = tmp.path().join(format!("run-{name}"));
+        let spec = LinearizeSpec::from_yaml(&format!(
+            "{{teacher: '{}', tokenizer: builtin, attention: {{kind: still, chunk: 4, tokens_per_chunk: 1}},
+              data: {{train: {{synthetic: {{seed: 1, docs: 40}}}}, seq_len: 32, batch_size: 2, val_rows: 2}},
+              stage1: {{steps: 3}}, stage2: {{steps: 2}}, train: {{device: cpu}}, output: '{}'}}",
+            teacher.display(),
+            out.display()
+        ))
+        .unwrap();
+        let o = linearize(spec, &LinearizeOptions { quiet: true, stop_after: None }).unwrap();
+        assert!(out.join("DONE").is_file(), "{name}");
+        let (lt, ls) = (o.eval["teacher"]["loss"].as_f64().unwrap(), o.eval["student"]["loss"].as_f64().unwrap());
+        assert!(lt.is_finite() && ls.is_finite() && lt != ls, "{name}: teacher {lt}, student {ls}");
+        let (_vs, s, _tok) = crate::linearize::load_exported(&out, Device::Cpu).unwrap();
+        assert_eq!(s.cfg.family, family, "{name}");
+        assert!(matches!(s.variant(), Some(Variant::Still(_))), "{name}");
+        assert!(s.layers.iter().all(|b| b.attn.bottleneck().is_none() && b.teacher.is_none()), "{name}");
+        // The teacher's held-out loss is the teacher model's own.
+        let x = Tensor::randint(100, [1, 17], (Kind::Int64, Device::Cpu));
+        let (inp, tgt) = (x.narrow(1, 0, 16), x.narrow(1, 1, 16));
+        let (tvs, _cfg, _t) = crate::linearize::load_teacher(teacher.to_str().unwrap(), Some(&TokenizerSpec::Path("builtin".into())), Device::Cpu).unwrap();
+        let st = Llama::linearized(&nn::VarStore::new(Device::Cpu), &tvs, m.cfg.clone(), &still("chunk: 4"), &no_lora()).unwrap();
+        let own = tch::no_grad(|| m.masked_loss(&inp, &tgt, Pass::Eval)).double_value(&[]);
+        let via = tch::no_grad(|| st.masked_loss(&inp, &tgt, Pass::Teacher)).double_value(&[]);
+        assert!((own - via).abs() < 1e-5, "{name}: teacher pass {via} vs teacher {own}");
+    }
+}
