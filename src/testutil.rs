@@ -25,3 +25,22 @@ pub fn shared_text(rel: &str) -> String {
     }
     panic!("test data `{rel}` not found; tried {tried:?} (and .gz); set ATTNLAB_SHARED to the shared folder");
 }
+
+/// A tiny Llama-family config (2 layers, d 32, 4 heads of 8, 2 KV heads, tied) for `vocab` tokens.
+pub fn tiny_llama(vocab: usize, family: crate::model::Family) -> crate::model::LlamaConfig {
+    crate::model::LlamaConfig {
+        vocab_size: vocab,
+        hidden_size: 32,
+        intermediate_size: 64,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: crate::model::llama::RopeScaling::Default,
+        tie_word_embeddings: true,
+        max_position_embeddings: 256,
+        family,
+        attention: Default::default(),
+    }
+}

@@ -54,21 +54,7 @@ fn spec_defaults_and_unknown_keys() {
 /// A tiny random Llama saved as an HF folder with the builtin tokenizer's vocabulary.
 fn tiny_teacher(dir: &Path) {
     let tok = Tok::load(&TokenizerSpec::Path("builtin".into())).unwrap();
-    let cfg = LlamaConfig {
-        vocab_size: tok.padded_vocab(),
-        hidden_size: 32,
-        intermediate_size: 64,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: crate::model::llama::RopeScaling::Default,
-        tie_word_embeddings: true,
-        max_position_embeddings: 256,
-        family: Default::default(),
-        attention: Default::default(),
-    };
+    let cfg = crate::testutil::tiny_llama(tok.padded_vocab(), Default::default());
     tch::manual_seed(7);
     let vs = VarStore::new(Device::Cpu);
     let _m = Llama::new(&vs.root(), cfg.clone());

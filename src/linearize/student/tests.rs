@@ -140,6 +140,15 @@ fn stage1_loss_decreases_and_only_new_params_change() {
     }
 }
 
+/// B ≠ 0 in every adapter (at init B = 0: an adapter changes nothing).
+fn perturb_adapters(s: &Llama) {
+    tch::no_grad(|| {
+        for l in s.adapters().values() {
+            l.b.shallow_clone().copy_(&(Tensor::randn(l.b.size(), (Kind::Float, Device::Cpu)) * 0.05));
+        }
+    });
+}
+
 /// LoRA with B = 0 leaves the student unchanged; with B ≠ 0 the merged export gives the same logits.
 #[test]
 fn lora_identity_at_init_and_merge_matches() {
@@ -161,11 +170,7 @@ fn lora_identity_at_init_and_merge_matches() {
     });
     let without = logits(&plain, &x, Pass::Eval);
     assert!(logits(&s, &x, Pass::Eval).equal(&without), "B = 0 must leave the logits unchanged");
-    tch::no_grad(|| {
-        for l in s.adapters().values() {
-            l.b.shallow_clone().copy_(&(Tensor::randn(l.b.size(), (Kind::Float, Device::Cpu)) * 0.05));
-        }
-    });
+    perturb_adapters(&s);
     let unmerged = logits(&s, &x, Pass::Eval);
     assert!(max_diff(&unmerged, &without) > 1e-4);
     hf::copy_into(&_vs0, s.merged_weights(&vs).into_iter().collect(), Path::new("merged")).unwrap();
@@ -186,10 +191,8 @@ fn export_round_trip() {
     let v = variant("{kind: lolcats, window: 4, feature_dim: 8}");
     let lora = LoraConfig { targets: vec!["q_proj".into(), "v_proj".into()], ..LoraConfig::default() };
     let (vs, s) = student(&t, &v, &lora);
+    perturb_adapters(&s);
     tch::no_grad(|| {
-        for l in s.adapters().values() {
-            l.b.shallow_clone().copy_(&(Tensor::randn(l.b.size(), (Kind::Float, Device::Cpu)) * 0.05));
-        }
         let _ = vs.variables()["model.layers.0.self_attn.window_factors"].shallow_clone().fill_(0.7);
     });
     let dir = tempfile::tempdir().unwrap();
@@ -299,21 +302,7 @@ fn linearize_runs_on_olmo2_and_dar_teachers() {
     let tok = Tok::load(&TokenizerSpec::Path("builtin".into())).unwrap();
     for (family, dar) in [(Family::Olmo2, false), (Family::Llama, true), (Family::Olmo2, true)] {
         let name = format!("{family:?}-{dar}");
-        let cfg = LlamaConfig {
-            vocab_size: tok.padded_vocab(),
-            hidden_size: 32,
-            intermediate_size: 64,
-            num_hidden_layers: 2,
-            num_attention_heads: 4,
-            num_key_value_heads: 2,
-            rms_norm_eps: 1e-5,
-            rope_theta: 10000.0,
-            rope_scaling: crate::model::llama::RopeScaling::Default,
-            tie_word_embeddings: true,
-            max_position_embeddings: 256,
-            family,
-            attention: Default::default(),
-        };
+        let cfg = crate::testutil::tiny_llama(tok.padded_vocab(), family);
         tch::manual_seed(7);
         let vs = nn::VarStore::new(Device::Cpu);
         let mut m = Llama::new(&vs.root(), cfg);
