@@ -15,26 +15,26 @@ tag() { grep '^{' | sed "s/^{/{\"bin\":\"$1\",\"what\":\"$2\",/" >> "$OUT/speed.
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "[$(date +%T)] check" | tee -a "$LOG"
 .gpu/attnlab bench --check --set model.flavor=pythia-70m --set data.train.synthetic.docs=1 --set train.batch_size=2 --set data.seq_len=2048 2>&1 | tee -a "$LOG" | tail -20
-for round in 1 2; do
+bin_path() { if [ $1 = before ]; then echo .gpu/attnlab-before; else echo .gpu/attnlab; fi; }
+# Every measurement runs before, then after, back to back (drift hits both alike).
+for T in 2048 4096 2048 4096; do
   for bin in before after; do
-    A=.gpu/attnlab; [ $bin = before ] && A=.gpu/attnlab-before
-    echo "[$(date +%T)] round $round $bin attn" | tee -a "$LOG"
-    for T in 2048 4096; do
-      $A bench --attention-only --json --steps 30 --set model.flavor=pythia-70m --set train.batch_size=16 --set data.seq_len=$T --set attention.window=128 2>>"$LOG" | tag $bin attn
-    done
-    echo "[$(date +%T)] round $round $bin train" | tee -a "$LOG"
-    for size in 70m:64:128 160m:32:192; do
-      IFS=: read -r f b dd <<< "$size"
-      for att in "{kind: vanilla}" "{kind: dar, d_down: $dd, window: 128}" "{kind: uniform, d_down: $dd}"; do
-        $A bench experiments/pythia-70m-vanilla.yaml --json --steps 12 --warmup 4 --set model.flavor=pythia-$f \
-          --set train.batch_size=$b --set "attention=$att" 2>>"$LOG" | tag $bin train
-      done
-    done
-    if [ $round = 1 ]; then
-      echo "[$(date +%T)] $bin decode" | tee -a "$LOG"
-      $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths 1024,4096 --attention vanilla,dar,still,lolcats --new-tokens 32 2>>"$LOG" | tag $bin decode
-    fi
+    $(bin_path $bin) bench --attention-only --json --steps 30 --set model.flavor=pythia-70m --set train.batch_size=16 --set data.seq_len=$T --set attention.window=128 2>>"$LOG" | tag $bin attn
   done
+done
+echo "[$(date +%T)] train" | tee -a "$LOG"
+for size in 70m:64:128 160m:32:192; do
+  IFS=: read -r f b dd <<< "$size"
+  for att in "{kind: vanilla}" "{kind: dar, d_down: $dd, window: 128}" "{kind: uniform, d_down: $dd}"; do
+    for bin in before after; do
+      $(bin_path $bin) bench experiments/pythia-70m-vanilla.yaml --json --steps 12 --warmup 4 --set model.flavor=pythia-$f \
+        --set train.batch_size=$b --set "attention=$att" 2>>"$LOG" | tag $bin train
+    done
+  done
+done
+echo "[$(date +%T)] decode" | tee -a "$LOG"
+for bin in before after; do
+  $(bin_path $bin) bench-decode experiments/pythia-70m-dar.yaml --json --lengths 1024,4096 --attention vanilla,dar,still,lolcats --new-tokens 32 2>>"$LOG" | tag $bin decode
 done
 echo "[$(date +%T)] done" | tee -a "$LOG"
 $PY - "$OUT" <<'PY' | tee "$OUT/speed.md"
