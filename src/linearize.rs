@@ -402,6 +402,11 @@ pub fn teacher_tokenizer(teacher: &str, tokenizer: Option<&TokenizerSpec>) -> Re
     }
     let local = Path::new(teacher);
     let cfg = local.join("config.yaml");
+    let export = local.join("export").join("tokenizer.json");
+    if cfg.is_file() && crate::run_kind::RunKind::of(local)? == crate::run_kind::RunKind::Finetune && export.is_file() {
+        // A finetune run: the tokenizer its export carries.
+        return Tok::load(&TokenizerSpec::Path(export.display().to_string()));
+    }
     if cfg.is_file() {
         let spec = crate::spec::from_str(&std::fs::read_to_string(&cfg).at(&cfg)?, &cfg.display().to_string(), &[])?;
         return Tok::load(spec.data.tokenizer.as_ref().expect("resolved"));

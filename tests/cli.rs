@@ -495,6 +495,19 @@ fn finetune_two_stages_resume_and_eval() {
     assert!(eval["finetuned"]["loss"].as_f64().unwrap() < eval["base"]["loss"].as_f64().unwrap(), "{eval}");
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("olmo-dar/export/config.json")).unwrap()).unwrap();
     assert!(cfg["model_type"] == "olmo2" && cfg["attnlab_attention"]["d_down"] == 16, "{cfg}");
+    // A finetune run generates (from its export) with DAR's latent cache, and linearizes: a STILL
+    // student of the DAR-fine-tuned OLMo 2, its teacher's held-out loss the DAR model's.
+    let out = attnlab(&["generate", olmo_dar.with_extension("").to_str().unwrap(), "--prompt", "hello", "--max-new-tokens", "3"], cwd);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("decode"), "{}", fails(&out));
+    let lin = cwd.join("lin.yaml");
+    std::fs::write(&lin, format!("teacher: {}\nattention: {{kind: still, chunk: 8, tokens_per_chunk: 1}}\ndata: {{train: {{synthetic: {{seed: 1, docs: 40}}}}, seq_len: 32, batch_size: 2, val_rows: 2}}\nstage1: {{steps: 2}}\nstage2: {{steps: 1}}\ntrain: {{device: cpu}}\noutput: {}\n", cwd.join("olmo-dar").display(), cwd.join("lin").display())).unwrap();
+    let out = ok(&attnlab(&["linearize", lin.to_str().unwrap(), "--quiet"], cwd));
+    let eval: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("lin/eval.json")).unwrap()).unwrap();
+    assert!(eval["student"]["loss"].as_f64().unwrap().is_finite() && eval["teacher"]["loss"].as_f64().unwrap().is_finite(), "{out} {eval}");
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("lin/export/config.json")).unwrap()).unwrap();
+    assert!(cfg["model_type"] == "olmo2" && cfg["attnlab_attention"]["kind"] == "still", "{cfg}");
+    let out = attnlab(&["generate", cwd.join("lin").to_str().unwrap(), "--prompt", "hello", "--max-new-tokens", "3"], cwd);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("decode"), "{}", fails(&out));
 }
 
 /// scripts/fault_test.sh on the tiny spec: random SIGKILLs (some inside checkpoint writes), a

@@ -71,7 +71,7 @@ pub struct Loaded {
 }
 
 /// Load what `generate` and `eval --task` read: a training run directory (at checkpoint `step`, default
-/// the newest), a finished `linearize` run directory, or its `export/` folder (STILL / LoLCATs students,
+/// the newest), a finished `finetune` run directory (its export), a finished `linearize` run directory, or its `export/` folder (STILL / LoLCATs students,
 /// LoRA merged). `device` overrides the run's (`auto` for exports).
 pub fn load(path: &Path, step: Option<u64>, device: Option<&str>) -> Result<Loaded> {
     load_with(path, step, device, &[])
@@ -84,6 +84,9 @@ pub fn load_with(path: &Path, step: Option<u64>, device: Option<&str>, overrides
     let kind = || crate::run_kind::RunKind::of(path).ok();
     if !exported && kind() == Some(crate::run_kind::RunKind::Linearize) {
         return Err(Error::Run { dir: path.into(), msg: format!("is a linearize run without {}/ (not finished yet)", linearize::EXPORT_DIR) });
+    }
+    if !exported && kind() == Some(crate::run_kind::RunKind::Finetune) {
+        return load_finetuned(path, step, device, overrides);
     }
     if !exported {
         if let Some(o) = overrides.first() {
@@ -100,6 +103,27 @@ pub fn load_with(path: &Path, step: Option<u64>, device: Option<&str>, overrides
     let run = if path.join(EXPORT_VARIANT).is_file() { path.parent().unwrap_or(path) } else { path };
     let step = crate::train::checkpoint::list(run).last().map_or(0, |c| c.0);
     Ok(Loaded { eos: linearize::eos_id(&tok), model: Model::Llama(hybrid), tok, device, step, vs })
+}
+
+/// A finished `finetune` run: its `export/` folder (a Hugging Face Llama / OLMo 2 folder, DAR
+/// settings in `attnlab_attention`, with its tokenizer).
+fn load_finetuned(path: &Path, step: Option<u64>, device: Option<&str>, overrides: &[String]) -> Result<Loaded> {
+    let bad = |msg: String| Error::Run { dir: path.into(), msg };
+    if let Some(o) = overrides.first() {
+        return Err(bad(format!("--set {o}: overrides apply to linearized (STILL / LoLCATs) models only")));
+    }
+    if let Some(s) = step {
+        return Err(bad(format!("--step {s}: a finetune run is loaded from its final export, not from a checkpoint")));
+    }
+    let export = path.join("export");
+    if !export.join("config.json").is_file() {
+        return Err(bad("is a finetune run without export/ (not finished yet)".into()));
+    }
+    let device = crate::device::parse_device(device.unwrap_or("auto"))?;
+    let (vs, m) = crate::model::hf::load_llama(&export, device)?;
+    let tok = Tok::load(&crate::spec::TokenizerSpec::Path(export.join("tokenizer.json").display().to_string()))?;
+    let step = crate::train::checkpoint::list(path).last().map_or(0, |c| c.0);
+    Ok(Loaded { eos: linearize::eos_id(&tok), model: Model::Llama(m), tok, device, step, vs })
 }
 
 /// Greedy when `temperature` is 0, else sampling from softmax(logits / temperature) with `seed`.
