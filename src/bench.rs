@@ -113,11 +113,13 @@ pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4],
         } else if kind.has_bottleneck() {
             attention::dar(&q, &kl, &vl, &kg, &vg, window, imp)
         } else {
-            // Local keys only (kind: window).
             attention::window::forward(&q, &kl, &vl, window, None, imp)
         };
         (o * &go).sum(Kind::Float).backward();
     };
+    if !(kind.is_vanilla() || kind.has_bottleneck() || kind.is_local_only()) {
+        return Err(crate::Error::Other(format!("bench: no attention op for kind {}", kind.name())));
+    }
     for _ in 0..3 {
         run();
     }

@@ -33,6 +33,14 @@ impl AttentionKind {
         self == AttentionKind::Vanilla
     }
 
+    /// Keys within the window only, nothing farther (window-only attention).
+    pub fn is_local_only(self) -> bool {
+        match self {
+            AttentionKind::Window => true,
+            AttentionKind::Vanilla | AttentionKind::Dar | AttentionKind::Uniform => false,
+        }
+    }
+
     /// Position in `ALL`: the order of table rows and plot legends.
     pub fn order(self) -> usize {
         AttentionKind::ALL.iter().position(|&k| k == self).unwrap_or(AttentionKind::ALL.len())
@@ -267,6 +275,7 @@ mod tests {
         assert_eq!(AttentionKind::from_name("DAR"), None);
         assert_eq!(AttentionKind::names(), "vanilla, dar, uniform, window");
         assert_eq!(AttentionKind::ALL.map(AttentionKind::order), [0, 1, 2, 3]);
+        assert_eq!(AttentionKind::ALL.map(AttentionKind::is_local_only), [false, false, false, true]);
         assert_eq!([AttentionKind::Dar.op_window(8), AttentionKind::Uniform.op_window(8), AttentionKind::Window.op_window(8)], [8, 0, 8]);
     }
 
