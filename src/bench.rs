@@ -75,7 +75,7 @@ pub fn train_bench(spec: &Spec, vocab: usize, warmup: usize, steps: usize) -> Re
     Ok(TrainBench {
         name: spec.name.clone().unwrap_or_default(),
         flavor: spec.model.flavor.map(|f| serde_yaml::to_string(&f).unwrap_or_default().trim().to_string()).unwrap_or_else(|| "custom".into()),
-        attention: format!("{:?}", spec.attention.kind).to_lowercase(),
+        attention: spec.attention.kind.name().into(),
         device: format!("{device:?}"),
         micro_batch: b as usize,
         seq_len: t as usize,
@@ -105,15 +105,21 @@ pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4],
     let mk = || Tensor::randn(shape, (kind_t, device)).set_requires_grad(true);
     let (q, kl, vl, kg, vg) = (mk(), mk(), mk(), mk(), mk());
     let go = Tensor::randn(shape, (kind_t, device));
+    // The op each kind computes (uniform: DAR with window 0).
+    let window = kind.op_window(window);
     let run = || {
-        let o = match kind {
-            AttentionKind::Vanilla => attention::causal(&q, &kl, &vl, imp),
-            AttentionKind::Dar => attention::dar(&q, &kl, &vl, &kg, &vg, window, imp),
-            AttentionKind::Uniform => attention::dar(&q, &kl, &vl, &kg, &vg, 0, imp),
-            AttentionKind::Window => attention::window::forward(&q, &kl, &vl, window, None, imp),
+        let o = if kind.is_vanilla() {
+            attention::causal(&q, &kl, &vl, imp)
+        } else if kind.has_bottleneck() {
+            attention::dar(&q, &kl, &vl, &kg, &vg, window, imp)
+        } else {
+            attention::window::forward(&q, &kl, &vl, window, None, imp)
         };
         (o * &go).sum(Kind::Float).backward();
     };
+    if !(kind.is_vanilla() || kind.has_bottleneck() || kind.is_local_only()) {
+        return Err(crate::Error::Other(format!("bench: no attention op for kind {}", kind.name())));
+    }
     for _ in 0..3 {
         run();
     }
@@ -124,12 +130,12 @@ pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4],
     }
     sync(device);
     Ok(OpBench {
-        attention: format!("{kind:?}").to_lowercase(),
+        attention: kind.name().into(),
         implementation: format!("{imp:?}").to_lowercase(),
         batch_heads: shape[0] * shape[1],
         seq_len: shape[2],
         head_dim: shape[3],
-        window: if kind == AttentionKind::Uniform { 0 } else { window },
+        window,
         fwd_bwd_ms: 1e3 * start.elapsed().as_secs_f64() / reps as f64,
     })
 }
@@ -202,10 +208,10 @@ pub fn bench_all(spec: &Spec, reps: usize, mut each: impl FnMut(&OpBench, f64)) 
     let window = spec.attention.window.unwrap_or(128);
     let imps: Vec<AttentionImpl> = if device.is_cuda() { vec![AttentionImpl::Auto, AttentionImpl::SplitMerge, AttentionImpl::Sdpa] } else { vec![AttentionImpl::Auto, AttentionImpl::Reference] };
     let mut base_ms = None;
-    // Window is `attention_bench(AttentionKind::Window, …)`; the table keeps its three kinds.
-    for kind in [AttentionKind::Vanilla, AttentionKind::Dar, AttentionKind::Uniform] {
+    // The table keeps vanilla and the bottleneck kinds (the DAR paper's); `attention_bench` times the others.
+    for kind in AttentionKind::ALL.into_iter().filter(|k| k.is_vanilla() || k.has_bottleneck()) {
         for &imp in &imps {
-            if kind == AttentionKind::Vanilla && imp != AttentionImpl::Auto && device.is_cuda() {
+            if kind.is_vanilla() && imp != AttentionImpl::Auto && device.is_cuda() {
                 continue;
             }
             let r = attention_bench(kind, imp, shape, window, device, reps)?;

@@ -2,7 +2,6 @@
 //! (config.json, model.safetensors, tokenizer.json). Llama / OLMo 2 runs export with their attention
 //! (DAR and window settings under `attnlab_attention`); GPT-NeoX runs only when vanilla.
 use crate::model::{hf, Model};
-use crate::spec::AttentionKind;
 use crate::{Error, Result};
 use std::path::Path;
 
@@ -13,7 +12,7 @@ pub fn export(run: &Path, out: &Path, step: Option<u64>) -> Result<u64> {
     let config = match &loaded.model {
         Model::Llama(m) if m.variant().is_some() => return Err(bad("linearize runs write their export/ themselves".into())),
         Model::Llama(m) => m.cfg.to_hf_json(),
-        Model::Neox(m) if m.cfg.attention.kind == AttentionKind::Vanilla => hf::neox_config_json(&m.cfg, loaded.spec.seq_len()),
+        Model::Neox(m) if m.cfg.attention.kind.is_vanilla() => hf::neox_config_json(&m.cfg, loaded.spec.seq_len()),
         Model::Neox(_) => return Err(bad(format!("{:?} attention has no Hugging Face architecture; only vanilla runs export", loaded.spec.attention.kind))),
     };
     hf::save_folder(&loaded.vs, &config, out)?;

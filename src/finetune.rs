@@ -17,7 +17,7 @@ use crate::data::Tok;
 use crate::linearize::LinCheckpoint;
 use crate::model::bottleneck::BottleneckInit;
 use crate::model::{Llama, LlamaConfig};
-use crate::spec::{Precision, TokenizerSpec};
+use crate::spec::{AttentionInit, AttentionSpec, Precision, TokenizerSpec};
 use crate::train::optim::Hyper;
 use crate::train::stages;
 use crate::{Error, IoContext, Result};
@@ -39,8 +39,11 @@ pub struct FinetuneSpec {
     /// tokenizer_config.json `chat_template`, else `builtin`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
-    #[serde(default)]
-    pub attention: AttentionChange,
+    /// The attention of the fine-tuned model, as the train spec writes it: `{kind: vanilla}` (the
+    /// base model's, unchanged; the default) or DAR (dar.md §1) `{kind: dar, d_down, window: 128,
+    /// init: small_init | pca, impl: auto}` (`AttentionSpec::resolve_finetune`).
+    #[serde(default, with = "crate::spec::finetune_attention")]
+    pub attention: AttentionSpec,
     pub data: FtData,
     #[serde(default = "stage1_default")]
     pub stage1: FtStage,
@@ -51,22 +54,6 @@ pub struct FinetuneSpec {
     #[serde(default)]
     pub checkpoint: LinCheckpoint,
     pub output: PathBuf,
-}
-
-/// The attention of the fine-tuned model: unchanged, or DAR (dar.md §1) with a bottleneck of
-/// `d_down` and a full-attention window of `window` tokens.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum AttentionChange {
-    #[default]
-    Vanilla,
-    Dar {
-        d_down: usize,
-        #[serde(default = "default_window")]
-        window: usize,
-        #[serde(default)]
-        init: BottleneckInit,
-    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -163,9 +150,6 @@ fn stage1_default() -> FtStage {
 }
 fn stage2_default() -> FtStage {
     stage1_default()
-}
-fn default_window() -> usize {
-    128
 }
 fn default_seq() -> usize {
     4096
@@ -271,14 +255,20 @@ fn is_bottleneck_param(name: &str) -> bool {
     crate::model::is_bottleneck_param(name)
 }
 
-/// The model to fine-tune, under `vs`, from the base weights, with the attention change applied
-/// (DAR: bottlenecks initialised by `init`, `pca` over the calibration rows).
-fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, change: &AttentionChange, calibration: &[&PackedRow]) -> Result<Llama> {
+/// The model to fine-tune, under `vs`, from the base weights, with the attention (resolved by
+/// `AttentionSpec::resolve_finetune`) applied (DAR: bottlenecks initialised by `init`, `pca` over
+/// the calibration rows).
+fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, attention: &AttentionSpec, calibration: &[&PackedRow]) -> Result<Llama> {
     let mut m = Llama::new(&vs.root(), cfg.clone());
     crate::model::hf::copy_into(vs, base.variables(), Path::new("base model"))?;
-    if let AttentionChange::Dar { d_down, window, init } = change {
-        let dar = crate::model::DarConfig { kind: crate::spec::AttentionKind::Dar, d_down: *d_down, window: *window, ..Default::default() };
-        let init = *init;
+    if attention.has_bottleneck() {
+        let (d_down, window) = (attention.d_down_width().unwrap_or(0), attention.window_len().unwrap_or(0));
+        let dar = crate::model::DarConfig { kind: attention.kind, d_down, window, implementation: attention.implementation, ..Default::default() };
+        let init = match attention.init.unwrap_or_default() {
+            AttentionInit::SmallInit => BottleneckInit::SmallInit,
+            AttentionInit::Pca => BottleneckInit::Pca,
+            other => return Err(Error::Other(format!("attention.init: {} cannot start a pretrained model's bottleneck (small_init or pca)", other.name()))),
+        };
         let device = vs.device();
         let calib = (!calibration.is_empty()).then(|| batch(calibration, device));
         let discarded = crate::model::bottleneck::add_dar_to_pretrained(&mut m, &vs.root(), dar, init, calib.as_ref().map(|c| &c[0]), calib.as_ref().map(|c| &c[2]))?;
@@ -529,7 +519,7 @@ pub fn finetune(spec: FinetuneSpec, opts: &FinetuneOptions) -> Result<FinetuneOu
     // Held-out evaluation: the base model as loaded vs the fine-tuned one.
     let tuned = held_out_loss(&model, eval_rows, device, autocast);
     let base_eval_vs = VarStore::new(device);
-    let base_model = build_model(&base_eval_vs, &base_vs, &cfg, &AttentionChange::Vanilla, &[])?;
+    let base_model = build_model(&base_eval_vs, &base_vs, &cfg, &AttentionSpec::vanilla(), &[])?;
     let base = held_out_loss(&base_model, eval_rows, device, autocast);
     let eval = json!({"step": total, "rows": eval_rows.len(), "seq_len": spec.data.seq_len,
         "scored_tokens": eval_rows.iter().map(|r| scored(&[r])).sum::<usize>(),
@@ -560,6 +550,73 @@ fn export(dir: &Path, vs: &VarStore, cfg: &LlamaConfig, tok: &Tok, template: &Ch
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spec::{AttentionImpl, AttentionKind};
+
+    /// config.yaml of a finetune run directory written before the attention became the spec's
+    /// `AttentionSpec` (attnlab at 71effca, `attnlab config` of a DAR spec with `init: pca`).
+    const OLD_CONFIG: &str = "command: finetune\nbase: some/llama\nattention:\n  kind: dar\n  d_down: 16\n  window: 8\n  init: pca\ndata:\n  train:\n    path: chat.jsonl\n    field: messages\n  seq_len: 4096\n  batch_size: 8\n  val_rows: 8\n  eval_rows: 64\n  calibration_rows: 8\nstage1:\n  epochs: 1.0\n  lr: 0.0003\n  weight_decay: 0.0\n  warmup: 0.03\n  schedule: linear\n  params: bottleneck\nstage2:\n  epochs: 1.0\n  lr: 0.00003\n  weight_decay: 0.0\n  warmup: 0.03\n  schedule: linear\n  params: all\ntrain:\n  device: auto\n  seed: 0\n  log_every: 10\n  clip: 1.0\n  precision: auto\ncheckpoint:\n  every: 200\n  keep: 2\noutput: OUT\n";
+
+    fn ft(attention: &str) -> Result<FinetuneSpec> {
+        FinetuneSpec::from_yaml(&format!("base: b\n{attention}data: {{train: {{path: x.jsonl}}}}\noutput: o\n"))
+    }
+
+    /// An old run directory's config reads back, serializes to the very same text (sweep hashes and
+    /// config.yaml keep their form) and is accepted by prepare_dir for the same spec written anew.
+    #[test]
+    fn old_finetune_configs_still_parse_and_reopen() {
+        let old = FinetuneSpec::from_yaml(OLD_CONFIG).unwrap();
+        assert_eq!((old.attention.kind, old.attention.d_down, old.attention.window, old.attention.init), (AttentionKind::Dar, Some(16), Some(8), Some(AttentionInit::Pca)));
+        assert_eq!(old.to_yaml(), OLD_CONFIG.strip_prefix("command: finetune\n").unwrap());
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ft");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.yaml"), OLD_CONFIG.replace("OUT", &dir.display().to_string())).unwrap();
+        let new = FinetuneSpec::from_yaml(&format!("base: some/llama\nattention: {{kind: dar, d_down: 16, window: 8, init: pca}}\ndata: {{train: {{path: chat.jsonl}}}}\noutput: {}\n", dir.display())).unwrap().resolved();
+        stages::prepare_dir(&dir, &new, |s| s.train.device = String::new(), "finetune").expect("the old config is the same run");
+        let other = FinetuneSpec { attention: AttentionSpec { init: Some(AttentionInit::SmallInit), ..new.attention.clone() }, ..new.clone() };
+        assert!(stages::prepare_dir(&dir, &other, |s| s.train.device = String::new(), "finetune").is_err(), "another start is another run");
+        // The old vanilla form (and no attention key at all) is vanilla, written as before.
+        let v = ft("attention:\n  kind: vanilla\n").unwrap();
+        assert_eq!(v.attention, AttentionSpec::vanilla());
+        assert_eq!(ft("").unwrap().attention, AttentionSpec::vanilla());
+        assert!(v.to_yaml().contains("attention:\n  kind: vanilla\ndata:"), "{}", v.to_yaml());
+    }
+
+    /// The keys of the spec's attention type: init takes small_init and pca, impl is kept; the
+    /// serialized form writes impl only when it is not the default.
+    #[test]
+    fn finetune_attention_takes_the_spec_keys() {
+        let s = ft("attention: {kind: dar, d_down: 8, window: 0, init: small_init, impl: sdpa}\n").unwrap();
+        assert_eq!((s.attention.window, s.attention.init, s.attention.implementation), (Some(0), Some(AttentionInit::SmallInit), AttentionImpl::Sdpa));
+        assert!(s.to_yaml().contains("attention:\n  kind: dar\n  d_down: 8\n  window: 0\n  impl: sdpa\n  init: small_init\n"), "{}", s.to_yaml());
+        assert_eq!(FinetuneSpec::from_yaml(&s.to_yaml()).unwrap(), s);
+        assert_eq!(ft("attention: {kind: dar, d_down: 8, dar_act: linear}\n").unwrap().attention.window, Some(128));
+    }
+
+    /// Values that do not apply to fine-tuning are refused, naming the key.
+    #[test]
+    fn finetune_attention_errors_name_the_key() {
+        let cases = [
+            ("{kind: uniform, d_down: 8}", "attention.kind"),
+            ("{kind: window, window: 8}", "attention.kind"),
+            ("{kind: dar}", "attention.d_down"),
+            ("{kind: dar, d_down: 0}", "attention.d_down"),
+            ("{kind: dar, d_down: 8, window: -1}", "attention.window"),
+            ("{kind: dar, d_down: 8, init: orthogonal}", "attention.init"),
+            ("{kind: dar, d_down: 8, dar_act: sigmoid}", "attention.dar_act"),
+            ("{kind: vanilla, d_down: 8}", "attention.d_down"),
+            ("{kind: vanilla, init: pca}", "attention.init"),
+            ("{kind: dar, d_down: 8, init: svd}", "init"),
+            ("{kind: still}", "kind"),
+        ];
+        for (attention, key) in cases {
+            let e = ft(&format!("attention: {attention}\n")).unwrap_err().to_string();
+            assert!(e.contains(key), "{attention}: {e}");
+        }
+        // And pca is a fine-tuning start only: a pretraining spec refuses it.
+        let e = crate::spec::from_str("attention: {kind: dar, d_down: 8, init: pca}\ndata: {train: {synthetic: {docs: 4}}}\ntrain: {steps: 1}\n", "t.yaml", &[]).unwrap_err().to_string();
+        assert!(e.contains("attention.init") && e.contains("finetune"), "{e}");
+    }
 
     /// HF's linear schedule with warmup: lr·s/W while warming up, then lr·(n − s)/(n − W).
     #[test]
@@ -580,7 +637,7 @@ mod tests {
     #[test]
     fn spec_defaults_are_dar_md_4_2() {
         let s = FinetuneSpec::from_yaml("base: b\nattention: {kind: dar, d_down: 64}\ndata: {train: {path: x.jsonl}}\noutput: o\n").unwrap().resolved();
-        assert_eq!(s.attention, AttentionChange::Dar { d_down: 64, window: 128, init: BottleneckInit::SmallInit });
+        assert_eq!((s.attention.kind, s.attention.d_down, s.attention.window, s.attention.init), (AttentionKind::Dar, Some(64), Some(128), Some(AttentionInit::SmallInit)));
         assert_eq!((s.stage1.lr, s.stage2.lr, s.stage1.epochs, s.stage2.epochs), (Some(3e-4), Some(3e-5), 1.0, 1.0));
         assert_eq!((s.stage1.params.as_deref(), s.stage2.params.as_deref()), (Some("bottleneck"), Some("all")));
         assert_eq!((s.data.seq_len, s.stage1.warmup, s.stage1.schedule, s.stage1.weight_decay), (4096, 0.03, Schedule::Linear, 0.0));

@@ -459,15 +459,15 @@ fn run(cli: Cli) -> Result<()> {
             use attnlab::eval::tasks;
             let def = tasks::TaskDef::load(&task)?;
             let loaded = train::run::load(&run, step, device.as_deref())?;
-            let min_context = min_context.unwrap_or(if loaded.spec.attention.kind == AttentionKind::Vanilla { 0 } else { loaded.spec.window() });
+            let min_context = min_context.unwrap_or(loaded.spec.attention.min_context());
             let opts = tasks::Options { data, limit, shots, max_len: loaded.spec.seq_len(), min_context, batch_tokens, quiet: false };
             let (mut result, samples) = tasks::evaluate(&loaded.model, &loaded.tok, &def, &opts, loaded.device).with_context(|| format!("task {task} on {}", run.display()))?;
             let a = &loaded.spec.attention;
-            let vanilla = a.kind == AttentionKind::Vanilla;
+            let vanilla = a.is_vanilla();
             result.model = tasks::ModelInfo {
                 step: loaded.step,
                 arch: format!("{:?}", loaded.spec.model.arch.unwrap_or_default()).to_lowercase(),
-                attention: format!("{:?}", a.kind).to_lowercase(),
+                attention: a.kind.name().into(),
                 d_model: loaded.spec.shape().d_model,
                 d_down: if vanilla { None } else { a.d_down.map(|x| x as usize) },
                 window: if vanilla { None } else { a.window.map(|x| x as usize) },

@@ -1,6 +1,6 @@
 //! report.md: the tables, the figures, what is missing and why, and the list of runs.
 use super::figures::Figure;
-use super::groups::{self, Config};
+use super::groups;
 use super::load::{Run, Skipped};
 use super::render;
 use super::tables::{Table, Unit};
@@ -152,8 +152,8 @@ pub fn write(i: &Inputs) -> String {
     }
     let _ = writeln!(o, "| run | scale | attention | recipe | seed | logged step / steps | DONE | tables |\n|---|---|---|---|---|---|---|---|");
     for r in i.runs {
-        let mut attention = Config::of(&r.spec).label();
-        if r.spec.attention.dar_act != crate::spec::DarAct::Linear && r.spec.attention.kind.has_bottleneck() {
+        let mut attention = r.spec.attention.comparable().label();
+        if r.spec.attention.dar_act != crate::spec::DarAct::Linear && r.spec.attention.has_bottleneck() {
             attention += ", sigmoid bottleneck (not tabulated: the paper's tables use the linear one)";
         }
         let tables = in_tables.get(r.rel.as_str()).map_or("none".to_string(), |v| v.join(", "));

@@ -4,12 +4,12 @@
 //! seed only. A sweep's charts draw one series per configuration: the mean over its seeds, with a
 //! band of ± one s.d. where there are several; vanilla black, DAR solid, uniform dashed,
 //! window-only dotted, one colour per d_down (per window in a window ablation).
-use super::groups::{self, Config, Key};
+use super::groups::{self, Key};
 use super::load::Run;
 use super::plots::{self, Chart, Dash, Line};
 use super::stats::Stat;
 use super::tables::{rel, Unit};
-use crate::spec::{AttentionKind, DarAct};
+use crate::spec::{AttentionSpec, DarAct};
 use crate::Result;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -50,7 +50,7 @@ fn corpora(run: &Run) -> Vec<String> {
 /// Loss and perplexity against step for one run.
 pub fn run_figures(run: &Run, out: &Path, unit: Unit) -> Result<Vec<Figure>> {
     let stem = format!("plots/runs/{}", slug(&run.rel));
-    let what = format!("{} ({}, {})", run.rel, groups::scale(&run.spec), Config::of(&run.spec).label());
+    let what = format!("{} ({}, {})", run.rel, groups::scale(&run.spec), run.spec.attention.comparable().label());
     let loss = Chart {
         title: format!("Training loss: {}", run.rel),
         x_label: "step".into(),
@@ -78,7 +78,7 @@ pub fn run_figures(run: &Run, out: &Path, unit: Unit) -> Result<Vec<Figure>> {
 
 /// One configuration of a sweep: its runs (one per seed, usually) and how it is drawn.
 struct Series<'a> {
-    config: Config,
+    config: AttentionSpec,
     sigmoid: bool,
     runs: Vec<&'a Run>,
     label: String,
@@ -87,12 +87,12 @@ struct Series<'a> {
 }
 
 fn is_sigmoid(r: &Run) -> bool {
-    r.spec.attention.kind != AttentionKind::Vanilla && r.spec.attention.dar_act == DarAct::Sigmoid
+    !r.spec.attention.is_vanilla() && r.spec.attention.dar_act == DarAct::Sigmoid
 }
 
 /// The dash of a kind: vanilla and DAR solid, uniform dashed, window-only dotted.
-fn dash_of(c: &Config) -> Dash {
-    match groups::kind_name(c.kind).as_str() {
+fn dash_of(c: &AttentionSpec) -> Dash {
+    match c.kind.name() {
         "uniform" => Dash::Dashed,
         "window" => Dash::Dotted,
         _ => Dash::Solid,
@@ -105,26 +105,20 @@ fn dash_of(c: &Config) -> Dash {
 fn series<'a>(runs: &[&'a Run]) -> Vec<Series<'a>> {
     let mut out: Vec<Series<'a>> = Vec::new();
     for &r in runs {
-        let (config, sigmoid) = (Config::of(&r.spec), is_sigmoid(r));
+        let (config, sigmoid) = (r.spec.attention.comparable(), is_sigmoid(r));
         match out.iter_mut().find(|s| s.config == config && s.sigmoid == sigmoid) {
             Some(s) => s.runs.push(r),
-            None => out.push(Series { config, sigmoid, runs: vec![r], label: String::new(), color: None, dash: dash_of(&config) }),
+            None => out.push(Series { dash: dash_of(&config), config, sigmoid, runs: vec![r], label: String::new(), color: None }),
         }
     }
-    let rank = |c: &Config| match groups::kind_name(c.kind).as_str() {
-        "vanilla" => 0,
-        "dar" => 1,
-        "uniform" => 2,
-        _ => 3,
-    };
-    out.sort_by_key(|s| (rank(&s.config), std::cmp::Reverse(s.config.d_down), std::cmp::Reverse(s.config.window), s.config.init.map(|i| i as u8), s.sigmoid));
+    out.sort_by_key(|s| (s.config.kind.order(), std::cmp::Reverse(s.config.d_down), std::cmp::Reverse(s.config.window), s.config.init.map(|i| i as u8), s.sigmoid));
     // Colour by window only in a window ablation: one d_down, several DAR windows (uniform's 0
     // alone does not make one).
-    let bottleneck: Vec<&Config> = out.iter().map(|s| &s.config).filter(|c| c.has_bottleneck()).collect();
-    let d_downs: BTreeSet<Option<usize>> = bottleneck.iter().map(|c| c.d_down).collect();
-    let windows: BTreeSet<Option<usize>> = bottleneck.iter().filter(|c| c.kind == AttentionKind::Dar).map(|c| c.window).collect();
+    let bottleneck: Vec<&AttentionSpec> = out.iter().map(|s| &s.config).filter(|c| c.has_bottleneck()).collect();
+    let d_downs: BTreeSet<Option<usize>> = bottleneck.iter().map(|c| c.d_down_width()).collect();
+    let windows: BTreeSet<Option<usize>> = bottleneck.iter().filter(|c| c.dar_window().is_some()).map(|c| c.window_len()).collect();
     let by_window = d_downs.len() <= 1 && windows.len() > 1;
-    let key = |c: &Config| -> String {
+    let key = |c: &AttentionSpec| -> String {
         match (c.has_bottleneck(), by_window) {
             (true, false) => format!("d{}", c.d_down.unwrap_or(0)),
             _ => format!("w{}", c.window.unwrap_or(0)),
@@ -137,7 +131,7 @@ fn series<'a>(runs: &[&'a Run]) -> Vec<Series<'a>> {
         let n = s.runs.iter().map(|r| r.spec.seed()).collect::<BTreeSet<_>>().len();
         let seeds = if n > 1 { format!(", {n} seeds") } else { String::new() };
         s.label = format!("{}{}{seeds}", s.config.label(), if s.sigmoid { " sigmoid" } else { "" });
-        if s.config.kind == AttentionKind::Vanilla {
+        if s.config.is_vanilla() {
             continue;
         }
         let dash = (s.dash == Dash::Solid, s.dash == Dash::Dashed, s.dash == Dash::Dotted);
@@ -243,7 +237,7 @@ pub fn rel_curve(run: &Run, vanilla: &Run, unit: Unit) -> Vec<(f64, f64)> {
 /// evaluated most often), and the per-seed curves are pooled.
 pub fn figure3(key: &Key, runs: &[&Run], out: &Path, unit: Unit) -> Result<Option<Figure>> {
     let evals = |r: &Run| r.rows.keys().filter(|&&s| !r.eval_at(s, unit.field()).is_empty()).count();
-    let vanillas: Vec<&Run> = runs.iter().copied().filter(|r| r.spec.attention.kind == AttentionKind::Vanilla).collect();
+    let vanillas: Vec<&Run> = runs.iter().copied().filter(|r| r.spec.attention.is_vanilla()).collect();
     let Some(fallback) = vanillas.iter().copied().max_by_key(|r| evals(r)) else {
         return Ok(None);
     };
@@ -253,7 +247,7 @@ pub fn figure3(key: &Key, runs: &[&Run], out: &Path, unit: Unit) -> Result<Optio
     let all = series(runs);
     let mut lines: Vec<Line> = all
         .iter()
-        .filter(|s| s.config.kind != AttentionKind::Vanilla)
+        .filter(|s| !s.config.is_vanilla())
         .map(|s| pooled_line(s, &s.runs.iter().map(|r| rel_curve(r, vanilla_of(r), unit)).collect::<Vec<_>>()))
         .collect();
     let xs: Vec<f64> = lines.iter().flat_map(|l| l.points.iter().map(|p| p.0)).collect();

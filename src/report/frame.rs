@@ -27,14 +27,14 @@ pub fn build(runs: &[Run]) -> Result<DataFrame> {
 
     let text = |f: &dyn Fn(&Run) -> Option<String>| -> Vec<Option<String>> { keys.iter().map(|&(i, _)| f(&runs[i])).collect() };
     let int = |f: &dyn Fn(&Run) -> Option<i64>| -> Vec<Option<i64>> { keys.iter().map(|&(i, _)| f(&runs[i])).collect() };
-    let config = |r: &Run| groups::Config::of(&r.spec);
+    let config = |r: &Run| r.spec.attention.comparable();
     let mut cols = vec![
         Column::new("run".into(), text(&|r| Some(r.rel.clone()))),
         Column::new("name".into(), text(&|r| Some(r.name()))),
-        Column::new("kind".into(), text(&|r| serde_json::to_value(r.spec.attention.kind).ok().and_then(|v| v.as_str().map(String::from)))),
-        Column::new("d_down".into(), int(&|r| config(r).d_down.map(|d| d as i64))),
-        Column::new("window".into(), int(&|r| config(r).window.map(|w| w as i64))),
-        Column::new("init".into(), text(&|r| r.spec.attention.init.and_then(|i| serde_json::to_value(i).ok()).and_then(|v| v.as_str().map(String::from)))),
+        Column::new("kind".into(), text(&|r| Some(r.spec.attention.kind.name().to_string()))),
+        Column::new("d_down".into(), int(&|r| config(r).d_down_width().map(|d| d as i64))),
+        Column::new("window".into(), int(&|r| config(r).window_len().map(|w| w as i64))),
+        Column::new("init".into(), text(&|r| r.spec.attention.init.map(|i| i.name().to_string()))),
         Column::new("seed".into(), int(&|r| Some(r.spec.seed() as i64))),
         Column::new("dar_act".into(), text(&|r| serde_json::to_value(r.spec.attention.dar_act).ok().and_then(|v| v.as_str().map(String::from)))),
         Column::new("flavor".into(), text(&|r| r.spec.model.flavor.map(groups::flavor_name))),

@@ -4,8 +4,9 @@
 //! their seed: same model shape, training data, tokenizer, T, steps, batch, optimizer and evaluation
 //! corpora. Runs of one recipe and configuration with different seeds are repeats: the tables
 //! summarise them (stats.rs) and pair each with the vanilla run of its own seed.
+//! A run's attention configuration, as tables and plots compare it, is `AttentionSpec::comparable`.
 use super::load::Run;
-use crate::spec::{AttentionInit, AttentionKind, AttentionSpec, CheckpointSpec, DarAct, Flavor, ModelSpec, Precision, SourceSpec, Spec};
+use crate::spec::{AttentionSpec, CheckpointSpec, DarAct, Flavor, ModelSpec, Precision, SourceSpec, Spec};
 use serde_json::Value;
 use std::collections::BTreeMap;
 
@@ -134,88 +135,9 @@ fn source_words(src: &SourceSpec) -> String {
     }
 }
 
-/// A run's attention configuration as the tables see it: uniform is DAR with window 0; `init` is
-/// the bottleneck's start (None for kinds without a bottleneck).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Config {
-    pub kind: AttentionKind,
-    pub d_down: Option<usize>,
-    pub window: Option<usize>,
-    pub init: Option<AttentionInit>,
-}
-
-/// The spec's name of an attention kind (`vanilla`, `dar`, `uniform`, `window`, …).
-pub fn kind_name(kind: AttentionKind) -> String {
-    serde_json::to_value(kind).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
-}
-
-impl Config {
-    pub fn of(spec: &Spec) -> Config {
-        let a = &spec.attention;
-        if a.kind == AttentionKind::Vanilla {
-            return Config::vanilla();
-        }
-        if matches!(a.kind, AttentionKind::Dar | AttentionKind::Uniform) {
-            return Config { init: Some(a.init.unwrap_or_default()), ..Config::bottleneck(spec.d_down(), spec.window()) };
-        }
-        // Kinds without a bottleneck (window-only attention): as the spec sets them.
-        let pos = |v: Option<i64>| v.filter(|&x| x >= 0).map(|x| x as usize);
-        Config { kind: a.kind, d_down: pos(a.d_down), window: pos(a.window), init: None }
-    }
-
-    pub fn vanilla() -> Config {
-        Config { kind: AttentionKind::Vanilla, d_down: None, window: None, init: None }
-    }
-
-    /// DAR with a bottleneck of `d_down` beyond `window` (small_init); window 0 is uniform (dar.md §1.1).
-    pub fn bottleneck(d_down: usize, window: usize) -> Config {
-        let kind = if window == 0 { AttentionKind::Uniform } else { AttentionKind::Dar };
-        Config { kind, d_down: Some(d_down), window: Some(window), init: Some(AttentionInit::SmallInit) }
-    }
-
-    /// The same with another bottleneck start.
-    pub fn with_init(self, init: AttentionInit) -> Config {
-        Config { init: Some(init), ..self }
-    }
-
-    /// Whether a run with config `other` fills the row asking for `self` (`of` already maps DAR at
-    /// window 0 to uniform, so plain equality is enough).
-    pub fn accepts(&self, other: &Config) -> bool {
-        self == other
-    }
-
-    /// Whether this is DAR or uniform (a bottleneck beyond a window).
-    pub fn has_bottleneck(&self) -> bool {
-        matches!(self.kind, AttentionKind::Dar | AttentionKind::Uniform)
-    }
-
-    /// "DAR (d_down 128, w 128)", "uniform (d_down 128, orthogonal)", "vanilla", "window-only (w 128)":
-    /// legends and run lists.
-    pub fn label(&self) -> String {
-        let init = match self.init {
-            Some(AttentionInit::Orthogonal) => ", orthogonal",
-            _ => "",
-        };
-        match (self.kind, self.d_down, self.window) {
-            (AttentionKind::Vanilla, _, _) => "vanilla".into(),
-            (AttentionKind::Uniform, Some(d), _) => format!("uniform (d_down {d}{init})"),
-            (AttentionKind::Dar, Some(d), Some(w)) => format!("DAR (d_down {d}, w {w}{init})"),
-            (k, _, Some(w)) if kind_name(k) == "window" => format!("window-only (w {w})"),
-            (k, d, w) => {
-                let parts: Vec<String> = d.map(|d| format!("d_down {d}")).into_iter().chain(w.map(|w| format!("w {w}"))).collect();
-                if parts.is_empty() {
-                    kind_name(k)
-                } else {
-                    format!("{} ({})", kind_name(k), parts.join(", "))
-                }
-            }
-        }
-    }
-}
-
 /// Runs with the variant the paper uses (linear bottleneck): sigmoid runs are listed, not tabulated.
 pub fn tabulated(run: &Run) -> bool {
-    run.spec.attention.dar_act == DarAct::Linear || run.spec.attention.kind == AttentionKind::Vanilla
+    run.spec.attention.dar_act == DarAct::Linear || run.spec.attention.is_vanilla()
 }
 
 /// Runs grouped by recipe key (same scale and recipe), in order of first appearance.

@@ -148,7 +148,7 @@ pub fn discover(root: &Path) -> crate::Result<Vec<LongRun>> {
             }
             Ok(RunKind::Train) => {
                 let Ok(spec) = crate::spec::from_str(&text, "config.yaml", &[]) else { continue };
-                (groups::Config::of(&spec).label(), None, groups::key_id(&groups::recipe_key(&spec)))
+                (spec.attention.comparable().label(), None, groups::key_id(&groups::recipe_key(&spec)))
             }
             // Finetune runs have no long-context rows yet; load::discover reports unreadable configs.
             _ => continue,

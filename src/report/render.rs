@@ -4,7 +4,6 @@
 use super::paper;
 use super::stats::Stat;
 use super::tables::Table;
-use crate::spec::AttentionKind;
 
 pub enum Cell {
     Text(String),
@@ -48,8 +47,8 @@ pub fn grid(t: &Table) -> (Vec<String>, Vec<Vec<Cell>>) {
                 cells.push(Cell::Text(r.scale.clone()));
             }
             cells.push(Cell::Text(r.model().into()));
-            cells.push(int(r.config.d_down));
-            cells.push(if r.config.kind == AttentionKind::Vanilla { Cell::Empty } else { int(r.config.window) });
+            cells.push(int(r.config.d_down_width()));
+            cells.push(if r.config.is_vanilla() { Cell::Empty } else { int(r.config.window_len()) });
             for c in &t.corpora {
                 cells.push(stat(r.ppl_stat.get(c)));
                 cells.push(stat(r.ppl_alt_stat.get(c)));

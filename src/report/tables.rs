@@ -5,11 +5,11 @@
 //! matches and whose recipe equals the other rows' (groups.rs); Rel.(%) divides by the vanilla row.
 //! A row holds every seed of its configuration: values are summarised over seeds (stats.rs), and
 //! Rel.(%) is computed per seed against the vanilla run of the same seed, then summarised (paired).
-use super::groups::{self, Config, Key};
+use super::groups::{self, Key};
 use super::load::Run;
 use super::paper::{self, PaperRow};
 use super::stats::{self, Stat};
-use crate::spec::{AttentionInit, AttentionKind};
+use crate::spec::{AttentionInit, AttentionSpec};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Which perplexity the tables compare: word-level (lm-eval's word_perplexity; the paper's numbers
@@ -71,7 +71,7 @@ pub struct SeedResult {
 pub struct Row {
     pub scale: String,
     /// The configuration this row asks for.
-    pub config: Config,
+    pub config: AttentionSpec,
     /// The run that filled it (the first seed's; path relative to the results directory).
     pub run: Option<String>,
     /// Every run that fills it, one per seed, by seed.
@@ -100,13 +100,7 @@ pub struct Row {
 
 impl Row {
     pub fn model(&self) -> String {
-        let init = if self.config.init == Some(AttentionInit::Orthogonal) { " (orthogonal)" } else { "" };
-        match self.config.kind {
-            AttentionKind::Vanilla => "Vanilla".into(),
-            AttentionKind::Dar => format!("DAR{init}"),
-            AttentionKind::Uniform => format!("Uniform{init}"),
-            AttentionKind::Window => "Window-only".into(),
-        }
+        self.config.table_name()
     }
     pub fn describe(&self) -> String {
         format!("{} {}", self.scale, self.config.label())
@@ -205,8 +199,8 @@ fn paper_window(prows: &[&PaperRow]) -> Option<usize> {
 fn table_window(sec: &Section, paper_w: usize, at_paper_scale: bool) -> (usize, Option<String>) {
     let mut counts: BTreeMap<usize, usize> = BTreeMap::new();
     for r in &sec.runs {
-        let c = Config::of(&r.spec);
-        if let (AttentionKind::Dar, Some(w)) = (c.kind, c.window) {
+        let c = r.spec.attention.comparable();
+        if let Some(w) = c.dar_window() {
             *counts.entry(w).or_default() += 1;
         }
     }
@@ -220,9 +214,9 @@ fn table_window(sec: &Section, paper_w: usize, at_paper_scale: bool) -> (usize, 
 }
 
 /// The configuration a paper row asks for at width `d` (None when d_down does not scale to a whole number).
-fn translate(p: &PaperRow, d: usize, window: Option<usize>) -> Option<Config> {
-    if p.kind == AttentionKind::Vanilla {
-        return Some(Config::vanilla());
+fn translate(p: &PaperRow, d: usize, window: Option<usize>) -> Option<AttentionSpec> {
+    if p.kind.is_vanilla() {
+        return Some(AttentionSpec::vanilla());
     }
     let scaled = p.d_down? * d;
     if scaled % p.d_model != 0 || scaled == 0 {
@@ -232,7 +226,7 @@ fn translate(p: &PaperRow, d: usize, window: Option<usize>) -> Option<Config> {
         0 => 0,
         w => window.unwrap_or(w),
     };
-    Some(Config::bottleneck(scaled / p.d_model, w))
+    Some(AttentionSpec::bottleneck(scaled / p.d_model, w))
 }
 
 /// Table 1 (bottleneck sweep) or Table 3 (window ablation) for one section.
@@ -241,7 +235,7 @@ fn within_scale(number: u8, sec: &Section, prows: &[&PaperRow], all: &[&Run], un
     let (scale, d, seq) = (sec.scale(), sec.d_model(), sec.spec().seq_len());
     let at_paper_scale = scale == *paper_scale;
     let mut notes = Vec::new();
-    let mut slots: Vec<(Config, Option<&PaperRow>)> = Vec::new();
+    let mut slots: Vec<(AttentionSpec, Option<&PaperRow>)> = Vec::new();
     if number == 1 {
         let (tw, note) = table_window(sec, paper_window(prows)?, at_paper_scale);
         notes.extend(note);
@@ -251,7 +245,7 @@ fn within_scale(number: u8, sec: &Section, prows: &[&PaperRow], all: &[&Run], un
         let mut dropped = Vec::new();
         for p in prows {
             match translate(p, d, None) {
-                Some(c) if c.window.is_some_and(|w| w >= seq) => dropped.push(c.window.unwrap_or(0).to_string()),
+                Some(c) if c.window_len().is_some_and(|w| w >= seq) => dropped.push(c.window_len().unwrap_or(0).to_string()),
                 Some(c) => slots.push((c, Some(*p))),
                 None => {}
             }
@@ -260,30 +254,30 @@ fn within_scale(number: u8, sec: &Section, prows: &[&PaperRow], all: &[&Run], un
             notes.push(format!("w = {} ≥ T = {seq} would equal vanilla: those paper rows are left out", dropped.join(", ")));
         }
     }
-    let fits = |c: &Config| c.kind != AttentionKind::Vanilla && slots.iter().any(|(s, _)| s.accepts(c));
-    if !at_paper_scale && !sec.runs.iter().any(|r| fits(&Config::of(&r.spec))) {
+    let fits = |c: &AttentionSpec| !c.is_vanilla() && slots.iter().any(|(s, _)| s == c);
+    if !at_paper_scale && !sec.runs.iter().any(|r| fits(&r.spec.attention.comparable())) {
         return None;
     }
     if number == 3 {
         // Our other windows at the ablation's d_down get rows too (no paper value).
-        let d_downs: BTreeSet<usize> = slots.iter().filter_map(|(c, _)| c.d_down).collect();
+        let d_downs: BTreeSet<usize> = slots.iter().filter_map(|(c, _)| c.d_down_width()).collect();
         for r in &sec.runs {
-            let c = Config::of(&r.spec);
+            let c = r.spec.attention.comparable();
             let default_init = c.init == Some(AttentionInit::SmallInit);
-            if c.kind == AttentionKind::Dar && default_init && c.d_down.is_some_and(|x| d_downs.contains(&x)) && !slots.iter().any(|(s, _)| s.accepts(&c)) {
+            if c.dar_window().is_some() && default_init && c.d_down_width().is_some_and(|x| d_downs.contains(&x)) && !slots.iter().any(|(s, _)| *s == c) {
                 slots.push((c, None));
             }
         }
         // Vanilla first, then windows from wide to none (uniform last).
-        slots.sort_by_key(|(c, _)| (c.kind != AttentionKind::Vanilla, std::cmp::Reverse(c.window)));
+        slots.sort_by_key(|(c, _)| (!c.is_vanilla(), std::cmp::Reverse(c.window_len())));
     } else {
         // Configurations the paper's table lacks (another bottleneck start, window-only attention)
         // get rows of their own, so that every arm of an experiment is compared with vanilla.
-        let mut extra: Vec<Config> = Vec::new();
+        let mut extra: Vec<AttentionSpec> = Vec::new();
         for r in &sec.runs {
-            let c = Config::of(&r.spec);
+            let c = r.spec.attention.comparable();
             let other_start = c.has_bottleneck() && c.init != Some(AttentionInit::SmallInit);
-            if c.kind != AttentionKind::Vanilla && (other_start || !c.has_bottleneck()) && !slots.iter().any(|(s, _)| s.accepts(&c)) && !extra.contains(&c) {
+            if !c.is_vanilla() && (other_start || !c.has_bottleneck()) && !slots.iter().any(|(s, _)| *s == c) && !extra.contains(&c) {
                 extra.push(c);
             }
         }
@@ -296,9 +290,9 @@ fn within_scale(number: u8, sec: &Section, prows: &[&PaperRow], all: &[&Run], un
     add_rel(&mut rows);
     let name = if number == 1 { "bottleneck sweep" } else { "window ablation" };
     let what = if number == 1 {
-        format!("w = {}", rows.iter().filter_map(|r| r.config.window).find(|&w| w > 0).map_or("–".into(), |w| w.to_string()))
+        format!("w = {}", rows.iter().filter_map(|r| r.config.window_len()).find(|&w| w > 0).map_or("–".into(), |w| w.to_string()))
     } else {
-        format!("d_down = {}", rows.iter().filter_map(|r| r.config.d_down).next().map_or("–".into(), |x| x.to_string()))
+        format!("d_down = {}", rows.iter().filter_map(|r| r.config.d_down_width()).next().map_or("–".into(), |x| x.to_string()))
     };
     notes.insert(0, format!("Runs: {}, {} (recipe `{}`).", groups::recipe_summary(sec.spec()), sec.seeds_words(), groups::key_id(&sec.key)));
     if !at_paper_scale {
@@ -343,14 +337,14 @@ fn scaling(cross_key: &Key, members: &[&Run], prows: &[&PaperRow], all: &[&Run],
         let pattern: Vec<&PaperRow> = if own.is_empty() { prows.iter().copied().filter(|p| p.scale == prows[0].scale).collect() } else { own.clone() };
         let at_paper_scale = !own.is_empty();
         let candidates: Vec<&Section> = sections.iter().filter(|s| s.scale() == *scale).collect();
-        let slots_for = |tw: usize| -> Vec<(Config, Option<PaperRow>)> {
+        let slots_for = |tw: usize| -> Vec<(AttentionSpec, Option<PaperRow>)> {
             pattern.iter().filter_map(|p| translate(p, *d, Some(tw)).map(|c| (c, at_paper_scale.then(|| (*p).clone())))).collect()
         };
         // Prefer the recipe that has the DAR row, then the one with any matching run.
         let score = |s: &Section| {
             let slots = slots_for(table_window(s, paper_w, at_paper_scale).0);
-            let hit = |k: AttentionKind| s.runs.iter().any(|r| slots.iter().any(|(c, _)| c.kind == k && c.accepts(&Config::of(&r.spec))));
-            (hit(AttentionKind::Dar), hit(AttentionKind::Vanilla))
+            let hit = |row: fn(&AttentionSpec) -> bool| s.runs.iter().any(|r| slots.iter().any(|(c, _)| row(c) && *c == r.spec.attention.comparable()));
+            (hit(|c| c.dar_window().is_some()), hit(AttentionSpec::is_vanilla))
         };
         let best = candidates.iter().copied().max_by_key(|s| score(*s));
         let mut scale_rows: Vec<Row> = match best {
@@ -384,9 +378,9 @@ fn sec_corpora(secs: &[&Section]) -> Vec<String> {
 }
 
 /// Fill one row from a section: per seed the matching run (an evaluated one first), or why there is none.
-fn fill(sec: &Section, want: Config, paper: Option<PaperRow>, all: &[&Run], unit: Unit) -> Row {
-    let mut row = empty_row(sec.scale(), want, paper);
-    let matching: Vec<&Run> = sec.runs.iter().copied().filter(|r| want.accepts(&Config::of(&r.spec))).collect();
+fn fill(sec: &Section, want: AttentionSpec, paper: Option<PaperRow>, all: &[&Run], unit: Unit) -> Row {
+    let mut row = empty_row(sec.scale(), want.clone(), paper);
+    let matching: Vec<&Run> = sec.runs.iter().copied().filter(|r| want == r.spec.attention.comparable()).collect();
     if matching.is_empty() {
         let want_words = wanted(&groups::scale_words(sec.spec()), &want);
         row.missing =
@@ -440,8 +434,8 @@ fn fill(sec: &Section, want: Config, paper: Option<PaperRow>, all: &[&Run], unit
 }
 
 /// A row of a Table 2 scale with no runs at all.
-fn absent(scale: &str, d: usize, want: Config, paper: Option<PaperRow>, cross_key: &Key, all: &[&Run]) -> Row {
-    let mut row = empty_row(scale.to_string(), want, paper);
+fn absent(scale: &str, d: usize, want: AttentionSpec, paper: Option<PaperRow>, cross_key: &Key, all: &[&Run]) -> Row {
+    let mut row = empty_row(scale.to_string(), want.clone(), paper);
     let words = match scale.starts_with('d') && scale.contains("-L") {
         true => format!("d_model {d}"),
         false => format!("flavor {scale} (d_model {d})"),
@@ -450,7 +444,7 @@ fn absent(scale: &str, d: usize, want: Config, paper: Option<PaperRow>, cross_ke
     row
 }
 
-fn empty_row(scale: String, config: Config, paper: Option<PaperRow>) -> Row {
+fn empty_row(scale: String, config: AttentionSpec, paper: Option<PaperRow>) -> Row {
     Row {
         scale,
         config,
@@ -473,19 +467,19 @@ fn empty_row(scale: String, config: Config, paper: Option<PaperRow>) -> Row {
 }
 
 /// "no run with flavor pythia-160m (d_model 768), kind dar, d_down 192, window 128".
-fn wanted(scale_words: &str, c: &Config) -> String {
-    match (c.kind, c.d_down, c.window) {
-        (AttentionKind::Vanilla, _, _) => format!("no run with {scale_words}, kind vanilla,"),
+fn wanted(scale_words: &str, c: &AttentionSpec) -> String {
+    match (c.is_vanilla(), c.d_down_width(), c.window_len()) {
+        (true, _, _) => format!("no run with {scale_words}, kind vanilla,"),
         (_, Some(d), Some(0)) => format!("no run with {scale_words}, kind uniform (or dar with window 0), d_down {d},"),
         (_, d, w) => format!("no run with {scale_words}, kind dar, d_down {}, window {},", d.unwrap_or(0), w.unwrap_or(0)),
     }
 }
 
 /// When a run with the wanted config and scale exists under another recipe, name it and how it differs.
-fn near_miss(scale: &str, want: &Config, key: &Key, key_of: fn(&crate::spec::Spec) -> Key, all: &[&Run]) -> String {
+fn near_miss(scale: &str, want: &AttentionSpec, key: &Key, key_of: fn(&crate::spec::Spec) -> Key, all: &[&Run]) -> String {
     let best = all
         .iter()
-        .filter(|r| groups::scale(&r.spec) == scale && want.accepts(&Config::of(&r.spec)))
+        .filter(|r| groups::scale(&r.spec) == scale && *want == r.spec.attention.comparable())
         .map(|r| (r, groups::differences(&key_of(&r.spec), key, 3)))
         .filter(|(_, d)| !d.is_empty())
         .min_by_key(|(_, d)| d.len());
@@ -500,7 +494,7 @@ fn near_miss(scale: &str, want: &Config, key: &Key, key_of: fn(&crate::spec::Spe
 /// comparison); when the two rows share no seed, the ratio of their means, noted as unpaired.
 /// Also the paper's Rel.(%) over the same corpora when ours averages over fewer.
 fn add_rel(rows: &mut [Row]) {
-    let Some(v) = rows.iter().position(|r| r.config.kind == AttentionKind::Vanilla) else { return };
+    let Some(v) = rows.iter().position(|r| r.config.is_vanilla()) else { return };
     let (vanilla, vanilla_paper) = (rows[v].seeds.clone(), rows[v].paper.clone());
     let (vanilla_mean, vanilla_mean_alt) = (rows[v].ppl.clone(), rows[v].ppl_alt.clone());
     for row in rows.iter_mut() {

@@ -1,10 +1,9 @@
 //! Report tests on fake run directories written with the trainer's own writers (RunDir: config.yaml,
 //! metrics.jsonl, eval.json, DONE), so the format is the one `attnlab train` produces.
-use super::groups::Config;
 use super::tables::{self, Table, Unit};
 use super::*;
 use crate::eval::perplexity::CorpusResult;
-use crate::spec::{AttentionKind, Spec};
+use crate::spec::{AttentionKind, AttentionSpec, Spec};
 use crate::train::run::RunDir;
 use polars::prelude::*;
 use serde_json::{json, Map, Value};
@@ -117,7 +116,7 @@ fn table(tables: &[Table], n: u8) -> &Table {
     tables.iter().find(|t| t.number == n).unwrap_or_else(|| panic!("no Table {n}; have {:?}", tables.iter().map(|t| &t.title).collect::<Vec<_>>()))
 }
 
-fn row<'a>(t: &'a Table, c: Config) -> &'a tables::Row {
+fn row<'a>(t: &'a Table, c: AttentionSpec) -> &'a tables::Row {
     t.rows.iter().find(|r| r.config == c).unwrap_or_else(|| panic!("{}: no row {}", t.title, c.label()))
 }
 
@@ -168,15 +167,15 @@ fn rel_matches_hand_computation_and_rows_are_matched_by_config() {
 
     let t1 = table(&tables, 1);
     assert!(t1.title.contains("pythia-70m"), "{}", t1.title);
-    let dar = row(t1, Config::bottleneck(128, 128));
+    let dar = row(t1, AttentionSpec::bottleneck(128, 128));
     assert_eq!(dar.run.as_deref(), Some("t/b"));
     // word PPL: (40/50 + 110/100) / 2 = 0.95; token PPL: (24/30 + 63/60) / 2 = 0.925.
     assert!(close(dar.rel.unwrap(), 95.0), "{:?}", dar.rel);
     assert!(close(dar.rel_alt.unwrap(), 92.5), "{:?}", dar.rel_alt);
-    let uni = row(t1, Config::bottleneck(128, 0));
+    let uni = row(t1, AttentionSpec::bottleneck(128, 0));
     assert_eq!(uni.run.as_deref(), Some("t/c"));
     assert!(close(uni.rel.unwrap(), 100.0 * (60.0 / 50.0 + 130.0 / 100.0) / 2.0));
-    assert!(close(row(t1, Config::vanilla()).rel.unwrap(), 100.0));
+    assert!(close(row(t1, AttentionSpec::vanilla()).rel.unwrap(), 100.0));
 
     // The paper's value sits beside ours, and its Rel over only our corpora (c4, wikitext) is recomputed
     // from the paper's own rows.
@@ -188,18 +187,18 @@ fn rel_matches_hand_computation_and_rows_are_matched_by_config() {
     assert!(t1.notes.iter().any(|n| n.contains("averages over c4, wikitext only")), "{:?}", t1.notes);
 
     // Unfinished DAR d256: the run is found, but has no result, and the reason says so.
-    let d256 = row(t1, Config::bottleneck(256, 128));
+    let d256 = row(t1, AttentionSpec::bottleneck(256, 128));
     assert_eq!(d256.run.as_deref(), Some("t/d"));
     assert!(d256.missing.as_deref().unwrap().contains("not finished: last logged step 20"), "{:?}", d256.missing);
-    assert!(row(t1, Config::bottleneck(64, 128)).missing.as_deref().unwrap().contains("kind dar, d_down 64, window 128"));
+    assert!(row(t1, AttentionSpec::bottleneck(64, 128)).missing.as_deref().unwrap().contains("kind dar, d_down 64, window 128"));
 
     // With token units the primary Rel is the token one.
     let tok = tables::build(&runs, &paper, Unit::Token);
-    assert!(close(row(table(&tok, 1), Config::bottleneck(128, 128)).rel.unwrap(), 92.5));
+    assert!(close(row(table(&tok, 1), AttentionSpec::bottleneck(128, 128)).rel.unwrap(), 92.5));
 
     // Table 3: uniform is the w = 0 row; Table 2 expects the paper's three scales.
     let t3 = table(&tables, 3);
-    assert_eq!(row(t3, Config::bottleneck(128, 0)).run.as_deref(), Some("t/c"));
+    assert_eq!(row(t3, AttentionSpec::bottleneck(128, 0)).run.as_deref(), Some("t/c"));
     assert_eq!(t3.rows.last().unwrap().config.window, Some(0));
     let t2 = table(&tables, 2);
     let scales: Vec<&str> = t2.rows.iter().map(|r| r.scale.as_str()).collect();
@@ -273,10 +272,10 @@ fn reduced_scale_sweep_gets_its_own_tables() {
     let tables = tables::build(&runs, &paper::dar().unwrap(), Unit::Word);
     let t1 = table(&tables, 1);
     assert!(t1.title.contains("tiny") && t1.title.contains("w = 16"), "{}", t1.title);
-    assert!(close(row(t1, Config::bottleneck(16, 16)).rel.unwrap(), 110.0));
-    assert!(close(row(t1, Config::bottleneck(16, 0)).rel.unwrap(), 130.0));
-    assert!(row(t1, Config::bottleneck(16, 16)).paper.is_some(), "paper 70M row matched by d_down / d_model");
-    assert!(row(t1, Config::bottleneck(8, 16)).missing.is_some());
+    assert!(close(row(t1, AttentionSpec::bottleneck(16, 16)).rel.unwrap(), 110.0));
+    assert!(close(row(t1, AttentionSpec::bottleneck(16, 0)).rel.unwrap(), 130.0));
+    assert!(row(t1, AttentionSpec::bottleneck(16, 16)).paper.is_some(), "paper 70M row matched by d_down / d_model");
+    assert!(row(t1, AttentionSpec::bottleneck(8, 16)).missing.is_some());
     let t3 = table(&tables, 3);
     assert!(t3.rows.iter().all(|r| r.config.window.is_none_or(|w| w < 128)), "w ≥ T rows left out");
     let t2 = table(&tables, 2);
@@ -479,7 +478,7 @@ fn seeds_pool_into_rows_with_intervals_and_rel_is_paired_by_seed() {
     let (runs, _) = load::discover(&root).unwrap();
     let tables = tables::build(&runs, &paper::dar().unwrap(), Unit::Word);
     let t1 = table(&tables, 1);
-    let d = row(t1, Config::bottleneck(16, 16));
+    let d = row(t1, AttentionSpec::bottleneck(16, 16));
     assert_eq!((d.n(), d.seeds.keys().copied().collect::<Vec<_>>()), (3, vec![1, 2, 3]));
     let rel = d.rel_stat.unwrap();
     assert!(close(rel.mean, 100.0) && close(rel.sd, 10.0) && rel.n == 3, "{rel:?}");
@@ -490,12 +489,12 @@ fn seeds_pool_into_rows_with_intervals_and_rel_is_paired_by_seed() {
     assert!(close(p.mean, 88.0 / 3.0) && p.n == 3);
     // Token PPL (the other unit) is paired the same way: here the same ratios.
     assert!(close(d.rel_alt.unwrap(), 100.0));
-    assert!(close(row(t1, Config::vanilla()).rel.unwrap(), 100.0));
+    assert!(close(row(t1, AttentionSpec::vanilla()).rel.unwrap(), 100.0));
     // Unpaired: uniform has only seed 4 → the ratio of means, said so.
-    let u = row(t1, Config::bottleneck(16, 0));
+    let u = row(t1, AttentionSpec::bottleneck(16, 0));
     assert!(close(u.rel.unwrap(), 100.0 * 40.0 / 30.0) && u.note.as_deref().unwrap().contains("unpaired"), "{:?}", u.note);
     // The orthogonal start gets its own row (no paper value), paired with seed 1's vanilla.
-    let o = row(t1, Config::bottleneck(16, 16).with_init(crate::spec::AttentionInit::Orthogonal));
+    let o = row(t1, AttentionSpec::bottleneck(16, 16).with_init(crate::spec::AttentionInit::Orthogonal));
     assert!(o.paper.is_none() && close(o.rel.unwrap(), 90.0) && o.n() == 1);
 
     let summary = run_report(&root, &out, &["md,tex,csv".into()], "word").unwrap();

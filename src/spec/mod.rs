@@ -3,12 +3,14 @@
 //! `--set` overrides → resolve defaults (pythia.md) → validate (errors name the key path and the
 //! line in the file where it is known). The resolved spec is what a run directory records.
 //! A spec file may inherit another with `base: other.yaml` (`base`; merged before the overrides).
+mod attention;
 pub mod base;
 mod lines;
 mod megatron;
 mod overrides;
 mod schema;
 
+pub use attention::finetune_form as finetune_attention;
 pub use megatron::MegatronSource;
 pub use overrides::apply_override;
 pub use schema::*;

@@ -238,6 +238,10 @@ pub enum AttentionInit {
     /// W_down with orthonormal rows, W_up = W_downᵀ: the distant path starts as the orthogonal
     /// projection onto a random d_down-dimensional subspace (norm-preserving on its span).
     Orthogonal,
+    /// Fine-tuning only (`attnlab finetune`): W_down = Uᵀ, W_up = U with U the top-d_down principal
+    /// directions of each layer's K/V input over calibration rows (model::bottleneck). A pretraining
+    /// spec refuses it: a model being trained from scratch has no activations to read.
+    Pca,
 }
 
 /// Where a tokenizer comes from.
@@ -630,6 +634,9 @@ impl Spec {
                 }
             }
             AttentionKind::Dar | AttentionKind::Uniform => {
+                if a.init == Some(AttentionInit::Pca) {
+                    return bad("attention.init", "pca starts a pretrained model's bottleneck from its own activations (attnlab finetune); pretraining starts it with small_init or orthogonal".into());
+                }
                 a.init.get_or_insert_default();
                 let d_down = *a.d_down.get_or_insert((shape.d_model / 4) as i64);
                 if d_down <= 0 || d_down as usize > shape.d_model {

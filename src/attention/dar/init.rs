@@ -128,6 +128,8 @@ pub fn pretraining_start(init: AttentionInit, seed: u64, layer: usize, d: usize,
             let q = q * sign.unsqueeze(0);
             (q.tr().contiguous().to_kind(Kind::Float), q.contiguous().to_kind(Kind::Float))
         }
+        // Spec::resolve refuses pca in a pretraining spec; fine-tuning calibrates (add_dar_to_pretrained).
+        AttentionInit::Pca => unreachable!("attention.init: pca is a fine-tuning start, refused in pretraining specs"),
     }
 }
 
