@@ -1,5 +1,5 @@
 use super::*;
-use crate::model::{Llama, LlamaConfig};
+use crate::model::Llama;
 
 #[test]
 fn alpaca_prompt_tokens_are_masked_and_packed() {
