@@ -32,6 +32,19 @@ for size in 70m:64:128 160m:32:192; do
     done
   done
 done
+echo "[$(date +%T)] train loop" | tee -a "$LOG"
+# The real training loop (data loader, accumulation, logging), not only a step: 40 steps of Pythia-70M
+# on synthetic documents; tokens/s of the last logged row (steps 21-40).
+for name in vanilla dar; do
+  att="{kind: vanilla}"; [ $name = dar ] && att="{kind: dar, d_down: 128, window: 128}"
+  for bin in before after; do
+    rm -rf /tmp/loop-$bin
+    $(bin_path $bin) train experiments/pythia-70m-vanilla.yaml --quiet --out /tmp/loop-$bin --set "attention=$att" \
+      --set train.steps=40 --set train.batch_size=32 --set train.log_every=20 --set data.tokenizer=.gpu/data/gpt-neox-20b.json \
+      --set 'data.train={synthetic: {docs: 3000, seed: 1}}' --set 'data.eval={}' --set data.cache=/tmp/cache-$bin 2>>"$LOG" >/dev/null
+    grep '"tokens_per_s"' /tmp/loop-$bin/metrics.jsonl | tail -1 | sed "s/^{/{\"attention\":\"$name\",/" | tag $bin loop
+  done
+done
 echo "[$(date +%T)] decode" | tee -a "$LOG"
 for bin in before after; do
   $(bin_path $bin) bench-decode experiments/pythia-70m-dar.yaml --json --lengths 1024,4096 --attention vanilla,dar,still,lolcats --new-tokens 32 2>>"$LOG" | tag $bin decode
@@ -43,7 +56,7 @@ from collections import defaultdict
 rows = [json.loads(l) for l in open(sys.argv[1] + "/speed.jsonl")]
 def key(r):
     return (r["what"], r.get("flavor", ""), r.get("seq_len", r.get("context", "")), r.get("attention", ""), r.get("implementation", ""))
-val = {"attn": "fwd_bwd_ms", "train": "tokens_per_s", "decode": "decode_tokens_per_s"}
+val = {"attn": "fwd_bwd_ms", "train": "tokens_per_s", "loop": "tokens_per_s", "decode": "decode_tokens_per_s"}
 by = defaultdict(lambda: defaultdict(list))
 for r in rows:
     m = val[r["what"]]
