@@ -17,7 +17,7 @@ for f in sorted((run / "ruler_samples").glob("*.jsonl")):
     tag = name.split(f"-{length}", 1)[1].lstrip("-") or "(none)"
     if not recs[0].get("layers"):  # not a hybrid: accuracy only
         rows.append(dict(tag=tag, length=length, n=len(recs), acc=sum(r["score"] for r in recs) / len(recs), n_in=0, acc_in=float("nan"), n_out=0, acc_out=float("nan"),
-                         any=float("nan"), pairs=float("nan"), n_full=0, acc_full=float("nan"), shares=[], layer_shares=[]))
+                         any=float("nan"), pairs=float("nan"), n_full=0, acc_full=float("nan"), shares=[], layer_shares=[], pair_layers=[]))
         continue
     inwin = [r for r in recs if r["layers"][0]["value_neither"] + r["layers"][0]["value_selected"] == 0]
     out = [r for r in recs if r not in inwin]
@@ -36,12 +36,14 @@ for f in sorted((run / "ruler_samples").glob("*.jsonl")):
                 ok = False
         full.append(ok)
     layers = recs[0]["layers"] or []
+    # per layer: share of (head, outside value token) pairs selected
+    pair_layers = [100.0 * sum(sum(r["layers"][i]["heads_selecting"]) for r in out) / max(heads * sum(len(r["layers"][i]["heads_selecting"]) for r in out), 1) for i in range(len(layers))]
     shares = [sum(r["layers"][i]["shares_mean"][k] for r in recs) / len(recs) for i in range(len(layers)) for k in range(3)]
     mean_sh = [sum(shares[i * 3 + k] for i in range(len(layers))) / max(len(layers), 1) for k in range(3)]
     rows.append(dict(tag=tag, length=length, n=len(recs), acc=acc(recs), n_in=len(inwin), acc_in=acc(inwin), n_out=len(out), acc_out=acc(out),
                      any=100.0 * any_sel / tot if tot else float("nan"), pairs=100.0 * pair_sel / (tot * heads) if tot else float("nan"),
                      n_full=sum(full), acc_full=acc([r for r, f in zip(out, full) if f]), shares=mean_sh,
-                     layer_shares=[shares[i * 3:(i + 1) * 3] for i in range(len(layers))]))
+                     layer_shares=[shares[i * 3:(i + 1) * 3] for i in range(len(layers))], pair_layers=pair_layers))
 print("| overrides | T | n | S-NIAH-1 % | in window: n / % | outside: n / % | outside value tokens selected, ≥1 head % | (head, token) pairs % | outside samples fully selected: n / % | shares win / sel / lin (mean over layers) |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 for r in sorted(rows, key=lambda r: (r["tag"], r["length"])):
@@ -50,4 +52,5 @@ for r in sorted(rows, key=lambda r: (r["tag"], r["length"])):
           + " / ".join(f"{100*s:.1f}" for s in r["shares"]) + " |")
 if "--layers" in sys.argv:
     for r in sorted(rows, key=lambda r: (r["tag"], r["length"])):
-        print(r["tag"], r["length"], " ".join("[" + ",".join(f"{100*s:.0f}" for s in ls) + "]" for ls in r["layer_shares"]))
+        print(r["tag"], r["length"], "shares per layer [win,sel,lin]:", " ".join("[" + ",".join(f"{100*s:.0f}" for s in ls) + "]" for ls in r["layer_shares"]),
+              "| (head, value token) pairs selected per layer %:", " ".join(f"{p:.0f}" for p in r["pair_layers"]))
