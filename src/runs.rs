@@ -208,6 +208,11 @@ pub fn table(root: &Path, runs: &[RunInfo]) -> String {
     aligned(&["run", "command", "status", "step", "loss", "metrics"], &rows)
 }
 
+/// `attnlab runs RESULTS`: the table of every run directory below `root`.
+pub fn listing(root: &Path) -> Result<String> {
+    Ok(table(root, &list(root)?))
+}
+
 /// 4 significant-ish digits without exponent noise for the usual ranges.
 fn fmt(v: f64) -> String {
     if v.abs() >= 1000.0 {

@@ -89,3 +89,52 @@ pub fn from_str(text: &str, origin: &str, sets: &[String]) -> Result<Spec> {
         msg,
     })
 }
+
+/// Where a command's train spec comes from: a file (or the built-in tiny spec when `path` is
+/// `None`), `--set` overrides, and `--out` (replaces `output:` and names the run after that folder
+/// when the spec gives no name). What `train`, `compare`, `bench`, `bench-decode` and `config` take.
+#[derive(Debug, Clone, Default)]
+pub struct SpecSource {
+    pub path: Option<std::path::PathBuf>,
+    pub sets: Vec<String>,
+    pub out: Option<std::path::PathBuf>,
+}
+
+impl SpecSource {
+    /// Load, override, resolve and validate.
+    pub fn load(&self) -> Result<Spec> {
+        let mut spec = match &self.path {
+            Some(p) => load(p, &self.sets)?,
+            None => from_str(BUILTIN_TINY, "<builtin tiny-synthetic>", &self.sets)?,
+        };
+        if let Some(out) = &self.out {
+            spec.output = Some(out.clone());
+            spec.name.get_or_insert_with(|| out.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
+        }
+        Ok(spec)
+    }
+
+    /// `attnlab config`: the spec with every default filled in, as its run directory records it
+    /// (a linearize or finetune spec file as that command records it).
+    pub fn config_yaml(&self) -> Result<String> {
+        match self.path.as_deref().map(|p| staged_config_yaml(p, &self.sets)).transpose()?.flatten() {
+            Some(staged) => Ok(staged),
+            None => Ok(self.load()?.to_yaml()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod source_tests {
+    use super::SpecSource;
+
+    #[test]
+    fn out_names_an_unnamed_run_and_keeps_a_given_name() {
+        let src = SpecSource { path: None, sets: vec!["train.steps=3".into()], out: Some("results/my-run".into()) };
+        let s = src.load().unwrap();
+        assert_eq!((s.output.as_deref(), s.name.as_deref(), s.train.steps), (Some(std::path::Path::new("results/my-run")), Some("my-run"), Some(3)));
+        let named = SpecSource { sets: vec!["name=kept".into()], ..src }.load().unwrap();
+        assert_eq!(named.name.as_deref(), Some("kept"));
+        assert!(SpecSource::default().config_yaml().unwrap().contains("steps:"));
+    }
+}

@@ -48,6 +48,7 @@
 //! <output>/specs/<name>-<hash>.yaml  the resolved spec the child runs (`attnlab train FILE --quiet`)
 //! <output>/specs.txt, sweep.sbatch   with `--emit slurm` only
 //! ```
+pub mod compare;
 mod launch;
 mod plan;
 mod slurm;
@@ -219,6 +220,19 @@ pub fn run_sweep(file: &Path, opts: &SweepOptions) -> Result<SweepSummary> {
         for r in summary.runs.iter().filter(|r| r.outcome == Outcome::Failed) {
             println!("  {}: {}", r.name, r.log.as_ref().map(|l| l.display().to_string()).unwrap_or_default());
         }
+    }
+    Ok(summary)
+}
+
+/// `attnlab sweep`: `run_sweep`, refusing a run shape (`--gpus-per-run`, `--nodes`) without a batch
+/// script to give it to, and failing when any run failed (their logs are listed by then).
+pub fn sweep_command(file: &Path, opts: &SweepOptions) -> Result<SweepSummary> {
+    if (opts.shape.gpus_per_node > 1 || opts.shape.nodes > 1) && opts.emit.is_none() {
+        return Err(crate::Error::Other("--gpus-per-run / --nodes shape the runs of an emitted batch script (--emit slurm); a local sweep runs one GPU per run (or `attnlab train --gpus` for one data-parallel run)".into()));
+    }
+    let summary = run_sweep(file, opts)?;
+    if summary.failed() > 0 {
+        return Err(crate::Error::Other(format!("{} of {} runs failed (logs listed above)", summary.failed(), summary.runs.len())));
     }
     Ok(summary)
 }

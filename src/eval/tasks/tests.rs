@@ -242,3 +242,16 @@ fn min_context_drops_short_inputs_and_reports_the_count() {
     let err = evaluate(&model, &tok, &def, &none, Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("min_context") && err.contains("none of 3"), "{err}");
 }
+
+/// A task result records the attention's width and window only where the model has them.
+#[test]
+fn model_info_and_min_context_follow_the_attention() {
+    let dar = crate::spec::SpecSource::default().load().unwrap();
+    let info = ModelInfo::of(&dar, 7);
+    assert_eq!((info.step, info.attention.as_str(), info.d_down, info.window, info.d_model), (7, "dar", Some(16), Some(16), dar.shape().d_model));
+    assert_eq!(default_min_context(&dar), 16);
+    let vanilla = crate::spec::SpecSource { sets: vec!["attention={kind: vanilla}".into()], ..Default::default() }.load().unwrap();
+    let info = ModelInfo::of(&vanilla, 7);
+    assert_eq!((info.attention.as_str(), info.d_down, info.window), ("vanilla", None, None));
+    assert_eq!(default_min_context(&vanilla), 0);
+}
