@@ -1,6 +1,6 @@
 //! The `attnlab` command line. Errors print their cause chain and exit non-zero.
 use anyhow::{bail, Context, Result};
-use attnlab::eval::command::{EvalArgs, Evaluated};
+use attnlab::eval::command::{DownstreamArgs, EvalArgs, Evaluated, LongContextArgs};
 use attnlab::eval::{self, perplexity};
 use attnlab::spec::SpecSource;
 use attnlab::{bench, train};
@@ -372,6 +372,14 @@ fn print_outcome(verb: &str, dir: &Path, step: u64, already_done: bool) {
     }
 }
 
+/// `print_outcome`, then the held-out comparison of a two-stage run (`summary` of its eval.json).
+fn print_staged(verb: &str, dir: &Path, step: u64, already_done: bool, eval: &serde_json::Value, summary: fn(&Path, &serde_json::Value) -> String) {
+    print_outcome(verb, dir, step, already_done);
+    if !eval.is_null() {
+        print!("{}", summary(dir, eval));
+    }
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Train { spec, quiet, stop_after, gpus } => {
@@ -380,32 +388,26 @@ fn run(cli: Cli) -> Result<()> {
             print_outcome("trained", &o.dir, o.step, o.already_done);
             print!("{}", perplexity::table(&[(o.dir.display().to_string(), o.eval)]));
         }
-        Cmd::Linearize { run: StagedArgs { spec, sets, out, stop_after, quiet } } => {
-            use attnlab::linearize::{linearize, LinearizeOptions, LinearizeSpec};
-            let mut s = LinearizeSpec::from_file_with(&spec, &sets)?;
-            s.output = out.unwrap_or(s.output);
-            let o = linearize(s, &LinearizeOptions { quiet, stop_after }).with_context(|| format!("linearize {}", spec.display()))?;
-            print_outcome("linearized", &o.dir, o.step, o.already_done);
-            if !o.eval.is_null() {
-                print!("{}", attnlab::runs::linearize_summary(&o.dir, &o.eval));
-            }
+        Cmd::Linearize { run } => {
+            let mut s = attnlab::linearize::LinearizeSpec::from_file_with(&run.spec, &run.sets)?;
+            s.output = run.out.clone().unwrap_or(s.output);
+            let o = attnlab::linearize::linearize(s, &attnlab::linearize::LinearizeOptions { quiet: run.quiet, stop_after: run.stop_after }).with_context(|| format!("linearize {}", run.spec.display()))?;
+            print_staged("linearized", &o.dir, o.step, o.already_done, &o.eval, attnlab::runs::linearize_summary);
         }
-        Cmd::Finetune { run: StagedArgs { spec, sets, out, stop_after, quiet } } => {
-            use attnlab::finetune::{finetune, FinetuneOptions, FinetuneSpec};
-            let mut s = FinetuneSpec::from_file(&spec, &sets)?;
-            s.output = out.unwrap_or(s.output);
-            let o = finetune(s, &FinetuneOptions { quiet, stop_after }).with_context(|| format!("finetune {}", spec.display()))?;
-            print_outcome("fine-tuned", &o.dir, o.step, o.already_done);
-            if !o.eval.is_null() {
-                print!("{}", attnlab::runs::finetune_summary(&o.dir, &o.eval));
-            }
+        Cmd::Finetune { run } => {
+            let mut s = attnlab::finetune::FinetuneSpec::from_file(&run.spec, &run.sets)?;
+            s.output = run.out.clone().unwrap_or(s.output);
+            let o = attnlab::finetune::finetune(s, &attnlab::finetune::FinetuneOptions { quiet: run.quiet, stop_after: run.stop_after }).with_context(|| format!("finetune {}", run.spec.display()))?;
+            print_staged("fine-tuned", &o.dir, o.step, o.already_done, &o.eval, attnlab::runs::finetune_summary);
         }
         Cmd::Compare { spec, kinds, quiet } => {
             let rows = attnlab::sweep::compare::compare(&spec.source(), &kinds, quiet)?;
             print!("{}", perplexity::table(&rows));
         }
         Cmd::Eval { run, step, corpora, device, task, data, limit, shots, min_context, batch_tokens, lengths, samples, essay, max_new_tokens, babi, set } => {
-            let args = EvalArgs { step, device, corpora, task: task.clone(), data, limit, shots, min_context, batch_tokens, lengths, samples, essay, max_new_tokens, babi, sets: set };
+            let downstream = DownstreamArgs { data, limit, shots, min_context, batch_tokens };
+            let long_context = LongContextArgs { lengths, samples, max_new_tokens, essay, babi, sets: set };
+            let args = EvalArgs { step, device, corpora, task: task.clone(), downstream, long_context };
             let what = task.as_deref().map_or_else(|| "perplexity".to_string(), |t| format!("--task {t}"));
             match eval::command::eval(&run, &args).with_context(|| format!("eval {} ({what})", run.display()))? {
                 Evaluated::Perplexity { step, results, lm_eval } => {

@@ -10,32 +10,19 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 
 /// Which command made a run directory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Command {
-    Train,
-    Linearize,
-    Finetune,
-}
+pub use crate::run_kind::RunKind as Command;
 
-impl Command {
-    /// From a run's config.yaml tree: linearize specs name a `teacher`, finetune specs a `base`
-    /// model; everything else is a train spec.
-    pub fn of_config(cfg: &serde_yaml::Value) -> Command {
-        if cfg.get("teacher").is_some() {
-            Command::Linearize
-        } else if cfg.get("base").is_some() {
-            Command::Finetune
-        } else {
-            Command::Train
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Command::Train => "train",
-            Command::Linearize => "linearize",
-            Command::Finetune => "finetune",
-        }
+/// The command of a run's config.yaml tree: its `command:` key; else (older run directories)
+/// linearize specs name a `teacher`, finetune specs a `base` model; everything else is train.
+pub fn command_of(cfg: &serde_yaml::Value) -> Command {
+    if let Some(c) = cfg.get(crate::run_kind::KEY).and_then(|c| c.as_str()).and_then(Command::named) {
+        c
+    } else if cfg.get("teacher").is_some() {
+        Command::Linearize
+    } else if cfg.get("base").is_some() {
+        Command::Finetune
+    } else {
+        Command::Train
     }
 }
 
@@ -47,6 +34,18 @@ pub enum Status {
 }
 
 impl Status {
+    /// A run directory as a launcher (`sweep`) sees it before starting it: DONE → done; a
+    /// config.yaml, i.e. a started run that `train` resumes → partial; else new.
+    pub fn of(dir: &Path) -> Status {
+        if dir.join("DONE").is_file() {
+            Status::Done
+        } else if dir.join("config.yaml").is_file() {
+            Status::Partial
+        } else {
+            Status::New
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Status::Done => "done",
@@ -101,7 +100,7 @@ fn read_json(p: &Path) -> Option<Value> {
 pub fn inspect(dir: &Path) -> Result<RunInfo> {
     let cp = dir.join("config.yaml");
     let cfg: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(&cp).at(&cp)?).unwrap_or(serde_yaml::Value::Null);
-    let command = Command::of_config(&cfg);
+    let command = command_of(&cfg);
     let rows: Vec<Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap_or_default()
         .lines()
@@ -109,14 +108,12 @@ pub fn inspect(dir: &Path) -> Result<RunInfo> {
         .collect();
     let step = rows.iter().filter_map(|r| r["step"].as_u64()).max();
     let loss = rows.iter().rev().find_map(|r| r["loss"].as_f64());
-    let done = dir.join("DONE").is_file();
-    let status = if done {
-        Status::Done
-    } else if !rows.is_empty() || dir.join("checkpoints").is_dir() {
-        Status::Partial
-    } else {
-        Status::New
+    // A listed run has a config.yaml; until it logged or checkpointed anything it counts as new.
+    let status = match Status::of(dir) {
+        Status::Partial if rows.is_empty() && !dir.join("checkpoints").is_dir() => Status::New,
+        s => s,
     };
+    let done = status == Status::Done;
     let steps = (command == Command::Train).then(|| cfg["train"]["steps"].as_u64()).flatten();
     let final_eval = if done { read_json(&dir.join("eval.json")) } else { None };
     let metrics = match final_eval {

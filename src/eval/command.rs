@@ -18,19 +18,31 @@ pub struct EvalArgs {
     pub corpora: Vec<String>,
     /// None: perplexity. `ruler:…` / `babilong:…`: long context. Anything else: a downstream task.
     pub task: Option<String>,
-    // Downstream tasks.
+    pub downstream: DownstreamArgs,
+    pub long_context: LongContextArgs,
+}
+
+/// The flags of a downstream task (`tasks::Options` less what the run decides).
+#[derive(Debug, Clone, Default)]
+pub struct DownstreamArgs {
     pub data: Option<String>,
     pub limit: Option<usize>,
     pub shots: Option<usize>,
+    /// Default: `tasks::default_min_context`.
     pub min_context: Option<usize>,
     pub batch_tokens: usize,
-    // Long-context tasks.
+}
+
+/// The flags of a long-context task (`ruler::Budget` and the haystacks).
+#[derive(Debug, Clone, Default)]
+pub struct LongContextArgs {
     pub lengths: Vec<usize>,
     pub samples: usize,
-    pub essay: Option<PathBuf>,
+    /// Default: the task's (RULER 128, BABILong 20).
     pub max_new_tokens: Option<usize>,
+    pub essay: Option<PathBuf>,
     pub babi: Option<PathBuf>,
-    /// `--set` overrides of a linearized model's operator.
+    /// `--set` overrides of a linearized model's operator, recorded in the cells.
     pub sets: Vec<String>,
 }
 
@@ -62,8 +74,12 @@ pub enum Evaluated {
 pub fn eval(run: &Path, a: &EvalArgs) -> Result<Evaluated> {
     match a.task.as_deref() {
         None => perplexity(run, a),
-        Some(task) if is_long_context(task) => long_context(run, task, a),
-        Some(task) => downstream(run, task, a),
+        Some(task) if !a.corpora.is_empty() => {
+            let what = if is_long_context(task) { "evaluates generation" } else { "is a downstream task" };
+            Err(Error::Other(format!("--corpus is for perplexity; --task {task} {what} (give one or the other)")))
+        }
+        Some(task) if is_long_context(task) => long_context(run, task, a.step, a.device.as_deref(), &a.long_context),
+        Some(task) => downstream(run, task, a.step, a.device.as_deref(), &a.downstream),
     }
 }
 
@@ -111,12 +127,9 @@ fn perplexity(run: &Path, a: &EvalArgs) -> Result<Evaluated> {
     Ok(Evaluated::Perplexity { step: loaded.step, results, lm_eval: lm })
 }
 
-fn downstream(run: &Path, task: &str, a: &EvalArgs) -> Result<Evaluated> {
-    if !a.corpora.is_empty() {
-        return Err(Error::Other(format!("--corpus is for perplexity; --task {task} is a downstream task (give one or the other)")));
-    }
+fn downstream(run: &Path, task: &str, step: Option<u64>, device: Option<&str>, a: &DownstreamArgs) -> Result<Evaluated> {
     let def = tasks::TaskDef::load(task)?;
-    let loaded = train::run::load(run, a.step, a.device.as_deref())?;
+    let loaded = train::run::load(run, step, device)?;
     let min_context = a.min_context.unwrap_or_else(|| tasks::default_min_context(&loaded.spec));
     let opts = tasks::Options { data: a.data.clone(), limit: a.limit, shots: a.shots, max_len: loaded.spec.seq_len(), min_context, batch_tokens: a.batch_tokens, quiet: false };
     let (mut result, samples) = tasks::evaluate(&loaded.model, &loaded.tok, &def, &opts, loaded.device).map_err(|e| Error::Other(format!("task {task} on {}: {e}", run.display())))?;
@@ -128,11 +141,8 @@ fn downstream(run: &Path, task: &str, a: &EvalArgs) -> Result<Evaluated> {
     Ok(Evaluated::Task { step: loaded.step, result, path, lm_eval: lm })
 }
 
-fn long_context(run: &Path, task: &str, a: &EvalArgs) -> Result<Evaluated> {
-    if !a.corpora.is_empty() {
-        return Err(Error::Other(format!("--corpus is for perplexity; --task {task} evaluates generation (give one or the other)")));
-    }
-    let loaded = super::generate::load_with(run, a.step, a.device.as_deref(), &a.sets)?;
+fn long_context(run: &Path, task: &str, step: Option<u64>, device: Option<&str>, a: &LongContextArgs) -> Result<Evaluated> {
+    let loaded = super::generate::load_with(run, step, device, &a.sets)?;
     let overrides = (!a.sets.is_empty()).then(|| a.sets.join(" "));
     let with_overrides = |c: ruler::Cell| ruler::Cell { overrides: overrides.clone(), ..c };
     let essay = a.essay.as_deref().map(ruler::read_essay).transpose()?;
@@ -181,6 +191,7 @@ mod tests {
         let e = eval(Path::new("/nonexistent-run"), &a).err().unwrap().to_string();
         assert!(e.contains("--corpus is for perplexity") && e.contains("downstream"), "{e}");
         let a = EvalArgs { task: Some("ruler:niah_single_1".into()), ..a };
+    // (the corpus check comes before any file is read)
         let e = eval(Path::new("/nonexistent-run"), &a).err().unwrap().to_string();
         assert!(e.contains("evaluates generation"), "{e}");
     }

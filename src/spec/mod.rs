@@ -54,7 +54,7 @@ pub fn staged_config_yaml(path: &Path, sets: &[String]) -> Result<Option<String>
         serde_yaml::to_string(v).map_err(|e| Error::Other(format!("{}: {e}", path.display())))
     }
     use crate::runs::Command;
-    Ok(match Command::of_config(&base::read_tree(path)?.value) {
+    Ok(match crate::runs::command_of(&base::read_tree(path)?.value) {
         Command::Train => None,
         Command::Linearize => Some(yaml(path, &read_with_overrides::<crate::linearize::LinearizeSpec>(path, sets)?.resolved())?),
         Command::Finetune => Some(yaml(path, &read_with_overrides::<crate::finetune::FinetuneSpec>(path, sets)?.resolved())?),

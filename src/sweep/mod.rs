@@ -88,36 +88,8 @@ pub enum Emit {
     Slurm,
 }
 
-/// State of a run directory on disk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunStatus {
-    /// No config.yaml yet.
-    New,
-    /// config.yaml but no DONE: `attnlab train` resumes it.
-    Partial,
-    /// DONE exists.
-    Done,
-}
-
-impl RunStatus {
-    pub fn of(dir: &Path) -> RunStatus {
-        if dir.join("DONE").is_file() {
-            RunStatus::Done
-        } else if dir.join("config.yaml").is_file() {
-            RunStatus::Partial
-        } else {
-            RunStatus::New
-        }
-    }
-
-    pub fn label(self) -> &'static str {
-        match self {
-            RunStatus::New => "new",
-            RunStatus::Partial => "partial",
-            RunStatus::Done => "done",
-        }
-    }
-}
+/// State of a run directory on disk (`RunStatus::of`: DONE, or a config.yaml `train` resumes).
+pub use crate::runs::Status as RunStatus;
 
 /// What the sweep did with a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,8 +253,8 @@ pub fn final_loss(dir: &Path) -> Option<f64> {
 /// The dry-run table: name, overrides, run dir, status.
 pub fn plan_table(runs: &[RunReport]) -> String {
     let status = |r: &RunReport| match crate::train::lock::holder(&r.dir) {
-        Some(h) if r.before != RunStatus::Done => format!("{} (busy: {h})", r.before.label()),
-        _ => r.before.label().to_string(),
+        Some(h) if r.before != RunStatus::Done => format!("{} (busy: {h})", r.before.name()),
+        _ => r.before.name().to_string(),
     };
     let rows: Vec<Vec<String>> = runs.iter().map(|r| vec![r.name.clone(), r.overrides.clone(), r.shape.clone(), r.dir.display().to_string(), status(r)]).collect();
     table(&["name", "overrides", "steps × batch × T", "run dir", "status"], &rows)
@@ -294,7 +266,7 @@ pub fn summary_table(runs: &[RunReport]) -> String {
         .iter()
         .map(|r| {
             let status = match r.outcome {
-                Outcome::Planned => r.before.label(),
+                Outcome::Planned => r.before.name(),
                 Outcome::Skipped => "done (skipped)",
                 Outcome::Trained if r.before == RunStatus::Partial => "resumed, done",
                 Outcome::Trained => "done",

@@ -28,6 +28,12 @@ fn err_text<T: std::fmt::Debug>(r: crate::Result<T>) -> String {
     r.expect_err("expected an error").to_string()
 }
 
+/// The error planning `sweep` (a sweep file's text) gives.
+fn plan_err(sweep: &str) -> String {
+    let (_tmp, file) = setup(sweep);
+    err_text(plan(&file, &[], None))
+}
+
 const GRID_ZIP_RUNS: &str = r#"
 base: base.yaml
 output: OUT
@@ -94,34 +100,27 @@ runs:
 #[test]
 fn axis_errors_name_the_sweep_file_and_the_key() {
     let zip = GRID_ZIP_RUNS.replace("train.seed: [1, 2]", "train.seed: [1, 2, 3]");
-    let (_tmp, file) = setup(&zip);
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&zip);
     assert!(e.contains("sweep.yaml") && e.contains("`train.lr`") && e.contains("same length") && e.contains("line 6"), "{e}");
 
-    let (_tmp, file) = setup(&GRID_ZIP_RUNS.replace("[32, 16, 8]", "32"));
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&GRID_ZIP_RUNS.replace("[32, 16, 8]", "32"));
     assert!(e.contains("sweep.yaml") && e.contains("attention.d_down") && e.contains("list"), "{e}");
 
-    let (_tmp, file) = setup(&GRID_ZIP_RUNS.replace("grid:", "gird:"));
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&GRID_ZIP_RUNS.replace("grid:", "gird:"));
     assert!(e.contains("sweep.yaml") && e.contains("gird"), "{e}");
 
     // A run the spec rejects: vanilla keeps the base's d_down.
-    let (_tmp, file) = setup(&GRID_ZIP_RUNS.replace("{attention.kind: dar}", "{attention.kind: vanilla}"));
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&GRID_ZIP_RUNS.replace("{attention.kind: dar}", "{attention.kind: vanilla}"));
     assert!(e.contains("sweep.yaml") && e.contains("`attention.d_down`") && e.contains("vanilla"), "{e}");
 
     // An unknown key in an override.
-    let (_tmp, file) = setup(&GRID_ZIP_RUNS.replace("attention.window: null", "attention.windw: 3"));
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&GRID_ZIP_RUNS.replace("attention.window: null", "attention.windw: 3"));
     assert!(e.contains("sweep.yaml") && e.contains("windw"), "{e}");
 
     // A placeholder with no value, and a template that does not tell runs apart.
-    let (_tmp, file) = setup(&GRID_ZIP_RUNS.replace("{attention.kind: dar}", "{attention.kind: vanilla, attention.d_down: null, attention.window: null}"));
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&GRID_ZIP_RUNS.replace("{attention.kind: dar}", "{attention.kind: vanilla, attention.d_down: null, attention.window: null}"));
     assert!(e.contains("{attention.d_down}") && e.contains("name"), "{e}");
-    let (_tmp, file) = setup(&GRID_ZIP_RUNS.replace("-s{train.seed}", ""));
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&GRID_ZIP_RUNS.replace("-s{train.seed}", ""));
     assert!(e.contains("dar-d32") && e.contains("name template"), "{e}");
 }
 
