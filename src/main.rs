@@ -405,11 +405,11 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", perplexity::table(&rows));
         }
         Cmd::Eval { run, step, corpora, device, task, data, limit, shots, min_context, batch_tokens, lengths, samples, essay, max_new_tokens, babi, set } => {
-            let downstream = DownstreamArgs { data, limit, shots, min_context, batch_tokens };
-            let long_context = LongContextArgs { lengths, samples, max_new_tokens, essay, babi, sets: set };
-            let args = EvalArgs { step, device, corpora, task: task.clone(), downstream, long_context };
+            let downstream = DownstreamArgs { request: eval::tasks::Request { data, limit, shots, batch_tokens }, min_context };
+            let long_context = LongContextArgs { grid: eval::ruler::Grid { lengths, samples }, max_new_tokens, essay, babi, sets: set };
+            let args = EvalArgs { corpora, task: task.clone(), downstream, long_context };
             let what = task.as_deref().map_or_else(|| "perplexity".to_string(), |t| format!("--task {t}"));
-            match eval::command::eval(&run, &args).with_context(|| format!("eval {} ({what})", run.display()))? {
+            match eval::command::eval(&run, step, device.as_deref(), &args).with_context(|| format!("eval {} ({what})", run.display()))? {
                 Evaluated::Perplexity { step, results, lm_eval } => {
                     if let Some(lm) = lm_eval {
                         println!("lm-eval format: {}", lm.display());

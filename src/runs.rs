@@ -61,14 +61,30 @@ pub struct RunInfo {
     pub dir: PathBuf,
     pub command: Command,
     pub status: Status,
-    /// The last step any metrics row names.
-    pub step: Option<u64>,
-    /// The planned steps, where the config records them (train).
-    pub steps: Option<u64>,
+    pub progress: Progress,
     /// The last logged training loss.
     pub loss: Option<f64>,
     /// Final metrics (eval.json) of a finished run, else the last evaluation logged: `name value` pairs.
     pub metrics: Vec<(String, f64)>,
+}
+
+/// How far a run got: the last step any metrics row names, of the planned steps (where the config
+/// records them: train). Shown as `20/100`, `20`, `0/100` or `-`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Progress {
+    pub step: Option<u64>,
+    pub of: Option<u64>,
+}
+
+impl std::fmt::Display for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.step, self.of) {
+            (Some(s), Some(t)) => write!(f, "{s}/{t}"),
+            (Some(s), None) => write!(f, "{s}"),
+            (None, Some(t)) => write!(f, "0/{t}"),
+            (None, None) => write!(f, "-"),
+        }
+    }
 }
 
 /// Every run directory below `root` (or `root` itself), sorted by path. Run directories are not
@@ -114,13 +130,13 @@ pub fn inspect(dir: &Path) -> Result<RunInfo> {
         s => s,
     };
     let done = status == Status::Done;
-    let steps = (command == Command::Train).then(|| cfg["train"]["steps"].as_u64()).flatten();
+    let progress = Progress { step, of: (command == Command::Train).then(|| cfg["train"]["steps"].as_u64()).flatten() };
     let final_eval = if done { read_json(&dir.join("eval.json")) } else { None };
     let metrics = match final_eval {
         Some(e) => final_metrics(command, &e),
         None => last_logged(&rows),
     };
-    Ok(RunInfo { dir: dir.to_path_buf(), command, status, step, steps, loss, metrics })
+    Ok(RunInfo { dir: dir.to_path_buf(), command, status, progress, loss, metrics })
 }
 
 /// The headline numbers of an eval.json.
@@ -192,14 +208,8 @@ pub fn table(root: &Path, runs: &[RunInfo]) -> String {
         .iter()
         .map(|r| {
             let rel = r.dir.strip_prefix(root).ok().filter(|p| !p.as_os_str().is_empty()).unwrap_or(r.dir.as_path());
-            let step = match (r.step, r.steps) {
-                (Some(s), Some(t)) => format!("{s}/{t}"),
-                (Some(s), None) => s.to_string(),
-                (None, Some(t)) => format!("0/{t}"),
-                (None, None) => "-".into(),
-            };
             let metrics = r.metrics.iter().map(|(k, v)| format!("{k} {}", fmt(*v))).collect::<Vec<_>>().join(", ");
-            vec![rel.display().to_string(), r.command.name().into(), r.status.name().into(), step, r.loss.map(fmt).unwrap_or_else(|| "-".into()), metrics]
+            vec![rel.display().to_string(), r.command.name().into(), r.status.name().into(), r.progress.to_string(), r.loss.map(fmt).unwrap_or_else(|| "-".into()), metrics]
         })
         .collect();
     aligned(&["run", "command", "status", "step", "loss", "metrics"], &rows)
@@ -282,7 +292,8 @@ mod tests {
         let runs = list(root.path()).unwrap();
         let got: Vec<(String, &str, &str)> = runs.iter().map(|r| (r.dir.strip_prefix(root.path()).unwrap().display().to_string(), r.command.name(), r.status.name())).collect();
         assert_eq!(got, [("ft".into(), "finetune", "new"), ("lin".into(), "linearize", "partial"), ("sweep/a-1".into(), "train", "done")]);
-        assert_eq!((runs[2].step, runs[2].steps, runs[2].loss), (Some(20), Some(20), Some(3.25)));
+        assert_eq!((runs[2].progress, runs[2].loss), (Progress { step: Some(20), of: Some(20) }, Some(3.25)));
+        assert_eq!([runs[0].progress, runs[1].progress].map(|p| p.to_string()), ["-", "4"]);
         // Finished: eval.json's numbers, not the last logged row's.
         assert_eq!(runs[2].metrics, [("wiki ppl".to_string(), 41.5)]);
         assert_eq!(runs[1].metrics, [("stage 1 val_loss".to_string(), 0.25)]);

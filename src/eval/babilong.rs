@@ -196,15 +196,15 @@ pub fn usable(records: &[Record], length: usize, samples: usize) -> Vec<&Record>
     records.iter().filter(|r| r.facts.len() <= max_facts).take(samples).collect()
 }
 
-/// Accuracy (%) per length over the first `b.samples` usable records, greedy with `b.max_new` tokens.
+/// Accuracy (%) per length over the first `b.grid.samples` usable records, greedy with `b.max_new` tokens.
 pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, task: &str, records: &[Record], essay: &str, b: &ruler::Budget) -> crate::Result<Vec<Cell>> {
     prompts(task).ok_or_else(|| unknown(task))?;
     let bg = Background::new(essay);
     let greedy = Greedy::new(model, tok, b.device);
     let count = |s: &str| tok.encode(s).map(|v| v.len()).unwrap_or(usize::MAX);
     let mut cells = Vec::new();
-    for &len in &b.lengths {
-        let recs = usable(records, len, b.samples);
+    for &len in &b.grid.lengths {
+        let recs = usable(records, len, b.grid.samples);
         if recs.is_empty() {
             return Err(crate::Error::Other(format!("{task} @ {len}: no sample has at most {} facts", len.saturating_sub(PROMPT_RESERVE) / 8)));
         }

@@ -12,8 +12,6 @@ use std::path::{Path, PathBuf};
 /// The `attnlab eval` flags (their meaning: `attnlab eval --help`).
 #[derive(Debug, Clone, Default)]
 pub struct EvalArgs {
-    pub step: Option<u64>,
-    pub device: Option<String>,
     /// Extra perplexity corpora, `NAME=PATH` or `NAME=wikitext:PATH`.
     pub corpora: Vec<String>,
     /// None: perplexity. `ruler:…` / `babilong:…`: long context. Anything else: a downstream task.
@@ -22,22 +20,18 @@ pub struct EvalArgs {
     pub long_context: LongContextArgs,
 }
 
-/// The flags of a downstream task (`tasks::Options` less what the run decides).
+/// The flags of a downstream task.
 #[derive(Debug, Clone, Default)]
 pub struct DownstreamArgs {
-    pub data: Option<String>,
-    pub limit: Option<usize>,
-    pub shots: Option<usize>,
+    pub request: tasks::Request,
     /// Default: `tasks::default_min_context`.
     pub min_context: Option<usize>,
-    pub batch_tokens: usize,
 }
 
-/// The flags of a long-context task (`ruler::Budget` and the haystacks).
+/// The flags of a long-context task.
 #[derive(Debug, Clone, Default)]
 pub struct LongContextArgs {
-    pub lengths: Vec<usize>,
-    pub samples: usize,
+    pub grid: ruler::Grid,
     /// Default: the task's (RULER 128, BABILong 20).
     pub max_new_tokens: Option<usize>,
     pub essay: Option<PathBuf>,
@@ -70,16 +64,17 @@ pub enum Evaluated {
     },
 }
 
-/// Evaluate `run` as `a` says (see the module doc).
-pub fn eval(run: &Path, a: &EvalArgs) -> Result<Evaluated> {
+/// Evaluate `run` at checkpoint `step` (default: the newest) on `device` (default: the run's) as
+/// `a` says (see the module doc).
+pub fn eval(run: &Path, step: Option<u64>, device: Option<&str>, a: &EvalArgs) -> Result<Evaluated> {
     match a.task.as_deref() {
-        None => perplexity(run, a),
+        None => perplexity(run, step, device, &a.corpora),
         Some(task) if !a.corpora.is_empty() => {
             let what = if is_long_context(task) { "evaluates generation" } else { "is a downstream task" };
             Err(Error::Other(format!("--corpus is for perplexity; --task {task} {what} (give one or the other)")))
         }
-        Some(task) if is_long_context(task) => long_context(run, task, a.step, a.device.as_deref(), &a.long_context),
-        Some(task) => downstream(run, task, a.step, a.device.as_deref(), &a.downstream),
+        Some(task) if is_long_context(task) => long_context(run, task, step, device, &a.long_context),
+        Some(task) => downstream(run, task, step, device, &a.downstream),
     }
 }
 
@@ -101,14 +96,14 @@ fn lm_info(run: &Path, step: u64, device: tch::Device, limit: Option<usize>, sec
     lm_eval::RunInfo { run: run.to_path_buf(), step, device: format!("{device:?}"), limit, seconds }
 }
 
-fn perplexity(run: &Path, a: &EvalArgs) -> Result<Evaluated> {
+fn perplexity(run: &Path, step: Option<u64>, device: Option<&str>, extra: &[String]) -> Result<Evaluated> {
     // A linearize run directory, or its export folder (hybrid.yaml, no config.yaml).
     if run.join("hybrid.yaml").is_file() || crate::run_kind::RunKind::of(run).ok() == Some(crate::run_kind::RunKind::Linearize) {
         return Err(Error::Other(format!("{}: a linearized model; its held-out perplexity is in the run's eval.json (for RULER give --task)", run.display())));
     }
-    let loaded = train::run::load(run, a.step, a.device.as_deref())?;
+    let loaded = train::run::load(run, step, device)?;
     let mut spec = loaded.spec.clone();
-    for c in &a.corpora {
+    for c in extra {
         let (name, src) = parse_corpus(c)?;
         spec.data.eval.insert(name, src);
     }
@@ -131,11 +126,11 @@ fn downstream(run: &Path, task: &str, step: Option<u64>, device: Option<&str>, a
     let def = tasks::TaskDef::load(task)?;
     let loaded = train::run::load(run, step, device)?;
     let min_context = a.min_context.unwrap_or_else(|| tasks::default_min_context(&loaded.spec));
-    let opts = tasks::Options { data: a.data.clone(), limit: a.limit, shots: a.shots, max_len: loaded.spec.seq_len(), min_context, batch_tokens: a.batch_tokens, quiet: false };
+    let opts = tasks::Options { request: a.request.clone(), max_len: loaded.spec.seq_len(), min_context, quiet: false };
     let (mut result, samples) = tasks::evaluate(&loaded.model, &loaded.tok, &def, &opts, loaded.device).map_err(|e| Error::Other(format!("task {task} on {}: {e}", run.display())))?;
     result.model = tasks::ModelInfo::of(&loaded.spec, loaded.step);
     let path = tasks::write(run, &result, &samples)?;
-    let info = lm_info(run, loaded.step, loaded.device, a.limit, result.seconds);
+    let info = lm_info(run, loaded.step, loaded.device, a.request.limit, result.seconds);
     let lm = lm_eval::write(&info, &[lm_eval::downstream_task(&def, &result, &samples)])?;
     crate::tensorboard::refresh(run);
     Ok(Evaluated::Task { step: loaded.step, result, path, lm_eval: lm })
@@ -146,7 +141,7 @@ fn long_context(run: &Path, task: &str, step: Option<u64>, device: Option<&str>,
     let overrides = (!a.sets.is_empty()).then(|| a.sets.join(" "));
     let with_overrides = |c: ruler::Cell| ruler::Cell { overrides: overrides.clone(), ..c };
     let essay = a.essay.as_deref().map(ruler::read_essay).transpose()?;
-    let budget = |default_new: usize| ruler::Budget { lengths: a.lengths.clone(), samples: a.samples, max_new: a.max_new_tokens.unwrap_or(default_new), device: loaded.device, quiet: false };
+    let budget = |default_new: usize| ruler::Budget { grid: a.grid.clone(), max_new: a.max_new_tokens.unwrap_or(default_new), device: loaded.device, quiet: false };
     if let Some(name) = task.strip_prefix("babilong:") {
         let babi = a.babi.as_deref().ok_or_else(|| Error::Other("--task babilong:… needs --babi (e.g. ../shared/data/babi)".into()))?;
         let essay = essay.as_deref().ok_or_else(|| Error::Other("--task babilong:… needs --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)".into()))?;
@@ -165,7 +160,7 @@ fn long_context(run: &Path, task: &str, step: Option<u64>, device: Option<&str>,
         cells.push(cell);
         all_records.extend(records);
     }
-    let info = lm_info(run, loaded.step, loaded.device, Some(a.samples), t0.elapsed().as_secs_f64());
+    let info = lm_info(run, loaded.step, loaded.device, Some(a.grid.samples), t0.elapsed().as_secs_f64());
     let lm = lm_eval::write(&info, &[lm_eval::ruler_task(name, &cells, &all_records, b.max_new)])?;
     let path = ruler::write_cells(run, "ruler.json", &cells)?;
     Ok(Evaluated::LongContext { step: loaded.step, cells, path, lm_eval: Some(lm) })
@@ -188,11 +183,11 @@ mod tests {
     #[test]
     fn a_task_refuses_extra_corpora_before_loading_anything() {
         let a = EvalArgs { task: Some("mmlu".into()), corpora: vec!["x=y".into()], ..Default::default() };
-        let e = eval(Path::new("/nonexistent-run"), &a).err().unwrap().to_string();
+        let e = eval(Path::new("/nonexistent-run"), None, None, &a).err().unwrap().to_string();
         assert!(e.contains("--corpus is for perplexity") && e.contains("downstream"), "{e}");
         let a = EvalArgs { task: Some("ruler:niah_single_1".into()), ..a };
     // (the corpus check comes before any file is read)
-        let e = eval(Path::new("/nonexistent-run"), &a).err().unwrap().to_string();
+        let e = eval(Path::new("/nonexistent-run"), None, None, &a).err().unwrap().to_string();
         assert!(e.contains("evaluates generation"), "{e}");
     }
 }

@@ -300,23 +300,28 @@ impl Cell {
     }
 }
 
-/// How much of a long-context task (RULER, BABILong) to run, and where.
+/// The cells of a long-context task (RULER, BABILong): one per target length (prompt +
+/// generation, in tokens), each scored over `samples` prompts.
+#[derive(Debug, Clone, Default)]
+pub struct Grid {
+    pub lengths: Vec<usize>,
+    pub samples: usize,
+}
+
+/// How much of a long-context task to run, and where.
 #[derive(Debug, Clone)]
 pub struct Budget {
-    /// Target lengths, prompt + generation, in tokens: one cell each.
-    pub lengths: Vec<usize>,
-    /// Samples per length.
-    pub samples: usize,
+    pub grid: Grid,
     /// Tokens generated per sample.
     pub max_new: usize,
     pub device: tch::Device,
     pub quiet: bool,
 }
 
-/// Generate `b.samples` prompts per length, decode greedily (`b.max_new` tokens, RULER: 128), score.
+/// Generate `b.grid.samples` prompts per length, decode greedily (`b.max_new` tokens, RULER: 128), score.
 /// The prompt is `input + answer_prefix` with the tokenizer's BOS (if any) prepended, as HF does.
 pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, name: &str, essay: Option<&str>, b: &Budget) -> crate::Result<Vec<(Cell, Vec<Record>)>> {
-    let (samples, max_new, device) = (b.samples, b.max_new, b.device);
+    let (samples, max_new, device) = (b.grid.samples, b.max_new, b.device);
     let t = task(name).ok_or_else(|| crate::Error::Other(format!("unknown RULER task `{name}` (known: {})", TASKS.join(", "))))?;
     if t.haystack == Haystack::Essay && essay.is_none() {
         return Err(crate::Error::Other(format!("{name} needs the essay haystack: pass --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)")));
@@ -325,7 +330,7 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, name: &str,
     let greedy = Greedy::new(model, tok, device);
     let count = |s: &str| tok.encode(s).map(|v| v.len()).unwrap_or(usize::MAX);
     let mut cells = Vec::new();
-    for &len in &b.lengths {
+    for &len in &b.grid.lengths {
         let bar = crate::progress::bar(samples as u64, &format!("{name} @ {len}"), b.quiet);
         let (mut total, mut prompt_tokens) = (0.0, 0usize);
         let mut records = Vec::new();

@@ -28,6 +28,11 @@ fn err_text<T: std::fmt::Debug>(r: crate::Result<T>) -> String {
     r.expect_err("expected an error").to_string()
 }
 
+/// `setup` for a sweep over base.yaml into OUT: `body` is what follows those two lines.
+fn setup_body(body: &str) -> (tempfile::TempDir, PathBuf) {
+    setup(&format!("\nbase: base.yaml\noutput: OUT{body}"))
+}
+
 /// The error planning `sweep` (a sweep file's text) gives.
 fn plan_err(sweep: &str) -> String {
     let (_tmp, file) = setup(sweep);
@@ -80,10 +85,8 @@ fn grid_zip_and_runs_expand_in_order_with_names_dirs_and_values() {
 
 #[test]
 fn entries_with_their_own_axes_and_names() {
-    let (_tmp, file) = setup(
+    let (_tmp, file) = setup_body(
         r#"
-base: base.yaml
-output: OUT
 name: "dar-w{attention.window}"
 set: {train.steps: 7}
 runs:
@@ -151,10 +154,8 @@ fn null_deletes_a_key_and_other_values_override() {
 fn identical_resolved_configs_are_merged() {
     // Vanilla ignores the d_down axis once null removes it; uniform with window 0 written out equals
     // uniform with the window left to resolve.
-    let (_tmp, file) = setup(
+    let (_tmp, file) = setup_body(
         r#"
-base: base.yaml
-output: OUT
 name: "{attention.kind}-d{attention.d_down}"
 grid: {attention.d_down: [32, 16, 8]}
 runs:
@@ -285,10 +286,8 @@ touch "$out/DONE"
 #[cfg(unix)]
 #[test]
 fn launches_children_per_gpu_reports_failures_and_skips_done_runs() {
-    let (tmp, file) = setup(
+    let (tmp, file) = setup_body(
         r#"
-base: base.yaml
-output: OUT
 name: "s{train.seed}"
 grid: {train.seed: [1, 666, 3, 4]}
 "#,
@@ -337,14 +336,7 @@ grid: {train.seed: [1, 666, 3, 4]}
 #[cfg(unix)]
 #[test]
 fn a_locked_run_is_busy_and_the_others_go_on() {
-    let (tmp, file) = setup(
-        r#"
-base: base.yaml
-output: OUT
-name: "s{train.seed}"
-grid: {train.seed: [1, 2, 75]}
-"#,
-    );
+    let (tmp, file) = setup_body("\nname: \"s{train.seed}\"\ngrid: {train.seed: [1, 2, 75]}\n");
     let exe = fake_attnlab(tmp.path());
     let p = plan(&file, &[], None).unwrap();
     std::fs::create_dir_all(&p.runs[1].dir).unwrap();

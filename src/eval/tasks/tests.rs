@@ -166,7 +166,7 @@ fn mmlu_end_to_end_matches_direct_log_probs() {
     let tok = neox_tok();
     let (_vs, model) = tiny_model(tok.padded_vocab());
     let def = TaskDef::load("mmlu").unwrap();
-    let opts = Options { data: Some(fixture("mmlu")), limit: None, shots: Some(2), max_len: 512, min_context: 0, batch_tokens: 256, quiet: true };
+    let opts = Options { request: Request { data: Some(fixture("mmlu")), limit: None, shots: Some(2), batch_tokens: 256 }, max_len: 512, min_context: 0, quiet: true };
     let (res, samples) = evaluate(&model, &tok, &def, &opts, Device::Cpu).unwrap();
     assert_eq!((res.docs, res.num_fewshot, samples.len()), (3, 2, 3));
     let test = docs(&def, "mmlu", &def.dataset.eval, true);
@@ -197,7 +197,7 @@ fn generation_end_to_end() {
     let tok = neox_tok();
     let (_vs, model) = tiny_model(tok.padded_vocab());
     let def = TaskDef::load("gsm8k").unwrap();
-    let opts = Options { data: Some(fixture("gsm8k")), limit: Some(1), shots: Some(2), max_len: 300, min_context: 0, batch_tokens: 256, quiet: true };
+    let opts = Options { request: Request { data: Some(fixture("gsm8k")), limit: Some(1), shots: Some(2), batch_tokens: 256 }, max_len: 300, min_context: 0, quiet: true };
     let mut short = def.clone();
     short.generation.max_gen_toks = 8;
     let (res, samples) = evaluate(&model, &tok, &short, &opts, Device::Cpu).unwrap();
@@ -233,7 +233,7 @@ fn min_context_drops_short_inputs_and_reports_the_count() {
     sorted.sort_unstable();
     let min = sorted[2];
     assert!(sorted[0] < min, "fixture prompts need different lengths: {lens:?}");
-    let opts = Options { data: Some(fixture("mmlu")), limit: None, shots: Some(2), max_len: 512, min_context: min, batch_tokens: 256, quiet: true };
+    let opts = Options { request: Request { data: Some(fixture("mmlu")), limit: None, shots: Some(2), batch_tokens: 256 }, max_len: 512, min_context: min, quiet: true };
     let (res, samples) = evaluate(&model, &tok, &def, &opts, Device::Cpu).unwrap();
     let want: Vec<usize> = (0..lens.len()).filter(|&i| lens[i] >= min).collect();
     assert_eq!(samples.iter().map(|s| s.doc).collect::<Vec<_>>(), want);
