@@ -29,6 +29,7 @@ struct SpecArgs {
 /// The arguments of the two-stage commands (`linearize`, `finetune`).
 #[derive(clap::Args)]
 struct StagedArgs {
+    /// The command's spec (YAML): a linearize spec names a `teacher`, a finetune spec a `base` model.
     spec: PathBuf,
     /// Override any key: --set attention.d_down=96 (repeatable; values are YAML).
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -39,6 +40,7 @@ struct StagedArgs {
     /// Stop after this many optimizer steps of both stages (as if interrupted; re-run to resume).
     #[arg(long, hide = true)]
     stop_after: Option<u64>,
+    /// No progress bars.
     #[arg(long)]
     quiet: bool,
 }
@@ -88,6 +90,7 @@ enum Cmd {
         /// Attention kinds to train, comma-separated.
         #[arg(long, default_value = "vanilla,dar,uniform", value_delimiter = ',')]
         kinds: Vec<String>,
+        /// No progress bars.
         #[arg(long)]
         quiet: bool,
     },
@@ -155,22 +158,30 @@ enum Cmd {
     },
     /// Write float32 logits [n, vocab] for whitespace-separated token ids in FILE to a safetensors file.
     Forward {
+        /// A training run directory.
         run: PathBuf,
+        /// Text file of whitespace-separated token ids, each inside the model's vocabulary.
         #[arg(long)]
         tokens: PathBuf,
+        /// Output safetensors file (one tensor, `logits`).
         #[arg(long)]
         out: PathBuf,
+        /// Checkpoint step (default: the newest complete one).
         #[arg(long)]
         step: Option<u64>,
+        /// Device (default: the run's).
         #[arg(long)]
         device: Option<String>,
     },
     /// Write a run's checkpoint as a Hugging Face folder (config.json + model.safetensors + tokenizer.json)
     /// that transformers loads (GPTNeoXForCausalLM or LlamaForCausalLM; vanilla attention only).
     Export {
+        /// A training run directory.
         run: PathBuf,
+        /// Output folder.
         #[arg(long)]
         out: PathBuf,
+        /// Checkpoint step (default: the newest complete one).
         #[arg(long)]
         step: Option<u64>,
     },
@@ -183,8 +194,10 @@ enum Cmd {
         /// Prompt text (or --prompt-file).
         #[arg(long, conflicts_with = "prompt_file")]
         prompt: Option<String>,
+        /// Read the prompt from this file.
         #[arg(long)]
         prompt_file: Option<PathBuf>,
+        /// Tokens to generate at most (generation also stops at the tokenizer's end-of-text token).
         #[arg(long, default_value_t = 64)]
         max_new_tokens: usize,
         /// Sampling temperature; 0 = greedy.
@@ -193,10 +206,13 @@ enum Cmd {
         /// Greedy decoding (the default; the same as --temperature 0).
         #[arg(long)]
         greedy: bool,
+        /// Sampling seed (with --temperature > 0).
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Checkpoint step of a training run (default: the newest complete one).
         #[arg(long)]
         step: Option<u64>,
+        /// Device (default: the run's).
         #[arg(long)]
         device: Option<String>,
     },
@@ -213,8 +229,10 @@ enum Cmd {
         /// Context lengths, comma-separated.
         #[arg(long, default_value = "1024,2048,4096", value_delimiter = ',')]
         lengths: Vec<i64>,
+        /// Tokens decoded after the prefill, for the decode speed.
         #[arg(long, default_value_t = 32)]
         new_tokens: usize,
+        /// Vocabulary rows of the random models (Pythia: 50304).
         #[arg(long, default_value_t = 50304)]
         vocab: usize,
         /// Variants, comma-separated: vanilla, dar, uniform, window, still, still-budget, lolcats, or
@@ -227,6 +245,7 @@ enum Cmd {
         /// Do not measure: read the rows of an earlier `--json` run (e.g. the GPU job's decode.jsonl).
         #[arg(long, value_name = "JSONL")]
         from: Option<PathBuf>,
+        /// Print one JSON line per row (on stdout) instead of progress lines and the table.
         #[arg(long)]
         json: bool,
     },
@@ -240,6 +259,7 @@ enum Cmd {
         /// Timed steps (after warm-up).
         #[arg(long, default_value_t = 10)]
         steps: usize,
+        /// Untimed steps first (CUDA context, kernel selection, allocator).
         #[arg(long, default_value_t = 3)]
         warmup: usize,
         /// Vocabulary rows when the spec does not fix them (Pythia: 50304).
@@ -308,6 +328,7 @@ enum Cmd {
     /// List the run directories below RESULTS (recursively): command, status (done / partial / new),
     /// step, last loss and final metrics, as a table.
     Runs {
+        /// Folder searched recursively for run directories (folders holding config.yaml).
         results: PathBuf,
     },
     /// (Re)write the TensorBoard event file (events.out.tfevents.attnlab) of every run directory at
@@ -328,6 +349,7 @@ enum DataCmd {
         /// tokenizer.json path, `builtin`, or hf:OWNER/NAME.
         #[arg(long)]
         tokenizer: String,
+        /// Output folder for the shards and index.json.
         #[arg(long)]
         out: PathBuf,
         /// JSON/parquet text field.
