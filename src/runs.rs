@@ -175,6 +175,12 @@ fn last_logged(rows: &[Value]) -> Vec<(String, f64)> {
 
 /// Columns padded to their widest cell; cells that parse as numbers are right-aligned.
 pub fn aligned(header: &[&str], rows: &[Vec<String>]) -> String {
+    columns(header, rows, true)
+}
+
+/// Columns padded to their widest cell, two spaces apart, trailing blanks trimmed; with
+/// `right_align_numbers`, cells that parse as numbers (also `12%`, `3/10`) are right-aligned.
+pub fn columns(header: &[&str], rows: &[Vec<String>], right_align_numbers: bool) -> String {
     let n = header.len();
     let mut width: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for r in rows {
@@ -189,7 +195,7 @@ pub fn aligned(header: &[&str], rows: &[Vec<String>]) -> String {
             .enumerate()
             .map(|(i, c)| {
                 let pad = width[i] - c.chars().count();
-                if align && numeric(c) { format!("{}{c}", " ".repeat(pad)) } else { format!("{c}{}", " ".repeat(pad)) }
+                if align && right_align_numbers && numeric(c) { format!("{}{c}", " ".repeat(pad)) } else { format!("{c}{}", " ".repeat(pad)) }
             })
             .collect();
         parts.join("  ").trim_end().to_string()

@@ -288,19 +288,5 @@ pub fn summary_table(runs: &[RunReport]) -> String {
 
 /// Left-aligned columns separated by two spaces.
 fn table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
-    for row in rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
-    let line = |cells: Vec<&str>| {
-        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, &w)| format!("{c:w$}")).collect();
-        padded.join("  ").trim_end().to_string() + "\n"
-    };
-    let mut out = line(header.to_vec());
-    for row in rows {
-        out += &line(row.iter().map(String::as_str).collect());
-    }
-    out
+    crate::runs::columns(header, rows, false)
 }
