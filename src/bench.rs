@@ -221,3 +221,128 @@ pub fn bench_all(spec: &Spec, reps: usize, mut each: impl FnMut(&OpBench, f64)) 
     }
     Ok(())
 }
+
+/// What `attnlab bench` measures.
+#[derive(Debug, Clone, Copy)]
+pub enum BenchMode {
+    /// Training steps (`train_bench`) with `vocab` rows when the spec does not fix them.
+    Steps { vocab: usize, warmup: usize, steps: usize },
+    /// The attention op alone, `reps` timed repetitions per kind and implementation (`bench_all`).
+    AttentionOnly { reps: usize },
+    /// Every fast DAR path against the reference (`check_all`).
+    Check,
+}
+
+/// A result as one JSON line.
+pub fn json_line(r: &impl Serialize) -> String {
+    serde_json::to_string(r).expect("bench rows serialize")
+}
+
+impl TrainBench {
+    pub fn line(&self) -> String {
+        let r = self;
+        format!(
+            "{} ({}), micro-batch {} × T {} on {}: {:.1} ms/step, {:.0} tokens/s, MFU {:.1}%, peak {:.2} GiB, {} params",
+            r.name, r.attention, r.micro_batch, r.seq_len, r.device, r.step_ms, r.tokens_per_s, 100.0 * r.mfu, r.peak_mem_gib, r.params
+        )
+    }
+}
+
+impl OpBench {
+    /// A table line; `base_ms`: vanilla's time, which the line compares against.
+    pub fn line(&self, base_ms: f64) -> String {
+        let r = self;
+        format!("{:8} {:10} B·H {} T {} hd {} w {:4}: {:8.3} ms fwd+bwd ({:.2}× vanilla)", r.attention, r.implementation, r.batch_heads, r.seq_len, r.head_dim, r.window, r.fwd_bwd_ms, r.fwd_bwd_ms / base_ms)
+    }
+}
+
+impl CheckRow {
+    pub fn line(&self) -> String {
+        let e = self.rel_err.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ");
+        format!("{:18} {:?} w {:5}: rel err out/dq/dkl/dvl/dkg/dvg {e}  {}", self.implementation, self.shape, self.window, if self.pass { "ok" } else { "FAIL" })
+    }
+}
+
+/// `attnlab bench`: measure `mode`, handing `line` every result as it comes (a JSON line with
+/// `json`, else a table line). `Check` is an error when any check failed, after all were shown.
+pub fn bench_command(spec: &Spec, mode: BenchMode, json: bool, mut line: impl FnMut(String)) -> Result<()> {
+    fn pick<R: Serialize>(json: bool, r: &R, text: impl FnOnce() -> String) -> String {
+        if json { json_line(r) } else { text() }
+    }
+    match mode {
+        BenchMode::Check => {
+            let failed = check_all(spec, |r| line(pick(json, r, || r.line())))?;
+            if failed > 0 {
+                return Err(crate::Error::Other(format!("{failed} attention checks failed")));
+            }
+        }
+        BenchMode::AttentionOnly { reps } => bench_all(spec, reps, |r, base| line(pick(json, r, || r.line(base))))?,
+        BenchMode::Steps { vocab, warmup, steps } => {
+            let r = train_bench(spec, vocab, warmup, steps)?;
+            line(pick(json, &r, || r.line()));
+        }
+    }
+    Ok(())
+}
+
+/// `attnlab bench-decode`'s rows: read back from an earlier `--json` run's output (`from`), or
+/// measured with random weights at the size of the spec `src` names, for the `--attention` list
+/// `attention`; `each` gets every measured row as it comes.
+pub fn decode_rows(
+    from: Option<&std::path::Path>,
+    src: &crate::spec::SpecSource,
+    attention: &str,
+    lengths: &[i64],
+    new_tokens: usize,
+    vocab: usize,
+    each: impl FnMut(&crate::eval::generate::DecodeBench),
+) -> Result<Vec<crate::eval::generate::DecodeBench>> {
+    use crate::eval::decode_bench;
+    if let Some(f) = from {
+        return decode_bench::read_rows(&std::fs::read_to_string(f).map_err(|e| crate::Error::io(f, e))?);
+    }
+    let base = src.load()?;
+    let device = crate::device::parse_device(base.train.device.as_deref().unwrap_or("auto"))?;
+    eprintln!("random-initialised weights and random prompt tokens: cache memory and speed only, not quality");
+    decode_bench::run(&base, &decode_bench::split_names(attention), lengths, new_tokens, vocab, device, each)
+}
+
+/// A measured bench-decode row as a progress line.
+pub fn decode_line(r: &crate::eval::generate::DecodeBench) -> String {
+    format!(
+        "{:12} context {:6}: cache {:>12} bytes ({:8.1} B/token), prefill {:7.3}s, decode {:8.1} tokens/s",
+        r.attention, r.context, r.cache_bytes, r.cache_bytes_per_token, r.prefill_s, r.decode_tokens_per_s
+    )
+}
+
+#[cfg(test)]
+mod line_tests {
+    use super::*;
+
+    #[test]
+    fn check_lines_say_ok_or_fail_and_json_lines_parse() {
+        let mut r = CheckRow { implementation: "sdpa".into(), shape: [1, 2, 8, 4], window: 4, rel_err: [1e-10; 6], pass: true };
+        assert!(r.line().starts_with("sdpa               [1, 2, 8, 4] w     4: rel err") && r.line().ends_with("  ok"), "{}", r.line());
+        r.pass = false;
+        assert!(r.line().ends_with("FAIL"));
+        let v: serde_json::Value = serde_json::from_str(&json_line(&r)).unwrap();
+        assert_eq!(v["pass"], false);
+        let op = OpBench { attention: "dar".into(), implementation: "auto".into(), batch_heads: 8, seq_len: 64, head_dim: 16, window: 4, fwd_bwd_ms: 3.0 };
+        assert!(op.line(2.0).ends_with("(1.50× vanilla)"), "{}", op.line(2.0));
+    }
+
+    #[test]
+    fn check_mode_shows_every_window_and_fails_with_the_count_of_failures() {
+        let spec = crate::spec::SpecSource { sets: vec!["train.device=cpu".into(), "data.seq_len=16".into()], ..Default::default() }.load().unwrap();
+        let mut lines = Vec::new();
+        let r = bench_command(&spec, BenchMode::Check, false, |l| lines.push(l));
+        // 2 shapes × 8 windows × 1 CPU implementation.
+        assert_eq!(lines.len(), 16, "{lines:?}");
+        let failed = lines.iter().filter(|l| l.ends_with("FAIL")).count();
+        assert_eq!(failed + lines.iter().filter(|l| l.ends_with("  ok")).count(), 16, "{lines:?}");
+        match r {
+            Ok(()) => assert_eq!(failed, 0),
+            Err(e) => assert_eq!(e.to_string(), format!("{failed} attention checks failed")),
+        }
+    }
+}

@@ -1,7 +1,9 @@
 //! The `attnlab` command line. Errors print their cause chain and exit non-zero.
 use anyhow::{bail, Context, Result};
-use attnlab::spec::{self, AttentionKind, Spec};
-use attnlab::train::{self, TrainOptions};
+use attnlab::eval::command::{DownstreamArgs, EvalArgs, Evaluated, LongContextArgs};
+use attnlab::eval::{self, perplexity};
+use attnlab::spec::SpecSource;
+use attnlab::{bench, train};
 use clap::{Args, Parser, Subcommand};
 use std::path::{Path, PathBuf};
 
@@ -27,6 +29,7 @@ struct SpecArgs {
 /// The arguments of the two-stage commands (`linearize`, `finetune`).
 #[derive(clap::Args)]
 struct StagedArgs {
+    /// The command's spec (YAML): a linearize spec names a `teacher`, a finetune spec a `base` model.
     spec: PathBuf,
     /// Override any key: --set attention.d_down=96 (repeatable; values are YAML).
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -37,6 +40,7 @@ struct StagedArgs {
     /// Stop after this many optimizer steps of both stages (as if interrupted; re-run to resume).
     #[arg(long, hide = true)]
     stop_after: Option<u64>,
+    /// No progress bars.
     #[arg(long)]
     quiet: bool,
 }
@@ -86,6 +90,7 @@ enum Cmd {
         /// Attention kinds to train, comma-separated.
         #[arg(long, default_value = "vanilla,dar,uniform", value_delimiter = ',')]
         kinds: Vec<String>,
+        /// No progress bars.
         #[arg(long)]
         quiet: bool,
     },
@@ -153,22 +158,30 @@ enum Cmd {
     },
     /// Write float32 logits [n, vocab] for whitespace-separated token ids in FILE to a safetensors file.
     Forward {
+        /// A training run directory.
         run: PathBuf,
+        /// Text file of whitespace-separated token ids, each inside the model's vocabulary.
         #[arg(long)]
         tokens: PathBuf,
+        /// Output safetensors file (one tensor, `logits`).
         #[arg(long)]
         out: PathBuf,
+        /// Checkpoint step (default: the newest complete one).
         #[arg(long)]
         step: Option<u64>,
+        /// Device (default: the run's).
         #[arg(long)]
         device: Option<String>,
     },
     /// Write a run's checkpoint as a Hugging Face folder (config.json + model.safetensors + tokenizer.json)
     /// that transformers loads (GPTNeoXForCausalLM or LlamaForCausalLM; vanilla attention only).
     Export {
+        /// A training run directory.
         run: PathBuf,
+        /// Output folder.
         #[arg(long)]
         out: PathBuf,
+        /// Checkpoint step (default: the newest complete one).
         #[arg(long)]
         step: Option<u64>,
     },
@@ -181,8 +194,10 @@ enum Cmd {
         /// Prompt text (or --prompt-file).
         #[arg(long, conflicts_with = "prompt_file")]
         prompt: Option<String>,
+        /// Read the prompt from this file.
         #[arg(long)]
         prompt_file: Option<PathBuf>,
+        /// Tokens to generate at most (generation also stops at the tokenizer's end-of-text token).
         #[arg(long, default_value_t = 64)]
         max_new_tokens: usize,
         /// Sampling temperature; 0 = greedy.
@@ -191,10 +206,13 @@ enum Cmd {
         /// Greedy decoding (the default; the same as --temperature 0).
         #[arg(long)]
         greedy: bool,
+        /// Sampling seed (with --temperature > 0).
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Checkpoint step of a training run (default: the newest complete one).
         #[arg(long)]
         step: Option<u64>,
+        /// Device (default: the run's).
         #[arg(long)]
         device: Option<String>,
     },
@@ -211,8 +229,10 @@ enum Cmd {
         /// Context lengths, comma-separated.
         #[arg(long, default_value = "1024,2048,4096", value_delimiter = ',')]
         lengths: Vec<i64>,
+        /// Tokens decoded after the prefill, for the decode speed.
         #[arg(long, default_value_t = 32)]
         new_tokens: usize,
+        /// Vocabulary rows of the random models (Pythia: 50304).
         #[arg(long, default_value_t = 50304)]
         vocab: usize,
         /// Variants, comma-separated: vanilla, dar, uniform, window, still, still-budget, lolcats, or
@@ -225,6 +245,7 @@ enum Cmd {
         /// Do not measure: read the rows of an earlier `--json` run (e.g. the GPU job's decode.jsonl).
         #[arg(long, value_name = "JSONL")]
         from: Option<PathBuf>,
+        /// Print one JSON line per row (on stdout) instead of progress lines and the table.
         #[arg(long)]
         json: bool,
     },
@@ -238,6 +259,7 @@ enum Cmd {
         /// Timed steps (after warm-up).
         #[arg(long, default_value_t = 10)]
         steps: usize,
+        /// Untimed steps first (CUDA context, kernel selection, allocator).
         #[arg(long, default_value_t = 3)]
         warmup: usize,
         /// Vocabulary rows when the spec does not fix them (Pythia: 50304).
@@ -306,6 +328,7 @@ enum Cmd {
     /// List the run directories below RESULTS (recursively): command, status (done / partial / new),
     /// step, last loss and final metrics, as a table.
     Runs {
+        /// Folder searched recursively for run directories (folders holding config.yaml).
         results: PathBuf,
     },
     /// (Re)write the TensorBoard event file (events.out.tfevents.attnlab) of every run directory at
@@ -326,6 +349,7 @@ enum DataCmd {
         /// tokenizer.json path, `builtin`, or hf:OWNER/NAME.
         #[arg(long)]
         tokenizer: String,
+        /// Output folder for the shards and index.json.
         #[arg(long)]
         out: PathBuf,
         /// JSON/parquet text field.
@@ -355,278 +379,112 @@ fn main() {
     }
 }
 
-fn load_spec(a: &SpecArgs) -> Result<Spec> {
-    let mut spec = match &a.spec {
-        Some(p) => spec::load(p, &a.sets)?,
-        None => spec::from_str(spec::BUILTIN_TINY, "<builtin tiny-synthetic>", &a.sets)?,
-    };
-    if let Some(out) = &a.out {
-        spec.output = Some(out.clone());
-        spec.name.get_or_insert_with(|| out.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
+impl SpecArgs {
+    fn source(&self) -> SpecSource {
+        SpecSource { path: self.spec.clone(), sets: self.sets.clone(), out: self.out.clone() }
     }
-    Ok(spec)
 }
 
-fn tokenizer_spec(s: &str) -> spec::TokenizerSpec {
-    match s.strip_prefix("hf:") {
-        Some(repo) => spec::TokenizerSpec::Hub { hf: repo.to_string() },
-        None => spec::TokenizerSpec::Path(s.to_string()),
+/// The first line of `train`, `linearize` and `finetune`: what happened to the run directory.
+fn print_outcome(verb: &str, dir: &Path, step: u64, already_done: bool) {
+    if already_done {
+        println!("{} is finished (DONE); nothing to do", dir.display());
+    } else {
+        println!("{verb} {} to step {step}", dir.display());
+    }
+}
+
+/// `print_outcome`, then the held-out comparison of a two-stage run (`summary` of its eval.json).
+fn print_staged(verb: &str, dir: &Path, step: u64, already_done: bool, eval: &serde_json::Value, summary: fn(&Path, &serde_json::Value) -> String) {
+    print_outcome(verb, dir, step, already_done);
+    if !eval.is_null() {
+        print!("{}", summary(dir, eval));
     }
 }
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Train { spec, quiet, stop_after, gpus } => {
-            let mut spec = load_spec(&spec)?;
-            if !gpus.is_empty() {
-                spec.train.devices = Some(gpus.into_iter().map(spec::DeviceEntry::Name).collect());
-                spec = spec.resolve().map_err(|(key, msg)| anyhow::anyhow!("--gpus: `{key}`: {msg}"))?;
-            }
-            let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-            let dist = match train::workers::launch_or_join(&mut spec, &args)? {
-                train::workers::Role::Launched => return Ok(()),
-                train::workers::Role::Train(dist) => dist,
-            };
-            let rank0 = dist.as_ref().is_none_or(|d| d.rank == 0);
-            let o = train::train(spec, &TrainOptions { quiet, stop_after, dist })?;
-            if !rank0 {
-                return Ok(());
-            }
-            if o.already_done {
-                println!("{} is finished (DONE); nothing to do", o.dir.display());
-            } else {
-                println!("trained {} to step {}", o.dir.display(), o.step);
-            }
-            print_eval_table(&[(o.dir.display().to_string(), o.eval)]);
+            let s = spec.source().load()?;
+            let Some(o) = train::workers::train_command(s, &gpus, quiet, stop_after)? else { return Ok(()) };
+            print_outcome("trained", &o.dir, o.step, o.already_done);
+            print!("{}", perplexity::table(&[(o.dir.display().to_string(), o.eval)]));
         }
-        Cmd::Linearize { run: StagedArgs { spec, sets, out, stop_after, quiet } } => {
-            use attnlab::linearize::{linearize, LinearizeOptions, LinearizeSpec};
-            let mut s = LinearizeSpec::from_file_with(&spec, &sets)?;
-            if let Some(o) = out {
-                s.output = o;
-            }
-            let o = linearize(s, &LinearizeOptions { quiet, stop_after })?;
-            if o.already_done {
-                println!("{} is finished (DONE); nothing to do", o.dir.display());
-            } else {
-                println!("linearized {} to step {}", o.dir.display(), o.step);
-            }
-            if !o.eval.is_null() {
-                print!("{}", attnlab::runs::linearize_summary(&o.dir, &o.eval));
-            }
+        Cmd::Linearize { run } => {
+            let mut s = attnlab::linearize::LinearizeSpec::from_file_with(&run.spec, &run.sets)?;
+            s.output = run.out.clone().unwrap_or(s.output);
+            let o = attnlab::linearize::linearize(s, &attnlab::linearize::LinearizeOptions { quiet: run.quiet, stop_after: run.stop_after }).with_context(|| format!("linearize {}", run.spec.display()))?;
+            print_staged("linearized", &o.dir, o.step, o.already_done, &o.eval, attnlab::runs::linearize_summary);
         }
-        Cmd::Finetune { run: StagedArgs { spec, sets, out, stop_after, quiet } } => {
-            use attnlab::finetune::{finetune, FinetuneOptions, FinetuneSpec};
-            let mut s = FinetuneSpec::from_file(&spec, &sets)?;
-            if let Some(o) = out {
-                s.output = o;
-            }
-            let o = finetune(s, &FinetuneOptions { quiet, stop_after }).with_context(|| format!("finetune {}", spec.display()))?;
-            if o.already_done {
-                println!("{} is finished (DONE); nothing to do", o.dir.display());
-            } else {
-                println!("fine-tuned {} to step {}", o.dir.display(), o.step);
-            }
-            if !o.eval.is_null() {
-                print!("{}", attnlab::runs::finetune_summary(&o.dir, &o.eval));
-            }
+        Cmd::Finetune { run } => {
+            let mut s = attnlab::finetune::FinetuneSpec::from_file(&run.spec, &run.sets)?;
+            s.output = run.out.clone().unwrap_or(s.output);
+            let o = attnlab::finetune::finetune(s, &attnlab::finetune::FinetuneOptions { quiet: run.quiet, stop_after: run.stop_after }).with_context(|| format!("finetune {}", run.spec.display()))?;
+            print_staged("fine-tuned", &o.dir, o.step, o.already_done, &o.eval, attnlab::runs::finetune_summary);
         }
         Cmd::Compare { spec, kinds, quiet } => {
-            let base = load_spec(&spec)?;
-            let root = match (&spec.out, &base.output) {
-                (Some(o), _) => o.clone(),
-                (None, Some(o)) => o.parent().map(Path::to_path_buf).unwrap_or_else(|| o.clone()),
-                (None, None) => PathBuf::from("results/compare"),
-            };
-            let mut rows = Vec::new();
-            for k in &kinds {
-                let kind: AttentionKind = serde_yaml::from_str(k).with_context(|| format!("unknown attention kind `{k}`"))?;
-                let mut s = base.with_attention(kind).map_err(|(key, msg)| anyhow::anyhow!("{key}: {msg}"))?;
-                s.output = Some(root.join(k));
-                s.name = Some(k.clone());
-                if !quiet {
-                    eprintln!("== {k}: {}", s.attention.note.clone().unwrap_or_else(|| "full-width keys everywhere".into()));
-                }
-                let o = train::train(s, &TrainOptions { quiet, ..Default::default() })?;
-                rows.push((k.clone(), o.eval));
-            }
-            print_eval_table(&rows);
+            let rows = attnlab::sweep::compare::compare(&spec.source(), &kinds, quiet)?;
+            print!("{}", perplexity::table(&rows));
         }
-        Cmd::Eval { run, step, corpora, device, task: Some(task), data, limit, shots, min_context, batch_tokens, .. } if !task.starts_with("ruler:") && !task.starts_with("babilong:") => {
-            if !corpora.is_empty() {
-                bail!("--corpus is for perplexity; --task {task} is a downstream task (give one or the other)");
-            }
-            use attnlab::eval::tasks;
-            let def = tasks::TaskDef::load(&task)?;
-            let loaded = train::run::load(&run, step, device.as_deref())?;
-            let min_context = min_context.unwrap_or(loaded.spec.attention.min_context());
-            let opts = tasks::Options { data, limit, shots, max_len: loaded.spec.seq_len(), min_context, batch_tokens, quiet: false };
-            let (mut result, samples) = tasks::evaluate(&loaded.model, &loaded.tok, &def, &opts, loaded.device).with_context(|| format!("task {task} on {}", run.display()))?;
-            let a = &loaded.spec.attention;
-            let vanilla = a.is_vanilla();
-            result.model = tasks::ModelInfo {
-                step: loaded.step,
-                arch: format!("{:?}", loaded.spec.model.arch.unwrap_or_default()).to_lowercase(),
-                attention: a.kind.name().into(),
-                d_model: loaded.spec.shape().d_model,
-                d_down: if vanilla { None } else { a.d_down.map(|x| x as usize) },
-                window: if vanilla { None } else { a.window.map(|x| x as usize) },
-            };
-            let path = tasks::write(&run, &result, &samples)?;
-            let info = attnlab::eval::lm_eval::RunInfo { run: run.clone(), step: loaded.step, device: format!("{:?}", loaded.device), limit, seconds: result.seconds };
-            let lm = attnlab::eval::lm_eval::write(&info, &[attnlab::eval::lm_eval::downstream_task(&def, &result, &samples)])?;
-            attnlab::tensorboard::refresh(&run);
-            println!("{} at step {}: {} over {} documents ({}-shot) in {:.1}s → {} (lm-eval format: {})", run.display(), loaded.step, result.task, result.docs, result.num_fewshot, result.seconds, path.display(), lm.display());
-            if result.min_context > 0 {
-                println!("  kept {} of {} documents: inputs ≥ {} tokens (--min-context)", result.docs, result.docs_total, result.min_context);
-            }
-            for (k, v) in &result.metrics {
-                println!("  {k:32} {v:.4}{}", if *k == result.primary_metric { "  (primary)" } else { "" });
-            }
-            for n in &result.notes {
-                println!("  note: {n}");
-            }
-        }
-        Cmd::Eval { run, step, corpora, device, task: Some(task), lengths, samples, essay, max_new_tokens, babi, set, .. } => {
-            if !corpora.is_empty() {
-                bail!("--corpus is for perplexity; --task {task} evaluates generation (give one or the other)");
-            }
-            let loaded = attnlab::eval::generate::load_with(&run, step, device.as_deref(), &set)?;
-            let overrides = (!set.is_empty()).then(|| set.join(" "));
-            let essay = essay.as_deref().map(attnlab::eval::ruler::read_essay).transpose()?;
-            let (cells, file) = if let Some(name) = task.strip_prefix("babilong:") {
-                let babi = babi.as_deref().context("--task babilong:… needs --babi (e.g. ../shared/data/babi)")?;
-                let essay = essay.as_deref().context("--task babilong:… needs --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)")?;
-                let records = attnlab::eval::babilong::read_records(babi, name)?;
-                let max_new = max_new_tokens.unwrap_or(attnlab::eval::babilong::TOKENS_TO_GENERATE);
-                let cells = attnlab::eval::babilong::evaluate(&loaded.model, &loaded.tok, name, &records, &lengths, samples, essay, max_new, loaded.device, false)?;
-                (cells.into_iter().map(|c| attnlab::eval::ruler::Cell { overrides: overrides.clone(), ..c }).collect::<Vec<_>>(), "babilong.json")
-            } else {
-                let name = task.strip_prefix("ruler:").with_context(|| format!("--task `{task}`: want ruler:<task> or babilong:<task>"))?;
-                let max_new = max_new_tokens.unwrap_or(attnlab::eval::ruler::TOKENS_TO_GENERATE);
-                let t0 = std::time::Instant::now();
-                let (mut cells, mut all_records) = (Vec::new(), Vec::new());
-                for (cell, records) in attnlab::eval::ruler::evaluate(&loaded.model, &loaded.tok, name, &lengths, samples, essay.as_deref(), max_new, loaded.device, false)? {
-                    let cell = attnlab::eval::ruler::Cell { overrides: overrides.clone(), ..cell };
-                    attnlab::eval::ruler::write_samples(&run, &cell, &records)?;
-                    cells.push(cell);
-                    all_records.extend(records);
+        Cmd::Eval { run, step, corpora, device, task, data, limit, shots, min_context, batch_tokens, lengths, samples, essay, max_new_tokens, babi, set } => {
+            let downstream = DownstreamArgs { request: eval::tasks::Request { data, limit, shots, batch_tokens }, min_context };
+            let long_context = LongContextArgs { grid: eval::ruler::Grid { lengths, samples }, max_new_tokens, essay, babi, sets: set };
+            let args = EvalArgs { corpora, task: task.clone(), downstream, long_context };
+            let what = task.as_deref().map_or_else(|| "perplexity".to_string(), |t| format!("--task {t}"));
+            match eval::command::eval(&run, step, device.as_deref(), &args).with_context(|| format!("eval {} ({what})", run.display()))? {
+                Evaluated::Perplexity { step, results, lm_eval } => {
+                    if let Some(lm) = lm_eval {
+                        println!("lm-eval format: {}", lm.display());
+                    }
+                    println!("{} at step {step}:", run.display());
+                    print!("{}", perplexity::table(&[(run.display().to_string(), results)]));
                 }
-                let info = attnlab::eval::lm_eval::RunInfo { run: run.clone(), step: loaded.step, device: format!("{:?}", loaded.device), limit: Some(samples), seconds: t0.elapsed().as_secs_f64() };
-                let lm = attnlab::eval::lm_eval::write(&info, &[attnlab::eval::lm_eval::ruler_task(name, &cells, &all_records, max_new)])?;
-                println!("lm-eval format: {}", lm.display());
-                (cells, "ruler.json")
-            };
-            let path = attnlab::eval::ruler::write_cells(&run, file, &cells)?;
-            println!("{} at step {} ({}{}):", run.display(), loaded.step, path.display(), if file == "ruler.json" { ", per-sample records in ruler_samples/" } else { "" });
-            for c in &cells {
-                println!("{:16} length {:6}: {:6.2}% over {} samples (mean prompt {:.0} tokens){}", c.task, c.length, c.score, c.samples, c.mean_prompt_tokens, c.overrides.as_deref().map(|o| format!("  [{o}]")).unwrap_or_default());
-                if let Some(d) = &c.diagnostics {
-                    println!("  value tokens outside the window: {:.0}%", 100.0 * d.value_outside_window);
-                    for l in &d.layers {
-                        let pct = |x: Option<f64>| x.map_or("  –".to_string(), |v| format!("{:3.0}%", 100.0 * v));
-                        println!("  layer {:2}: selected (any head) {}  (best head) {}   normalizer share window {:5.1}%  selected {:5.1}%  linear {:5.1}%", l.layer, pct(l.recall_any_head), pct(l.recall_best_head), 100.0 * l.shares_mean[0], 100.0 * l.shares_mean[1], 100.0 * l.shares_mean[2]);
+                Evaluated::Task { step, result: r, path, lm_eval } => {
+                    println!("{} at step {step}: {} over {} documents ({}-shot) in {:.1}s → {} (lm-eval format: {})", run.display(), r.task, r.docs, r.num_fewshot, r.seconds, path.display(), lm_eval.display());
+                    if r.min_context > 0 {
+                        println!("  kept {} of {} documents: inputs ≥ {} tokens (--min-context)", r.docs, r.docs_total, r.min_context);
+                    }
+                    for (k, v) in &r.metrics {
+                        println!("  {k:32} {v:.4}{}", if *k == r.primary_metric { "  (primary)" } else { "" });
+                    }
+                    for n in &r.notes {
+                        println!("  note: {n}");
                     }
                 }
+                Evaluated::LongContext { step, cells, path, lm_eval } => {
+                    if let Some(lm) = &lm_eval {
+                        println!("lm-eval format: {}", lm.display());
+                    }
+                    println!("{} at step {step} ({}{}):", run.display(), path.display(), if lm_eval.is_some() { ", per-sample records in ruler_samples/" } else { "" });
+                    cells.iter().for_each(|c| print!("{}", c.summary()));
+                }
             }
-        }
-        Cmd::Eval { run, step, corpora, device, task: None, .. } => {
-            // A linearize run directory, or its export folder (hybrid.yaml, no config.yaml).
-            if run.join("hybrid.yaml").is_file() || attnlab::run_kind::RunKind::of(&run).ok() == Some(attnlab::run_kind::RunKind::Linearize) {
-                bail!("{}: a linearized model; its held-out perplexity is in the run's eval.json (for RULER give --task)", run.display());
-            }
-            let loaded = train::run::load(&run, step, device.as_deref())?;
-            let mut spec = loaded.spec.clone();
-            for c in &corpora {
-                let (name, path) = c.split_once('=').with_context(|| format!("--corpus `{c}` is not NAME=PATH"))?;
-                let (format, path) = match path.strip_prefix("wikitext:") {
-                    Some(p) => (spec::TextFormat::Wikitext, p),
-                    None => (spec::TextFormat::Text, path),
-                };
-                spec.data.eval.insert(name.to_string(), spec::SourceSpec::Local(spec::LocalSource { path: path.into(), field: "text".into(), format }));
-            }
-            let corpora = train::load_eval_corpora(&spec, &loaded.tok)?;
-            if corpora.is_empty() {
-                bail!("no evaluation corpora: the run's spec lists none; add --corpus NAME=PATH");
-            }
-            let t0 = std::time::Instant::now();
-            let scored = attnlab::eval::lm_eval::evaluate_perplexity(&loaded.model, &corpora, &spec, loaded.device);
-            let results: std::collections::BTreeMap<_, _> = scored.iter().map(|(k, v)| (k.clone(), v.0.clone())).collect();
-            train::run::RunDir { path: run.clone() }.write_eval(loaded.step, &results)?;
-            let lm_tasks: Vec<_> = corpora.iter().filter_map(|c| scored.get(&c.name).and_then(|(r, d)| attnlab::eval::lm_eval::perplexity_task(c, r, d))).collect();
-            let info = attnlab::eval::lm_eval::RunInfo { run: run.clone(), step: loaded.step, device: format!("{:?}", loaded.device), limit: None, seconds: t0.elapsed().as_secs_f64() };
-            if !lm_tasks.is_empty() {
-                let lm = attnlab::eval::lm_eval::write(&info, &lm_tasks)?;
-                println!("lm-eval format: {}", lm.display());
-            }
-            attnlab::tensorboard::refresh(&run);
-            println!("{} at step {}:", run.display(), loaded.step);
-            print_eval_table(&[(run.display().to_string(), results)]);
         }
         Cmd::Forward { run, tokens, out, step, device } => {
-            let loaded = train::run::load(&run, step, device.as_deref())?;
-            let text = std::fs::read_to_string(&tokens).with_context(|| format!("reading {}", tokens.display()))?;
-            let ids: Vec<i64> = text
-                .split_whitespace()
-                .enumerate()
-                .map(|(i, w)| w.parse::<i64>().with_context(|| format!("{}: token {} (`{w}`) is not an integer", tokens.display(), i + 1)))
-                .collect::<Result<_>>()?;
-            let vocab = loaded.model.vocab() as i64;
-            if let Some(bad) = ids.iter().find(|&&i| i < 0 || i >= vocab) {
-                bail!("{}: token id {bad} is outside the vocabulary [0, {vocab})", tokens.display());
-            }
-            let x = tch::Tensor::from_slice(&ids).view([1, -1]).to_device(loaded.device);
-            let logits = tch::no_grad(|| loaded.model.forward(&x)).squeeze_dim(0).to_kind(tch::Kind::Float).to_device(tch::Device::Cpu);
-            tch::Tensor::write_safetensors(&[("logits", &logits)], &out)?;
-            println!("wrote logits {:?} to {}", logits.size(), out.display());
+            let shape = eval::infer::forward_file(&run, &tokens, &out, step, device.as_deref()).with_context(|| format!("forward {} on {}", run.display(), tokens.display()))?;
+            println!("wrote logits {shape:?} to {}", out.display());
         }
         Cmd::Generate { run, prompt, prompt_file, max_new_tokens, temperature, greedy, seed, step, device } => {
-            let loaded = attnlab::eval::generate::load(&run, step, device.as_deref())?;
             let text = match (prompt, prompt_file) {
                 (Some(p), _) => p,
                 (None, Some(f)) => std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?,
                 (None, None) => bail!("give --prompt TEXT or --prompt-file FILE"),
             };
-            // The tokenizer's BOS first when it has one (Llama), as Hugging Face and `eval --task` do.
-            let mut ids: Vec<u32> = attnlab::linearize::bos_id(&loaded.tok).into_iter().collect();
-            ids.extend(loaded.tok.encode(&text)?);
-            if ids.is_empty() {
-                bail!("the prompt encodes to no tokens");
-            }
-            let sampling = attnlab::eval::generate::Sampling { temperature: if greedy { 0.0 } else { temperature }, seed };
-            let g = attnlab::eval::generate::generate(&loaded.model, &ids, max_new_tokens, sampling, Some(loaded.eos), loaded.device);
-            println!("{}{}", text, loaded.tok.decode(&g.tokens)?);
-            eprintln!(
-                "{} prompt + {} new tokens; prefill {:.3}s, decode {:.1} tokens/s, cache {} bytes",
-                g.prompt_tokens, g.tokens.len(), g.prefill_s, g.decode_tokens_per_s, g.cache_bytes
-            );
+            let sampling = eval::generate::Sampling { temperature: if greedy { 0.0 } else { temperature }, seed };
+            let c = eval::infer::continue_prompt(&run, &text, max_new_tokens, sampling, step, device.as_deref()).with_context(|| format!("generate with {}", run.display()))?;
+            println!("{text}{}", c.text);
+            let g = c.stats;
+            eprintln!("{} prompt + {} new tokens; prefill {:.3}s, decode {:.1} tokens/s, cache {} bytes", g.prompt_tokens, g.tokens.len(), g.prefill_s, g.decode_tokens_per_s, g.cache_bytes);
         }
         Cmd::BenchDecode { spec, lengths, new_tokens, vocab, attention, plot, from, json } => {
-            use attnlab::eval::decode_bench;
-            let rows = match from {
-                Some(f) => decode_bench::read_rows(&std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?)?,
-                None => {
-                    let base = load_spec(&spec)?;
-                    let device = attnlab::device::parse_device(base.train.device.as_deref().unwrap_or("auto"))?;
-                    eprintln!("random-initialised weights and random prompt tokens: cache memory and speed only, not quality");
-                    decode_bench::run(&base, &decode_bench::split_names(&attention), &lengths, new_tokens, vocab, device, |r| {
-                        if json {
-                            println!("{}", serde_json::to_string(r).expect("serializes"));
-                        } else {
-                            eprintln!(
-                                "{:12} context {:6}: cache {:>12} bytes ({:8.1} B/token), prefill {:7.3}s, decode {:8.1} tokens/s",
-                                r.attention, r.context, r.cache_bytes, r.cache_bytes_per_token, r.prefill_s, r.decode_tokens_per_s
-                            );
-                        }
-                    })?
-                }
-            };
+            let each = |r: &_| if json { println!("{}", bench::json_line(r)) } else { eprintln!("{}", bench::decode_line(r)) };
+            let rows = bench::decode_rows(from.as_deref(), &spec.source(), &attention, &lengths, new_tokens, vocab, each)?;
             if !json {
-                print!("{}", decode_bench::table(&rows));
+                print!("{}", eval::decode_bench::table(&rows));
             }
             if let Some(stem) = plot {
                 #[cfg(feature = "analysis")]
-                for f in decode_bench::plot(&rows, &stem)? {
+                for f in eval::decode_bench::plot(&rows, &stem)? {
                     eprintln!("wrote {}", f.display());
                 }
                 #[cfg(not(feature = "analysis"))]
@@ -634,73 +492,29 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Export { run, out, step } => {
-            let step = attnlab::export::export(&run, &out, step)?;
+            let step = attnlab::export::export(&run, &out, step).with_context(|| format!("export {}", run.display()))?;
             println!("wrote {} (step {}) to {}", run.display(), step, out.display());
         }
         Cmd::Data(DataCmd::Prepare { source, tokenizer, out, field, format, synthetic }) => {
-            let tok = attnlab::data::Tok::load(&tokenizer_spec(&tokenizer))?;
-            let format: spec::TextFormat = serde_yaml::from_str(&format).with_context(|| format!("--format `{format}`: want text or wikitext"))?;
-            let src = match (synthetic, source) {
-                (Some(n), None) => spec::SourceSpec::Synthetic { synthetic: spec::SyntheticSpec { seed: 1, docs: n } },
-                (None, Some(p)) => spec::SourceSpec::Local(spec::LocalSource { path: p, field, format }),
-                _ => bail!("give either a SOURCE path or --synthetic N"),
-            };
-            let docs = attnlab::data::sources::read_documents(&src)?;
-            let p = attnlab::data::shards::prepare(&docs, &tok, &serde_json::to_string(&src)?, &out, false)?;
-            println!(
-                "{} documents, {} tokens in {:.1}s ({:.0} tokens/s) → {}",
-                p.index.n_docs,
-                p.index.n_tokens,
-                p.seconds,
-                p.index.n_tokens as f64 / p.seconds.max(1e-9),
-                p.dir.display()
-            );
+            let p = attnlab::data::shards::prepare_source(source.as_deref(), synthetic, &tokenizer, &field, &format, &out).context("data prepare")?;
+            let rate = p.index.n_tokens as f64 / p.seconds.max(1e-9);
+            println!("{} documents, {} tokens in {:.1}s ({rate:.0} tokens/s) → {}", p.index.n_docs, p.index.n_tokens, p.seconds, p.dir.display());
         }
         Cmd::Bench { spec, steps, warmup, vocab, attention_only, check, json } => {
-            let base = load_spec(&spec)?;
-            if check {
-                check_attention(&base, json)?;
-            } else if attention_only {
-                bench_attention(&base, steps, json)?;
-            } else {
-                let r = attnlab::bench::train_bench(&base, vocab, warmup, steps)?;
-                if json {
-                    println!("{}", serde_json::to_string(&r)?);
-                } else {
-                    println!(
-                        "{} ({}), micro-batch {} × T {} on {}: {:.1} ms/step, {:.0} tokens/s, MFU {:.1}%, peak {:.2} GiB, {} params",
-                        r.name, r.attention, r.micro_batch, r.seq_len, r.device, r.step_ms, r.tokens_per_s, 100.0 * r.mfu, r.peak_mem_gib, r.params
-                    );
-                }
-            }
+            let mode = match (check, attention_only) {
+                (true, _) => bench::BenchMode::Check,
+                (false, true) => bench::BenchMode::AttentionOnly { reps: steps },
+                (false, false) => bench::BenchMode::Steps { vocab, warmup, steps },
+            };
+            bench::bench_command(&spec.source().load()?, mode, json, |line| println!("{line}"))?;
         }
-        Cmd::Config { spec } => match spec.spec.as_deref().map(|p| spec::staged_config_yaml(p, &spec.sets)).transpose()?.flatten() {
-            Some(staged) => print!("{staged}"),
-            None => print!("{}", load_spec(&spec)?.to_yaml()),
-        },
-        Cmd::Runs { results } => print!("{}", attnlab::runs::table(&results, &attnlab::runs::list(&results)?)),
-        Cmd::Tensorboard { dirs } => {
-            for d in &dirs {
-                let runs = attnlab::tensorboard::find_runs(d);
-                if runs.is_empty() {
-                    bail!("{}: no run directory (a folder with metrics.jsonl) at or below it", d.display());
-                }
-                for r in runs {
-                    let (path, s) = attnlab::tensorboard::regenerate(&r)?;
-                    println!("{}: {} tags, {} points", path.display(), s.tags.len(), s.points());
-                }
-            }
-        }
+        Cmd::Config { spec } => print!("{}", spec.source().config_yaml()?),
+        Cmd::Runs { results } => print!("{}", attnlab::runs::listing(&results)?),
+        Cmd::Tensorboard { dirs } => attnlab::tensorboard::regenerate_below(&dirs, |path, s| println!("{}: {} tags, {} points", path.display(), s.tags.len(), s.points()))?,
         Cmd::Sweep { file, dry_run, gpus, max_parallel, emit, sets, out, gpus_per_run, nodes } => {
-            if (gpus_per_run > 1 || nodes > 1) && emit.is_none() {
-                bail!("--gpus-per-run / --nodes shape the runs of an emitted batch script (--emit slurm); a local sweep runs one GPU per run (or `attnlab train --gpus` for one data-parallel run)");
-            }
             let shape = attnlab::sweep::RunShape { nodes, gpus_per_node: gpus_per_run };
             let opts = attnlab::sweep::SweepOptions { dry_run, gpus, max_parallel, emit, sets, out, exe: None, shape };
-            let summary = attnlab::sweep::run_sweep(&file, &opts)?;
-            if summary.failed() > 0 {
-                bail!("{} of {} runs failed (logs listed above)", summary.failed(), summary.runs.len());
-            }
+            attnlab::sweep::sweep_command(&file, &opts)?;
         }
         #[cfg(feature = "analysis")]
         Cmd::Report { results, out, format, unit } => {
@@ -709,53 +523,4 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn check_attention(spec: &Spec, json: bool) -> Result<()> {
-    let failed = attnlab::bench::check_all(spec, |r| {
-        if json {
-            println!("{}", serde_json::to_string(r).expect("serializes"));
-        } else {
-            let e = r.rel_err.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ");
-            println!("{:18} {:?} w {:5}: rel err out/dq/dkl/dvl/dkg/dvg {e}  {}", r.implementation, r.shape, r.window, if r.pass { "ok" } else { "FAIL" });
-        }
-    })?;
-    if failed > 0 {
-        bail!("{failed} attention checks failed");
-    }
-    Ok(())
-}
-
-fn bench_attention(spec: &Spec, reps: usize, json: bool) -> Result<()> {
-    attnlab::bench::bench_all(spec, reps, |r, base| {
-        if json {
-            println!("{}", serde_json::to_string(r).expect("serializes"));
-        } else {
-            println!("{:8} {:10} B·H {} T {} hd {} w {:4}: {:8.3} ms fwd+bwd ({:.2}× vanilla)", r.attention, r.implementation, r.batch_heads, r.seq_len, r.head_dim, r.window, r.fwd_bwd_ms, r.fwd_bwd_ms / base);
-        }
-    })?;
-    Ok(())
-}
-
-fn print_eval_table(rows: &[(String, std::collections::BTreeMap<String, attnlab::eval::CorpusResult>)]) {
-    let corpora: std::collections::BTreeSet<&String> = rows.iter().flat_map(|r| r.1.keys()).collect();
-    if corpora.is_empty() {
-        return;
-    }
-    let width = rows.iter().map(|r| r.0.len()).max().unwrap_or(3).max(3);
-    print!("{:width$}", "run");
-    for c in &corpora {
-        print!("  {:>14} {:>9}", format!("{c} ppl"), "tokens");
-    }
-    println!();
-    for (name, res) in rows {
-        print!("{name:width$}");
-        for c in &corpora {
-            match res.get(*c) {
-                Some(r) => print!("  {:>14.3} {:>9}", r.ppl, r.tokens),
-                None => print!("  {:>14} {:>9}", "-", "-"),
-            }
-        }
-        println!();
-    }
 }

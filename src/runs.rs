@@ -10,32 +10,19 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 
 /// Which command made a run directory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Command {
-    Train,
-    Linearize,
-    Finetune,
-}
+pub use crate::run_kind::RunKind as Command;
 
-impl Command {
-    /// From a run's config.yaml tree: linearize specs name a `teacher`, finetune specs a `base`
-    /// model; everything else is a train spec.
-    pub fn of_config(cfg: &serde_yaml::Value) -> Command {
-        if cfg.get("teacher").is_some() {
-            Command::Linearize
-        } else if cfg.get("base").is_some() {
-            Command::Finetune
-        } else {
-            Command::Train
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Command::Train => "train",
-            Command::Linearize => "linearize",
-            Command::Finetune => "finetune",
-        }
+/// The command of a run's config.yaml tree: its `command:` key; else (older run directories)
+/// linearize specs name a `teacher`, finetune specs a `base` model; everything else is train.
+pub fn command_of(cfg: &serde_yaml::Value) -> Command {
+    if let Some(c) = cfg.get(crate::run_kind::KEY).and_then(|c| c.as_str()).and_then(Command::named) {
+        c
+    } else if cfg.get("teacher").is_some() {
+        Command::Linearize
+    } else if cfg.get("base").is_some() {
+        Command::Finetune
+    } else {
+        Command::Train
     }
 }
 
@@ -47,6 +34,18 @@ pub enum Status {
 }
 
 impl Status {
+    /// A run directory as a launcher (`sweep`) sees it before starting it: DONE → done; a
+    /// config.yaml, i.e. a started run that `train` resumes → partial; else new.
+    pub fn of(dir: &Path) -> Status {
+        if dir.join("DONE").is_file() {
+            Status::Done
+        } else if dir.join("config.yaml").is_file() {
+            Status::Partial
+        } else {
+            Status::New
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Status::Done => "done",
@@ -62,14 +61,30 @@ pub struct RunInfo {
     pub dir: PathBuf,
     pub command: Command,
     pub status: Status,
-    /// The last step any metrics row names.
-    pub step: Option<u64>,
-    /// The planned steps, where the config records them (train).
-    pub steps: Option<u64>,
+    pub progress: Progress,
     /// The last logged training loss.
     pub loss: Option<f64>,
     /// Final metrics (eval.json) of a finished run, else the last evaluation logged: `name value` pairs.
     pub metrics: Vec<(String, f64)>,
+}
+
+/// How far a run got: the last step any metrics row names, of the planned steps (where the config
+/// records them: train). Shown as `20/100`, `20`, `0/100` or `-`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Progress {
+    pub step: Option<u64>,
+    pub of: Option<u64>,
+}
+
+impl std::fmt::Display for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.step, self.of) {
+            (Some(s), Some(t)) => write!(f, "{s}/{t}"),
+            (Some(s), None) => write!(f, "{s}"),
+            (None, Some(t)) => write!(f, "0/{t}"),
+            (None, None) => write!(f, "-"),
+        }
+    }
 }
 
 /// Every run directory below `root` (or `root` itself), sorted by path. Run directories are not
@@ -101,7 +116,7 @@ fn read_json(p: &Path) -> Option<Value> {
 pub fn inspect(dir: &Path) -> Result<RunInfo> {
     let cp = dir.join("config.yaml");
     let cfg: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(&cp).at(&cp)?).unwrap_or(serde_yaml::Value::Null);
-    let command = Command::of_config(&cfg);
+    let command = command_of(&cfg);
     let rows: Vec<Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap_or_default()
         .lines()
@@ -109,21 +124,19 @@ pub fn inspect(dir: &Path) -> Result<RunInfo> {
         .collect();
     let step = rows.iter().filter_map(|r| r["step"].as_u64()).max();
     let loss = rows.iter().rev().find_map(|r| r["loss"].as_f64());
-    let done = dir.join("DONE").is_file();
-    let status = if done {
-        Status::Done
-    } else if !rows.is_empty() || dir.join("checkpoints").is_dir() {
-        Status::Partial
-    } else {
-        Status::New
+    // A listed run has a config.yaml; until it logged or checkpointed anything it counts as new.
+    let status = match Status::of(dir) {
+        Status::Partial if rows.is_empty() && !dir.join("checkpoints").is_dir() => Status::New,
+        s => s,
     };
-    let steps = (command == Command::Train).then(|| cfg["train"]["steps"].as_u64()).flatten();
+    let done = status == Status::Done;
+    let progress = Progress { step, of: (command == Command::Train).then(|| cfg["train"]["steps"].as_u64()).flatten() };
     let final_eval = if done { read_json(&dir.join("eval.json")) } else { None };
     let metrics = match final_eval {
         Some(e) => final_metrics(command, &e),
         None => last_logged(&rows),
     };
-    Ok(RunInfo { dir: dir.to_path_buf(), command, status, step, steps, loss, metrics })
+    Ok(RunInfo { dir: dir.to_path_buf(), command, status, progress, loss, metrics })
 }
 
 /// The headline numbers of an eval.json.
@@ -162,6 +175,12 @@ fn last_logged(rows: &[Value]) -> Vec<(String, f64)> {
 
 /// Columns padded to their widest cell; cells that parse as numbers are right-aligned.
 pub fn aligned(header: &[&str], rows: &[Vec<String>]) -> String {
+    columns(header, rows, true)
+}
+
+/// Columns padded to their widest cell, two spaces apart, trailing blanks trimmed; with
+/// `right_align_numbers`, cells that parse as numbers (also `12%`, `3/10`) are right-aligned.
+pub fn columns(header: &[&str], rows: &[Vec<String>], right_align_numbers: bool) -> String {
     let n = header.len();
     let mut width: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for r in rows {
@@ -176,7 +195,7 @@ pub fn aligned(header: &[&str], rows: &[Vec<String>]) -> String {
             .enumerate()
             .map(|(i, c)| {
                 let pad = width[i] - c.chars().count();
-                if align && numeric(c) { format!("{}{c}", " ".repeat(pad)) } else { format!("{c}{}", " ".repeat(pad)) }
+                if align && right_align_numbers && numeric(c) { format!("{}{c}", " ".repeat(pad)) } else { format!("{c}{}", " ".repeat(pad)) }
             })
             .collect();
         parts.join("  ").trim_end().to_string()
@@ -195,17 +214,16 @@ pub fn table(root: &Path, runs: &[RunInfo]) -> String {
         .iter()
         .map(|r| {
             let rel = r.dir.strip_prefix(root).ok().filter(|p| !p.as_os_str().is_empty()).unwrap_or(r.dir.as_path());
-            let step = match (r.step, r.steps) {
-                (Some(s), Some(t)) => format!("{s}/{t}"),
-                (Some(s), None) => s.to_string(),
-                (None, Some(t)) => format!("0/{t}"),
-                (None, None) => "-".into(),
-            };
             let metrics = r.metrics.iter().map(|(k, v)| format!("{k} {}", fmt(*v))).collect::<Vec<_>>().join(", ");
-            vec![rel.display().to_string(), r.command.name().into(), r.status.name().into(), step, r.loss.map(fmt).unwrap_or_else(|| "-".into()), metrics]
+            vec![rel.display().to_string(), r.command.name().into(), r.status.name().into(), r.progress.to_string(), r.loss.map(fmt).unwrap_or_else(|| "-".into()), metrics]
         })
         .collect();
     aligned(&["run", "command", "status", "step", "loss", "metrics"], &rows)
+}
+
+/// `attnlab runs RESULTS`: the table of every run directory below `root`.
+pub fn listing(root: &Path) -> Result<String> {
+    Ok(table(root, &list(root)?))
 }
 
 /// 4 significant-ish digits without exponent noise for the usual ranges.
@@ -280,7 +298,8 @@ mod tests {
         let runs = list(root.path()).unwrap();
         let got: Vec<(String, &str, &str)> = runs.iter().map(|r| (r.dir.strip_prefix(root.path()).unwrap().display().to_string(), r.command.name(), r.status.name())).collect();
         assert_eq!(got, [("ft".into(), "finetune", "new"), ("lin".into(), "linearize", "partial"), ("sweep/a-1".into(), "train", "done")]);
-        assert_eq!((runs[2].step, runs[2].steps, runs[2].loss), (Some(20), Some(20), Some(3.25)));
+        assert_eq!((runs[2].progress, runs[2].loss), (Progress { step: Some(20), of: Some(20) }, Some(3.25)));
+        assert_eq!([runs[0].progress, runs[1].progress].map(|p| p.to_string()), ["-", "4"]);
         // Finished: eval.json's numbers, not the last logged row's.
         assert_eq!(runs[2].metrics, [("wiki ppl".to_string(), 41.5)]);
         assert_eq!(runs[1].metrics, [("stage 1 val_loss".to_string(), 0.25)]);

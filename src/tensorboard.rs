@@ -299,6 +299,22 @@ pub fn find_runs(root: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// `attnlab tensorboard DIR…`: regenerate the event file of every run directory at or below each
+/// of `dirs`, calling `each` with the file and its scalars; a folder with no run below it is an error.
+pub fn regenerate_below(dirs: &[PathBuf], mut each: impl FnMut(&Path, &Scalars)) -> Result<()> {
+    for d in dirs {
+        let runs = find_runs(d);
+        if runs.is_empty() {
+            return Err(Error::Other(format!("{}: no run directory (a folder with metrics.jsonl) at or below it", d.display())));
+        }
+        for r in runs {
+            let (path, s) = regenerate(&r)?;
+            each(&path, &s);
+        }
+    }
+    Ok(())
+}
+
 /// Per run directory of this process: the last step written for each tag.
 static LIVE: Mutex<BTreeMap<PathBuf, BTreeMap<String, i64>>> = Mutex::new(BTreeMap::new());
 

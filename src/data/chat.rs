@@ -43,17 +43,21 @@ pub enum ChatSource {
     },
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HubChat {
-    /// e.g. `allenai/tulu-3-sft-mixture`.
-    pub repo: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub revision: Option<String>,
-    /// e.g. `[data/train-00000-of-00006.parquet]`.
-    pub files: Vec<String>,
-    #[serde(default = "default_field")]
-    pub field: String,
+/// Files of a Hugging Face dataset repository: the text sources' `spec::HubSource` (`repo`,
+/// `revision`, `files`, e.g. `[data/train-00000-of-00006.parquet]`), its `field` defaulting to
+/// `messages` here.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(transparent)]
+pub struct HubChat(pub crate::spec::HubSource);
+
+impl<'de> Deserialize<'de> for HubChat {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let mut v = serde_yaml::Value::deserialize(d)?;
+        if let Some(m) = v.as_mapping_mut() {
+            m.entry("field".into()).or_insert_with(|| default_field().into());
+        }
+        serde_yaml::from_value(v).map(HubChat).map_err(serde::de::Error::custom)
+    }
 }
 
 fn default_field() -> String {
@@ -64,7 +68,7 @@ fn default_field() -> String {
 pub fn read_conversations(src: &ChatSource) -> Result<Vec<Conversation>> {
     let (files, field) = match src {
         ChatSource::Local { path, field } => (super::sources::list_files(path)?, field),
-        ChatSource::Hub { hf } => {
+        ChatSource::Hub { hf: HubChat(hf) } => {
             let files = hf.files.iter().map(|f| crate::hub::dataset_file(&hf.repo, hf.revision.as_deref(), f)).collect::<Result<Vec<_>>>()?;
             (files, &hf.field)
         }

@@ -407,22 +407,14 @@ mod tests {
             std::fs::write(&p, bytes).unwrap();
             MegatronData::open(&[bin.clone()], Some(p.as_path()), None).err().map(|e| e.to_string()).unwrap_or_default()
         };
-        let mut magic = idx.clone();
-        magic[0] = b'X';
-        let e = try_idx(magic);
-        assert!(e.contains("x.idx") && e.contains("magic"), "{e}");
-        let mut version = idx.clone();
-        version[9] = 2;
-        let e = try_idx(version);
-        assert!(e.contains("version 2"), "{e}");
-        let mut dtype = idx.clone();
-        dtype[17] = 7;
-        let e = try_idx(dtype);
-        assert!(e.contains("dtype code 7") && e.contains("float32"), "{e}");
-        let mut unknown = idx.clone();
-        unknown[17] = 9;
-        let e = try_idx(unknown);
-        assert!(e.contains("unknown dtype code 9"), "{e}");
+        // One corrupted header byte each: (offset, value, what the error must say).
+        let cases: [(usize, u8, &[&str]); 4] = [(0, b'X', &["x.idx", "magic"]), (9, 2, &["version 2"]), (17, 7, &["dtype code 7", "float32"]), (17, 9, &["unknown dtype code 9"])];
+        for (at, value, want) in cases {
+            let mut bytes = idx.clone();
+            bytes[at] = value;
+            let e = try_idx(bytes);
+            assert!(want.iter().all(|w| e.contains(w)), "byte {at} = {value}: {e}");
+        }
         let e = try_idx(idx[..idx.len() - 3].to_vec());
         assert!(e.contains("header") && e.contains("needs"), "{e}");
         // A .bin shorter than the index says.

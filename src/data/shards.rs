@@ -191,9 +191,38 @@ pub fn ensure_prepared(src: &crate::spec::SourceSpec, tok: &Tok, cache: &Path, q
     Ok(dir)
 }
 
+/// `attnlab data prepare`: the documents of `source` (a file or folder; `field` is the JSON /
+/// parquet text field, `format` `text` or `wikitext`) or of `synthetic` documents of the built-in
+/// corpus (exactly one of the two), tokenized with `tokenizer` (`super::tokenizer::spec_from_arg`)
+/// into shards in `out`.
+pub fn prepare_source(source: Option<&Path>, synthetic: Option<usize>, tokenizer: &str, field: &str, format: &str, out: &Path) -> Result<Prepared> {
+    use crate::spec::{LocalSource, SourceSpec, SyntheticSpec, TextFormat};
+    let format: TextFormat = serde_yaml::from_str(format).map_err(|e| Error::Other(format!("--format `{format}`: want text or wikitext ({e})")))?;
+    let src = match (synthetic, source) {
+        (Some(n), None) => SourceSpec::Synthetic { synthetic: SyntheticSpec { seed: 1, docs: n } },
+        (None, Some(p)) => SourceSpec::Local(LocalSource { path: p.to_path_buf(), field: field.to_string(), format }),
+        _ => return Err(Error::Other("give either a SOURCE path or --synthetic N".into())),
+    };
+    let tok = Tok::load(&super::tokenizer::spec_from_arg(tokenizer))?;
+    let docs = super::sources::read_documents(&src)?;
+    prepare(&docs, &tok, &serde_json::to_string(&src)?, out, false)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prepare_source_wants_exactly_one_source_and_a_known_format() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("c");
+        let p = prepare_source(None, Some(5), "builtin", "text", "text", &out).unwrap();
+        assert_eq!(p.index.n_docs, 5);
+        let e = prepare_source(Some(Path::new("x.txt")), Some(5), "builtin", "text", "text", &out).err().unwrap().to_string();
+        assert!(e.contains("either a SOURCE path or --synthetic"), "{e}");
+        let e = prepare_source(None, Some(5), "builtin", "text", "markdown", &out).err().unwrap().to_string();
+        assert!(e.contains("--format `markdown`"), "{e}");
+    }
 
     #[test]
     fn prepare_then_read_back_across_shards() {

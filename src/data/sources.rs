@@ -72,14 +72,19 @@ pub fn list_files(path: &Path) -> Result<Vec<PathBuf>> {
     if meta.is_file() {
         return Ok(vec![path.to_path_buf()]);
     }
+    files_below(path, |p| kind_of(p).is_some())
+}
+
+/// Every file below `dir` (recursively) that `keep` accepts, sorted by path.
+pub fn files_below(dir: &Path, keep: impl Fn(&Path) -> bool) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
-    let mut stack = vec![path.to_path_buf()];
+    let mut stack = vec![dir.to_path_buf()];
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(&dir).at(&dir)? {
             let p = entry.at(&dir)?.path();
             if p.is_dir() {
                 stack.push(p);
-            } else if kind_of(&p).is_some() {
+            } else if keep(&p) {
                 out.push(p);
             }
         }

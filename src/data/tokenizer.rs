@@ -74,9 +74,25 @@ pub fn builtin_json() -> String {
     .to_string()
 }
 
+/// The tokenizer a command-line argument names: `hf:OWNER/NAME` (a hub repo's tokenizer.json),
+/// `builtin`, or a tokenizer.json path.
+pub fn spec_from_arg(arg: &str) -> TokenizerSpec {
+    match arg.strip_prefix("hf:") {
+        Some(repo) => TokenizerSpec::Hub { hf: repo.to_string() },
+        None => TokenizerSpec::Path(arg.to_string()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn arguments_name_hub_repos_or_paths() {
+        assert_eq!(spec_from_arg("hf:EleutherAI/pythia-70m"), TokenizerSpec::Hub { hf: "EleutherAI/pythia-70m".into() });
+        assert_eq!(spec_from_arg("builtin"), TokenizerSpec::Path("builtin".into()));
+        assert_eq!(spec_from_arg("x/hf:tokenizer.json"), TokenizerSpec::Path("x/hf:tokenizer.json".into()));
+    }
 
     #[test]
     fn builtin_round_trips_synthetic_text() {

@@ -196,35 +196,23 @@ pub fn usable(records: &[Record], length: usize, samples: usize) -> Vec<&Record>
     records.iter().filter(|r| r.facts.len() <= max_facts).take(samples).collect()
 }
 
-/// Accuracy (%) per length over the first `samples` usable records, greedy with `max_new` tokens.
-#[allow(clippy::too_many_arguments)]
-pub fn evaluate(
-    model: &crate::model::Model,
-    tok: &crate::data::Tok,
-    task: &str,
-    records: &[Record],
-    lengths: &[usize],
-    samples: usize,
-    essay: &str,
-    max_new: usize,
-    device: tch::Device,
-    quiet: bool,
-) -> crate::Result<Vec<Cell>> {
+/// Accuracy (%) per length over the first `b.grid.samples` usable records, greedy with `b.max_new` tokens.
+pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, task: &str, records: &[Record], essay: &str, b: &ruler::Budget) -> crate::Result<Vec<Cell>> {
     prompts(task).ok_or_else(|| unknown(task))?;
     let bg = Background::new(essay);
-    let greedy = Greedy::new(model, tok, device);
+    let greedy = Greedy::new(model, tok, b.device);
     let count = |s: &str| tok.encode(s).map(|v| v.len()).unwrap_or(usize::MAX);
     let mut cells = Vec::new();
-    for &len in lengths {
-        let recs = usable(records, len, samples);
+    for &len in &b.grid.lengths {
+        let recs = usable(records, len, b.grid.samples);
         if recs.is_empty() {
             return Err(crate::Error::Other(format!("{task} @ {len}: no sample has at most {} facts", len.saturating_sub(PROMPT_RESERVE) / 8)));
         }
-        let bar = crate::progress::bar(recs.len() as u64, &format!("babilong:{task} @ {len}"), quiet);
+        let bar = crate::progress::bar(recs.len() as u64, &format!("babilong:{task} @ {len}"), b.quiet);
         let (mut right, mut prompt_tokens) = (0usize, 0usize);
         for (i, rec) in recs.iter().enumerate() {
             let s = bg.sample(task, rec, len, &count, &mut ruler::rng(42, len, i))?;
-            let (answer, n) = greedy.answer(&s.prompt, max_new)?;
+            let (answer, n) = greedy.answer(&s.prompt, b.max_new)?;
             prompt_tokens += n;
             right += correct(&answer, &rec.answer, &rec.question) as usize;
             bar.inc(1);

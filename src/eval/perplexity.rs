@@ -229,9 +229,48 @@ pub fn evaluate_docs(model: &Model, corpus: &EvalCorpus, t: usize, batch: usize,
     (CorpusResult::new(protocol, docs, tokens, words, bytes, nll), doc_nll)
 }
 
+/// Perplexity and scored tokens per corpus, one row per named run (`-` where a run lacks a corpus),
+/// what `train`, `compare` and `eval` print. Empty when no run has a corpus.
+pub fn table(rows: &[(String, std::collections::BTreeMap<String, CorpusResult>)]) -> String {
+    use std::fmt::Write;
+    let corpora: std::collections::BTreeSet<&String> = rows.iter().flat_map(|r| r.1.keys()).collect();
+    if corpora.is_empty() {
+        return String::new();
+    }
+    let width = rows.iter().map(|r| r.0.len()).max().unwrap_or(3).max(3);
+    let mut out = format!("{:width$}", "run");
+    for c in &corpora {
+        let _ = write!(out, "  {:>14} {:>9}", format!("{c} ppl"), "tokens");
+    }
+    out.push('\n');
+    for (name, res) in rows {
+        let _ = write!(out, "{name:width$}");
+        for c in &corpora {
+            let _ = match res.get(*c) {
+                Some(r) => write!(out, "  {:>14.3} {:>9}", r.ppl, r.tokens),
+                None => write!(out, "  {:>14} {:>9}", "-", "-"),
+            };
+        }
+        out.push('\n');
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn table_has_a_column_pair_per_corpus_and_dashes_for_missing_ones() {
+        let r = |nll: f64| CorpusResult::new(EvalProtocol::Rolling, 1, 100, 80, 400, nll);
+        let rows = vec![("vanilla".to_string(), [("a".to_string(), r(100.0)), ("b".to_string(), r(200.0))].into()), ("dar".to_string(), [("a".to_string(), r(50.0))].into())];
+        let t = table(&rows);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines[0], format!("run      {:>14} {:>9}  {:>14} {:>9}", "a ppl", "tokens", "b ppl", "tokens"));
+        assert_eq!(lines[1], format!("vanilla  {:>14.3} {:>9}  {:>14.3} {:>9}", 1f64.exp(), 100, 2f64.exp(), 100));
+        assert_eq!(lines[2], format!("dar      {:>14.3} {:>9}  {:>14} {:>9}", 0.5f64.exp(), 100, "-", "-"));
+        assert_eq!(table(&[("x".into(), Default::default())]), "");
+    }
 
     /// Per-document NLLs (windows of several documents share a forward) equal each document scored
     /// alone, and add up to the corpus total.

@@ -283,20 +283,45 @@ pub struct Cell {
     pub diagnostics: Option<diagnose::CellDiagnostics>,
 }
 
-/// Generate `samples` prompts per length, decode greedily (`max_new` tokens, RULER: 128), score.
+impl Cell {
+    /// The lines `eval --task` prints for the cell: its score, then any STILL diagnostics per layer.
+    pub fn summary(&self) -> String {
+        let c = self;
+        let mut out = format!("{:16} length {:6}: {:6.2}% over {} samples (mean prompt {:.0} tokens){}\n", c.task, c.length, c.score, c.samples, c.mean_prompt_tokens, c.overrides.as_deref().map(|o| format!("  [{o}]")).unwrap_or_default());
+        if let Some(d) = &c.diagnostics {
+            out += &format!("  value tokens outside the window: {:.0}%\n", 100.0 * d.value_outside_window);
+            let pct = |x: Option<f64>| x.map_or("  –".to_string(), |v| format!("{:3.0}%", 100.0 * v));
+            for l in &d.layers {
+                let [w, s, lin] = l.shares_mean.map(|x| 100.0 * x);
+                out += &format!("  layer {:2}: selected (any head) {}  (best head) {}   normalizer share window {w:5.1}%  selected {s:5.1}%  linear {lin:5.1}%\n", l.layer, pct(l.recall_any_head), pct(l.recall_best_head));
+            }
+        }
+        out
+    }
+}
+
+/// The cells of a long-context task (RULER, BABILong): one per target length (prompt +
+/// generation, in tokens), each scored over `samples` prompts.
+#[derive(Debug, Clone, Default)]
+pub struct Grid {
+    pub lengths: Vec<usize>,
+    pub samples: usize,
+}
+
+/// How much of a long-context task to run, and where.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    pub grid: Grid,
+    /// Tokens generated per sample.
+    pub max_new: usize,
+    pub device: tch::Device,
+    pub quiet: bool,
+}
+
+/// Generate `b.grid.samples` prompts per length, decode greedily (`b.max_new` tokens, RULER: 128), score.
 /// The prompt is `input + answer_prefix` with the tokenizer's BOS (if any) prepended, as HF does.
-#[allow(clippy::too_many_arguments)]
-pub fn evaluate(
-    model: &crate::model::Model,
-    tok: &crate::data::Tok,
-    name: &str,
-    lengths: &[usize],
-    samples: usize,
-    essay: Option<&str>,
-    max_new: usize,
-    device: tch::Device,
-    quiet: bool,
-) -> crate::Result<Vec<(Cell, Vec<Record>)>> {
+pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, name: &str, essay: Option<&str>, b: &Budget) -> crate::Result<Vec<(Cell, Vec<Record>)>> {
+    let (samples, max_new, device) = (b.grid.samples, b.max_new, b.device);
     let t = task(name).ok_or_else(|| crate::Error::Other(format!("unknown RULER task `{name}` (known: {})", TASKS.join(", "))))?;
     if t.haystack == Haystack::Essay && essay.is_none() {
         return Err(crate::Error::Other(format!("{name} needs the essay haystack: pass --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)")));
@@ -305,8 +330,8 @@ pub fn evaluate(
     let greedy = Greedy::new(model, tok, device);
     let count = |s: &str| tok.encode(s).map(|v| v.len()).unwrap_or(usize::MAX);
     let mut cells = Vec::new();
-    for &len in lengths {
-        let bar = crate::progress::bar(samples as u64, &format!("{name} @ {len}"), quiet);
+    for &len in &b.grid.lengths {
+        let bar = crate::progress::bar(samples as u64, &format!("{name} @ {len}"), b.quiet);
         let (mut total, mut prompt_tokens) = (0.0, 0usize);
         let mut records = Vec::new();
         for i in 0..samples {
@@ -420,6 +445,17 @@ pub fn read_essay(path: &std::path::Path) -> crate::Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cell_summary_shows_overrides_and_layer_diagnostics() {
+        let layer = diagnose::LayerSummary { layer: 3, recall_any_head: Some(0.5), recall_best_head: None, shares_mean: [0.25, 0.5, 0.25] };
+        let c = Cell { task: "niah_single_1".into(), length: 512, samples: 2, score: 50.0, mean_prompt_tokens: 480.4, overrides: Some("attention.routing=oracle".into()), diagnostics: Some(diagnose::CellDiagnostics { value_outside_window: 0.75, layers: vec![layer] }) };
+        let lines: Vec<String> = c.summary().lines().map(String::from).collect();
+        assert_eq!(lines[0], "niah_single_1    length    512:  50.00% over 2 samples (mean prompt 480 tokens)  [attention.routing=oracle]");
+        assert_eq!(lines[1], "  value tokens outside the window: 75%");
+        assert_eq!(lines[2], "  layer  3: selected (any head)  50%  (best head)   –   normalizer share window  25.0%  selected  50.0%  linear  25.0%");
+        assert_eq!(Cell { diagnostics: None, ..c }.summary().lines().count(), 1);
+    }
 
     /// The rendered S-NIAH-1 prompt has the worked example's structure (templates.json).
     #[test]

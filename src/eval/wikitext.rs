@@ -96,40 +96,26 @@ fn detok_regexes() -> &'static DetokRegexes {
 /// punctuation, lazy bracket/quote regexes, headings, miscellaneous.
 pub fn detokenize(s: &str) -> String {
     let re = detok_regexes();
+    let replace_all = |mut s: String, pairs: &[(&str, &str)]| {
+        for (from, to) in pairs {
+            s = s.replace(from, to);
+        }
+        s
+    };
     // 1. Contractions.
     let mut s = s.replace("s '", "s'");
     s = re
         .odd_contraction
         .replace_all(&s, regex::NoExpand("/'[0-9]/"))
         .into_owned();
-    // 2. Number separators.
-    s = s.replace(" @-@ ", "-");
-    s = s.replace(" @,@ ", ",");
-    s = s.replace(" @.@ ", ".");
-    // 3. Punctuation.
-    s = s.replace(" : ", ": ");
-    s = s.replace(" ; ", "; ");
-    s = s.replace(" . ", ". ");
-    s = s.replace(" ! ", "! ");
-    s = s.replace(" ? ", "? ");
-    s = s.replace(" , ", ", ");
+    // 2. Number separators. 3. Punctuation.
+    s = replace_all(s, &[(" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."), (" : ", ": "), (" ; ", "; "), (" . ", ". "), (" ! ", "! "), (" ? ", "? "), (" , ", ", ")]);
     // 4. Brackets and quotes (lazy; strip whitespace just inside the delimiters).
-    s = re.paren.replace_all(&s, "(${1})").into_owned();
-    s = re.bracket.replace_all(&s, "[${1}]").into_owned();
-    s = re.brace.replace_all(&s, "{${1}}").into_owned();
-    s = re.dquote.replace_all(&s, "\"${1}\"").into_owned();
-    s = re.squote.replace_all(&s, "'${1}'").into_owned();
-    // 5. Headings.
-    s = s.replace("= = = =", "====");
-    s = s.replace("= = =", "===");
-    s = s.replace("= =", "==");
-    // 6. Miscellaneous.
-    s = s.replace(" \u{b0} ", "\u{b0}");
-    s = s.replace(" \n", "\n");
-    s = s.replace("\n ", "\n");
-    s = s.replace(" N ", " 1 ");
-    s = s.replace(" 's", "'s");
-    s
+    for (r, with) in [(&re.paren, "(${1})"), (&re.bracket, "[${1}]"), (&re.brace, "{${1}}"), (&re.dquote, "\"${1}\""), (&re.squote, "'${1}'")] {
+        s = r.replace_all(&s, with).into_owned();
+    }
+    // 5. Headings. 6. Miscellaneous.
+    replace_all(s, &[("= = = =", "===="), ("= = =", "==="), ("= =", "=="), (" \u{b0} ", "\u{b0}"), (" \n", "\n"), ("\n ", "\n"), (" N ", " 1 "), (" 's", "'s")])
 }
 
 /// Python `len(re.split(r"\s+", s))`: one more than the number of maximal whitespace runs, so

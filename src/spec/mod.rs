@@ -56,7 +56,7 @@ pub fn staged_config_yaml(path: &Path, sets: &[String]) -> Result<Option<String>
         serde_yaml::to_string(v).map_err(|e| Error::Other(format!("{}: {e}", path.display())))
     }
     use crate::runs::Command;
-    Ok(match Command::of_config(&base::read_tree(path)?.value) {
+    Ok(match crate::runs::command_of(&base::read_tree(path)?.value) {
         Command::Train => None,
         Command::Linearize => Some(yaml(path, &read_with_overrides::<crate::linearize::LinearizeSpec>(path, sets)?.resolved())?),
         Command::Finetune => Some(yaml(path, &read_with_overrides::<crate::finetune::FinetuneSpec>(path, sets)?.resolved())?),
@@ -90,4 +90,55 @@ pub fn from_str(text: &str, origin: &str, sets: &[String]) -> Result<Spec> {
         key,
         msg,
     })
+}
+
+/// Where a command's train spec comes from: a file (or the built-in tiny spec when `path` is
+/// `None`), `--set` overrides, and `--out` (replaces `output:` and names the run after that folder
+/// when the spec gives no name). What `train`, `compare`, `bench`, `bench-decode` and `config` take.
+#[derive(Debug, Clone, Default)]
+pub struct SpecSource {
+    pub path: Option<std::path::PathBuf>,
+    pub sets: Vec<String>,
+    pub out: Option<std::path::PathBuf>,
+}
+
+impl SpecSource {
+    /// Load, override, resolve and validate.
+    pub fn load(&self) -> Result<Spec> {
+        let mut spec = match &self.path {
+            Some(p) => load(p, &self.sets)?,
+            None => from_str(BUILTIN_TINY, "<builtin tiny-synthetic>", &self.sets)?,
+        };
+        if let Some(out) = &self.out {
+            spec.output = Some(out.clone());
+            spec.name.get_or_insert_with(|| out.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
+        }
+        Ok(spec)
+    }
+
+    /// `attnlab config`: the spec with every default filled in, as its run directory records it
+    /// (a linearize or finetune spec file as that command records it).
+    pub fn config_yaml(&self) -> Result<String> {
+        match self.path.as_deref().map(|p| staged_config_yaml(p, &self.sets)).transpose()?.flatten() {
+            Some(staged) => Ok(staged),
+            None => Ok(self.load()?.to_yaml()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod source_tests {
+    use super::SpecSource;
+
+    #[test]
+    fn out_sets_the_output_and_names_only_an_unnamed_run() {
+        let src = SpecSource { path: None, sets: vec!["train.steps=3".into()], out: Some("results/my-run".into()) };
+        let s = src.load().unwrap();
+        let resolved_name = SpecSource { out: None, ..src.clone() }.load().unwrap().name;
+        assert_eq!((s.output.as_deref(), s.train.steps), (Some(std::path::Path::new("results/my-run")), Some(3)));
+        assert_eq!(s.name, resolved_name.or(Some("my-run".into())));
+        let named = SpecSource { sets: vec!["name=kept".into()], ..src }.load().unwrap();
+        assert_eq!(named.name.as_deref(), Some("kept"));
+        assert!(SpecSource::default().config_yaml().unwrap().contains("steps:"));
+    }
 }

@@ -48,6 +48,7 @@
 //! <output>/specs/<name>-<hash>.yaml  the resolved spec the child runs (`attnlab train FILE --quiet`)
 //! <output>/specs.txt, sweep.sbatch   with `--emit slurm` only
 //! ```
+pub mod compare;
 mod launch;
 mod plan;
 mod slurm;
@@ -87,36 +88,8 @@ pub enum Emit {
     Slurm,
 }
 
-/// State of a run directory on disk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunStatus {
-    /// No config.yaml yet.
-    New,
-    /// config.yaml but no DONE: `attnlab train` resumes it.
-    Partial,
-    /// DONE exists.
-    Done,
-}
-
-impl RunStatus {
-    pub fn of(dir: &Path) -> RunStatus {
-        if dir.join("DONE").is_file() {
-            RunStatus::Done
-        } else if dir.join("config.yaml").is_file() {
-            RunStatus::Partial
-        } else {
-            RunStatus::New
-        }
-    }
-
-    pub fn label(self) -> &'static str {
-        match self {
-            RunStatus::New => "new",
-            RunStatus::Partial => "partial",
-            RunStatus::Done => "done",
-        }
-    }
-}
+/// State of a run directory on disk (`RunStatus::of`: DONE, or a config.yaml `train` resumes).
+pub use crate::runs::Status as RunStatus;
 
 /// What the sweep did with a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -223,6 +196,19 @@ pub fn run_sweep(file: &Path, opts: &SweepOptions) -> Result<SweepSummary> {
     Ok(summary)
 }
 
+/// `attnlab sweep`: `run_sweep`, refusing a run shape (`--gpus-per-run`, `--nodes`) without a batch
+/// script to give it to, and failing when any run failed (their logs are listed by then).
+pub fn sweep_command(file: &Path, opts: &SweepOptions) -> Result<SweepSummary> {
+    if (opts.shape.gpus_per_node > 1 || opts.shape.nodes > 1) && opts.emit.is_none() {
+        return Err(crate::Error::Other("--gpus-per-run / --nodes shape the runs of an emitted batch script (--emit slurm); a local sweep runs one GPU per run (or `attnlab train --gpus` for one data-parallel run)".into()));
+    }
+    let summary = run_sweep(file, opts)?;
+    if summary.failed() > 0 {
+        return Err(crate::Error::Other(format!("{} of {} runs failed (logs listed above)", summary.failed(), summary.runs.len())));
+    }
+    Ok(summary)
+}
+
 /// Write every run's resolved spec to `<output>/specs/<id>.yaml` (what the child runs).
 pub fn write_specs(plan: &SweepPlan) -> Result<()> {
     for r in &plan.runs {
@@ -267,8 +253,8 @@ pub fn final_loss(dir: &Path) -> Option<f64> {
 /// The dry-run table: name, overrides, run dir, status.
 pub fn plan_table(runs: &[RunReport]) -> String {
     let status = |r: &RunReport| match crate::train::lock::holder(&r.dir) {
-        Some(h) if r.before != RunStatus::Done => format!("{} (busy: {h})", r.before.label()),
-        _ => r.before.label().to_string(),
+        Some(h) if r.before != RunStatus::Done => format!("{} (busy: {h})", r.before.name()),
+        _ => r.before.name().to_string(),
     };
     let rows: Vec<Vec<String>> = runs.iter().map(|r| vec![r.name.clone(), r.overrides.clone(), r.shape.clone(), r.dir.display().to_string(), status(r)]).collect();
     table(&["name", "overrides", "steps × batch × T", "run dir", "status"], &rows)
@@ -280,7 +266,7 @@ pub fn summary_table(runs: &[RunReport]) -> String {
         .iter()
         .map(|r| {
             let status = match r.outcome {
-                Outcome::Planned => r.before.label(),
+                Outcome::Planned => r.before.name(),
                 Outcome::Skipped => "done (skipped)",
                 Outcome::Trained if r.before == RunStatus::Partial => "resumed, done",
                 Outcome::Trained => "done",
@@ -302,19 +288,5 @@ pub fn summary_table(runs: &[RunReport]) -> String {
 
 /// Left-aligned columns separated by two spaces.
 fn table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
-    for row in rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
-    let line = |cells: Vec<&str>| {
-        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, &w)| format!("{c:w$}")).collect();
-        padded.join("  ").trim_end().to_string() + "\n"
-    };
-    let mut out = line(header.to_vec());
-    for row in rows {
-        out += &line(row.iter().map(String::as_str).collect());
-    }
-    out
+    crate::runs::columns(header, rows, false)
 }

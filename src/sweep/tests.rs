@@ -28,6 +28,17 @@ fn err_text<T: std::fmt::Debug>(r: crate::Result<T>) -> String {
     r.expect_err("expected an error").to_string()
 }
 
+/// `setup` for a sweep over base.yaml into OUT: `body` is what follows those two lines.
+fn setup_body(body: &str) -> (tempfile::TempDir, PathBuf) {
+    setup(&format!("\nbase: base.yaml\noutput: OUT{body}"))
+}
+
+/// The error planning `sweep` (a sweep file's text) gives.
+fn plan_err(sweep: &str) -> String {
+    let (_tmp, file) = setup(sweep);
+    err_text(plan(&file, &[], None))
+}
+
 const GRID_ZIP_RUNS: &str = r#"
 base: base.yaml
 output: OUT
@@ -74,10 +85,8 @@ fn grid_zip_and_runs_expand_in_order_with_names_dirs_and_values() {
 
 #[test]
 fn entries_with_their_own_axes_and_names() {
-    let (_tmp, file) = setup(
+    let (_tmp, file) = setup_body(
         r#"
-base: base.yaml
-output: OUT
 name: "dar-w{attention.window}"
 set: {train.steps: 7}
 runs:
@@ -94,34 +103,27 @@ runs:
 #[test]
 fn axis_errors_name_the_sweep_file_and_the_key() {
     let zip = GRID_ZIP_RUNS.replace("train.seed: [1, 2]", "train.seed: [1, 2, 3]");
-    let (_tmp, file) = setup(&zip);
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&zip);
     assert!(e.contains("sweep.yaml") && e.contains("`train.lr`") && e.contains("same length") && e.contains("line 6"), "{e}");
 
-    let (_tmp, file) = setup(&GRID_ZIP_RUNS.replace("[32, 16, 8]", "32"));
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&GRID_ZIP_RUNS.replace("[32, 16, 8]", "32"));
     assert!(e.contains("sweep.yaml") && e.contains("attention.d_down") && e.contains("list"), "{e}");
 
-    let (_tmp, file) = setup(&GRID_ZIP_RUNS.replace("grid:", "gird:"));
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&GRID_ZIP_RUNS.replace("grid:", "gird:"));
     assert!(e.contains("sweep.yaml") && e.contains("gird"), "{e}");
 
     // A run the spec rejects: vanilla keeps the base's d_down.
-    let (_tmp, file) = setup(&GRID_ZIP_RUNS.replace("{attention.kind: dar}", "{attention.kind: vanilla}"));
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&GRID_ZIP_RUNS.replace("{attention.kind: dar}", "{attention.kind: vanilla}"));
     assert!(e.contains("sweep.yaml") && e.contains("`attention.d_down`") && e.contains("vanilla"), "{e}");
 
     // An unknown key in an override.
-    let (_tmp, file) = setup(&GRID_ZIP_RUNS.replace("attention.window: null", "attention.windw: 3"));
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&GRID_ZIP_RUNS.replace("attention.window: null", "attention.windw: 3"));
     assert!(e.contains("sweep.yaml") && e.contains("windw"), "{e}");
 
     // A placeholder with no value, and a template that does not tell runs apart.
-    let (_tmp, file) = setup(&GRID_ZIP_RUNS.replace("{attention.kind: dar}", "{attention.kind: vanilla, attention.d_down: null, attention.window: null}"));
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&GRID_ZIP_RUNS.replace("{attention.kind: dar}", "{attention.kind: vanilla, attention.d_down: null, attention.window: null}"));
     assert!(e.contains("{attention.d_down}") && e.contains("name"), "{e}");
-    let (_tmp, file) = setup(&GRID_ZIP_RUNS.replace("-s{train.seed}", ""));
-    let e = err_text(plan(&file, &[], None));
+    let e = plan_err(&GRID_ZIP_RUNS.replace("-s{train.seed}", ""));
     assert!(e.contains("dar-d32") && e.contains("name template"), "{e}");
 }
 
@@ -152,10 +154,8 @@ fn null_deletes_a_key_and_other_values_override() {
 fn identical_resolved_configs_are_merged() {
     // Vanilla ignores the d_down axis once null removes it; uniform with window 0 written out equals
     // uniform with the window left to resolve.
-    let (_tmp, file) = setup(
+    let (_tmp, file) = setup_body(
         r#"
-base: base.yaml
-output: OUT
 name: "{attention.kind}-d{attention.d_down}"
 grid: {attention.d_down: [32, 16, 8]}
 runs:
@@ -286,10 +286,8 @@ touch "$out/DONE"
 #[cfg(unix)]
 #[test]
 fn launches_children_per_gpu_reports_failures_and_skips_done_runs() {
-    let (tmp, file) = setup(
+    let (tmp, file) = setup_body(
         r#"
-base: base.yaml
-output: OUT
 name: "s{train.seed}"
 grid: {train.seed: [1, 666, 3, 4]}
 "#,
@@ -338,14 +336,7 @@ grid: {train.seed: [1, 666, 3, 4]}
 #[cfg(unix)]
 #[test]
 fn a_locked_run_is_busy_and_the_others_go_on() {
-    let (tmp, file) = setup(
-        r#"
-base: base.yaml
-output: OUT
-name: "s{train.seed}"
-grid: {train.seed: [1, 2, 75]}
-"#,
-    );
+    let (tmp, file) = setup_body("\nname: \"s{train.seed}\"\ngrid: {train.seed: [1, 2, 75]}\n");
     let exe = fake_attnlab(tmp.path());
     let p = plan(&file, &[], None).unwrap();
     std::fs::create_dir_all(&p.runs[1].dir).unwrap();

@@ -67,9 +67,26 @@ pub fn pin_local_gpu() {
 
 /// Collective operations over the ranks of a job. Every rank must call the same operations in
 /// the same order with tensors of the same shapes and kinds.
+/// Where a worker stands in the job.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Place {
+    pub rank: usize,
+    pub world: usize,
+    /// The device its collectives run on.
+    pub device: Device,
+}
+
 pub trait Communicator {
-    fn rank(&self) -> usize;
-    fn world(&self) -> usize;
+    fn place(&self) -> Place;
+    fn rank(&self) -> usize {
+        self.place().rank
+    }
+    fn world(&self) -> usize {
+        self.place().world
+    }
+    fn device(&self) -> Device {
+        self.place().device
+    }
     /// Replace `t` (contiguous, on this worker's device) by the sum of every rank's `t`.
     fn all_reduce_sum(&mut self, t: &mut Tensor) -> Result<()>;
     /// Replace `t` by rank `root`'s `t`.
@@ -79,7 +96,6 @@ pub trait Communicator {
         let mut t = Tensor::zeros([1], (Kind::Float, self.device()));
         self.all_reduce_sum(&mut t)
     }
-    fn device(&self) -> Device;
 }
 
 /// Open the communicator for `env` on `device` (NCCL for CUDA, the store for CPU). Blocks until
@@ -228,14 +244,8 @@ impl Drop for StoreComm {
 }
 
 impl Communicator for StoreComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn world(&self) -> usize {
-        self.world
-    }
-    fn device(&self) -> Device {
-        Device::Cpu
+    fn place(&self) -> Place {
+        Place { rank: self.rank, world: self.world, device: Device::Cpu }
     }
 
     fn all_reduce_sum(&mut self, t: &mut Tensor) -> Result<()> {
@@ -382,14 +392,8 @@ impl NcclComm {
 }
 
 impl Communicator for NcclComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn world(&self) -> usize {
-        self.world
-    }
-    fn device(&self) -> Device {
-        self.device
+    fn place(&self) -> Place {
+        Place { rank: self.rank, world: self.world, device: self.device }
     }
 
     fn all_reduce_sum(&mut self, t: &mut Tensor) -> Result<()> {

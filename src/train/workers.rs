@@ -38,3 +38,22 @@ pub fn launch_or_join(spec: &mut Spec, args: &[std::ffi::OsString]) -> Result<Ro
     }
     Ok(Role::Train(dist))
 }
+
+/// `attnlab train`: `gpus` (the `--gpus` list; replaces `train.devices` when given) decides between
+/// launching one worker per device (this executable again, with this process's arguments) and
+/// training here. Returns the outcome where one is reported: a single-process run, or rank 0 of a
+/// data-parallel one; `None` on the launcher and on the other ranks.
+pub fn train_command(mut spec: Spec, gpus: &[String], quiet: bool, stop_after: Option<u64>) -> Result<Option<super::Outcome>> {
+    if !gpus.is_empty() {
+        spec.train.devices = Some(gpus.iter().cloned().map(crate::spec::DeviceEntry::Name).collect());
+        spec = spec.resolve().map_err(|(key, msg)| Error::Other(format!("--gpus: `{key}`: {msg}")))?;
+    }
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let dist = match launch_or_join(&mut spec, &args)? {
+        Role::Launched => return Ok(None),
+        Role::Train(dist) => dist,
+    };
+    let rank0 = dist.as_ref().is_none_or(|d| d.rank == 0);
+    let o = super::train(spec, &super::TrainOptions { quiet, stop_after, dist })?;
+    Ok(rank0.then_some(o))
+}

@@ -176,3 +176,16 @@ fn reads_parquet_messages() {
     let err = read_file(&p, "conversation").unwrap_err().to_string();
     assert!(err.contains("conversation"), "{err}");
 }
+
+/// A hub chat source is a `spec::HubSource` whose field defaults to `messages`; unknown keys are refused.
+#[test]
+fn hub_chat_sources_default_to_the_messages_field() {
+    let src: ChatSource = serde_yaml::from_str("hf: {repo: allenai/tulu-3-sft-mixture, files: [a.parquet]}").unwrap();
+    let ChatSource::Hub { hf: HubChat(h) } = &src else { panic!("{src:?}") };
+    assert_eq!((h.repo.as_str(), h.revision.as_deref(), h.files.as_slice(), h.field.as_str()), ("allenai/tulu-3-sft-mixture", None, &["a.parquet".to_string()][..], "messages"));
+    let src: ChatSource = serde_yaml::from_str("hf: {repo: r, revision: v1, files: [a.jsonl], field: conversations}").unwrap();
+    let ChatSource::Hub { hf: HubChat(h) } = &src else { panic!("{src:?}") };
+    assert_eq!((h.revision.as_deref(), h.field.as_str()), (Some("v1"), "conversations"));
+    assert_eq!(serde_yaml::from_str::<ChatSource>(&serde_yaml::to_string(&src).unwrap()).unwrap(), src);
+    assert!(serde_yaml::from_str::<ChatSource>("hf: {repo: r, files: [a], feld: x}").is_err());
+}

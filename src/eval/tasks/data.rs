@@ -64,20 +64,7 @@ fn is_task_file(p: &Path) -> bool {
 /// Files below `dir` (recursively) whose name starts with the split's name: `test.jsonl`,
 /// `test-00000-of-00001.parquet`, `dev.json`.
 fn split_files(dir: &Path, split: &str) -> Result<Vec<PathBuf>> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).at(&d)? {
-            let p = e.at(&d)?.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if is_task_file(&p) && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(split)) {
-                out.push(p);
-            }
-        }
-    }
-    out.sort();
-    Ok(out)
+    crate::data::sources::files_below(dir, |p| is_task_file(p) && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(split)))
 }
 
 /// The documents of one split. `data`: None (the task's hub dataset), `hf:OWNER/NAME` (another hub

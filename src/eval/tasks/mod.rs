@@ -344,23 +344,29 @@ impl TaskDef {
     }
 }
 
-/// What to run.
-#[derive(Debug, Clone)]
-pub struct Options {
+/// Which documents to evaluate and how: what the user asks for (`attnlab eval --task` flags).
+#[derive(Debug, Clone, Default)]
+pub struct Request {
     /// Local path or `hf:OWNER/NAME` (default: the task's hub dataset).
     pub data: Option<String>,
     /// Evaluate the first N documents only.
     pub limit: Option<usize>,
     /// Few-shot count (default: the task's).
     pub shots: Option<usize>,
+    /// Padded tokens per log-likelihood forward.
+    pub batch_tokens: usize,
+}
+
+/// What to run: the request, and what the model decides.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub request: Request,
     /// The model's context length: longer inputs are truncated.
     pub max_len: usize,
     /// Leave out documents whose input (prompt with its shots, in tokens) is shorter than this: the
     /// DAR paper excludes samples shorter than w so that the distant path is engaged (dar.md §4.2).
     /// 0 keeps every document.
     pub min_context: usize,
-    /// Padded tokens per log-likelihood forward.
-    pub batch_tokens: usize,
     pub quiet: bool,
 }
 
@@ -375,6 +381,28 @@ pub struct ModelInfo {
     /// Bottleneck width (None for vanilla attention).
     pub d_down: Option<usize>,
     pub window: Option<usize>,
+}
+
+impl ModelInfo {
+    /// What a task result records of the model of `spec` at checkpoint `step`.
+    pub fn of(spec: &crate::spec::Spec, step: u64) -> ModelInfo {
+        let a = &spec.attention;
+        let vanilla = a.kind == crate::spec::AttentionKind::Vanilla;
+        ModelInfo {
+            step,
+            arch: format!("{:?}", spec.model.arch.unwrap_or_default()).to_lowercase(),
+            attention: format!("{:?}", a.kind).to_lowercase(),
+            d_model: spec.shape().d_model,
+            d_down: if vanilla { None } else { a.d_down.map(|x| x as usize) },
+            window: if vanilla { None } else { a.window.map(|x| x as usize) },
+        }
+    }
+}
+
+/// `--min-context`'s default: the window for models with distant-token attention (as the DAR
+/// paper evaluates: every kept document reaches the distant path), 0 for vanilla.
+pub fn default_min_context(spec: &crate::spec::Spec) -> usize {
+    if spec.attention.kind == crate::spec::AttentionKind::Vanilla { 0 } else { spec.window() }
 }
 
 /// A task's result (RUN/tasks/NAME.json).
@@ -525,8 +553,8 @@ fn references(def: &TaskDef, doc: &Value) -> Result<Vec<String>> {
 /// Run one task: load its documents, build prompts, score. Returns the result and one sample per document.
 pub fn evaluate(model: &Model, tok: &Tok, def: &TaskDef, opts: &Options, device: Device) -> Result<(TaskResult, Vec<Sample>)> {
     let t0 = std::time::Instant::now();
-    let mut docs = data::load_split(&def.dataset, &def.dataset.eval, opts.data.as_deref(), true)?;
-    if let Some(n) = opts.limit {
+    let mut docs = data::load_split(&def.dataset, &def.dataset.eval, opts.request.data.as_deref(), true)?;
+    if let Some(n) = opts.request.limit {
         docs.truncate(n);
     }
     if docs.is_empty() {
@@ -535,14 +563,14 @@ pub fn evaluate(model: &Model, tok: &Tok, def: &TaskDef, opts: &Options, device:
     for d in docs.iter_mut() {
         def.process(d)?;
     }
-    let k = opts.shots.unwrap_or(def.num_fewshot);
+    let k = opts.request.shots.unwrap_or(def.num_fewshot);
     let mut pool: Vec<Value> = Vec::new();
     if k > 0 {
         pool = if !def.fewshot.docs.is_empty() {
             def.fewshot.docs.clone()
         } else {
             let split = def.dataset.fewshot.as_ref().ok_or_else(|| Error::Data(format!("{}: {k}-shot needs a few-shot split (the task has none; use --shots 0)", def.task)))?;
-            data::load_split(&def.dataset, split, opts.data.as_deref(), false)?
+            data::load_split(&def.dataset, split, opts.request.data.as_deref(), false)?
         };
         for d in pool.iter_mut() {
             def.process(d)?;
@@ -597,7 +625,7 @@ pub fn evaluate(model: &Model, tok: &Tok, def: &TaskDef, opts: &Options, device:
             let mut lls = Vec::with_capacity(reqs.len());
             for (chunk, docs_chunk) in spans.chunks(64).enumerate() {
                 let (a, b) = (docs_chunk[0].start, docs_chunk[docs_chunk.len() - 1].end);
-                lls.extend(loglik::loglikelihoods(model, &reqs[a..b], opts.max_len, opts.batch_tokens, device));
+                lls.extend(loglik::loglikelihoods(model, &reqs[a..b], opts.max_len, opts.request.batch_tokens, device));
                 bar.set_position(((chunk * 64) + docs_chunk.len()) as u64);
             }
             for (i, span) in spans.iter().enumerate() {

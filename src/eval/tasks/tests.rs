@@ -166,7 +166,7 @@ fn mmlu_end_to_end_matches_direct_log_probs() {
     let tok = neox_tok();
     let (_vs, model) = tiny_model(tok.padded_vocab());
     let def = TaskDef::load("mmlu").unwrap();
-    let opts = Options { data: Some(fixture("mmlu")), limit: None, shots: Some(2), max_len: 512, min_context: 0, batch_tokens: 256, quiet: true };
+    let opts = Options { request: Request { data: Some(fixture("mmlu")), limit: None, shots: Some(2), batch_tokens: 256 }, max_len: 512, min_context: 0, quiet: true };
     let (res, samples) = evaluate(&model, &tok, &def, &opts, Device::Cpu).unwrap();
     assert_eq!((res.docs, res.num_fewshot, samples.len()), (3, 2, 3));
     let test = docs(&def, "mmlu", &def.dataset.eval, true);
@@ -197,7 +197,7 @@ fn generation_end_to_end() {
     let tok = neox_tok();
     let (_vs, model) = tiny_model(tok.padded_vocab());
     let def = TaskDef::load("gsm8k").unwrap();
-    let opts = Options { data: Some(fixture("gsm8k")), limit: Some(1), shots: Some(2), max_len: 300, min_context: 0, batch_tokens: 256, quiet: true };
+    let opts = Options { request: Request { data: Some(fixture("gsm8k")), limit: Some(1), shots: Some(2), batch_tokens: 256 }, max_len: 300, min_context: 0, quiet: true };
     let mut short = def.clone();
     short.generation.max_gen_toks = 8;
     let (res, samples) = evaluate(&model, &tok, &short, &opts, Device::Cpu).unwrap();
@@ -233,7 +233,7 @@ fn min_context_drops_short_inputs_and_reports_the_count() {
     sorted.sort_unstable();
     let min = sorted[2];
     assert!(sorted[0] < min, "fixture prompts need different lengths: {lens:?}");
-    let opts = Options { data: Some(fixture("mmlu")), limit: None, shots: Some(2), max_len: 512, min_context: min, batch_tokens: 256, quiet: true };
+    let opts = Options { request: Request { data: Some(fixture("mmlu")), limit: None, shots: Some(2), batch_tokens: 256 }, max_len: 512, min_context: min, quiet: true };
     let (res, samples) = evaluate(&model, &tok, &def, &opts, Device::Cpu).unwrap();
     let want: Vec<usize> = (0..lens.len()).filter(|&i| lens[i] >= min).collect();
     assert_eq!(samples.iter().map(|s| s.doc).collect::<Vec<_>>(), want);
@@ -241,4 +241,17 @@ fn min_context_drops_short_inputs_and_reports_the_count() {
     let none = Options { min_context: sorted[2] + 1, ..opts };
     let err = evaluate(&model, &tok, &def, &none, Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("min_context") && err.contains("none of 3"), "{err}");
+}
+
+/// A task result records the attention's width and window only where the model has them.
+#[test]
+fn model_info_and_min_context_follow_the_attention() {
+    let dar = crate::spec::SpecSource::default().load().unwrap();
+    let info = ModelInfo::of(&dar, 7);
+    assert_eq!((info.step, info.attention.as_str(), info.d_down, info.window, info.d_model), (7, "dar", Some(16), Some(16), dar.shape().d_model));
+    assert_eq!(default_min_context(&dar), 16);
+    let vanilla = crate::spec::SpecSource { sets: vec!["attention={kind: vanilla}".into()], ..Default::default() }.load().unwrap();
+    let info = ModelInfo::of(&vanilla, 7);
+    assert_eq!((info.attention.as_str(), info.d_down, info.window), ("vanilla", None, None));
+    assert_eq!(default_min_context(&vanilla), 0);
 }

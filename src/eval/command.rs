@@ -1,0 +1,193 @@
+//! `attnlab eval RUN`: load a run's checkpoint, evaluate it one of three ways and write the result
+//! into the run directory (with an lm-eval format copy and a refreshed TensorBoard file):
+//! held-out perplexity (eval.json), a downstream task (tasks/NAME.json) or a long-context task
+//! (ruler.json with ruler_samples/, babilong.json).
+use super::{babilong, lm_eval, ruler, tasks, CorpusResult};
+use crate::spec::{LocalSource, SourceSpec, TextFormat};
+use crate::train;
+use crate::{Error, Result};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The `attnlab eval` flags (their meaning: `attnlab eval --help`).
+#[derive(Debug, Clone, Default)]
+pub struct EvalArgs {
+    /// Extra perplexity corpora, `NAME=PATH` or `NAME=wikitext:PATH`.
+    pub corpora: Vec<String>,
+    /// None: perplexity. `ruler:…` / `babilong:…`: long context. Anything else: a downstream task.
+    pub task: Option<String>,
+    pub downstream: DownstreamArgs,
+    pub long_context: LongContextArgs,
+}
+
+/// The flags of a downstream task.
+#[derive(Debug, Clone, Default)]
+pub struct DownstreamArgs {
+    pub request: tasks::Request,
+    /// Default: `tasks::default_min_context`.
+    pub min_context: Option<usize>,
+}
+
+/// The flags of a long-context task.
+#[derive(Debug, Clone, Default)]
+pub struct LongContextArgs {
+    pub grid: ruler::Grid,
+    /// Default: the task's (RULER 128, BABILong 20).
+    pub max_new_tokens: Option<usize>,
+    pub essay: Option<PathBuf>,
+    pub babi: Option<PathBuf>,
+    /// `--set` overrides of a linearized model's operator, recorded in the cells.
+    pub sets: Vec<String>,
+}
+
+/// What `eval` wrote, for the command to print.
+pub enum Evaluated {
+    Perplexity {
+        step: u64,
+        results: BTreeMap<String, CorpusResult>,
+        /// The lm-eval results file (None when no corpus has per-document numbers).
+        lm_eval: Option<PathBuf>,
+    },
+    Task {
+        step: u64,
+        result: tasks::TaskResult,
+        path: PathBuf,
+        lm_eval: PathBuf,
+    },
+    LongContext {
+        step: u64,
+        cells: Vec<ruler::Cell>,
+        /// ruler.json or babilong.json.
+        path: PathBuf,
+        /// RULER writes an lm-eval file and per-sample records (ruler_samples/); BABILong neither.
+        lm_eval: Option<PathBuf>,
+    },
+}
+
+/// Evaluate `run` at checkpoint `step` (default: the newest) on `device` (default: the run's) as
+/// `a` says (see the module doc).
+pub fn eval(run: &Path, step: Option<u64>, device: Option<&str>, a: &EvalArgs) -> Result<Evaluated> {
+    match a.task.as_deref() {
+        None => perplexity(run, step, device, &a.corpora),
+        Some(task) if !a.corpora.is_empty() => {
+            let what = if is_long_context(task) { "evaluates generation" } else { "is a downstream task" };
+            Err(Error::Other(format!("--corpus is for perplexity; --task {task} {what} (give one or the other)")))
+        }
+        Some(task) if is_long_context(task) => long_context(run, task, step, device, &a.long_context),
+        Some(task) => downstream(run, task, step, device, &a.downstream),
+    }
+}
+
+fn is_long_context(task: &str) -> bool {
+    task.starts_with("ruler:") || task.starts_with("babilong:")
+}
+
+/// `--corpus NAME=PATH` (plain text) or `NAME=wikitext:PATH` (lm-eval's WikiText split and detokenizer).
+pub fn parse_corpus(arg: &str) -> Result<(String, SourceSpec)> {
+    let (name, path) = arg.split_once('=').ok_or_else(|| Error::Other(format!("--corpus `{arg}` is not NAME=PATH")))?;
+    let (format, path) = match path.strip_prefix("wikitext:") {
+        Some(p) => (TextFormat::Wikitext, p),
+        None => (TextFormat::Text, path),
+    };
+    Ok((name.to_string(), SourceSpec::Local(LocalSource { path: path.into(), field: "text".into(), format })))
+}
+
+fn lm_info(run: &Path, step: u64, device: tch::Device, limit: Option<usize>, seconds: f64) -> lm_eval::RunInfo {
+    lm_eval::RunInfo { run: run.to_path_buf(), step, device: format!("{device:?}"), limit, seconds }
+}
+
+fn perplexity(run: &Path, step: Option<u64>, device: Option<&str>, extra: &[String]) -> Result<Evaluated> {
+    // A linearize run directory, or its export folder (hybrid.yaml, no config.yaml).
+    if run.join("hybrid.yaml").is_file() || crate::run_kind::RunKind::of(run).ok() == Some(crate::run_kind::RunKind::Linearize) {
+        return Err(Error::Other(format!("{}: a linearized model; its held-out perplexity is in the run's eval.json (for RULER give --task)", run.display())));
+    }
+    let loaded = train::run::load(run, step, device)?;
+    let mut spec = loaded.spec.clone();
+    for c in extra {
+        let (name, src) = parse_corpus(c)?;
+        spec.data.eval.insert(name, src);
+    }
+    let corpora = train::load_eval_corpora(&spec, &loaded.tok)?;
+    if corpora.is_empty() {
+        return Err(Error::Other("no evaluation corpora: the run's spec lists none; add --corpus NAME=PATH".into()));
+    }
+    let t0 = std::time::Instant::now();
+    let scored = lm_eval::evaluate_perplexity(&loaded.model, &corpora, &spec, loaded.device);
+    let results: BTreeMap<_, _> = scored.iter().map(|(k, v)| (k.clone(), v.0.clone())).collect();
+    train::run::RunDir { path: run.to_path_buf() }.write_eval(loaded.step, &results)?;
+    let lm_tasks: Vec<_> = corpora.iter().filter_map(|c| scored.get(&c.name).and_then(|(r, d)| lm_eval::perplexity_task(c, r, d))).collect();
+    let info = lm_info(run, loaded.step, loaded.device, None, t0.elapsed().as_secs_f64());
+    let lm = if lm_tasks.is_empty() { None } else { Some(lm_eval::write(&info, &lm_tasks)?) };
+    crate::tensorboard::refresh(run);
+    Ok(Evaluated::Perplexity { step: loaded.step, results, lm_eval: lm })
+}
+
+fn downstream(run: &Path, task: &str, step: Option<u64>, device: Option<&str>, a: &DownstreamArgs) -> Result<Evaluated> {
+    let def = tasks::TaskDef::load(task)?;
+    let loaded = train::run::load(run, step, device)?;
+    let min_context = a.min_context.unwrap_or_else(|| tasks::default_min_context(&loaded.spec));
+    let opts = tasks::Options { request: a.request.clone(), max_len: loaded.spec.seq_len(), min_context, quiet: false };
+    let (mut result, samples) = tasks::evaluate(&loaded.model, &loaded.tok, &def, &opts, loaded.device).map_err(|e| Error::Other(format!("task {task} on {}: {e}", run.display())))?;
+    result.model = tasks::ModelInfo::of(&loaded.spec, loaded.step);
+    let path = tasks::write(run, &result, &samples)?;
+    let info = lm_info(run, loaded.step, loaded.device, a.request.limit, result.seconds);
+    let lm = lm_eval::write(&info, &[lm_eval::downstream_task(&def, &result, &samples)])?;
+    crate::tensorboard::refresh(run);
+    Ok(Evaluated::Task { step: loaded.step, result, path, lm_eval: lm })
+}
+
+fn long_context(run: &Path, task: &str, step: Option<u64>, device: Option<&str>, a: &LongContextArgs) -> Result<Evaluated> {
+    let loaded = super::generate::load_with(run, step, device, &a.sets)?;
+    let overrides = (!a.sets.is_empty()).then(|| a.sets.join(" "));
+    let with_overrides = |c: ruler::Cell| ruler::Cell { overrides: overrides.clone(), ..c };
+    let essay = a.essay.as_deref().map(ruler::read_essay).transpose()?;
+    let budget = |default_new: usize| ruler::Budget { grid: a.grid.clone(), max_new: a.max_new_tokens.unwrap_or(default_new), device: loaded.device, quiet: false };
+    if let Some(name) = task.strip_prefix("babilong:") {
+        let babi = a.babi.as_deref().ok_or_else(|| Error::Other("--task babilong:… needs --babi (e.g. ../shared/data/babi)".into()))?;
+        let essay = essay.as_deref().ok_or_else(|| Error::Other("--task babilong:… needs --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)".into()))?;
+        let records = babilong::read_records(babi, name)?;
+        let cells: Vec<_> = babilong::evaluate(&loaded.model, &loaded.tok, name, &records, essay, &budget(babilong::TOKENS_TO_GENERATE))?.into_iter().map(with_overrides).collect();
+        let path = ruler::write_cells(run, "babilong.json", &cells)?;
+        return Ok(Evaluated::LongContext { step: loaded.step, cells, path, lm_eval: None });
+    }
+    let name = task.strip_prefix("ruler:").ok_or_else(|| Error::Other(format!("--task `{task}`: want ruler:<task> or babilong:<task>")))?;
+    let b = budget(ruler::TOKENS_TO_GENERATE);
+    let t0 = std::time::Instant::now();
+    let (mut cells, mut all_records) = (Vec::new(), Vec::new());
+    for (cell, records) in ruler::evaluate(&loaded.model, &loaded.tok, name, essay.as_deref(), &b)? {
+        let cell = with_overrides(cell);
+        ruler::write_samples(run, &cell, &records)?;
+        cells.push(cell);
+        all_records.extend(records);
+    }
+    let info = lm_info(run, loaded.step, loaded.device, Some(a.grid.samples), t0.elapsed().as_secs_f64());
+    let lm = lm_eval::write(&info, &[lm_eval::ruler_task(name, &cells, &all_records, b.max_new)])?;
+    let path = ruler::write_cells(run, "ruler.json", &cells)?;
+    Ok(Evaluated::LongContext { step: loaded.step, cells, path, lm_eval: Some(lm) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn corpus_arguments_name_a_file_and_its_format() {
+        let (name, src) = parse_corpus("wiki=wikitext:data/test.raw").unwrap();
+        assert_eq!(name, "wiki");
+        assert_eq!(src, SourceSpec::Local(LocalSource { path: "data/test.raw".into(), field: "text".into(), format: TextFormat::Wikitext }));
+        let (_, src) = parse_corpus("a=b=c.txt").unwrap();
+        assert_eq!(src, SourceSpec::Local(LocalSource { path: "b=c.txt".into(), field: "text".into(), format: TextFormat::Text }));
+        assert!(parse_corpus("nameonly").unwrap_err().to_string().contains("not NAME=PATH"));
+    }
+
+    #[test]
+    fn a_task_refuses_extra_corpora_before_loading_anything() {
+        let a = EvalArgs { task: Some("mmlu".into()), corpora: vec!["x=y".into()], ..Default::default() };
+        let e = eval(Path::new("/nonexistent-run"), None, None, &a).err().unwrap().to_string();
+        assert!(e.contains("--corpus is for perplexity") && e.contains("downstream"), "{e}");
+        let a = EvalArgs { task: Some("ruler:niah_single_1".into()), ..a };
+    // (the corpus check comes before any file is read)
+        let e = eval(Path::new("/nonexistent-run"), None, None, &a).err().unwrap().to_string();
+        assert!(e.contains("evaluates generation"), "{e}");
+    }
+}
