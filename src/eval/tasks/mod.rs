@@ -387,11 +387,11 @@ impl ModelInfo {
     /// What a task result records of the model of `spec` at checkpoint `step`.
     pub fn of(spec: &crate::spec::Spec, step: u64) -> ModelInfo {
         let a = &spec.attention;
-        let vanilla = a.kind == crate::spec::AttentionKind::Vanilla;
+        let vanilla = a.is_vanilla();
         ModelInfo {
             step,
             arch: format!("{:?}", spec.model.arch.unwrap_or_default()).to_lowercase(),
-            attention: format!("{:?}", a.kind).to_lowercase(),
+            attention: a.kind.name().into(),
             d_model: spec.shape().d_model,
             d_down: if vanilla { None } else { a.d_down.map(|x| x as usize) },
             window: if vanilla { None } else { a.window.map(|x| x as usize) },
@@ -402,7 +402,7 @@ impl ModelInfo {
 /// `--min-context`'s default: the window for models with distant-token attention (as the DAR
 /// paper evaluates: every kept document reaches the distant path), 0 for vanilla.
 pub fn default_min_context(spec: &crate::spec::Spec) -> usize {
-    if spec.attention.kind == crate::spec::AttentionKind::Vanilla { 0 } else { spec.window() }
+    spec.attention.min_context()
 }
 
 /// A task's result (RUN/tasks/NAME.json).
