@@ -140,6 +140,16 @@ fn stage1_loss_decreases_and_only_new_params_change() {
     }
 }
 
+/// The llama_tiny teacher, 24 random tokens and its `v` student with LoRA on `targets` (seeded by `seed`).
+fn adapted(seed: i64, v: &Variant, targets: &[&str]) -> ((nn::VarStore, Llama), Tensor, (nn::VarStore, Llama)) {
+    tch::manual_seed(seed);
+    let t = teacher("llama_tiny", false);
+    let x = ids(24);
+    let lora = LoraConfig { targets: targets.iter().map(|s| s.to_string()).collect(), ..LoraConfig::default() };
+    let s = student(&t, v, &lora);
+    (t, x, s)
+}
+
 /// B ≠ 0 in every adapter (at init B = 0: an adapter changes nothing).
 fn perturb_adapters(s: &Llama) {
     tch::no_grad(|| {
@@ -152,12 +162,8 @@ fn perturb_adapters(s: &Llama) {
 /// LoRA with B = 0 leaves the student unchanged; with B ≠ 0 the merged export gives the same logits.
 #[test]
 fn lora_identity_at_init_and_merge_matches() {
-    tch::manual_seed(3);
-    let t = teacher("llama_tiny", false);
-    let x = ids(24);
     let v = still("chunk: 4, tokens_per_chunk: 1");
-    let lora = LoraConfig { targets: ["q_proj", "k_proj", "v_proj", "o_proj", "g_proj"].iter().map(|s| s.to_string()).collect(), ..LoraConfig::default() };
-    let (vs, s) = student(&t, &v, &lora);
+    let (t, x, (vs, s)) = adapted(3, &v, &["q_proj", "k_proj", "v_proj", "o_proj", "g_proj"]);
     assert_eq!(s.adapters().len(), 2 * 5);
     assert!(vs.variables().contains_key("model.layers.1.self_attn.g_proj.lora_B"));
     let (_vs0, plain) = student(&t, &v, &no_lora());
@@ -185,12 +191,8 @@ fn lora_identity_at_init_and_merge_matches() {
 /// LoLCATs student (B ≠ 0, so merging matters) gives the same logits after the round trip.
 #[test]
 fn export_round_trip() {
-    tch::manual_seed(4);
-    let t = teacher("llama_tiny", false);
-    let x = ids(24);
     let v = variant("{kind: lolcats, window: 4, feature_dim: 8}");
-    let lora = LoraConfig { targets: vec!["q_proj".into(), "v_proj".into()], ..LoraConfig::default() };
-    let (vs, s) = student(&t, &v, &lora);
+    let (_t, x, (vs, s)) = adapted(4, &v, &["q_proj", "v_proj"]);
     perturb_adapters(&s);
     tch::no_grad(|| {
         let _ = vs.variables()["model.layers.0.self_attn.window_factors"].shallow_clone().fill_(0.7);
