@@ -120,6 +120,9 @@ impl StageDefaults for FtStageDefaults {
     fn schedule() -> Schedule {
         Schedule::Linear
     }
+    fn omit_plateau_keys() -> bool {
+        true
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -115,6 +115,9 @@ impl StageDefaults for LinStageDefaults {
     fn schedule() -> Schedule {
         Schedule::Plateau
     }
+    fn omit_warmup(w: &f64) -> bool {
+        *w == 0.0
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
