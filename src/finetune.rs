@@ -14,11 +14,11 @@
 //! the tokenizer and the chat template).
 use crate::data::chat::{self, ChatSource, ChatTemplate, PackedRow, IGNORE};
 use crate::data::Tok;
-use crate::linearize::LinCheckpoint;
 use crate::model::bottleneck::BottleneckInit;
 use crate::model::{Llama, LlamaConfig};
 use crate::spec::{AttentionInit, AttentionSpec, Precision, TokenizerSpec};
 use crate::train::optim::Hyper;
+use crate::train::stage_spec::{CheckpointSpec, StageDefaults, StageSpec};
 use crate::train::stages;
 use crate::{Error, IoContext, Result};
 use serde::{Deserialize, Serialize};
@@ -52,7 +52,7 @@ pub struct FinetuneSpec {
     #[serde(default)]
     pub train: FtTrain,
     #[serde(default)]
-    pub checkpoint: LinCheckpoint,
+    pub checkpoint: CheckpointSpec,
     pub output: PathBuf,
 }
 
@@ -86,40 +86,30 @@ pub struct FtData {
     pub calibration_rows: usize,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Schedule {
-    /// Linear warmup, then linear decay to 0 (dar.md [C]).
-    #[default]
-    Linear,
-    /// Linear warmup, then cosine to 0.
-    Cosine,
-    /// Linear warmup, then constant.
-    Constant,
-}
+pub use crate::train::schedule::{stage_lr, Schedule};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FtStage {
-    /// Passes over the training rows (1); ignored when `steps` is given.
-    #[serde(default = "default_epochs")]
-    pub epochs: f64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub steps: Option<u64>,
-    /// Stage 1: 3e-4, stage 2: 3e-5.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lr: Option<f64>,
-    #[serde(default)]
-    pub weight_decay: f64,
-    /// Fraction of the stage's updates spent warming up (0.03).
-    #[serde(default = "default_warmup")]
-    pub warmup: f64,
-    #[serde(default)]
-    pub schedule: Schedule,
-    /// Trainable parameters: `bottleneck` (stage 1 default), `all` (stage 2 default), or a regex
-    /// over parameter names (e.g. `self_attn` for an attention-only stage).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub params: Option<String>,
+/// A finetune stage (`stage1:` / `stage2:`): the trainer's stage keys (`train::stage_spec`) with
+/// finetune's defaults: one epoch, warmup over 3% of the updates, then linear decay to 0 (dar.md
+/// [C]); lr stage 1 3e-4, stage 2 3e-5; weight decay 0; trainable parameters (`params`):
+/// `bottleneck` (stage 1), `all` (stage 2), or a regex over parameter names (e.g. `self_attn`).
+pub type FtStage = StageSpec<FtStageDefaults>;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct FtStageDefaults;
+
+impl StageDefaults for FtStageDefaults {
+    fn epochs() -> f64 {
+        1.0
+    }
+    fn warmup() -> f64 {
+        0.03
+    }
+    fn schedule() -> Schedule {
+        Schedule::Linear
+    }
+    fn omit_plateau_keys() -> bool {
+        true
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -146,10 +136,10 @@ impl Default for FtTrain {
 }
 
 fn stage1_default() -> FtStage {
-    serde_yaml::from_str("{}").expect("defaults")
+    FtStage::default()
 }
 fn stage2_default() -> FtStage {
-    stage1_default()
+    FtStage::default()
 }
 fn default_seq() -> usize {
     4096
@@ -165,12 +155,6 @@ fn default_eval_rows() -> usize {
 }
 fn default_calibration_rows() -> usize {
     8
-}
-fn default_epochs() -> f64 {
-    1.0
-}
-fn default_warmup() -> f64 {
-    0.03
 }
 fn default_device() -> String {
     "auto".into()
@@ -198,26 +182,13 @@ impl FinetuneSpec {
         self.stage2.lr.get_or_insert(3e-5);
         self.stage1.params.get_or_insert_with(|| "bottleneck".into());
         self.stage2.params.get_or_insert_with(|| "all".into());
+        self.stage1.weight_decay.get_or_insert(0.0);
+        self.stage2.weight_decay.get_or_insert(0.0);
         self
     }
 
     pub fn to_yaml(&self) -> String {
         serde_yaml::to_string(self).expect("serializes")
-    }
-}
-
-/// Learning rate of update `step` (0-based) of a stage of `n` updates, as HF's schedulers (the
-/// first warmup update has lr 0).
-pub fn stage_lr(lr: f64, schedule: Schedule, warmup: f64, step: u64, n: u64) -> f64 {
-    let w = (warmup * n as f64).ceil() as u64;
-    if step < w {
-        return lr * step as f64 / w as f64;
-    }
-    let progress = (step - w) as f64 / (n - w).max(1) as f64;
-    match schedule {
-        Schedule::Linear => lr * (1.0 - progress).max(0.0),
-        Schedule::Cosine => lr * 0.5 * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos()),
-        Schedule::Constant => lr,
     }
 }
 
@@ -385,7 +356,6 @@ struct Task<'a> {
     rows: &'a [PackedRow],
     eval_rows: &'a [PackedRow],
     params: [Params; 2],
-    steps: [u64; 2],
     autocast: bool,
     device: Device,
 }
@@ -402,12 +372,7 @@ impl stages::StagedTask for Task<'_> {
     }
 
     fn hyper(&self, stage: usize) -> Hyper {
-        Hyper { betas: (0.9, 0.999), eps: 1e-8, weight_decay: self.stage(stage).weight_decay }
-    }
-
-    fn lr(&self, stage: usize, step: u64) -> f64 {
-        let s = self.stage(stage);
-        stage_lr(s.lr.expect("resolved"), s.schedule, s.warmup, step, self.steps[stage - 1])
+        Hyper { betas: (0.9, 0.999), eps: 1e-8, weight_decay: self.stage(stage).weight_decay.expect("resolved") }
     }
 
     /// One update: micro-batches weighted by their share of the scored tokens, so the gradient is
@@ -427,6 +392,12 @@ impl stages::StagedTask for Task<'_> {
             sum += l.detach().to_kind(Kind::Float);
         }
         Ok((sum, Map::new()))
+    }
+
+    /// With `schedule: plateau`: the held-out loss every `eval_every` updates.
+    fn evaluate(&mut self, _stage: usize, _at: &stages::Progress) -> Result<Option<stages::Evaluation>> {
+        let l = held_out_loss(self.model, self.eval_rows, self.device, self.autocast);
+        Ok(Some(stages::Evaluation { val_loss: Some(l), row: Map::new() }))
     }
 
     fn at_boundary(&mut self, _step: u64) -> Result<Option<Map<String, Value>>> {
@@ -479,14 +450,16 @@ pub fn finetune(spec: FinetuneSpec, opts: &FinetuneOptions) -> Result<FinetuneOu
         return Err(Error::Data(format!("the tokenizer produces ids ≥ the base model's vocabulary ({})", cfg.vocab_size)));
     }
     let b = spec.data.batch_size.max(1);
-    let stage_steps = |s: &FtStage| s.steps.unwrap_or_else(|| ((s.epochs * rows.len() as f64) / b as f64).ceil() as u64);
-    let steps = [stage_steps(&spec.stage1), stage_steps(&spec.stage2)];
+    let steps = [spec.stage1.updates(rows.len(), b), spec.stage2.updates(rows.len(), b)];
+    for (key, s) in [("stage1", &spec.stage1), ("stage2", &spec.stage2)] {
+        if s.schedule == Schedule::Plateau && s.eval_every.unwrap_or(0) == 0 {
+            return Err(Error::Spec { file: "finetune spec".into(), key: format!("{key}.eval_every"), line: None, msg: "`schedule: plateau` steps on the held-out loss: set eval_every".into() });
+        }
+    }
     let total = steps[0] + steps[1];
 
     let dir = stages::prepare_dir(&spec.output, &spec, |s| s.train.device = String::new(), "finetune")?;
-    if dir.is_done() {
-        let p = dir.path.join("eval.json");
-        let eval = std::fs::read_to_string(&p).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or(Value::Null);
+    if let Some(eval) = stages::finished(&dir) {
         return Ok(FinetuneOutcome { dir: dir.path, step: total, already_done: true, eval });
     }
     let tp = dir.path.join("chat_template.jinja");
@@ -499,8 +472,9 @@ pub fn finetune(spec: FinetuneSpec, opts: &FinetuneOptions) -> Result<FinetuneOu
     let vs = VarStore::new(device);
     let calibration: Vec<&PackedRow> = rows.iter().take(spec.data.calibration_rows).collect();
     let model = build_model(&vs, &base_vs, &cfg, &spec.attention, &calibration)?;
+    let stage_plan = |s: &FtStage, steps: u64| stages::StagePlan { steps, lr: s.lr_rule(), eval_every: s.eval_every.unwrap_or(0) };
     let plan = stages::Plan {
-        steps: steps.to_vec(),
+        stages: vec![stage_plan(&spec.stage1, steps[0]), stage_plan(&spec.stage2, steps[1])],
         clip: spec.train.clip,
         log_every: spec.train.log_every,
         checkpoint_every: spec.checkpoint.every,
@@ -509,9 +483,11 @@ pub fn finetune(spec: FinetuneSpec, opts: &FinetuneOptions) -> Result<FinetuneOu
         label: "finetune",
         quiet: opts.quiet,
         stop_after: opts.stop_after,
+        rows: stages::Rows::Staged,
     };
-    let mut task = Task { spec: &spec, model: &model, rows: &rows, eval_rows, params, steps, autocast, device };
-    let end = stages::run(&dir, &vs, &plan, &mut task)?;
+    let mut task = Task { spec: &spec, model: &model, rows: &rows, eval_rows, params, autocast, device };
+    let resume = crate::train::checkpoint::resume_point(&dir.path)?;
+    let end = stages::run(&dir, &vs, &plan, &mut task, resume, None)?.end;
     if end < total {
         return Ok(FinetuneOutcome { dir: dir.path, step: end, already_done: false, eval: Value::Null });
     }
@@ -640,7 +616,7 @@ mod tests {
         assert_eq!((s.attention.kind, s.attention.d_down, s.attention.window, s.attention.init), (AttentionKind::Dar, Some(64), Some(128), Some(AttentionInit::SmallInit)));
         assert_eq!((s.stage1.lr, s.stage2.lr, s.stage1.epochs, s.stage2.epochs), (Some(3e-4), Some(3e-5), 1.0, 1.0));
         assert_eq!((s.stage1.params.as_deref(), s.stage2.params.as_deref()), (Some("bottleneck"), Some("all")));
-        assert_eq!((s.data.seq_len, s.stage1.warmup, s.stage1.schedule, s.stage1.weight_decay), (4096, 0.03, Schedule::Linear, 0.0));
+        assert_eq!((s.data.seq_len, s.stage1.warmup, s.stage1.schedule, s.stage1.weight_decay), (4096, 0.03, Schedule::Linear, Some(0.0)));
         assert!(FinetuneSpec::from_yaml("base: b\nattention: {kind: dar, d_down: 64, init: svd}\ndata: {train: {path: x}}\noutput: o\n").is_err());
     }
 }

@@ -24,13 +24,14 @@ use crate::data::Tok;
 use crate::model::llama::Pass;
 use crate::model::{Llama, LlamaConfig};
 use crate::spec::{SourceSpec, TokenizerSpec};
-use crate::train::checkpoint;
 use crate::train::lora::LoraConfig;
-use crate::train::optim::{AdamW, Hyper, Plateau};
-use crate::train::run::RunDir;
+use crate::train::optim::Hyper;
+use crate::train::schedule::Schedule;
+use crate::train::stage_spec::StageDefaults;
+use crate::train::stages::{self, StagedTask};
 use crate::{Error, IoContext, Result};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
+use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 use tch::{nn::VarStore, Device, Kind, Tensor};
 
@@ -98,51 +99,29 @@ pub enum TrainData {
     Text(SourceSpec),
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StageSpec {
-    /// Passes over the training rows (2); ignored when `steps` is given.
-    #[serde(default = "default_epochs")]
-    pub epochs: f64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub steps: Option<u64>,
-    /// Stage 1: 1e-2, stage 2: 1e-4 (constant).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lr: Option<f64>,
-    /// STILL 0.01, LoLCATs 0.0.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub weight_decay: Option<f64>,
-    /// `plateau` (ReduceLROnPlateau on the held-out stage loss, as both reference codes) or `constant`.
-    #[serde(default)]
-    pub schedule: Schedule,
-    /// Held-out evaluation (and plateau step) every N optimizer steps: STILL 200, LoLCATs 100.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub eval_every: Option<u64>,
-    /// Plateau: lr ← max(lr·factor, min_lr) after more than `patience` evaluations without improvement.
-    #[serde(default = "default_factor")]
-    pub factor: f64,
-    #[serde(default = "default_patience")]
-    pub patience: u32,
-    #[serde(default = "default_min_lr")]
-    pub min_lr: f64,
-}
+/// A linearize stage (`stage1:` / `stage2:`): the trainer's stage keys (`train::stage_spec`) with
+/// linearize's defaults: two epochs; `schedule: plateau` (ReduceLROnPlateau on the held-out stage
+/// loss, factor 0.1, patience 10, min 1e-5, as both reference codes) or `constant` (or linear /
+/// cosine after a `warmup`); lr stage 1 1e-2, stage 2 1e-4; weight decay STILL 0.01, LoLCATs 0;
+/// held-out evaluation every `eval_every` updates: STILL 200, LoLCATs 100. `params` is finetune's.
+pub type StageSpec = crate::train::stage_spec::StageSpec<LinStageDefaults>;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Schedule {
-    #[default]
-    Plateau,
-    Constant,
-}
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinStageDefaults;
 
-fn default_factor() -> f64 {
-    0.1
-}
-fn default_patience() -> u32 {
-    10
-}
-fn default_min_lr() -> f64 {
-    1e-5
+impl StageDefaults for LinStageDefaults {
+    fn epochs() -> f64 {
+        2.0
+    }
+    fn warmup() -> f64 {
+        0.0
+    }
+    fn schedule() -> Schedule {
+        Schedule::Plateau
+    }
+    fn omit_warmup(w: &f64) -> bool {
+        *w == 0.0
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -162,23 +141,11 @@ impl Default for LinTrain {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LinCheckpoint {
-    #[serde(default = "default_ckpt_every")]
-    pub every: u64,
-    #[serde(default = "default_keep")]
-    pub keep: usize,
-}
-
-impl Default for LinCheckpoint {
-    fn default() -> Self {
-        serde_yaml::from_str("{}").expect("defaults")
-    }
-}
+/// `checkpoint:` (every 200 updates, keep 2).
+pub type LinCheckpoint = crate::train::stage_spec::CheckpointSpec;
 
 fn stage1_default() -> StageSpec {
-    serde_yaml::from_str("{}").expect("defaults")
+    StageSpec::default()
 }
 fn stage2_default() -> StageSpec {
     stage1_default()
@@ -195,20 +162,11 @@ fn default_val_rows() -> usize {
 fn default_eval_rows() -> usize {
     64
 }
-fn default_epochs() -> f64 {
-    2.0
-}
 fn default_device() -> String {
     "auto".into()
 }
 fn default_log_every() -> u64 {
     10
-}
-fn default_ckpt_every() -> u64 {
-    200
-}
-fn default_keep() -> usize {
-    2
 }
 
 impl LinearizeSpec {
@@ -472,13 +430,22 @@ fn is_lora(name: &str) -> bool {
     name.ends_with(".lora_A") || name.ends_with(".lora_B")
 }
 
+// ---------------------------------------------------------------------------------------------
+// Every call into the student (`student.rs`) that training makes is in this block (the
+// parameters each stage trains, the loss of an update, the held-out losses).
+// ---------------------------------------------------------------------------------------------
+
+/// Whether parameter `name` trains in `stage`: the new attention parameters in stage 1, the LoRA
+/// adapters in stage 2.
+fn trains(stage: u64, name: &str) -> bool {
+    if stage == 1 { is_linearized_param(name) } else { is_lora(name) }
+}
+
 /// Make exactly the parameters of `stage` trainable; an optimizer over them (sorted by name).
-fn optimizer_for(vs: &VarStore, stage: u64, wd: f64) -> AdamW {
-    for (name, t) in vs.variables() {
-        let train = if stage == 1 { is_linearized_param(&name) } else { is_lora(&name) };
-        let _ = t.shallow_clone().set_requires_grad(train);
-    }
-    AdamW::new(crate::train::named_parameters(vs), Hyper { betas: (0.9, 0.999), eps: 1e-8, weight_decay: wd })
+#[cfg(test)]
+fn optimizer_for(vs: &VarStore, stage: u64, wd: f64) -> crate::train::optim::AdamW {
+    let hyper = || Hyper { betas: (0.9, 0.999), eps: 1e-8, weight_decay: wd };
+    stages::optimizer_over(vs, |n| trains(stage, n), hyper()).unwrap_or_else(|| crate::train::optim::AdamW::new(Vec::new(), hyper()))
 }
 
 /// Mean loss of teacher and student over rows (no grad): (teacher, student).
@@ -510,27 +477,53 @@ fn stage_loss(h: &Llama, rows: &[Row], stage: u64, device: Device) -> f64 {
     })
 }
 
-/// The stage's learning-rate schedule at `step`, rebuilt from the held-out losses logged in
-/// metrics.jsonl up to that step (a resumed run continues exactly; rows logged again after a crash
-/// count once).
-fn replay_plateau(dir: &RunDir, s: &StageSpec, stage: u64, step: u64) -> Result<Plateau> {
-    let mut p = Plateau::new(s.lr.expect("resolved"), s.factor, s.patience, s.min_lr);
-    if s.schedule == Schedule::Constant {
-        return Ok(p);
+/// What is specific to `linearize` in the trainer: stage 1 is attention transfer (teacher-forced
+/// MSE of every layer's attention output), stage 2 next-token cross-entropy through the LoRA
+/// adapters; evaluation is the stage's loss on the held-out rows (the plateau schedule steps on it).
+struct LinearizeTask<'a> {
+    spec: &'a LinearizeSpec,
+    hybrid: &'a Llama,
+    rows: &'a [Row],
+    val_rows: &'a [Row],
+    device: Device,
+}
+
+impl StagedTask for LinearizeTask<'_> {
+    fn trains(&self, stage: usize, name: &str) -> bool {
+        trains(stage as u64, name)
     }
-    let mut seen = std::collections::BTreeMap::new();
-    for (_, row) in crate::train::metrics::read(&dir.path.join("metrics.jsonl"))?.rows {
-        let v = serde_json::Value::Object(row);
-        if let (Some(at), Some(val), Some(st)) = (v["step"].as_u64(), v["val_loss"].as_f64(), v["stage"].as_u64()) {
-            if st == stage && at <= step {
-                seen.insert(at, val);
+
+    fn hyper(&self, stage: usize) -> Hyper {
+        let s = if stage == 1 { &self.spec.stage1 } else { &self.spec.stage2 };
+        Hyper { betas: (0.9, 0.999), eps: 1e-8, weight_decay: s.weight_decay.expect("resolved") }
+    }
+
+    fn step(&mut self, stage: usize, step: u64, log: bool) -> Result<(Tensor, Map<String, Value>)> {
+        let b = self.spec.data.batch_size.max(1);
+        let (x, y) = batch(&stages::step_items(self.rows, step, b, self.spec.train.seed, stage as u64), self.device);
+        let mut extra = Map::new();
+        let loss = if stage == 1 {
+            let (loss, per_layer) = self.hybrid.attention_transfer_loss(&x);
+            if log {
+                let per: Vec<f64> = Vec::<f64>::try_from(&per_layer.to_kind(Kind::Double)).unwrap_or_default();
+                extra.insert("attn_mse".into(), json!(per.iter().sum::<f64>() / per.len().max(1) as f64));
+                extra.insert("attn_mse_per_layer".into(), json!(per));
             }
+            loss
+        } else {
+            self.hybrid.masked_loss(&x, &y, Pass::Train)
+        };
+        loss.backward();
+        Ok((loss.detach(), extra))
+    }
+
+    fn evaluate(&mut self, stage: usize, _at: &stages::Progress) -> Result<Option<stages::Evaluation>> {
+        if self.val_rows.is_empty() {
+            return Ok(None);
         }
+        let val = stage_loss(self.hybrid, self.val_rows, stage as u64, self.device);
+        Ok(Some(stages::Evaluation { val_loss: Some(val), row: Map::new() }))
     }
-    for val in seen.values() {
-        p.observe(*val);
-    }
-    Ok(p)
 }
 
 /// Run (or resume, or report finished) the linearization a spec describes.
@@ -538,6 +531,11 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
     let device = crate::device::parse_device(&spec.train.device)?;
     let (teacher_vs, cfg, tok) = load_teacher(&spec.teacher, spec.tokenizer.as_ref(), device)?;
     let spec = spec.resolved();
+    for (key, s) in [("stage1", &spec.stage1), ("stage2", &spec.stage2)] {
+        if s.params.is_some() {
+            return Err(Error::Spec { file: "linearize spec".into(), key: format!("{key}.params"), line: None, msg: "linearize stages train fixed parameters (stage 1 the new attention, stage 2 the LoRA adapters)".into() });
+        }
+    }
 
     // Data: rows, a held-out part, and the steps per stage.
     let mut rows = pack(&examples(&spec.data.train, &tok, spec.data.max_examples)?, spec.data.seq_len);
@@ -554,15 +552,12 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
         return Err(Error::Data(format!("the tokenizer produces ids ≥ the teacher's vocabulary ({})", cfg.vocab_size)));
     }
     let b = spec.data.batch_size.max(1);
-    let stage_steps = |s: &StageSpec| s.steps.unwrap_or_else(|| ((s.epochs * rows.len() as f64) / b as f64).ceil() as u64);
-    let (s1, s2) = (stage_steps(&spec.stage1), stage_steps(&spec.stage2));
+    let (s1, s2) = (spec.stage1.updates(rows.len(), b), spec.stage2.updates(rows.len(), b));
     let total = s1 + s2;
 
     // The device may change between sessions (a run started on one GPU resumes on another).
-    let dir = crate::train::stages::prepare_dir(&spec.output, &spec, |s| s.train.device = String::new(), "linearize")?;
-    if dir.is_done() {
-        let p = dir.path.join("eval.json");
-        let eval = std::fs::read_to_string(&p).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or(serde_json::Value::Null);
+    let dir = stages::prepare_dir(&spec.output, &spec, |s| s.train.device = String::new(), "linearize")?;
+    if let Some(eval) = stages::finished(&dir) {
         return Ok(LinearizeOutcome { dir: dir.path, step: total, already_done: true, eval });
     }
 
@@ -570,83 +565,28 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
     let vs = VarStore::new(device);
     let hybrid = Llama::linearized(&vs, &teacher_vs, cfg.clone(), &spec.attention, &spec.lora)?;
     drop(teacher_vs);
-    let wd = |stage: u64| if stage == 1 { spec.stage1.weight_decay.expect("resolved") } else { spec.stage2.weight_decay.expect("resolved") };
 
-    let mut state = checkpoint::State { step: 0, tokens: 0, elapsed_s: 0.0 };
-    let mut stage = 1;
-    let mut opt = optimizer_for(&vs, 1, wd(1));
-    if let Some((step, path)) = checkpoint::resume_point(&dir.path)? {
-        stage = if step <= s1 { 1 } else { 2 };
-        opt = optimizer_for(&vs, stage, wd(stage));
-        state = checkpoint::load(&path, &vs, &mut opt)?;
-        // checkpoint::load sets the optimizer's count to the global step; stage 2's own count starts at s1.
-        if stage == 2 {
-            opt.set_steps_done(state.step - s1);
-        }
-        if !opts.quiet {
-            eprintln!("resuming {} from step {step}", dir.path.display());
-        }
-    }
-    let end = opts.stop_after.map_or(total, |s| s.min(total));
-    let session = std::time::Instant::now();
-    let stage_spec = |stage: u64| if stage == 1 { &spec.stage1 } else { &spec.stage2 };
     let val_rows = &eval_rows[..eval_rows.len().min(spec.data.val_rows.max(1))];
-    let mut plateau = replay_plateau(&dir, stage_spec(stage), stage, state.step)?;
-    let tokens_per_step = (b * spec.data.seq_len) as u64;
-    for step in state.step..end {
-        if step >= s1 && stage == 1 {
-            stage = 2;
-            opt = optimizer_for(&vs, 2, wd(2));
-            plateau = replay_plateau(&dir, stage_spec(2), 2, step)?;
-        }
-        let in_stage = if stage == 1 { step } else { step - s1 };
-        let (x, y) = batch(&crate::train::stages::step_items(&rows, in_stage, b, spec.train.seed, stage), device);
-        opt.zero_grad();
-        let (loss, mse) = if stage == 1 {
-            let (loss, per_layer) = hybrid.attention_transfer_loss(&x);
-            (loss, Some(per_layer))
-        } else {
-            (hybrid.masked_loss(&x, &y, Pass::Train), None)
-        };
-        loss.backward();
-        let lr = plateau.lr;
-        opt.step(lr)?;
-        let done = step + 1;
-        state.step = done;
-        state.tokens += tokens_per_step;
-        let stage_end = done == s1 || done == total;
-        if done % spec.train.log_every.max(1) == 0 || stage_end || done == end {
-            let l = loss.double_value(&[]);
-            if !l.is_finite() {
-                return Err(Error::Diverged { step: done, msg: format!("stage {stage} loss is {l}") });
-            }
-            let mut row = json!({"step": done, "stage": stage, "loss": l, "lr": lr, "tokens": state.tokens, "elapsed_s": state.elapsed_s + session.elapsed().as_secs_f64()});
-            if let Some(m) = mse {
-                let per: Vec<f64> = Vec::<f64>::try_from(&m.to_kind(Kind::Double)).unwrap_or_default();
-                row["attn_mse"] = json!(per.iter().sum::<f64>() / per.len().max(1) as f64);
-                row["attn_mse_per_layer"] = json!(per);
-            }
-            dir.append_metrics(row.as_object().expect("object"))?;
-            if !opts.quiet {
-                eprintln!("linearize step {done}/{total} stage {stage} loss {l:.5}");
-            }
-        }
-        let in_stage_done = if stage == 1 { done } else { done - s1 };
-        if in_stage_done % stage_spec(stage).eval_every.expect("resolved").max(1) == 0 && !val_rows.is_empty() {
-            let val = stage_loss(&hybrid, val_rows, stage, device);
-            let new_lr = if stage_spec(stage).schedule == Schedule::Plateau { plateau.observe(val) } else { lr };
-            dir.append_metrics(json!({"step": done, "stage": stage, "val_loss": val, "lr": new_lr}).as_object().expect("object"))?;
-            if !opts.quiet {
-                eprintln!("linearize step {done} stage {stage} held-out loss {val:.5} (lr {new_lr:.2e})");
-            }
-        }
-        if stage_end || (spec.checkpoint.every > 0 && done % spec.checkpoint.every == 0) {
-            let st = checkpoint::State { step: done, tokens: state.tokens, elapsed_s: state.elapsed_s + session.elapsed().as_secs_f64() };
-            checkpoint::save(&dir.path, &vs, &opt, &st, spec.checkpoint.keep.max(1))?;
-        }
-    }
+    // linearize evaluates at least every update (eval_every 0 = 1).
+    let stage_plan = |s: &StageSpec, steps: u64| stages::StagePlan { steps, lr: s.lr_rule(), eval_every: s.eval_every.expect("resolved").max(1) };
+    let plan = stages::Plan {
+        stages: vec![stage_plan(&spec.stage1, s1), stage_plan(&spec.stage2, s2)],
+        // No gradient clipping, as the reference code.
+        clip: 0.0,
+        log_every: spec.train.log_every,
+        checkpoint_every: spec.checkpoint.every,
+        keep: spec.checkpoint.keep,
+        tokens_per_step: (b * spec.data.seq_len) as u64,
+        label: "linearize",
+        quiet: opts.quiet,
+        stop_after: opts.stop_after,
+        rows: stages::Rows::Staged,
+    };
+    let mut task = LinearizeTask { spec: &spec, hybrid: &hybrid, rows: &rows, val_rows, device };
+    let resume = crate::train::checkpoint::resume_point(&dir.path)?;
+    let end = stages::run(&dir, &vs, &plan, &mut task, resume, None)?.end;
     if end < total {
-        return Ok(LinearizeOutcome { dir: dir.path, step: end, already_done: false, eval: serde_json::Value::Null });
+        return Ok(LinearizeOutcome { dir: dir.path, step: end, already_done: false, eval: Value::Null });
     }
 
     // Outputs: adapters alone, the merged export, and the held-out evaluation.
@@ -659,7 +599,7 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
     let (lt, ls) = held_out_loss(&hybrid, eval_rows, device);
     let eval = json!({"step": total, "rows": eval_rows.len(), "seq_len": spec.data.seq_len,
         "teacher": {"loss": lt, "ppl": lt.exp()}, "student": {"loss": ls, "ppl": ls.exp()}});
-    let mut row = serde_json::Map::new();
+    let mut row = Map::new();
     row.insert("step".into(), json!(total));
     row.insert("stage".into(), json!("eval"));
     for (k, v) in [("teacher_loss", lt), ("teacher_ppl", lt.exp()), ("student_loss", ls), ("student_ppl", ls.exp())] {

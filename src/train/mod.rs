@@ -10,6 +10,8 @@ pub mod lora;
 pub mod metrics;
 pub mod optim;
 pub mod run;
+pub mod schedule;
+pub mod stage_spec;
 pub mod stages;
 pub mod workers;
 
@@ -23,7 +25,6 @@ use run::RunDir;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::Instant;
 use tch::{nn::VarStore, Device, Kind, Tensor};
 
 #[derive(Default, Clone)]
@@ -73,7 +74,8 @@ pub fn evaluate_all(model: &Model, corpora: &[EvalCorpus], spec: &Spec, device: 
     crate::eval::lm_eval::evaluate_perplexity(model, corpora, spec, device).into_iter().map(|(name, (result, _))| (name, result)).collect()
 }
 
-/// Train the run a spec describes (or resume it, or report it finished).
+/// Train the run a spec describes (or resume it, or report it finished): one stage of the
+/// trainer (`stages::run`) with the GPT-NeoX schedule, micro-batch accumulation and data parallelism.
 pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
     let tok = crate::data::Tok::load(spec.data.tokenizer.as_ref().expect("resolved"))?;
     let spec = run::with_vocab(spec, &tok);
@@ -85,8 +87,8 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
     } else {
         RunDir { path: spec.output.clone().ok_or_else(|| Error::Other("no run directory (`output:`)".into()))? }
     };
-    if dir.is_done() {
-        let eval = dir.read_eval().unwrap_or_default();
+    if let Some(eval) = stages::finished(&dir) {
+        let eval = serde_json::from_value(eval["corpora"].clone()).unwrap_or_default();
         return Ok(Outcome { dir: dir.path.clone(), step: spec.steps(), eval, already_done: true, tokens_per_s: 0.0 });
     }
     // Rank 0 (holding the lock) clears leftovers and sets corrupt checkpoints aside before the
@@ -111,153 +113,107 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
     tch::manual_seed(spec.seed() as i64);
     let vs = VarStore::new(device);
     let model = run::build_model(&spec, &vs);
-    let params = named_parameters(&vs);
-    let [b1, b2] = spec.train.betas.expect("resolved");
-    let hyper = Hyper { betas: (b1, b2), eps: spec.train.eps.expect("resolved"), weight_decay: spec.train.weight_decay.expect("resolved") };
-    let sync = comm.as_ref().map(|_| {
-        let kind = match spec.train.grad_reduce.unwrap_or_default() {
-            crate::spec::GradReduce::Fp32 => Kind::Float,
-            crate::spec::GradReduce::Bf16 => Kind::BFloat16,
-        };
-        let tensors: Vec<Tensor> = params.iter().map(|p| p.1.shallow_clone()).collect();
-        (distributed::GradSync::new(&tensors, (spec.train.bucket_mb.unwrap_or(25.0) * 1e6) as usize, kind), tensors)
-    });
-    let mut opt = AdamW::new(params, hyper);
-
-    let mut state = checkpoint::State { step: 0, tokens: 0, elapsed_s: 0.0 };
+    let trainable: std::collections::HashSet<String> = named_parameters(&vs).into_iter().map(|p| p.0).collect();
     let resume = if rank0 { resume } else { checkpoint::list(&dir.path).pop() };
-    if let Some((step, path)) = resume {
-        state = checkpoint::load(&path, &vs, &mut opt)?;
-        if !quiet {
-            eprintln!("resuming {} from step {step}", dir.path.display());
-        }
-    }
 
-    if let (Some(comm), Some((_, tensors))) = (comm.as_mut(), sync.as_ref()) {
-        // Same seed and checkpoint give the same weights everywhere; the broadcast makes sure.
-        for t in tensors {
-            tch::no_grad(|| comm.broadcast(&mut t.shallow_clone(), 0))?;
-        }
-    }
     let corpora = load_eval_corpora(&spec, &tok)?;
     let (steps, batch, accum, seq) = (spec.steps(), spec.batch_size(), spec.grad_accum(), spec.seq_len());
-    let end = opts.stop_after.map_or(steps, |s| s.min(steps));
     // This rank's share of every global batch (all of it without data parallelism).
     let (rank, world) = opts.dist.as_ref().map_or((0, 1), |d| (d.rank, d.world));
     let micros = distributed::rank_micro_batches(batch, accum, rank, world)?;
-    let per_step = micros.len();
     let batcher = crate::data::train_batcher(&spec.data.train, &tok, spec.data.cache.as_ref().expect("resolved"), seq, spec.seed(), steps * batch as u64, quiet)?;
-    let batches = prefetch(batcher, state.step, end, batch, micros);
-
-    let tokens_per_step = (batch * seq) as u64;
-    let lr_max = spec.train.lr.expect("resolved");
-    let lr_min = spec.train.min_lr.expect("resolved");
-    let (warmup, decay) = (spec.warmup_steps(), spec.train.decay_steps.expect("resolved") as u64);
-    let clip = spec.train.clip.expect("resolved");
-    let log_every = spec.train.log_every.expect("resolved") as u64;
-    let eval_every = spec.eval.every.expect("resolved") as u64;
-    let ckpt_every = spec.checkpoint.every.expect("resolved") as u64;
-    let keep = spec.checkpoint.keep.expect("resolved") as usize;
-
-    let bar = crate::progress::bar(steps, "train", quiet);
-    bar.set_position(state.step);
-    let session = Instant::now();
-    let (mut last_log_t, mut last_log_step) = (Instant::now(), state.step);
-    let elapsed = |state: &checkpoint::State| state.elapsed_s + session.elapsed().as_secs_f64();
-    let mut last_tps = 0.0;
-    for step in state.step..end {
-        let lr = optim::learning_rate(step, lr_max, lr_min, warmup, decay);
-        let micro = (0..per_step).map(|_| batches.recv().map_err(|_| Error::Data("batch loader stopped".into())));
-        let reduce = match (comm.as_deref_mut(), sync.as_ref()) {
-            (Some(comm), Some((sync, tensors))) => Some((comm as &mut dyn distributed::Communicator, sync, tensors.as_slice())),
-            _ => None,
-        };
-        let (loss_sum, norm) = step_data_parallel(&model, &mut opt, micro, autocast, clip, lr, device, reduce)?;
-        if let Some(dog) = &dog {
-            dog.beat();
-        }
-        let done = step + 1;
-        if !rank0 {
-            // Only rank 0 logs, evaluates and checkpoints.
-            state.step = done;
-            continue;
-        }
-        state.step = done;
-        state.tokens = done * tokens_per_step;
-        bar.set_position(done);
-
-        let log_now = done % log_every == 0 || done == end;
-        let ckpt_now = done == steps || (ckpt_every > 0 && done % ckpt_every == 0);
-        if log_now || ckpt_now {
-            // The only host synchronisation of a step, and only on logging/checkpoint steps.
-            let loss = loss_sum.double_value(&[]);
-            if !loss.is_finite() {
-                let last = checkpoint::list(&dir.path).pop().map(|(s, _)| format!("step {s}")).unwrap_or_else(|| "none".into());
-                return Err(Error::Diverged { step: done, msg: format!("loss is {loss}; last good checkpoint: {last} in {}", dir.path.display()) });
-            }
-            if log_now {
-                let secs = last_log_t.elapsed().as_secs_f64().max(1e-9);
-                last_tps = ((done - last_log_step) * tokens_per_step) as f64 / secs;
-                (last_log_t, last_log_step) = (Instant::now(), done);
-                let mut row = json!({"step": done, "tokens": state.tokens, "loss": loss, "lr": lr, "grad_norm": norm.double_value(&[]), "tokens_per_s": last_tps, "elapsed_s": elapsed(&state)});
-                if world > 1 {
-                    row["world_size"] = json!(world);
-                }
-                dir.append_metrics(row.as_object().expect("object"))?;
-                bar.set_message(format!("loss {loss:.4} · {:.0} tok/s", last_tps));
-            }
-        }
-        if eval_every > 0 && done % eval_every == 0 && done != steps && !corpora.is_empty() {
-            let results = evaluate_all(&model, &corpora, &spec, device);
-            dir.append_metrics(&eval_row(done, state.tokens, elapsed(&state), &results))?;
-        }
-        if ckpt_now {
-            checkpoint::save(&dir.path, &vs, &opt, &checkpoint::State { step: done, tokens: state.tokens, elapsed_s: elapsed(&state) }, keep)?;
-        }
-    }
-    bar.finish_and_clear();
+    let plan = stages::Plan {
+        stages: vec![stages::StagePlan {
+            steps,
+            lr: schedule::Lr::Neox { max: spec.train.lr.expect("resolved"), min: spec.train.min_lr.expect("resolved"), warmup: spec.warmup_steps(), decay: spec.train.decay_steps.expect("resolved") as u64 },
+            eval_every: spec.eval.every.expect("resolved") as u64,
+        }],
+        clip: spec.train.clip.expect("resolved"),
+        log_every: spec.train.log_every.expect("resolved") as u64,
+        checkpoint_every: spec.checkpoint.every.expect("resolved") as u64,
+        keep: spec.checkpoint.keep.expect("resolved") as usize,
+        tokens_per_step: (batch * seq) as u64,
+        label: "train",
+        quiet,
+        stop_after: opts.stop_after,
+        rows: stages::Rows::Throughput,
+    };
+    let mut task = TrainTask { spec: &spec, model: &model, trainable, corpora: &corpora, batcher: Some(batcher), batch, micros, batches: None, autocast, device };
+    let dp = comm.as_deref_mut().map(|comm| stages::DataParallel {
+        comm,
+        grad_kind: match spec.train.grad_reduce.unwrap_or_default() {
+            crate::spec::GradReduce::Fp32 => Kind::Float,
+            crate::spec::GradReduce::Bf16 => Kind::BFloat16,
+        },
+        bucket_bytes: (spec.train.bucket_mb.unwrap_or(25.0) * 1e6) as usize,
+        watchdog: dog.as_ref(),
+    });
+    let ran = stages::run(&dir, &vs, &plan, &mut task, resume, dp)?;
     if let Some(dog) = &dog {
         dog.stop();
     }
-    if end < steps || !rank0 {
-        return Ok(Outcome { dir: dir.path.clone(), step: end, eval: BTreeMap::new(), already_done: false, tokens_per_s: last_tps });
+    if ran.end < steps || !rank0 {
+        return Ok(Outcome { dir: dir.path.clone(), step: ran.end, eval: BTreeMap::new(), already_done: false, tokens_per_s: ran.tokens_per_s });
     }
     let results = evaluate_all(&model, &corpora, &spec, device);
-    dir.append_metrics(&eval_row(steps, state.tokens, elapsed(&state), &results))?;
+    dir.append_metrics(&eval_row(steps, ran.tokens, ran.elapsed_s, &results))?;
     dir.write_eval(steps, &results)?;
     dir.mark_done()?;
-    Ok(Outcome { dir: dir.path.clone(), step: steps, eval: results, already_done: false, tokens_per_s: last_tps })
+    Ok(Outcome { dir: dir.path.clone(), step: steps, eval: results, already_done: false, tokens_per_s: ran.tokens_per_s })
 }
 
-/// One optimizer step over the given micro-batches: forward/backward each (loss scaled by 1/n),
-/// clip, AdamW. Returns (mean loss, pre-clip grad norm) as device scalars: nothing waits for the GPU.
-pub fn step_once(
-    model: &Model,
-    opt: &mut AdamW,
-    micro_batches: impl ExactSizeIterator<Item = Result<(Tensor, Tensor)>>,
+/// What is specific to `train`: every parameter of the model trains; an update is the mean loss
+/// over this rank's micro-batches of the global batch (from the prefetch thread); evaluation is
+/// perplexity on the spec's corpora (the last step's is the final evaluation, done after the loop).
+struct TrainTask<'a> {
+    spec: &'a Spec,
+    model: &'a Model,
+    /// The parameters the model created as trainable.
+    trainable: std::collections::HashSet<String>,
+    corpora: &'a [EvalCorpus],
+    batcher: Option<Batcher>,
+    batch: usize,
+    micros: Vec<(usize, usize)>,
+    batches: Option<std::sync::mpsc::Receiver<(Tensor, Tensor)>>,
     autocast: bool,
-    clip: f64,
-    lr: f64,
     device: Device,
-) -> Result<(Tensor, Tensor)> {
-    step_data_parallel(model, opt, micro_batches, autocast, clip, lr, device, None)
 }
 
-/// `step_once` as one rank of a data-parallel job: between backward and clipping, gradients (of
-/// `params`, in `sync`'s buckets) and the loss are averaged over the ranks, so clipping and AdamW
-/// see the global batch's gradient on every rank.
-#[allow(clippy::too_many_arguments)]
-pub fn step_data_parallel(
-    model: &Model,
-    opt: &mut AdamW,
-    micro_batches: impl ExactSizeIterator<Item = Result<(Tensor, Tensor)>>,
-    autocast: bool,
-    clip: f64,
-    lr: f64,
-    device: Device,
-    reduce: Option<(&mut dyn distributed::Communicator, &distributed::GradSync, &[Tensor])>,
-) -> Result<(Tensor, Tensor)> {
-    opt.zero_grad();
+impl stages::StagedTask for TrainTask<'_> {
+    fn trains(&self, _stage: usize, name: &str) -> bool {
+        self.trainable.contains(name)
+    }
+
+    fn hyper(&self, _stage: usize) -> Hyper {
+        let [b1, b2] = self.spec.train.betas.expect("resolved");
+        Hyper { betas: (b1, b2), eps: self.spec.train.eps.expect("resolved"), weight_decay: self.spec.train.weight_decay.expect("resolved") }
+    }
+
+    fn begin(&mut self, from: u64, to: u64) -> Result<()> {
+        if let Some(b) = self.batcher.take() {
+            self.batches = Some(prefetch(b, from, to, self.batch, self.micros.clone()));
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, _stage: usize, _step: u64, _log: bool) -> Result<(Tensor, Map<String, Value>)> {
+        let rx = self.batches.as_ref().expect("begin starts the prefetch");
+        let micro = (0..self.micros.len()).map(|_| rx.recv().map_err(|_| Error::Data("batch loader stopped".into())));
+        Ok((accumulate(self.model, micro, self.autocast, self.device)?, Map::new()))
+    }
+
+    fn evaluate(&mut self, _stage: usize, at: &stages::Progress) -> Result<Option<stages::Evaluation>> {
+        if at.done == self.spec.steps() || self.corpora.is_empty() {
+            return Ok(None);
+        }
+        let results = evaluate_all(self.model, self.corpora, self.spec, self.device);
+        Ok(Some(stages::Evaluation { val_loss: None, row: eval_row(at.done, at.tokens, at.elapsed_s, &results) }))
+    }
+}
+
+/// Forward and backward of each micro-batch (loss scaled by 1/n, gradients accumulating on the
+/// parameters). Returns the mean loss as a device scalar: nothing waits for the GPU.
+fn accumulate(model: &Model, micro_batches: impl ExactSizeIterator<Item = Result<(Tensor, Tensor)>>, autocast: bool, device: Device) -> Result<Tensor> {
     let n = micro_batches.len() as f64;
     let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
     for mb in micro_batches {
@@ -267,15 +223,25 @@ pub fn step_data_parallel(
         loss.backward();
         loss_sum += loss.detach().to_kind(Kind::Float);
     }
-    if let Some((comm, sync, params)) = reduce {
-        sync.average(comm, params)?;
-        let mut l = loss_sum.reshape([1]);
-        comm.all_reduce_sum(&mut l)?;
-        loss_sum = l.reshape([]) / comm.world() as f64;
-    }
+    Ok(loss_sum)
+}
+
+/// One optimizer step over the given micro-batches as the trainer does it (accumulate, clip,
+/// AdamW), for `bench`. Returns (mean loss, pre-clip grad norm) as device scalars.
+pub fn step_once(
+    model: &Model,
+    opt: &mut AdamW,
+    micro_batches: impl ExactSizeIterator<Item = Result<(Tensor, Tensor)>>,
+    autocast: bool,
+    clip: f64,
+    lr: f64,
+    device: Device,
+) -> Result<(Tensor, Tensor)> {
+    opt.zero_grad();
+    let loss = accumulate(model, micro_batches, autocast, device)?;
     let norm = opt.clip(clip)?;
     opt.step(lr)?;
-    Ok((loss_sum, norm))
+    Ok((loss, norm))
 }
 
 fn eval_row(step: u64, tokens: u64, elapsed_s: f64, results: &BTreeMap<String, CorpusResult>) -> Map<String, Value> {
