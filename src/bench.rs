@@ -157,16 +157,18 @@ pub fn attention_check(imp: AttentionImpl, shape: [i64; 4], window: i64, device:
     tch::manual_seed(window + 17 * shape[2]);
     let inputs: Vec<Tensor> = (0..5).map(|_| Tensor::randn(shape, (kind, device)).set_requires_grad(true)).collect();
     let go = Tensor::randn(shape, (kind, device));
+    // bf16 kernels are checked against an fp32 reference, fp64 ones against fp64; errors in fp64.
+    let exact = if kind == Kind::Double { Kind::Double } else { Kind::Float };
     let run = |imp: AttentionImpl, xs: &[Tensor]| {
         let o = attention::dar(&xs[0], &xs[1], &xs[2], &xs[3], &xs[4], window, imp);
-        let g = Tensor::run_backward(&[(&o.to_kind(Kind::Float) * go.to_kind(Kind::Float)).sum(Kind::Float)], &xs.iter().collect::<Vec<_>>(), false, false);
+        let g = Tensor::run_backward(&[(&o.to_kind(exact) * go.to_kind(exact)).sum(exact)], &xs.iter().collect::<Vec<_>>(), false, false);
         let g = g.into_iter().zip(xs).map(|(g, x)| if g.defined() { g } else { x.zeros_like() });
-        std::iter::once(o.detach()).chain(g).map(|t| t.to_kind(Kind::Float)).collect::<Vec<_>>()
+        std::iter::once(o.detach()).chain(g).map(|t| t.to_kind(Kind::Double)).collect::<Vec<_>>()
     };
     let fast = run(imp, &inputs);
-    // The reference computes in fp32 from the very same values.
-    let f32_inputs: Vec<Tensor> = inputs.iter().map(|t| t.detach().to_kind(Kind::Float).set_requires_grad(true)).collect();
-    let reference = run(AttentionImpl::Reference, &f32_inputs);
+    // The reference computes from the very same values.
+    let ref_inputs: Vec<Tensor> = inputs.iter().map(|t| t.detach().to_kind(exact).set_requires_grad(true)).collect();
+    let reference = run(AttentionImpl::Reference, &ref_inputs);
     let mut rel_err = [0.0; 6];
     for (i, (a, b)) in fast.iter().zip(&reference).enumerate() {
         let scale = b.abs().max().double_value(&[]).max(1e-6);
@@ -340,6 +342,8 @@ mod line_tests {
         assert_eq!(lines.len(), 16, "{lines:?}");
         let failed = lines.iter().filter(|l| l.ends_with("FAIL")).count();
         assert_eq!(failed + lines.iter().filter(|l| l.ends_with("  ok")).count(), 16, "{lines:?}");
+        // On CPU the fast path (SDPA, fp64) must equal the fp64 reference within 1e-9.
+        assert_eq!(failed, 0, "{lines:?}");
         match r {
             Ok(()) => assert_eq!(failed, 0),
             Err(e) => assert_eq!(e.to_string(), format!("{failed} attention checks failed")),
