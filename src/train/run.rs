@@ -3,7 +3,9 @@ use super::checkpoint;
 use crate::data::Tok;
 use crate::eval::perplexity::CorpusResult;
 use crate::model::{DarConfig, Family, GptNeox, LlamaConfig, Model, NeoxConfig};
+use crate::run_kind::RunKind;
 use crate::spec::{Arch, Spec};
+use serde::Serialize;
 use crate::{Error, IoContext, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -56,31 +58,43 @@ impl RunDir {
     /// refuses a directory whose recorded config differs.
     pub fn prepare(spec: &Spec) -> Result<RunDir> {
         let path = spec.output.clone().ok_or_else(|| Error::Spec { file: "spec".into(), key: "output".into(), line: None, msg: "no run directory: set `output:` or pass --out".into() })?;
-        std::fs::create_dir_all(&path).at(&path)?;
-        // One writer at a time, from before the first write to the end of the process.
-        super::lock::hold(&path)?;
         let cfg = path.join("config.yaml");
-        let yaml = spec.to_yaml();
+        // Compare meaning, not text: an older config without a key added since resolves to the same
+        // spec. The device may differ (a run may resume on another GPU or on the CPU), and so may the
+        // data-parallel devices: any worker count dividing the global batch sees the same data.
+        let same_device = |s: &mut Spec| {
+            s.train.device = None;
+            (s.train.devices, s.train.dist_timeout_s) = (None, None);
+        };
+        RunDir::open(&path, RunKind::Train, spec, |text| crate::spec::from_str(text, &cfg.display().to_string(), &[]), same_device)
+    }
+
+    /// Create the run directory `path` for the `kind` run `spec` describes, or reopen it: the one
+    /// creator of run directories (train, finetune, linearize). Takes the directory's lock first (one
+    /// writer from before the first write to the end of the process); config.yaml is written once,
+    /// with `command: <kind>`; a recorded config that `parse`s to a different spec after `normalize`
+    /// (which blanks what may change between sessions, e.g. the device) is refused, naming the first
+    /// differing line.
+    pub fn open<S: PartialEq + Clone + Serialize>(path: &Path, kind: RunKind, spec: &S, parse: impl Fn(&str) -> Result<S>, normalize: impl Fn(&mut S)) -> Result<RunDir> {
+        std::fs::create_dir_all(path).at(path)?;
+        super::lock::hold(path)?;
+        let cfg = path.join("config.yaml");
+        let yaml = serde_yaml::to_string(spec).expect("spec serializes");
         if cfg.is_file() {
-            // Compare meaning, not text: an older config without a key added since resolves to the
-            // same spec. The device may differ (a run may resume on another GPU or on the CPU), and so may
-            // the data-parallel devices: any worker count dividing the global batch sees the same data.
-            let old_text = std::fs::read_to_string(&cfg).at(&cfg)?;
-            let old = crate::spec::from_str(&old_text, &cfg.display().to_string(), &[])?;
-            let same_device = |s: &Spec| {
+            let old = parse(&kind.strip(&std::fs::read_to_string(&cfg).at(&cfg)?))?;
+            let norm = |s: &S| {
                 let mut s = s.clone();
-                s.train.device = None;
-                (s.train.devices, s.train.dist_timeout_s) = (None, None);
+                normalize(&mut s);
                 s
             };
-            if same_device(&old) != same_device(spec) {
-                let diff = first_difference(&old.to_yaml(), &yaml);
-                return Err(Error::Run { dir: path, msg: format!("holds a run with a different config ({diff}); choose another output directory") });
+            if norm(&old) != norm(spec) {
+                let diff = first_difference(&serde_yaml::to_string(&old).expect("spec serializes"), &yaml);
+                return Err(Error::Run { dir: path.into(), msg: format!("holds a {} run with a different config ({diff}); choose another output directory", kind.name()) });
             }
         } else {
-            std::fs::write(&cfg, crate::run_kind::RunKind::Train.record(&yaml)).at(&cfg)?;
+            std::fs::write(&cfg, kind.record(&yaml)).at(&cfg)?;
         }
-        Ok(RunDir { path })
+        Ok(RunDir { path: path.into() })
     }
 
     pub fn is_done(&self) -> bool {

@@ -369,32 +369,12 @@ pub fn finished(dir: &RunDir) -> Option<Value> {
     })
 }
 
-/// Create the run directory `path` for `spec` (or reopen it): config.yaml is written once; a recorded
-/// config that differs after `normalize` (which blanks what may change between sessions, e.g. the
-/// device) is refused.
+/// The run directory of a staged command (`what`: finetune or linearize) through `RunDir::open`,
+/// its config read back as the command's spec.
 pub fn prepare_dir<S: PartialEq + Clone + Serialize + DeserializeOwned>(path: &Path, spec: &S, normalize: impl Fn(&mut S), what: &str) -> Result<RunDir> {
-    std::fs::create_dir_all(path).map_err(|e| Error::io(path, e))?;
-    // One writer at a time, from before the first write to the end of the process.
-    super::lock::hold(path)?;
+    let kind = crate::run_kind::RunKind::named(what).ok_or_else(|| Error::Other(format!("prepare_dir: `{what}` is not a command that makes run directories")))?;
     let cfg = path.join("config.yaml");
-    // config.yaml records the command (crate::run_kind).
-    let kind = crate::run_kind::RunKind::named(what);
-    if cfg.is_file() {
-        let text = std::fs::read_to_string(&cfg).map_err(|e| Error::io(&cfg, e))?;
-        let old: S = serde_yaml::from_str(&kind.map_or(text.clone(), |k| k.strip(&text))).map_err(|e| Error::Other(format!("{}: {e}", cfg.display())))?;
-        let norm = |s: &S| {
-            let mut s = s.clone();
-            normalize(&mut s);
-            s
-        };
-        if norm(&old) != norm(spec) {
-            return Err(Error::Run { dir: path.into(), msg: format!("holds a {what} run with a different config; choose another output directory") });
-        }
-    } else {
-        let yaml = serde_yaml::to_string(spec).expect("serializes");
-        std::fs::write(&cfg, kind.map_or(yaml.clone(), |k| k.record(&yaml))).map_err(|e| Error::io(&cfg, e))?;
-    }
-    Ok(RunDir { path: path.into() })
+    RunDir::open(path, kind, spec, |text| serde_yaml::from_str(text).map_err(|e| Error::Other(format!("{}: {e}", cfg.display()))), normalize)
 }
 
 #[cfg(test)]
