@@ -161,7 +161,7 @@ pub enum Layer {
 
 impl Layer {
     /// The attention of one layer under the module path `p` (`…self_attn` / `…attention`). DAR's
-    /// bottleneck starts at zero, drawing nothing from the global generator (the model fills it).
+    /// bottleneck draws nothing from the global generator (`dar::init::pretraining_start`).
     pub fn new(p: &nn::Path, attention: &Attention, dims: LayerDims) -> Result<Layer> {
         Ok(match attention {
             Attention::Softmax(c) => {
@@ -171,12 +171,35 @@ impl Layer {
                     AttentionKind::Window => Layer::Window { window: c.window as i64, imp },
                     AttentionKind::Dar | AttentionKind::Uniform => {
                         let bottleneck = Bottleneck::new(p, dims.d_model, c.d_down as i64, c.dar_act, nn::Init::Const(0.0));
+                        // The pretraining start, from the bottleneck's own stream (seed, layer): every
+                        // other weight draws exactly what it draws in a vanilla model of the same seed.
+                        let (down, up) = dar::init::pretraining_start(c.init, c.init_seed, dims.layer as usize, dims.d_model as usize, c.d_down);
+                        tch::no_grad(|| {
+                            bottleneck.down.shallow_clone().copy_(&down);
+                            bottleneck.up.shallow_clone().copy_(&up);
+                        });
                         Layer::Dar { bottleneck, window: c.window as i64, imp }
                     }
                 }
             }
             Attention::Linearized(Variant::Still(sc)) => Layer::Still(Still::new(p, sc, dims)?),
             Attention::Linearized(Variant::Lolcats(lc)) => Layer::Lolcats(Lolcats::new(p, lc, dims.heads, dims.head_dim)?),
+        })
+    }
+
+    /// This softmax layer with `a`'s options, its parameters kept: the implementation, the window,
+    /// vanilla ↔ window, DAR ↔ uniform. An error when `a` needs a bottleneck the layer lacks or would
+    /// drop the one it has, or for a linearized layer.
+    pub fn reconfigured(self, a: &DarConfig) -> Result<Layer> {
+        let (window, imp) = (a.window as i64, a.implementation);
+        Ok(match (self, a.kind) {
+            (Layer::Dar { mut bottleneck, .. }, AttentionKind::Dar | AttentionKind::Uniform) => {
+                bottleneck.act = a.dar_act;
+                Layer::Dar { bottleneck, window, imp }
+            }
+            (Layer::Vanilla { .. } | Layer::Window { .. }, AttentionKind::Vanilla) => Layer::Vanilla { imp },
+            (Layer::Vanilla { .. } | Layer::Window { .. }, AttentionKind::Window) => Layer::Window { window, imp },
+            (_, kind) => return Err(Error::Other(format!("cannot switch this layer to {kind:?} in place (a bottleneck would be needed or dropped)"))),
         })
     }
 

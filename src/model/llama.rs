@@ -16,7 +16,6 @@
 //! in place (`crate::linearize::student`). Packed rows: `hidden_docs` takes per-token document ids
 //! (block-diagonal mask, positions restarting at every document).
 use crate::attention::cache::{CacheShape, DecodeCache};
-use crate::attention::dar::Bottleneck;
 use crate::attention::still::LayerDims;
 use crate::attention::{self, Attention, Heads, KvMap, Layer, Positions};
 pub use crate::attention::DarConfig;
@@ -71,7 +70,7 @@ pub struct LlamaConfig {
 }
 
 /// config.json key holding the attention of an attnlab model (Hugging Face ignores unknown keys).
-const DAR_KEY: &str = "attnlab_attention";
+const ATTENTION_KEY: &str = "attnlab_attention";
 
 impl LlamaConfig {
     pub fn head_dim(&self) -> usize {
@@ -88,9 +87,9 @@ impl LlamaConfig {
             Some("olmo2") => Family::Olmo2,
             Some(other) => return Err(Error::Data(format!("config.json: model_type `{other}` is not supported (llama, olmo2)"))),
         };
-        let attention = match get(DAR_KEY) {
+        let attention = match get(ATTENTION_KEY) {
             None => Attention::default(),
-            Some(a) => serde_json::from_value(a.clone()).map_err(|e| Error::Data(format!("config.json: {DAR_KEY}: {e}")))?,
+            Some(a) => serde_json::from_value(a.clone()).map_err(|e| Error::Data(format!("config.json: {ATTENTION_KEY}: {e}")))?,
         };
         let num = |k: &str| get(k).and_then(|x| x.as_f64()).ok_or_else(|| Error::Data(format!("config.json: missing number `{k}`")));
         let heads = num("num_attention_heads")? as usize;
@@ -153,7 +152,7 @@ impl LlamaConfig {
             "attention_bias": false, "mlp_bias": false, "bos_token_id": serde_json::Value::Null, "torch_dtype": "float32"
         });
         if !matches!(self.attention, Attention::Softmax(c) if c.kind == AttentionKind::Vanilla) {
-            v[DAR_KEY] = serde_json::to_value(&self.attention).expect("serializes");
+            v[ATTENTION_KEY] = serde_json::to_value(&self.attention).expect("serializes");
         }
         v
     }
@@ -255,8 +254,8 @@ fn rotate_half(x: &Tensor) -> Tensor {
 }
 
 impl Llama {
-    /// Build under `root` with HF's init (N(0, 0.02) matrices, unit norms; DAR bottlenecks as
-    /// `cfg.attention`'s init, from their own stream after every other weight). Panics on a
+    /// Build under `root` with HF's init (N(0, 0.02) matrices, unit norms; each layer's attention adds
+    /// its own parameters, `attention::Layer::new`). Panics on a
     /// linearized operator's invalid options: use [`Llama::build`] where they come from a user.
     pub fn new(root: &nn::Path, cfg: LlamaConfig) -> Llama {
         Self::build(root, cfg).unwrap_or_else(|e| panic!("Llama::new: {e}"))
@@ -294,66 +293,21 @@ impl Llama {
         }
         let norm = ones(&m / "norm", d);
         let lm_head = (!cfg.tie_word_embeddings).then(|| (root / "lm_head").var("weight", &[cfg.vocab_size as i64, d as i64], init));
-        // The bottlenecks last, from their own stream: every other weight equals a vanilla model's.
-        let dar = cfg.attention.softmax();
-        tch::no_grad(|| {
-            for (i, b) in layers.iter().enumerate() {
-                if let Some(bn) = b.attn.bottleneck() {
-                    let (d0, u0) = attention::dar::init::pretraining_start(dar.init, dar.init_seed, i, d, dar.d_down);
-                    bn.down.shallow_clone().copy_(&d0);
-                    bn.up.shallow_clone().copy_(&u0);
-                }
-            }
-        });
         Ok(Llama { cfg, embed_tokens, layers, norm, lm_head })
-    }
-
-    /// Turn a vanilla model (e.g. a pretrained checkpoint just loaded under `root`) into a DAR / uniform
-    /// one: adds `self_attn.bottleneck_{down,up}.weight` to every layer, small_init N(0, 2/(5d)) from
-    /// the global generator (calibrate them afterwards with `attention::dar::init::calibrate_pca` for
-    /// the PCA start).
-    pub fn add_dar(&mut self, root: &nn::Path, attention: DarConfig) -> Result<()> {
-        let d = self.cfg.hidden_size;
-        if !attention.has_bottleneck() {
-            return Err(Error::Other(format!("add_dar: attention kind {:?} has no bottleneck", attention.kind)));
-        }
-        if !matches!(self.cfg.attention, Attention::Softmax(c) if c.kind == AttentionKind::Vanilla) {
-            return Err(Error::Other(format!("add_dar: the model's attention is already {}", self.cfg.attention.label())));
-        }
-        if attention.d_down == 0 || attention.d_down > d {
-            return Err(Error::Other(format!("add_dar: d_down {} is not in 1..={d}", attention.d_down)));
-        }
-        if attention.kind == AttentionKind::Uniform && attention.window != 0 {
-            return Err(Error::Other(format!("add_dar: uniform is DAR with window 0, got window {}", attention.window)));
-        }
-        let m = root / "model";
-        let small = Init::Randn { mean: 0.0, stdev: (2.0 / (5.0 * d as f64)).sqrt() };
-        for (i, b) in self.layers.iter_mut().enumerate() {
-            let bottleneck = Bottleneck::new(&(&m / "layers" / i / "self_attn"), d as i64, attention.d_down as i64, attention.dar_act, small);
-            b.attn = Layer::Dar { bottleneck, window: attention.window as i64, imp: attention.implementation };
-        }
-        self.cfg.attention = Attention::Softmax(attention);
-        Ok(())
     }
 
     /// Change the softmax attention's options in place, keeping the weights: the implementation, the
     /// window, vanilla ↔ window, DAR ↔ uniform (the bottleneck kept). A change that would need a
     /// bottleneck the model lacks, or drop one it has, is an error (use `add_dar`).
     pub fn set_attention(&mut self, attention: DarConfig) -> Result<()> {
-        let has = self.layers.iter().all(|b| b.attn.bottleneck().is_some());
-        if attention.has_bottleneck() != has || !matches!(self.cfg.attention, Attention::Softmax(_)) {
+        // Checked for the whole model first, so that a refused change leaves it as it was.
+        let has = self.layers.iter().any(|b| b.attn.bottleneck().is_some());
+        if !matches!(self.cfg.attention, Attention::Softmax(_)) || attention.has_bottleneck() != has {
             return Err(Error::Other(format!("set_attention: cannot switch {} to {:?} in place", self.cfg.attention.label(), attention.kind)));
         }
-        let (window, imp) = (attention.window as i64, attention.implementation);
         for b in &mut self.layers {
-            b.attn = match std::mem::replace(&mut b.attn, Layer::Vanilla { imp }) {
-                Layer::Dar { mut bottleneck, .. } => {
-                    bottleneck.act = attention.dar_act;
-                    Layer::Dar { bottleneck, window, imp }
-                }
-                _ if attention.kind == AttentionKind::Window => Layer::Window { window, imp },
-                _ => Layer::Vanilla { imp },
-            };
+            let layer = std::mem::replace(&mut b.attn, Layer::Vanilla { imp: attention.implementation });
+            b.attn = layer.reconfigured(&attention)?;
         }
         self.cfg.attention = Attention::Softmax(attention);
         Ok(())
@@ -556,11 +510,6 @@ impl Llama {
             Family::Llama => self.input_norm(i, x),
             Family::Olmo2 => x.shallow_clone(),
         }
-    }
-
-    /// Layer `i`'s DAR bottleneck `(down [d_down, d], up [d, d_down])`, if any.
-    pub(crate) fn bottleneck(&self, i: usize) -> Option<(&Tensor, &Tensor)> {
-        self.layers[i].attn.bottleneck().map(|b| (&b.down, &b.up))
     }
 
     /// Rotated q, rotated k and v `[B, H_kv, T, hd]` of layer `i` for its attention input `a`.

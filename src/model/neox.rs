@@ -5,7 +5,7 @@
 //! `query_key_value`, then RoPE), through which DAR's distant keys are built.
 use super::rope::Rope;
 use crate::attention::still::LayerDims;
-use crate::attention::{self, Attention, DarConfig, Heads, KvMap, Layer as AttentionLayer, Positions};
+use crate::attention::{Attention, DarConfig, Heads, KvMap, Layer as AttentionLayer, Positions};
 use crate::spec::{Gelu, Spec};
 use tch::nn::{self, Init, Module};
 use tch::Tensor;
@@ -91,8 +91,8 @@ fn layer_norm(p: nn::Path, d: usize, eps: f64) -> nn::LayerNorm {
 
 impl GptNeox {
     /// Build the model under `root` with Pythia's init (pythia.md §4): small_init σ = sqrt(2/(5d)) for
-    /// embeddings, QKV and MLP-in; the DAR bottleneck as `cfg.init` from its own stream, after every
-    /// other weight (so those equal a vanilla model's of the same seed); wang_init σ = 2/(L·sqrt(d)) for the
+    /// embeddings, QKV and MLP-in; the DAR bottleneck as `cfg.attention.init` from its own stream (so every
+    /// other weight equals a vanilla model's of the same seed); wang_init σ = 2/(L·sqrt(d)) for the
     /// two projections that write into the residual stream; biases 0, LayerNorm 1/0.
     pub fn new(root: &nn::Path, cfg: NeoxConfig) -> Self {
         let (d, l) = (cfg.d_model, cfg.layers);
@@ -104,8 +104,7 @@ impl GptNeox {
             .map(|i| {
                 let p = &g / "layers" / i;
                 let a = &p / "attention";
-                // DAR's bottleneck is zeros for now (no draw from the global generator): filled below
-                // from its own stream.
+                // DAR's bottleneck draws from its own stream, not the global generator.
                 let dims = LayerDims { heads: cfg.heads as i64, head_dim: cfg.head_dim() as i64, d_model: d as i64, layer: i as i64 };
                 let attn = AttentionLayer::new(&a, &Attention::Softmax(cfg.attention), dims).expect("softmax attention builds");
                 Layer {
@@ -121,16 +120,6 @@ impl GptNeox {
             .collect();
         let final_layer_norm = layer_norm(&g / "final_layer_norm", d, cfg.ln_eps);
         let embed_out = (root / "embed_out").var("weight", &[cfg.vocab as i64, d as i64], Init::Randn { mean: 0.0, stdev: small });
-        tch::no_grad(|| {
-            for (i, layer) in layers.iter().enumerate() {
-                if let Some(b) = layer.attn.bottleneck() {
-                    let a = &cfg.attention;
-                    let (d0, u0) = attention::dar::init::pretraining_start(a.init, a.init_seed, i, d, a.d_down);
-                    b.down.shallow_clone().copy_(&d0);
-                    b.up.shallow_clone().copy_(&u0);
-                }
-            }
-        });
         let rope = Rope::new(cfg.head_dim(), cfg.rotary_pct, cfg.rotary_base);
         GptNeox { cfg, embed_in, layers, final_layer_norm, embed_out, rope }
     }

@@ -5,9 +5,10 @@
 //! The bottleneck has no bias, so the directions are those of the uncentred second moment
 //! `C = hᵀh / N`: the projection minimising the mean squared reconstruction error, which then equals
 //! the sum of the discarded eigenvalues of C.
-use crate::attention::DarConfig;
+use crate::attention::dar::Bottleneck;
+use crate::attention::{Attention, DarConfig, Layer};
 use crate::model::Llama;
-use crate::spec::{AttentionInit, DarAct};
+use crate::spec::{AttentionInit, AttentionKind, DarAct};
 use rand::{Rng, SeedableRng};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -86,6 +87,44 @@ pub fn add_dar_to_pretrained(model: &mut Llama, root: &nn::Path, attention: DarC
         (BottleneckInit::Pca, Some(ids)) => calibrate_pca(model, ids, doc_ids),
         (BottleneckInit::Pca, None) => Err(Error::Other("add_dar_to_pretrained: pca initialisation needs calibration ids".into())),
     }
+}
+
+/// DAR on a Llama-family model: the surgery that gives a pretrained model bottlenecks, and their
+/// accessor for calibration.
+impl Llama {
+    /// Turn a vanilla model (e.g. a pretrained checkpoint just loaded under `root`) into a DAR / uniform
+    /// one: adds `self_attn.bottleneck_{down,up}.weight` to every layer, small_init N(0, 2/(5d)) from
+    /// the global generator (calibrate them afterwards with `attention::dar::init::calibrate_pca` for
+    /// the PCA start).
+    pub fn add_dar(&mut self, root: &nn::Path, attention: DarConfig) -> Result<()> {
+        let d = self.cfg.hidden_size;
+        if !attention.has_bottleneck() {
+            return Err(Error::Other(format!("add_dar: attention kind {:?} has no bottleneck", attention.kind)));
+        }
+        if !matches!(self.cfg.attention, Attention::Softmax(c) if c.kind == AttentionKind::Vanilla) {
+            return Err(Error::Other(format!("add_dar: the model's attention is already {}", self.cfg.attention.label())));
+        }
+        if attention.d_down == 0 || attention.d_down > d {
+            return Err(Error::Other(format!("add_dar: d_down {} is not in 1..={d}", attention.d_down)));
+        }
+        if attention.kind == AttentionKind::Uniform && attention.window != 0 {
+            return Err(Error::Other(format!("add_dar: uniform is DAR with window 0, got window {}", attention.window)));
+        }
+        let m = root / "model";
+        let small = nn::Init::Randn { mean: 0.0, stdev: (2.0 / (5.0 * d as f64)).sqrt() };
+        for (i, b) in self.layers.iter_mut().enumerate() {
+            let bottleneck = Bottleneck::new(&(&m / "layers" / i / "self_attn"), d as i64, attention.d_down as i64, attention.dar_act, small);
+            b.attn = Layer::Dar { bottleneck, window: attention.window as i64, imp: attention.implementation };
+        }
+        self.cfg.attention = Attention::Softmax(attention);
+        Ok(())
+    }
+
+    /// Layer `i`'s DAR bottleneck `(down [d_down, d], up [d, d_down])`, if any.
+    pub(crate) fn bottleneck(&self, i: usize) -> Option<(&Tensor, &Tensor)> {
+        self.layers[i].attn.bottleneck().map(|b| (&b.down, &b.up))
+    }
+
 }
 
 /// The bottleneck of layer `layer` at the start of pretraining, `(W_down [d_down, d], W_up [d, d_down])`
