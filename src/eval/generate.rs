@@ -81,16 +81,16 @@ pub fn load(path: &Path, step: Option<u64>, device: Option<&str>) -> Result<Load
 /// kinds take none: their attention is part of what was trained).
 pub fn load_with(path: &Path, step: Option<u64>, device: Option<&str>, overrides: &[String]) -> Result<Loaded> {
     let exported = path.join(EXPORT_VARIANT).is_file() || path.join(linearize::EXPORT_DIR).join(EXPORT_VARIANT).is_file();
-    let kind = || crate::run_kind::RunKind::of(path).ok();
-    if !exported && kind() == Some(crate::run_kind::RunKind::Linearize) {
-        return Err(Error::Run { dir: path.into(), msg: format!("is a linearize run without {}/ (not finished yet)", linearize::EXPORT_DIR) });
-    }
-    if !exported && kind() == Some(crate::run_kind::RunKind::Finetune) {
-        return load_finetuned(path, step, device, overrides);
-    }
+    let kind = crate::run_kind::RunKind::of(path).ok();
     if !exported {
+        if kind == Some(crate::run_kind::RunKind::Linearize) {
+            return Err(Error::Run { dir: path.into(), msg: format!("is a linearize run without {}/ (not finished yet)", linearize::EXPORT_DIR) });
+        }
         if let Some(o) = overrides.first() {
             return Err(Error::Run { dir: path.into(), msg: format!("--set {o}: overrides apply to linearized (STILL / LoLCATs) models only") });
+        }
+        if kind == Some(crate::run_kind::RunKind::Finetune) {
+            return load_finetuned(path, step, device);
         }
         let l = crate::train::run::load(path, step, device)?;
         return Ok(Loaded { eos: linearize::eos_id(&l.tok), model: l.model, tok: l.tok, device: l.device, step: l.step, vs: l.vs });
@@ -107,11 +107,8 @@ pub fn load_with(path: &Path, step: Option<u64>, device: Option<&str>, overrides
 
 /// A finished `finetune` run: its `export/` folder (a Hugging Face Llama / OLMo 2 folder, DAR
 /// settings in `attnlab_attention`, with its tokenizer).
-fn load_finetuned(path: &Path, step: Option<u64>, device: Option<&str>, overrides: &[String]) -> Result<Loaded> {
+fn load_finetuned(path: &Path, step: Option<u64>, device: Option<&str>) -> Result<Loaded> {
     let bad = |msg: String| Error::Run { dir: path.into(), msg };
-    if let Some(o) = overrides.first() {
-        return Err(bad(format!("--set {o}: overrides apply to linearized (STILL / LoLCATs) models only")));
-    }
     if let Some(s) = step {
         return Err(bad(format!("--step {s}: a finetune run is loaded from its final export, not from a checkpoint")));
     }

@@ -120,7 +120,9 @@ impl Llama {
             let y = self.layer_attention(i, &b.attn, &a, (q, k, v), &cos, &sin, false);
             mses.push((y.to_kind(Kind::Float) - y_teacher.to_kind(Kind::Float)).square().mean(Kind::Float));
             if i + 1 < n {
-                x = tch::no_grad(|| self.layer_pass(i, &x, &cos, &sin, None, Pass::Teacher));
+                // The teacher's next hidden state from the heads already computed (what
+                // `layer_pass(.., Pass::Teacher)` computes, without a second attention).
+                x = tch::no_grad(|| self.layer_finish(i, &x, &y_teacher, Pass::Teacher));
             }
         }
         let per_layer = Tensor::stack(&mses, 0);
@@ -224,9 +226,10 @@ impl Llama {
         let mut out = Vec::new();
         for (i, b) in self.layers.iter().enumerate() {
             let a = self.kv_input(i, &x);
-            let (q, k, _) = self.layer_qkv(i, &a, &cos, &sin, Pass::Eval);
+            let (q, k, v) = self.layer_qkv(i, &a, &cos, &sin, Pass::Eval);
             out.push(b.attn.still().map(|s| s.probe(&q, &repeat_kv(&k, &q))));
-            x = self.layer_pass(i, &x, &cos, &sin, None, Pass::Eval);
+            let o = self.layer_attention(i, &b.attn, &a, (q, k, v), &cos, &sin, false);
+            x = self.layer_finish(i, &x, &o, Pass::Eval);
         }
         out
     }

@@ -447,8 +447,7 @@ impl Llama {
             let (q, k, v) = self.qkv(b, &a, &cos, &sin, Pass::Eval);
             let kv = LayerKv { model: self, block: b, cos: &cos, sin: &sin };
             let o = b.attn.decode(&mut cache.layers[i], &Heads { q, k, v, input: &a, seg: None, kv: &kv, train: false }, p0);
-            let h = self.attn_residual(i, &x, &self.attention_out(i, &o, Pass::Eval));
-            x = self.mlp_residual(i, &h);
+            x = self.layer_finish(i, &x, &o, Pass::Eval);
         }
         cache.len += n;
         self.logits(&self.final_norm(&x))
@@ -553,7 +552,12 @@ impl Llama {
     /// One whole layer of the function `pass` names.
     pub(crate) fn layer_pass(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor, seg: Option<&Tensor>, pass: Pass) -> Tensor {
         let o = self.attention_heads(i, &self.kv_input(i, x), cos, sin, seg, pass);
-        self.mlp_residual(i, &self.attn_residual(i, x, &self.attention_out(i, &o, pass)))
+        self.layer_finish(i, x, &o, pass)
+    }
+
+    /// The rest of layer `i` after its attention heads `o` `[B, H, T, hd]`: o_proj, the residuals and the MLP.
+    pub(crate) fn layer_finish(&self, i: usize, x: &Tensor, o: &Tensor, pass: Pass) -> Tensor {
+        self.mlp_residual(i, &self.attn_residual(i, x, &self.attention_out(i, o, pass)))
     }
 
     pub(crate) fn final_norm(&self, x: &Tensor) -> Tensor {
