@@ -20,11 +20,12 @@
 pub mod student;
 
 use crate::attention::{is_linearized_param, Variant};
+pub use crate::data::chat::read_alpaca;
 use crate::data::Tok;
 use crate::model::llama::Pass;
 use crate::model::{Llama, LlamaConfig};
 use crate::spec::{SourceSpec, TokenizerSpec};
-use crate::train::lora::LoraConfig;
+use crate::lora::LoraConfig;
 use crate::train::optim::Hyper;
 use crate::train::schedule::Schedule;
 use crate::train::stage_spec::StageDefaults;
@@ -279,18 +280,6 @@ pub fn alpaca_file(path: &Path) -> Result<PathBuf> {
         None => return Err(Error::Data(format!("`{text}`: name the file in the dataset repo, as hf:{repo}:FILE"))),
     };
     crate::hub::dataset_file(repo, None, file)
-}
-
-/// Read Alpaca records from a JSON array or JSON-lines file.
-pub fn read_alpaca(path: &Path) -> Result<Vec<(String, String, String)>> {
-    let text = std::fs::read_to_string(path).at(path)?;
-    let values: Vec<serde_json::Value> = if text.trim_start().starts_with('[') {
-        serde_json::from_str(&text)?
-    } else {
-        text.lines().filter(|l| !l.trim().is_empty()).map(serde_json::from_str).collect::<std::result::Result<_, _>>()?
-    };
-    let field = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string();
-    Ok(values.iter().map(|v| (field(v, "instruction"), field(v, "input"), field(v, "output"))).collect())
 }
 
 /// Tokenised (tokens, labels) examples of the training data.

@@ -89,7 +89,7 @@ pub struct Still {
     /// W_g `[H·D, d_model]`; `None` with `gate: false`.
     pub g_proj: Option<Tensor>,
     /// A LoRA adapter on W_g (`g_proj.lora_A` / `lora_B`, linearize's stage 2).
-    pub g_lora: Option<crate::train::lora::Lora>,
+    pub g_lora: Option<crate::lora::Lora>,
     /// `routing: oracle`: the positions to select (ascending), set per sample by the evaluator.
     oracle: std::sync::Mutex<Option<Vec<i64>>>,
 }

@@ -24,16 +24,6 @@ fn alpaca_prompt_tokens_are_masked_and_packed() {
 }
 
 #[test]
-fn reads_the_shared_alpaca_file() {
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("alpaca.jsonl");
-    std::fs::write(&path, crate::testutil::shared_text("data/alpaca/alpaca_200.jsonl")).unwrap();
-    let recs = read_alpaca(&path).unwrap();
-    assert_eq!(recs.len(), 200);
-    assert!(!recs[0].0.is_empty() && !recs[0].2.is_empty());
-}
-
-#[test]
 fn spec_defaults_and_unknown_keys() {
     let s = LinearizeSpec::from_yaml("{teacher: t, attention: {kind: still}, data: {train: {alpaca: a.jsonl}}, output: o}").unwrap().resolved();
     assert_eq!(s.data.seq_len, 1024);

@@ -12,7 +12,7 @@
 //! LoLCATs): the model computes the rotated heads and hands them over with the tensor that feeds
 //! k_proj / v_proj (`input_layernorm(x)` for Llama, the residual stream x for OLMo 2) and its own k / v
 //! map (`KvMap`: the same k_proj / v_proj, k_norm, RoPE), which DAR's distant keys go through. The
-//! attention projections are LoRA-capable (`train::lora::Linear`), so `attnlab linearize` adapts them
+//! attention projections are LoRA-capable (`lora::Linear`), so `attnlab linearize` adapts them
 //! in place (`crate::linearize::student`). Packed rows: `hidden_docs` takes per-token document ids
 //! (block-diagonal mask, positions restarting at every document).
 use crate::attention::cache::{CacheShape, DecodeCache};
@@ -20,7 +20,7 @@ use crate::attention::still::LayerDims;
 use crate::attention::{self, Attention, Heads, KvMap, Layer, Positions};
 pub use crate::attention::DarConfig;
 use crate::spec::AttentionKind;
-use crate::train::lora::Linear;
+use crate::lora::Linear;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::nn::{self, Init, Module};
