@@ -14,7 +14,7 @@
 //! the tokenizer and the chat template).
 use crate::data::chat::{self, ChatSource, ChatTemplate, PackedRow, IGNORE};
 use crate::data::Tok;
-use crate::model::bottleneck::BottleneckInit;
+use crate::attention::dar::init::BottleneckInit;
 use crate::model::{Llama, LlamaConfig};
 use crate::spec::{AttentionInit, AttentionSpec, Precision, TokenizerSpec};
 use crate::train::optim::Hyper;
@@ -223,7 +223,7 @@ impl Params {
 // ---------------------------------------------------------------------------------------------
 
 fn is_bottleneck_param(name: &str) -> bool {
-    crate::model::is_bottleneck_param(name)
+    crate::attention::is_bottleneck_param(name)
 }
 
 /// The model to fine-tune, under `vs`, from the base weights, with the attention (resolved by
@@ -234,7 +234,7 @@ fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, attention: &At
     crate::model::hf::copy_into(vs, base.variables(), Path::new("base model"))?;
     if attention.has_bottleneck() {
         let (d_down, window) = (attention.d_down_width().unwrap_or(0), attention.window_len().unwrap_or(0));
-        let dar = crate::model::DarConfig { kind: attention.kind, d_down, window, implementation: attention.implementation, ..Default::default() };
+        let dar = crate::attention::DarConfig { kind: attention.kind, d_down, window, implementation: attention.implementation, ..Default::default() };
         let init = match attention.init.unwrap_or_default() {
             AttentionInit::SmallInit => BottleneckInit::SmallInit,
             AttentionInit::Pca => BottleneckInit::Pca,
@@ -242,7 +242,7 @@ fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, attention: &At
         };
         let device = vs.device();
         let calib = (!calibration.is_empty()).then(|| batch(calibration, device));
-        let discarded = crate::model::bottleneck::add_dar_to_pretrained(&mut m, &vs.root(), dar, init, calib.as_ref().map(|c| &c[0]), calib.as_ref().map(|c| &c[2]))?;
+        let discarded = crate::attention::dar::init::add_dar_to_pretrained(&mut m, &vs.root(), dar, init, calib.as_ref().map(|c| &c[0]), calib.as_ref().map(|c| &c[2]))?;
         if !discarded.is_empty() {
             eprintln!("pca: discarded second-moment fraction per layer {discarded:?}");
         }

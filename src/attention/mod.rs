@@ -14,7 +14,7 @@ pub mod vanilla;
 pub mod window;
 
 pub use dar::{dar, dar_sdpa, split_merge_supported};
-pub use layer::{is_added_param, is_bottleneck_param, is_linearized_param, Attention, DarConfig, Heads, KvMap, Layer, Positions, Variant};
+pub use layer::{is_added_param, is_bottleneck_param, is_linearized_param, Attention, DarConfig, Heads, KvMap, Layer, LayerDims, Positions, Variant};
 pub use vanilla::causal;
 
 use crate::spec::AttentionImpl;

@@ -52,6 +52,8 @@ pub use decode::HybridCache;
 pub use probe::Probe;
 pub use routing::random_score;
 use routing::Scorer;
+/// The layer shapes live with the interface (`attention::LayerDims`); this path stays for callers.
+pub use super::layer::LayerDims;
 
 use super::feature_maps::{FeatureMap, ParamInit};
 use crate::error::Result;
@@ -61,18 +63,6 @@ use tch::{nn, Device, Kind, Tensor};
 pub const SCORE_EPS: f64 = 1e-8;
 /// The denominator's epsilon (§3, C8).
 pub const OUT_EPS: f64 = 1e-6;
-
-/// Shapes of the layer an attention variant sits in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LayerDims {
-    /// Query heads H (GQA already expanded).
-    pub heads: i64,
-    pub head_dim: i64,
-    /// Width of the layer input x (for W_g).
-    pub d_model: i64,
-    /// Layer index (keys `routing: random`).
-    pub layer: i64,
-}
 
 // ---------------------------------------------------------------------------------------------
 // The STILL layer

@@ -7,8 +7,8 @@
 //! and on STILL's gate. Exported students hold the merged weights, `config.json` (the attention in
 //! `attnlab_attention`) and `hybrid.yaml` (the operator, what `--set attention.KEY=V` edits).
 use crate::attention::cache::repeat_kv;
-use crate::attention::still::{LayerDims, Probe};
-use crate::attention::{is_bottleneck_param, Attention, Layer, Variant};
+use crate::attention::still::Probe;
+use crate::attention::{is_bottleneck_param, Attention, Layer, LayerDims, Variant};
 use crate::model::hf;
 use crate::model::llama::{Llama, LlamaConfig, Pass};
 use crate::lora::{Lora, LoraConfig};

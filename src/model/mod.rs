@@ -8,10 +8,7 @@ pub mod loss;
 pub mod neox;
 pub mod rope;
 
-/// DAR's bottleneck initialisation (it lives with the variant, `attention::dar::init`).
-pub use crate::attention::dar::init as bottleneck;
-pub use crate::attention::is_bottleneck_param;
-pub use llama::{DarConfig, Family, Llama, LlamaConfig};
+pub use llama::{Family, Llama, LlamaConfig};
 pub use neox::{GptNeox, NeoxConfig};
 
 use tch::Tensor;

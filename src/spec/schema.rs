@@ -239,7 +239,7 @@ pub enum AttentionInit {
     /// projection onto a random d_down-dimensional subspace (norm-preserving on its span).
     Orthogonal,
     /// Fine-tuning only (`attnlab finetune`): W_down = Uᵀ, W_up = U with U the top-d_down principal
-    /// directions of each layer's K/V input over calibration rows (model::bottleneck). A pretraining
+    /// directions of each layer's K/V input over calibration rows (attention::dar::init). A pretraining
     /// spec refuses it: a model being trained from scratch has no activations to read.
     Pca,
 }
