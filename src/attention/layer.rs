@@ -209,14 +209,21 @@ impl Layer {
     /// drop the one it has, or for a linearized layer.
     pub fn reconfigured(self, a: &DarConfig) -> Result<Layer> {
         let (window, imp) = (a.window as i64, a.implementation);
-        Ok(match (self, a.kind) {
-            (Layer::Dar { mut bottleneck, .. }, AttentionKind::Dar | AttentionKind::Uniform) => {
-                bottleneck.act = a.dar_act;
-                Layer::Dar { bottleneck, window, imp }
-            }
-            (Layer::Vanilla { .. } | Layer::Window { .. }, AttentionKind::Vanilla) => Layer::Vanilla { imp },
-            (Layer::Vanilla { .. } | Layer::Window { .. }, AttentionKind::Window) => Layer::Window { window, imp },
-            (_, kind) => return Err(Error::Other(format!("cannot switch this layer to {kind:?} in place (a bottleneck would be needed or dropped)"))),
+        let refused = || Err(Error::Other(format!("cannot switch this layer to {:?} in place (a bottleneck would be needed or dropped)", a.kind)));
+        Ok(match self {
+            Layer::Dar { mut bottleneck, .. } => match a.kind {
+                AttentionKind::Dar | AttentionKind::Uniform => {
+                    bottleneck.act = a.dar_act;
+                    Layer::Dar { bottleneck, window, imp }
+                }
+                AttentionKind::Vanilla | AttentionKind::Window => return refused(),
+            },
+            Layer::Vanilla { .. } | Layer::Window { .. } => match a.kind {
+                AttentionKind::Vanilla => Layer::Vanilla { imp },
+                AttentionKind::Window => Layer::Window { window, imp },
+                AttentionKind::Dar | AttentionKind::Uniform => return refused(),
+            },
+            Layer::Still(_) | Layer::Lolcats(_) => return refused(),
         })
     }
 

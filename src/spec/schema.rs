@@ -158,9 +158,25 @@ pub struct ModelSpec {
     pub tie_embeddings: Option<bool>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum AttentionKind {
+/// The softmax attention kinds, listed once: the enum and `AttentionKind::ALL` (the order of tables,
+/// plots and `bench`) both come from this list, so a new kind cannot be left out of ALL; every match
+/// on the kind (src/spec/attention.rs, resolve, bench, the layers) then names itself to the compiler.
+macro_rules! attention_kinds {
+    ($($(#[$meta:meta])* $kind:ident,)*) => {
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+        #[serde(rename_all = "lowercase")]
+        pub enum AttentionKind {
+            $($(#[$meta])* $kind,)*
+        }
+
+        impl AttentionKind {
+            /// Every kind, in the order tables, plots and `bench` list them.
+            pub const ALL: [AttentionKind; 0 $(+ { let _ = AttentionKind::$kind; 1 })*] = [$(AttentionKind::$kind,)*];
+        }
+    };
+}
+
+attention_kinds! {
     #[default]
     Vanilla,
     Dar,
