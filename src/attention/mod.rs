@@ -5,6 +5,8 @@
 //! file holds what the variants share: masks, packed-document segments and the explicit masked
 //! softmax every fast path is tested against. Decode caches: `cache.rs`.
 pub mod cache;
+#[cfg(test)]
+mod conformance;
 pub mod dar;
 pub mod feature_maps;
 pub mod layer;

@@ -171,7 +171,7 @@ macro_rules! attention_kinds {
 
         impl AttentionKind {
             /// Every kind, in the order tables, plots and `bench` list them.
-            pub const ALL: [AttentionKind; 0 $(+ { let _ = AttentionKind::$kind; 1 })*] = [$(AttentionKind::$kind,)*];
+            pub const ALL: [AttentionKind; 0 $(+ { let _ = stringify!($kind); 1 })*] = [$(AttentionKind::$kind,)*];
         }
     };
 }
