@@ -30,13 +30,14 @@ use tch::{nn::VarStore, Device, Kind, Tensor};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FinetuneSpec {
-    /// A local HF Llama folder, `hf:owner/name`, or an attnlab run directory of a llama flavor.
+    /// A local HF Llama folder, `hf:owner/name`, a llama `.gguf` file or `gguf:NAME`, or an attnlab run
+    /// directory of a llama flavor.
     pub base: String,
-    /// Default: the base folder's tokenizer.json, or the run directory's tokenizer.
+    /// Default: the base folder's tokenizer.json (a GGUF's own), or the run directory's tokenizer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<TokenizerSpec>,
     /// `builtin` (Tülu format), a tokenizer_config.json, or a Jinja file. Default: the base folder's
-    /// tokenizer_config.json `chat_template`, else `builtin`.
+    /// tokenizer_config.json `chat_template` (a GGUF's `tokenizer.chat_template`), else `builtin`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
     /// The attention of the fine-tuned model, as the train spec writes it: `{kind: vanilla}` (the
@@ -308,6 +309,10 @@ pub fn chat_template(spec: &FinetuneSpec, tok: &Tok) -> Result<ChatTemplate> {
         }
         Some(p) => ChatTemplate::new(&std::fs::read_to_string(p).at(p)?, "", &eos),
         None => {
+            if crate::model::gguf::is_gguf(&spec.base) {
+                let g = crate::model::gguf::Gguf::open(&crate::model::gguf::resolve(&spec.base)?)?;
+                return Ok(crate::model::gguf::tokenizer::chat_template(&g)?.unwrap_or_else(|| ChatTemplate::builtin(&eos)));
+            }
             let config = if Path::new(&spec.base).join("config.yaml").is_file() {
                 None
             } else if let Some(repo) = spec.base.strip_prefix("hf:") {

@@ -43,8 +43,8 @@ pub struct LinearizeSpec {
     /// Human-readable run name (sweeps set it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
-    /// A local HF Llama / OLMo 2 folder (DAR ones included), `hf:owner/name`, or an attnlab run
-    /// directory of a llama flavor or a finetune run.
+    /// A local HF Llama / OLMo 2 folder (DAR ones included), `hf:owner/name`, a llama `.gguf` file or
+    /// `gguf:NAME`, or an attnlab run directory of a llama flavor or a finetune run.
     pub teacher: String,
     /// Default: the teacher folder's tokenizer.json, or the run directory's tokenizer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -92,12 +92,14 @@ pub struct LinData {
 
 /// Training data: Alpaca-format instructions (`{alpaca: PATH}`, JSON array or JSON lines with
 /// instruction / input / output; `hf:owner/name[:file]` fetches a hub dataset file, default
-/// `hf:yahma/alpaca-cleaned` = its `alpaca_data_cleaned.json`) or any plain-text source of `crate::data`.
+/// `hf:yahma/alpaca-cleaned` = its `alpaca_data_cleaned.json`), any plain-text source of `crate::data`,
+/// or a list of these (their examples together, e.g. prose plus Alpaca).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum TrainData {
     Alpaca { alpaca: PathBuf },
     Text(SourceSpec),
+    Mix(Vec<TrainData>),
 }
 
 /// A linearize stage (`stage1:` / `stage2:`): the trainer's stage keys (`train::stage_spec`) with
@@ -293,6 +295,16 @@ pub fn examples(data: &TrainData, tok: &Tok, max: Option<usize>) -> Result<Vec<(
             .map(|(ins, inp, out)| Ok(alpaca_example(&tok.encode(&alpaca_prompt(ins, inp))?, &tok.encode(out)?, bos_id(tok), eos)))
             .collect(),
         TrainData::Text(src) => text_examples(src, tok, max),
+        // `max` bounds each part (a smoke run keeps some of every kind); the parts' examples alternate,
+        // so that every packed row range holds all of them.
+        TrainData::Mix(parts) => {
+            let mut each: Vec<std::vec::IntoIter<_>> = parts.iter().map(|p| examples(p, tok, Some(max)).map(Vec::into_iter)).collect::<Result<_>>()?;
+            let mut out = Vec::new();
+            while each.iter().any(|e| e.len() > 0) {
+                out.extend(each.iter_mut().filter_map(Iterator::next));
+            }
+            Ok(out)
+        }
     }
 }
 
@@ -335,8 +347,7 @@ pub fn load_teacher(teacher: &str, tokenizer: Option<&TokenizerSpec>, device: De
         };
         (loaded.vs, m.cfg.clone())
     } else {
-        let dir = crate::model::hf::resolve(teacher)?;
-        let (vs, m) = crate::model::hf::load_llama(&dir, device)?;
+        let (vs, m) = crate::model::hf::load_pretrained(teacher, device)?;
         (vs, m.cfg.clone())
     };
     Ok((vs, cfg, teacher_tokenizer(teacher, tokenizer)?))
@@ -357,6 +368,9 @@ pub fn teacher_tokenizer(teacher: &str, tokenizer: Option<&TokenizerSpec>) -> Re
     if cfg.is_file() {
         let spec = crate::spec::from_str(&std::fs::read_to_string(&cfg).at(&cfg)?, &cfg.display().to_string(), &[])?;
         return Tok::load(spec.data.tokenizer.as_ref().expect("resolved"));
+    }
+    if crate::model::gguf::is_gguf(teacher) {
+        return crate::model::gguf::load_tok(teacher);
     }
     let tj = crate::model::hf::resolve(teacher)?.join("tokenizer.json");
     if !tj.is_file() {

@@ -202,6 +202,7 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, task: &str,
     let bg = Background::new(essay);
     let greedy = Greedy::new(model, tok, b.device);
     let count = |s: &str| tok.encode(s).map(|v| v.len()).unwrap_or(usize::MAX);
+    let overhead = ruler::chat_overhead(b.chat, tok)?;
     let mut cells = Vec::new();
     for &len in &b.grid.lengths {
         let recs = usable(records, len, b.grid.samples);
@@ -211,15 +212,15 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, task: &str,
         let bar = crate::progress::bar(recs.len() as u64, &format!("babilong:{task} @ {len}"), b.quiet);
         let (mut right, mut prompt_tokens) = (0usize, 0usize);
         for (i, rec) in recs.iter().enumerate() {
-            let s = bg.sample(task, rec, len, &count, &mut ruler::rng(42, len, i))?;
-            let (answer, n) = greedy.answer(&s.prompt, b.max_new)?;
+            let s = bg.sample(task, rec, len.saturating_sub(overhead), &count, &mut ruler::rng(42, len, i))?;
+            let (answer, n) = greedy.answer(&ruler::wrap(b.chat, &s.prompt, "")?, b.max_new)?;
             prompt_tokens += n;
             right += correct(&answer, &rec.answer, &rec.question) as usize;
             bar.inc(1);
         }
         bar.finish_and_clear();
         let k = recs.len();
-        cells.push(Cell { task: task.to_string(), length: len, samples: k, score: 100.0 * right as f64 / k as f64, mean_prompt_tokens: prompt_tokens as f64 / k as f64, ..Default::default() });
+        cells.push(Cell { task: task.to_string(), length: len, samples: k, score: 100.0 * right as f64 / k as f64, mean_prompt_tokens: prompt_tokens as f64 / k as f64, chat: b.chat.is_some(), ..Default::default() });
     }
     Ok(cells)
 }

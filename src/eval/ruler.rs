@@ -6,6 +6,7 @@ pub mod diagnose;
 // The sample generator lives with the data (a training source uses it too, `data::needles`); these
 // paths stay for the evaluators.
 pub use crate::data::niah::{largest_fitting, read_essay, rng, split_sentences, task, Generator, Haystack, Kind, NiahTask, Sample, TASKS};
+use crate::data::chat::ChatTemplate;
 
 /// Tokens the model may generate (RULER's NIAH setting).
 pub const TOKENS_TO_GENERATE: usize = 128;
@@ -40,6 +41,10 @@ pub struct Cell {
     /// by spaces; absent = the model as trained.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overrides: Option<String>,
+    /// Whether the prompts were wrapped in the model's chat template (a user turn, the answer after
+    /// the assistant's generation prompt); false for models without one and with `--no-chat`.
+    #[serde(default)]
+    pub chat: bool,
     /// Hybrid (STILL) models: what the answer position's attention read, averaged over samples.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub diagnostics: Option<diagnose::CellDiagnostics>,
@@ -49,7 +54,7 @@ impl Cell {
     /// The lines `eval --task` prints for the cell: its score, then any STILL diagnostics per layer.
     pub fn summary(&self) -> String {
         let c = self;
-        let mut out = format!("{:16} length {:6}: {:6.2}% over {} samples (mean prompt {:.0} tokens){}\n", c.task, c.length, c.score, c.samples, c.mean_prompt_tokens, c.overrides.as_deref().map(|o| format!("  [{o}]")).unwrap_or_default());
+        let mut out = format!("{:16} length {:6}: {:6.2}% over {} samples (mean prompt {:.0} tokens){}\n", c.task, c.length, c.score, c.samples, c.mean_prompt_tokens, c.overrides.as_deref().map(|o| format!("  [{o}]")).unwrap_or_default()) + if c.chat { "  (chat template)" } else { "" };
         if let Some(d) = &c.diagnostics {
             out += &format!("  value tokens outside the window: {:.0}%\n", 100.0 * d.value_outside_window);
             let pct = |x: Option<f64>| x.map_or("  –".to_string(), |v| format!("{:3.0}%", 100.0 * v));
@@ -70,10 +75,12 @@ pub struct Grid {
     pub samples: usize,
 }
 
-/// How much of a long-context task to run, and where.
-#[derive(Debug, Clone)]
-pub struct Budget {
+/// How much of a long-context task to run, where, and how prompts are given.
+#[derive(Clone)]
+pub struct Budget<'a> {
     pub grid: Grid,
+    /// The model's chat template, when prompts are to be wrapped in it ([`wrap`]).
+    pub chat: Option<&'a ChatTemplate>,
     /// Tokens generated per sample.
     pub max_new: usize,
     pub device: tch::Device,
@@ -83,6 +90,7 @@ pub struct Budget {
 /// Generate `b.grid.samples` prompts per length, decode greedily (`b.max_new` tokens, RULER: 128), score.
 /// The prompt is `input + answer_prefix` with the tokenizer's BOS (if any) prepended, as HF does.
 pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, name: &str, essay: Option<&str>, b: &Budget) -> crate::Result<Vec<(Cell, Vec<Record>)>> {
+    let overhead = chat_overhead(b.chat, tok)?;
     let (samples, max_new, device) = (b.grid.samples, b.max_new, b.device);
     let t = task(name).ok_or_else(|| crate::Error::Other(format!("unknown RULER task `{name}` (known: {})", TASKS.join(", "))))?;
     if t.haystack == Haystack::Essay && essay.is_none() {
@@ -97,8 +105,8 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, name: &str,
         let (mut total, mut prompt_tokens) = (0.0, 0usize);
         let mut records = Vec::new();
         for i in 0..samples {
-            let s = g.sized(&t, len, TOKENS_TO_GENERATE, &count, &mut rng(42, len, i));
-            let prompt = format!("{}{}", s.input, s.answer_prefix);
+            let s = g.sized(&t, len.saturating_sub(overhead), TOKENS_TO_GENERATE, &count, &mut rng(42, len, i));
+            let prompt = wrap(b.chat, &s.input, &s.answer_prefix)?;
             let (ids, offsets) = greedy.encode(&prompt)?;
             let needles = diagnose::needle_positions(&prompt, &s.queried, &offsets);
             // `routing: oracle` selects the needle spans (a diagnostic); other routings ignore them.
@@ -115,9 +123,26 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, name: &str,
         bar.finish_and_clear();
         let n = samples.max(1) as f64;
         let diagnostics = diagnose::summarize(records.iter().map(|r| &r.result));
-        cells.push((Cell { task: name.to_string(), length: len, samples, score: total / n, mean_prompt_tokens: prompt_tokens as f64 / n, overrides: None, diagnostics }, records));
+        cells.push((Cell { task: name.to_string(), length: len, samples, score: total / n, mean_prompt_tokens: prompt_tokens as f64 / n, overrides: None, chat: b.chat.is_some(), diagnostics }, records));
     }
     Ok(cells)
+}
+
+/// The prompt a model is asked: with a chat template, `input` as the user's turn and `answer_prefix`
+/// after the assistant's generation prompt (RULER's chat format); without, `input + answer_prefix`.
+pub fn wrap(chat: Option<&ChatTemplate>, input: &str, answer_prefix: &str) -> crate::Result<String> {
+    let Some(t) = chat else { return Ok(format!("{input}{answer_prefix}")) };
+    let turn = [crate::data::chat::Message { role: "user".into(), content: input.into() }];
+    Ok(format!("{}{answer_prefix}", t.render(&turn, true)?))
+}
+
+/// Tokens a chat template adds around a user turn (system prompt, role markers): taken off the
+/// length a sample is sized to, so that wrapped prompts still fit the target length.
+pub fn chat_overhead(chat: Option<&ChatTemplate>, tok: &crate::data::Tok) -> crate::Result<usize> {
+    match chat {
+        None => Ok(0),
+        Some(_) => Ok(tok.encode(&wrap(chat, "", "")?)?.len()),
+    }
 }
 
 /// One scored sample: the generated sample and what `ruler_samples/*.jsonl` records of it.
@@ -132,7 +157,7 @@ pub struct Record {
 pub fn write_cells(run: &std::path::Path, file: &str, cells: &[Cell]) -> crate::Result<std::path::PathBuf> {
     let path = run.join(file);
     let mut all: Vec<Cell> = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
-    all.retain(|c| !cells.iter().any(|n| n.task == c.task && n.length == c.length && n.overrides == c.overrides));
+    all.retain(|c| !cells.iter().any(|n| n.task == c.task && n.length == c.length && n.overrides == c.overrides && n.chat == c.chat));
     all.extend(cells.iter().cloned());
     std::fs::write(&path, serde_json::to_string_pretty(&all)?).map_err(|e| crate::Error::io(&path, e))?;
     Ok(path)
@@ -197,7 +222,7 @@ mod tests {
     #[test]
     fn cell_summary_shows_overrides_and_layer_diagnostics() {
         let layer = diagnose::LayerSummary { layer: 3, recall_any_head: Some(0.5), recall_best_head: None, shares_mean: [0.25, 0.5, 0.25] };
-        let c = Cell { task: "niah_single_1".into(), length: 512, samples: 2, score: 50.0, mean_prompt_tokens: 480.4, overrides: Some("attention.routing=oracle".into()), diagnostics: Some(diagnose::CellDiagnostics { value_outside_window: 0.75, layers: vec![layer] }) };
+        let c = Cell { task: "niah_single_1".into(), length: 512, samples: 2, score: 50.0, mean_prompt_tokens: 480.4, overrides: Some("attention.routing=oracle".into()), chat: false, diagnostics: Some(diagnose::CellDiagnostics { value_outside_window: 0.75, layers: vec![layer] }) };
         let lines: Vec<String> = c.summary().lines().map(String::from).collect();
         assert_eq!(lines[0], "niah_single_1    length    512:  50.00% over 2 samples (mean prompt 480 tokens)  [attention.routing=oracle]");
         assert_eq!(lines[1], "  value tokens outside the window: 75%");
@@ -214,5 +239,16 @@ mod tests {
         assert_eq!(match_part("nothing", &refs), 0.0);
         assert_eq!(match_all("ABC-def", &["abc-DEF".to_string()]), 100.0);
         assert_eq!(postprocess("  a\tb\u{1}c  "), "a\nb\nc");
+    }
+
+    /// With a chat template the input is the user's turn and the answer prefix follows the
+    /// assistant's generation prompt; without one, input + answer prefix.
+    #[test]
+    fn prompts_wrap_in_the_chat_template() {
+        let t = ChatTemplate::new("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}", "", "</s>").unwrap();
+        assert_eq!(wrap(Some(&t), "Find the key.", " The key is").unwrap(), "<user>Find the key.</s><assistant> The key is");
+        assert_eq!(wrap(None, "Find the key.", " The key is").unwrap(), "Find the key. The key is");
+        let old: Cell = serde_json::from_str(r#"{"task": "niah_single_1", "length": 512, "samples": 2, "score": 50.0, "mean_prompt_tokens": 480.0}"#).unwrap();
+        assert!(!old.chat, "result files written before the flag were plain prompts");
     }
 }

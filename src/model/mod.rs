@@ -2,6 +2,7 @@
 //! / Pythia) and `llama` (Llama and OLMo 2). They know architecture only: each layer's attention is a
 //! `crate::attention::Layer` (vanilla, DAR, uniform, window; STILL and LoLCATs in a Llama made by
 //! `attnlab linearize`). `Model` is what the trainer, evaluation and benches hold.
+pub mod gguf;
 pub mod hf;
 pub mod llama;
 pub mod loss;
