@@ -240,4 +240,30 @@ mod tests {
         let e = eval(Path::new("/nonexistent-run"), None, None, &a).err().unwrap().to_string();
         assert!(e.contains("evaluates generation"), "{e}");
     }
+
+    /// A GGUF evaluates without a run directory: perplexity and RULER results go to --out, RULER
+    /// cells record whether the prompts went through the model's chat template.
+    #[test]
+    fn a_gguf_model_evaluates_into_its_out_folder() {
+        let gguf = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf_tiny/tiny.gguf");
+        let tmp = tempfile::tempdir().unwrap();
+        let text = tmp.path().join("t.txt");
+        std::fs::write(&text, "the thin hen\n\nthen the tin hen said 42\n").unwrap();
+        let out = tmp.path().join("out");
+        let a = EvalArgs { out: Some(out.clone()), corpora: vec![format!("t={}", text.display())], ..Default::default() };
+        let Evaluated::Perplexity { results, .. } = eval(&gguf, None, Some("cpu"), &a).unwrap() else { panic!("perplexity") };
+        assert!(results["t"].ppl.is_finite() && results["t"].ppl > 1.0, "{:?}", results["t"]);
+        assert!(out.join("eval.json").is_file());
+        let e = eval(&gguf, None, Some("cpu"), &EvalArgs { out: Some(out.clone()), ..Default::default() }).err().unwrap().to_string();
+        assert!(e.contains("give --corpus"), "{e}");
+        for no_chat in [false, true] {
+            let long_context = LongContextArgs { grid: ruler::Grid { lengths: vec![256], samples: 1 }, max_new_tokens: Some(2), no_chat, ..Default::default() };
+            let a = EvalArgs { out: Some(out.clone()), task: Some("ruler:niah_single_1".into()), long_context, ..Default::default() };
+            eval(&gguf, None, Some("cpu"), &a).unwrap();
+        }
+        let cells: Vec<ruler::Cell> = serde_json::from_str(&std::fs::read_to_string(out.join("ruler.json")).unwrap()).unwrap();
+        assert_eq!(cells.iter().map(|c| c.chat).collect::<Vec<_>>(), [true, false]);
+        let e = eval(Path::new("/some/run"), None, None, &EvalArgs { out: Some(out), ..Default::default() }).err().unwrap().to_string();
+        assert!(e.contains("--out is for pretrained models"), "{e}");
+    }
 }
