@@ -5,7 +5,9 @@ use crate::attention;
 use crate::spec::{AttentionImpl, AttentionKind, Spec};
 use crate::train::{self, optim};
 use crate::Result;
+use crate::kernels;
 use serde::Serialize;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tch::{nn::VarStore, Device, Kind, Tensor};
 
@@ -37,6 +39,11 @@ fn sync(device: Device) {
 
 /// Time `steps` training steps of batch `batch_size` (one micro-batch, as the peers) after `warmup`.
 pub fn train_bench(spec: &Spec, vocab: usize, warmup: usize, steps: usize) -> Result<TrainBench> {
+    train_bench_traced(spec, vocab, warmup, steps, None)
+}
+
+/// `train_bench`, with the timed steps profiled into the Chrome trace `trace` when given.
+pub fn train_bench_traced(spec: &Spec, vocab: usize, warmup: usize, steps: usize, trace: Option<&Path>) -> Result<TrainBench> {
     let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
     let autocast = train::use_autocast(spec, device)?;
     tch::manual_seed(spec.seed() as i64);
@@ -59,13 +66,15 @@ pub fn train_bench(spec: &Spec, vocab: usize, warmup: usize, steps: usize) -> Re
     }
     sync(device);
     crate::kernels::reset_cuda_peak_memory(device);
+    let profiling = Profiling::start(trace, device)?;
     let start = Instant::now();
     let mut last = Tensor::zeros([], (Kind::Float, device));
     for _ in 0..steps {
-        last = train::step_once(&model, &mut opt, std::iter::once(batch()), autocast, 1.0, 1e-4, device)?.0;
+        last = kernels::scope("bench.step", || train::step_once(&model, &mut opt, std::iter::once(batch()), autocast, 1.0, 1e-4, device))?.0;
     }
     sync(device);
     let secs = start.elapsed().as_secs_f64();
+    profiling.stop()?;
     let loss = last.double_value(&[]);
     if !loss.is_finite() {
         return Err(crate::Error::Diverged { step: steps as u64, msg: format!("bench loss {loss}") });
@@ -101,6 +110,11 @@ pub struct OpBench {
 
 /// Time the attention op alone, forward + backward, on `[b, h, t, hd]` inputs.
 pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4], window: i64, device: Device, reps: usize) -> Result<OpBench> {
+    attention_bench_traced(kind, imp, shape, window, device, reps, None)
+}
+
+/// `attention_bench`, with the timed repetitions profiled into the Chrome trace `trace` when given.
+pub fn attention_bench_traced(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4], window: i64, device: Device, reps: usize, trace: Option<&Path>) -> Result<OpBench> {
     let kind_t = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
     let mk = || Tensor::randn(shape, (kind_t, device)).set_requires_grad(true);
     let (q, kl, vl, kg, vg) = (mk(), mk(), mk(), mk(), mk());
@@ -124,11 +138,14 @@ pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4],
         run();
     }
     sync(device);
+    let profiling = Profiling::start(trace, device)?;
     let start = Instant::now();
     for _ in 0..reps {
-        run();
+        kernels::scope("bench.op", &run);
     }
     sync(device);
+    let elapsed = start.elapsed();
+    profiling.stop()?;
     Ok(OpBench {
         attention: kind.name().into(),
         implementation: format!("{imp:?}").to_lowercase(),
@@ -136,8 +153,71 @@ pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4],
         seq_len: shape[2],
         head_dim: shape[3],
         window,
-        fwd_bwd_ms: 1e3 * start.elapsed().as_secs_f64() / reps as f64,
+        fwd_bwd_ms: 1e3 * elapsed.as_secs_f64() / reps as f64,
     })
+}
+
+/// libtorch's profiler around a timed region when a trace path is given (nothing otherwise).
+struct Profiling<'a>(Option<&'a Path>);
+
+impl<'a> Profiling<'a> {
+    fn start(trace: Option<&'a Path>, device: Device) -> Result<Self> {
+        if trace.is_some() {
+            kernels::profiler_start(device.is_cuda())?;
+        }
+        Ok(Profiling(trace))
+    }
+
+    /// Write the trace (the caller has synchronised the device).
+    fn stop(self) -> Result<()> {
+        if let Some(path) = self.0 {
+            kernels::profiler_stop(path)?;
+        }
+        Ok(())
+    }
+}
+
+/// One profiled measurement: its trace (relative to the profile directory), the repetitions in it,
+/// and the measurement itself (timed under the profiler, so slower than without).
+#[derive(Debug, Serialize)]
+pub struct ProfiledRun<'a, R: Serialize> {
+    pub trace: String,
+    pub reps: usize,
+    pub what: &'static str,
+    pub result: &'a R,
+}
+
+/// `attnlab bench --profile DIR`: the same measurements as without it (the training step of the
+/// spec; with `attention_only`, the op of vanilla and of the spec's kind at its implementation
+/// `auto`), each under libtorch's profiler, one Chrome trace per measurement in `dir` and one line
+/// per trace in `dir/runs.jsonl`, which scripts/profile_table.py reads. Returns the runs' lines.
+pub fn profile(spec: &Spec, dir: &Path, attention_only: bool, vocab: usize, warmup: usize, steps: usize) -> Result<Vec<String>> {
+    std::fs::create_dir_all(dir).map_err(|e| crate::Error::io(dir, e))?;
+    let mut lines = Vec::new();
+    if attention_only {
+        let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
+        let s = spec.shape();
+        let shape = [spec.batch_size() as i64, s.heads as i64, spec.seq_len() as i64, (s.d_model / s.heads) as i64];
+        let window = spec.attention.window.unwrap_or(128);
+        let mut kinds = vec![AttentionKind::Vanilla];
+        if !spec.attention.kind.is_vanilla() {
+            kinds.push(spec.attention.kind);
+        }
+        for kind in kinds {
+            let trace = format!("op-{}.json", kind.name());
+            let r = attention_bench_traced(kind, AttentionImpl::Auto, shape, window, device, steps, Some(&dir.join(&trace)))?;
+            lines.push(json_line(&ProfiledRun { trace, reps: steps, what: "op", result: &r }));
+        }
+    } else {
+        let trace = format!("step-{}.json", spec.attention.kind.name());
+        let r = train_bench_traced(spec, vocab, warmup, steps, Some(&dir.join(&trace)))?;
+        lines.push(json_line(&ProfiledRun { trace, reps: steps, what: "step", result: &r }));
+    }
+    let runs = dir.join("runs.jsonl");
+    let mut text = std::fs::read_to_string(&runs).unwrap_or_default();
+    lines.iter().for_each(|l| text.push_str(&format!("{l}\n")));
+    std::fs::write(&runs, text).map_err(|e| crate::Error::io(&runs, e))?;
+    Ok(lines)
 }
 
 #[derive(Debug, Serialize)]
@@ -214,7 +294,11 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     let s = spec.shape();
     let (t, hd) = (spec.seq_len() as i64, (s.d_model / s.heads) as i64);
     let shapes = [[spec.batch_size() as i64, s.heads as i64, t, hd], [1, 3, t / 2 + 3, hd]];
-    let imps: &[AttentionImpl] = if device.is_cuda() { &[AttentionImpl::Sdpa, AttentionImpl::SplitMerge, AttentionImpl::SplitMergeCudnn] } else { &[AttentionImpl::Sdpa] };
+    let imps: &[AttentionImpl] = if device.is_cuda() {
+        &[AttentionImpl::Sdpa, AttentionImpl::SplitMerge, AttentionImpl::SplitMergeCudnn, AttentionImpl::SplitMergeFused]
+    } else {
+        &[AttentionImpl::Sdpa]
+    };
     let tol = if device.is_cuda() { 3e-2 } else { 1e-9 };
     let mut failed = 0;
     for shape in shapes {
@@ -237,7 +321,11 @@ pub fn bench_all(spec: &Spec, reps: usize, mut each: impl FnMut(&OpBench, f64)) 
     let hd = (s.d_model / s.heads) as i64;
     let shape = [spec.batch_size() as i64, s.heads as i64, spec.seq_len() as i64, hd];
     let window = spec.attention.window.unwrap_or(128);
-    let imps: Vec<AttentionImpl> = if device.is_cuda() { vec![AttentionImpl::Auto, AttentionImpl::SplitMerge, AttentionImpl::Sdpa] } else { vec![AttentionImpl::Auto, AttentionImpl::Reference] };
+    let imps: Vec<AttentionImpl> = if device.is_cuda() {
+        vec![AttentionImpl::Auto, AttentionImpl::SplitMergeFused, AttentionImpl::SplitMerge, AttentionImpl::Sdpa]
+    } else {
+        vec![AttentionImpl::Auto, AttentionImpl::Reference]
+    };
     let mut base_ms = None;
     // The table keeps vanilla and the bottleneck kinds (the DAR paper's); `attention_bench` times the others.
     for kind in AttentionKind::ALL.into_iter().filter(|k| k.is_vanilla() || k.has_bottleneck()) {
@@ -254,8 +342,11 @@ pub fn bench_all(spec: &Spec, reps: usize, mut each: impl FnMut(&OpBench, f64)) 
 }
 
 /// What `attnlab bench` measures.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub enum BenchMode {
+    /// `profile`: the training step (or with `attention_only` the op) under libtorch's profiler,
+    /// traces in `dir`.
+    Profile { dir: PathBuf, attention_only: bool, vocab: usize, warmup: usize, steps: usize },
     /// Training steps (`train_bench`) with `vocab` rows when the spec does not fix them.
     Steps { vocab: usize, warmup: usize, steps: usize },
     /// The attention op alone, `reps` timed repetitions per kind and implementation (`bench_all`).
@@ -307,6 +398,11 @@ pub fn bench_command(spec: &Spec, mode: BenchMode, json: bool, mut line: impl Fn
             let failed = check_all(spec, |r| line(pick(json, r, || r.line())))?;
             if failed > 0 {
                 return Err(crate::Error::Other(format!("{failed} attention checks failed")));
+            }
+        }
+        BenchMode::Profile { dir, attention_only, vocab, warmup, steps } => {
+            for l in profile(spec, &dir, attention_only, vocab, warmup, steps)? {
+                line(l);
             }
         }
         BenchMode::AttentionOnly { reps } => bench_all(spec, reps, |r, base| line(pick(json, r, || r.line(base))))?,
@@ -447,5 +543,61 @@ mod check_tests {
                 assert!(r.rel_err.iter().cloned().fold(0.0, f64::max) > 1e-3, "{}", r.line());
             }
         }
+    }
+
+    /// `bench --profile` on CPU: one trace per measurement with the bench's and the model's named
+    /// scopes in it (a CUDA run adds the kernels), listed in runs.jsonl.
+    #[test]
+    fn profile_mode_writes_traces_with_the_named_scopes() {
+        let sets = ["train.device=cpu", "data.seq_len=16", "train.batch_size=2", "attention={kind: dar, d_down: 8, window: 4}"];
+        let spec = crate::spec::SpecSource { sets: sets.iter().map(|s| s.to_string()).collect(), ..Default::default() }.load().unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let mut lines = Vec::new();
+        bench_command(&spec, BenchMode::Profile { dir: tmp.path().into(), attention_only: true, vocab: 64, warmup: 1, steps: 2 }, true, |l| lines.push(l)).unwrap();
+        bench_command(&spec, BenchMode::Profile { dir: tmp.path().into(), attention_only: false, vocab: 64, warmup: 1, steps: 2 }, true, |l| lines.push(l)).unwrap();
+        let runs = std::fs::read_to_string(tmp.path().join("runs.jsonl")).unwrap();
+        assert_eq!(runs.lines().collect::<Vec<_>>(), lines);
+        let names = |trace: &str| -> Vec<String> {
+            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join(trace)).unwrap()).unwrap();
+            v["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str().map(String::from)).collect()
+        };
+        let count = |names: &[String], n: &str| names.iter().filter(|x| *x == n).count();
+        let traces: Vec<String> = lines.iter().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["trace"].as_str().unwrap().to_string()).collect();
+        assert_eq!(traces, ["op-vanilla.json", "op-dar.json", "step-dar.json"]);
+        let op = names("op-dar.json");
+        assert_eq!(count(&op, "bench.op"), 2, "{op:?}");
+        assert!(op.iter().any(|n| n.starts_with("aten::")), "{op:?}");
+        let step = names("step-dar.json");
+        assert_eq!(count(&step, "bench.step"), 2);
+        // The tiny model's layers, once per step each (spec default layers).
+        let layers = spec.shape().layers;
+        assert_eq!(count(&step, "dar.distant_kv"), 2 * layers, "{step:?}");
+        assert_eq!(count(&step, "attn.op"), 2 * layers);
+    }
+
+    /// Split-merge on heads `[B, H, T, hd]` through the C++ op with the kernels' math (CPU, fp64).
+    fn split_merge_math(xs: &[Tensor], w: i64, fused: bool) -> Tensor {
+        let bthd = |x: &Tensor| x.transpose(1, 2);
+        kernels::dar_split_merge(&bthd(&xs[0]), &bthd(&xs[1]), &bthd(&xs[2]), &bthd(&xs[3]), &bthd(&xs[4]), w, kernels::GlobalBackend::Math, fused).unwrap().transpose(1, 2)
+    }
+
+    /// The split-merge glue of csrc/dar_attention.cpp (log-sum-exp merge, each part's backward fed
+    /// the merged O and lse, dQ summed, dK_g / dV_g scattered), unfused and fused (issue 28), with
+    /// the kernels' math on CPU in fp64: output and all five input gradients equal the reference per
+    /// row to 1e-9, for w at both ends of 0 < w < T and between, with B > 1 (strided narrows).
+    #[test]
+    fn split_merge_glue_is_exact_in_fp64() {
+        let (t, shape) = (11i64, [2, 3, 11, 8]);
+        for w in [1, 4, t - 1] {
+            for fused in [false, true] {
+                let f = move |xs: &[Tensor]| split_merge_math(xs, w, fused);
+                let r = attention_check_with(if fused { "fused" } else { "unfused" }, &f, shape, w, Device::Cpu, 1e-9);
+                assert!(r.pass, "{}", r.line());
+            }
+        }
+        // The same check fails the op run one key off (w − 1 against the reference at w).
+        let f = |xs: &[Tensor]| split_merge_math(xs, 3, true);
+        let r = attention_check_with("fused at w 3", &f, shape, 4, Device::Cpu, 1e-9);
+        assert!(!r.pass, "{}", r.line());
     }
 }
