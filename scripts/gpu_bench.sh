@@ -4,8 +4,13 @@
 # (../shared/bench/hf_pythia_train.py, torch.compile) beside it, and the decode benchmark (`decode`:
 # vanilla / DAR / uniform / STILL / LoLCATs caches and speed; DECODE_LENGTHS, DECODE_ATTENTION narrow
 # it). Writes logs and JSON lines to $OUT.
-# Expects: .gpu/attnlab (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|decode|peers|all]...
+# `profile` (not in `all`; about a minute on one H200): where the time of the DAR op and of a DAR
+# (and a vanilla, and a split-merge-fused DAR) Pythia-70M training step goes, by kernel under libtorch's profiler
+# (`attnlab bench --profile`), summarised by scripts/profile_table.py into $OUT/profile.md,
+# where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
+# Expects: .gpu/attnlab (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench; not for check,
+# attn, train, profile). Usage:
+#   scripts/gpu_bench.sh [check|attn|train|decode|peers|profile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -45,6 +50,26 @@ for what in "${@:-all}"; do
         if [ $c = 1 ]; then export ATTNLAB_SM_CONTIG=1; else unset ATTNLAB_SM_CONTIG; fi
         run $A bench --attention-only --json --steps 50 --set model.flavor=pythia-70m --set train.batch_size=16 --set data.seq_len=2048 --set attention.window=$w | grep '^{' | sed "s/^{/{\"contig\":$c,/" >> "$OUT/smprobe.jsonl"
       done; done; unset ATTNLAB_SM_CONTIG ;;
+    profile)
+      # Traces stay in $P (only 8 files come back from $OUT); the summary and a tarball go to $OUT.
+      # Any failure stops the job: a profile that silently lost the GPU would mislead.
+      P=${PROFILE_DIR:-/tmp/attnlab-profile}; rm -rf "$P"; mkdir -p "$P"
+      DAR="{kind: dar, d_down: 128, window: 128}"
+      run $A bench --attention-only --profile "$P" --steps 20 --set model.flavor=pythia-70m --set train.batch_size=16 \
+        --set data.seq_len=2048 --set "attention=$DAR" || { echo "profile: op FAILED" | tee -a "$OUT/log.txt"; exit 1; }
+      for att in "{kind: vanilla}" "$DAR"; do
+        run $A bench experiments/pythia-70m-vanilla.yaml --profile "$P" --steps 3 --warmup 3 --set model.flavor=pythia-70m \
+          --set train.batch_size=64 --set "attention=$att" || { echo "profile: step $att FAILED" | tee -a "$OUT/log.txt"; exit 1; }
+      done
+      # The experimental fused merge (split-merge-fused) in a DAR step, in its own folder.
+      run $A bench experiments/pythia-70m-vanilla.yaml --profile "$P/fused" --steps 3 --warmup 3 --set model.flavor=pythia-70m \
+        --set train.batch_size=64 --set "attention={kind: dar, d_down: 128, window: 128, impl: split-merge-fused}" \
+        || { echo "profile: fused step FAILED" | tee -a "$OUT/log.txt"; exit 1; }
+      { $PY scripts/profile_table.py "$P" && echo "## split-merge-fused" && $PY scripts/profile_table.py "$P/fused"; } | tee "$OUT/profile.md"
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "profile: summary FAILED" | tee -a "$OUT/log.txt"; exit 1; }
+      cp "$P/where_time_goes.csv" "$P/top_kernels.csv" "$OUT/"
+      tar -C "$P" -czf "$OUT/traces.tar.gz" .
+      ;;
     peers|all)
       for f in 70m 160m 410m; do
         (cd .gpu/bench && PYTHONUNBUFFERED=1 run $PY hf_pythia_train.py --size $f --compile 1 --json) | grep '^{' >> "$OUT/peers.jsonl"

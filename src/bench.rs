@@ -5,7 +5,9 @@ use crate::attention;
 use crate::spec::{AttentionImpl, AttentionKind, Spec};
 use crate::train::{self, optim};
 use crate::Result;
+use crate::kernels;
 use serde::Serialize;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tch::{nn::VarStore, Device, Kind, Tensor};
 
@@ -37,6 +39,11 @@ fn sync(device: Device) {
 
 /// Time `steps` training steps of batch `batch_size` (one micro-batch, as the peers) after `warmup`.
 pub fn train_bench(spec: &Spec, vocab: usize, warmup: usize, steps: usize) -> Result<TrainBench> {
+    train_bench_traced(spec, vocab, warmup, steps, None)
+}
+
+/// `train_bench`, with the timed steps profiled into the Chrome trace `trace` when given.
+pub fn train_bench_traced(spec: &Spec, vocab: usize, warmup: usize, steps: usize, trace: Option<&Path>) -> Result<TrainBench> {
     let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
     let autocast = train::use_autocast(spec, device)?;
     tch::manual_seed(spec.seed() as i64);
@@ -59,13 +66,15 @@ pub fn train_bench(spec: &Spec, vocab: usize, warmup: usize, steps: usize) -> Re
     }
     sync(device);
     crate::kernels::reset_cuda_peak_memory(device);
+    let profiling = Profiling::start(trace, device)?;
     let start = Instant::now();
     let mut last = Tensor::zeros([], (Kind::Float, device));
     for _ in 0..steps {
-        last = train::step_once(&model, &mut opt, std::iter::once(batch()), autocast, 1.0, 1e-4, device)?.0;
+        last = kernels::scope("bench.step", || train::step_once(&model, &mut opt, std::iter::once(batch()), autocast, 1.0, 1e-4, device))?.0;
     }
     sync(device);
     let secs = start.elapsed().as_secs_f64();
+    profiling.stop()?;
     let loss = last.double_value(&[]);
     if !loss.is_finite() {
         return Err(crate::Error::Diverged { step: steps as u64, msg: format!("bench loss {loss}") });
@@ -101,6 +110,11 @@ pub struct OpBench {
 
 /// Time the attention op alone, forward + backward, on `[b, h, t, hd]` inputs.
 pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4], window: i64, device: Device, reps: usize) -> Result<OpBench> {
+    attention_bench_traced(kind, imp, shape, window, device, reps, None)
+}
+
+/// `attention_bench`, with the timed repetitions profiled into the Chrome trace `trace` when given.
+pub fn attention_bench_traced(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4], window: i64, device: Device, reps: usize, trace: Option<&Path>) -> Result<OpBench> {
     let kind_t = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
     let mk = || Tensor::randn(shape, (kind_t, device)).set_requires_grad(true);
     let (q, kl, vl, kg, vg) = (mk(), mk(), mk(), mk(), mk());
@@ -119,11 +133,14 @@ pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4],
         run();
     }
     sync(device);
+    let profiling = Profiling::start(trace, device)?;
     let start = Instant::now();
     for _ in 0..reps {
-        run();
+        kernels::scope("bench.op", &run);
     }
     sync(device);
+    let elapsed = start.elapsed();
+    profiling.stop()?;
     Ok(OpBench {
         attention: kind.name().into(),
         implementation: format!("{imp:?}").to_lowercase(),
@@ -131,8 +148,71 @@ pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4],
         seq_len: shape[2],
         head_dim: shape[3],
         window,
-        fwd_bwd_ms: 1e3 * start.elapsed().as_secs_f64() / reps as f64,
+        fwd_bwd_ms: 1e3 * elapsed.as_secs_f64() / reps as f64,
     })
+}
+
+/// libtorch's profiler around a timed region when a trace path is given (nothing otherwise).
+struct Profiling<'a>(Option<&'a Path>);
+
+impl<'a> Profiling<'a> {
+    fn start(trace: Option<&'a Path>, device: Device) -> Result<Self> {
+        if trace.is_some() {
+            kernels::profiler_start(device.is_cuda())?;
+        }
+        Ok(Profiling(trace))
+    }
+
+    /// Write the trace (the caller has synchronised the device).
+    fn stop(self) -> Result<()> {
+        if let Some(path) = self.0 {
+            kernels::profiler_stop(path)?;
+        }
+        Ok(())
+    }
+}
+
+/// One profiled measurement: its trace (relative to the profile directory), the repetitions in it,
+/// and the measurement itself (timed under the profiler, so slower than without).
+#[derive(Debug, Serialize)]
+pub struct ProfiledRun<'a, R: Serialize> {
+    pub trace: String,
+    pub reps: usize,
+    pub what: &'static str,
+    pub result: &'a R,
+}
+
+/// `attnlab bench --profile DIR`: the same measurements as without it (the training step of the
+/// spec; with `attention_only`, the op of vanilla and of the spec's kind at its implementation
+/// `auto`), each under libtorch's profiler, one Chrome trace per measurement in `dir` and one line
+/// per trace in `dir/runs.jsonl`, which scripts/profile_table.py reads. Returns the runs' lines.
+pub fn profile(spec: &Spec, dir: &Path, attention_only: bool, vocab: usize, warmup: usize, steps: usize) -> Result<Vec<String>> {
+    std::fs::create_dir_all(dir).map_err(|e| crate::Error::io(dir, e))?;
+    let mut lines = Vec::new();
+    if attention_only {
+        let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
+        let s = spec.shape();
+        let shape = [spec.batch_size() as i64, s.heads as i64, spec.seq_len() as i64, (s.d_model / s.heads) as i64];
+        let window = spec.attention.window.unwrap_or(128);
+        let mut kinds = vec![AttentionKind::Vanilla];
+        if !spec.attention.kind.is_vanilla() {
+            kinds.push(spec.attention.kind);
+        }
+        for kind in kinds {
+            let trace = format!("op-{}.json", kind.name());
+            let r = attention_bench_traced(kind, AttentionImpl::Auto, shape, window, device, steps, Some(&dir.join(&trace)))?;
+            lines.push(json_line(&ProfiledRun { trace, reps: steps, what: "op", result: &r }));
+        }
+    } else {
+        let trace = format!("step-{}.json", spec.attention.kind.name());
+        let r = train_bench_traced(spec, vocab, warmup, steps, Some(&dir.join(&trace)))?;
+        lines.push(json_line(&ProfiledRun { trace, reps: steps, what: "step", result: &r }));
+    }
+    let runs = dir.join("runs.jsonl");
+    let mut text = std::fs::read_to_string(&runs).unwrap_or_default();
+    lines.iter().for_each(|l| text.push_str(&format!("{l}\n")));
+    std::fs::write(&runs, text).map_err(|e| crate::Error::io(&runs, e))?;
+    Ok(lines)
 }
 
 #[derive(Debug, Serialize)]
@@ -140,47 +220,80 @@ pub struct CheckRow {
     pub implementation: String,
     pub shape: [i64; 4],
     pub window: i64,
-    /// Max |error| relative to the reference's max |value|, for the output and each input gradient.
+    /// Per-row relative error (`row_rel_err`) of the output and of each input gradient
+    /// (q, k_l, v_l, k_g, v_g).
     pub rel_err: [f64; 6],
+    /// Sequence position of the worst row of each (where an off-by-one boundary shows).
+    pub worst_pos: [i64; 6],
     pub pass: bool,
 }
 
-/// Compare a fast DAR implementation with the fp32 reference on the same (device-dtype) inputs:
-/// output and the gradients of q, k_l, v_l, k_g, v_g. Pass if every relative error < `tol`.
+/// Per-row relative error of `fast` against `reference` (same shape; a row is the last axis: one
+/// query's output or gradient, one key's gradient): ‖fast_r − ref_r‖₂ / max(‖ref_r‖₂, floor), and the
+/// index of the worst row. One global max would let a large row hide a wrong small one; the floor
+/// (1e-3 × the mean row norm) keeps rows the reference leaves at zero held to (near) zero.
+pub fn row_rel_err(fast: &Tensor, reference: &Tensor) -> (f64, i64) {
+    let last = reference.size().last().copied().unwrap_or(1);
+    let rows = |t: &Tensor| t.to_kind(Kind::Double).reshape([-1, last]);
+    let (a, b) = (rows(fast), rows(reference));
+    let norm = |t: &Tensor| t.square().sum_dim_intlist([-1i64].as_slice(), false, Kind::Double).sqrt();
+    let ref_norm = norm(&b);
+    let floor = (1e-3 * ref_norm.mean(Kind::Double).double_value(&[])).max(f64::MIN_POSITIVE);
+    let err = norm(&(a - &b)) / ref_norm.clamp_min(floor);
+    // NaN anywhere is the worst row.
+    let err = err.nan_to_num(f64::INFINITY, f64::INFINITY, f64::INFINITY);
+    let worst = err.argmax(0, false).int64_value(&[]);
+    (err.double_value(&[worst]), worst)
+}
+
+/// Compare a fast DAR implementation with the reference on the same (device-dtype) inputs.
 pub fn attention_check(imp: AttentionImpl, shape: [i64; 4], window: i64, device: Device, tol: f64) -> CheckRow {
+    let fast = |xs: &[Tensor]| attention::dar(&xs[0], &xs[1], &xs[2], &xs[3], &xs[4], window, imp);
+    attention_check_with(&format!("{imp:?}").to_lowercase(), &fast, shape, window, device, tol)
+}
+
+/// `attention_check` of any function of (q, k_l, v_l, k_g, v_g) against the fp32 reference (fp64 on
+/// CPU) at `window`: output and the gradients of all five inputs for one random upstream gradient.
+/// Pass if every per-row relative error < `tol`. Tests hand it planted wrong implementations.
+pub fn attention_check_with(name: &str, fast: &dyn Fn(&[Tensor]) -> Tensor, shape: [i64; 4], window: i64, device: Device, tol: f64) -> CheckRow {
     let kind = if device.is_cuda() { Kind::BFloat16 } else { Kind::Double };
     tch::manual_seed(window + 17 * shape[2]);
     let inputs: Vec<Tensor> = (0..5).map(|_| Tensor::randn(shape, (kind, device)).set_requires_grad(true)).collect();
     let go = Tensor::randn(shape, (kind, device));
     // bf16 kernels are checked against an fp32 reference, fp64 ones against fp64; errors in fp64.
     let exact = if kind == Kind::Double { Kind::Double } else { Kind::Float };
-    let run = |imp: AttentionImpl, xs: &[Tensor]| {
-        let o = attention::dar(&xs[0], &xs[1], &xs[2], &xs[3], &xs[4], window, imp);
+    let run = |f: &dyn Fn(&[Tensor]) -> Tensor, xs: &[Tensor]| {
+        let o = f(xs);
         let g = Tensor::run_backward(&[(&o.to_kind(exact) * go.to_kind(exact)).sum(exact)], &xs.iter().collect::<Vec<_>>(), false, false);
         let g = g.into_iter().zip(xs).map(|(g, x)| if g.defined() { g } else { x.zeros_like() });
         std::iter::once(o.detach()).chain(g).map(|t| t.to_kind(Kind::Double)).collect::<Vec<_>>()
     };
-    let fast = run(imp, &inputs);
+    let got = run(fast, &inputs);
     // The reference computes from the very same values.
     let ref_inputs: Vec<Tensor> = inputs.iter().map(|t| t.detach().to_kind(exact).set_requires_grad(true)).collect();
-    let reference = run(AttentionImpl::Reference, &ref_inputs);
-    let mut rel_err = [0.0; 6];
-    for (i, (a, b)) in fast.iter().zip(&reference).enumerate() {
-        let scale = b.abs().max().double_value(&[]).max(1e-6);
-        rel_err[i] = (a - b).abs().max().double_value(&[]) / scale;
+    let reference = run(&|xs: &[Tensor]| attention::dar(&xs[0], &xs[1], &xs[2], &xs[3], &xs[4], window, AttentionImpl::Reference), &ref_inputs);
+    let (mut rel_err, mut worst_pos) = ([0.0; 6], [0; 6]);
+    for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
+        let (e, row) = row_rel_err(a, b);
+        rel_err[i] = e;
+        worst_pos[i] = row % shape[2];
     }
-    CheckRow { implementation: format!("{imp:?}").to_lowercase(), shape, window, pass: rel_err.iter().all(|e| e.is_finite() && *e < tol), rel_err }
+    CheckRow { implementation: name.to_string(), shape, window, pass: rel_err.iter().all(|e| e.is_finite() && *e < tol), rel_err, worst_pos }
 }
 
 /// Every fast path against the reference at the spec's shape and a ragged one, over windows inside,
-/// at and beyond the sequence (bf16 kernels vs fp32 on CUDA: 3e-2 relative; fp64 on CPU: 1e-9).
+/// at and beyond the sequence (per-row relative error; bf16 kernels vs fp32 on CUDA: 3e-2; fp64 on CPU: 1e-9).
 /// Calls `each` per row; returns how many failed.
 pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> {
     let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
     let s = spec.shape();
     let (t, hd) = (spec.seq_len() as i64, (s.d_model / s.heads) as i64);
     let shapes = [[spec.batch_size() as i64, s.heads as i64, t, hd], [1, 3, t / 2 + 3, hd]];
-    let imps: &[AttentionImpl] = if device.is_cuda() { &[AttentionImpl::Sdpa, AttentionImpl::SplitMerge, AttentionImpl::SplitMergeCudnn] } else { &[AttentionImpl::Sdpa] };
+    let imps: &[AttentionImpl] = if device.is_cuda() {
+        &[AttentionImpl::Sdpa, AttentionImpl::SplitMerge, AttentionImpl::SplitMergeCudnn, AttentionImpl::SplitMergeFused]
+    } else {
+        &[AttentionImpl::Sdpa]
+    };
     let tol = if device.is_cuda() { 3e-2 } else { 1e-9 };
     let mut failed = 0;
     for shape in shapes {
@@ -203,7 +316,11 @@ pub fn bench_all(spec: &Spec, reps: usize, mut each: impl FnMut(&OpBench, f64)) 
     let hd = (s.d_model / s.heads) as i64;
     let shape = [spec.batch_size() as i64, s.heads as i64, spec.seq_len() as i64, hd];
     let window = spec.attention.window.unwrap_or(128);
-    let imps: Vec<AttentionImpl> = if device.is_cuda() { vec![AttentionImpl::Auto, AttentionImpl::SplitMerge, AttentionImpl::Sdpa] } else { vec![AttentionImpl::Auto, AttentionImpl::Reference] };
+    let imps: Vec<AttentionImpl> = if device.is_cuda() {
+        vec![AttentionImpl::Auto, AttentionImpl::SplitMergeFused, AttentionImpl::SplitMerge, AttentionImpl::Sdpa]
+    } else {
+        vec![AttentionImpl::Auto, AttentionImpl::Reference]
+    };
     let mut base_ms = None;
     // The table keeps vanilla and the bottleneck kinds (the DAR paper's); `attention_bench` times the others.
     for kind in AttentionKind::ALL.into_iter().filter(|k| k.is_vanilla() || k.has_bottleneck()) {
@@ -220,8 +337,11 @@ pub fn bench_all(spec: &Spec, reps: usize, mut each: impl FnMut(&OpBench, f64)) 
 }
 
 /// What `attnlab bench` measures.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub enum BenchMode {
+    /// `profile`: the training step (or with `attention_only` the op) under libtorch's profiler,
+    /// traces in `dir`.
+    Profile { dir: PathBuf, attention_only: bool, vocab: usize, warmup: usize, steps: usize },
     /// Training steps (`train_bench`) with `vocab` rows when the spec does not fix them.
     Steps { vocab: usize, warmup: usize, steps: usize },
     /// The attention op alone, `reps` timed repetitions per kind and implementation (`bench_all`).
@@ -256,7 +376,9 @@ impl OpBench {
 impl CheckRow {
     pub fn line(&self) -> String {
         let e = self.rel_err.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ");
-        format!("{:18} {:?} w {:5}: rel err out/dq/dkl/dvl/dkg/dvg {e}  {}", self.implementation, self.shape, self.window, if self.pass { "ok" } else { "FAIL" })
+        // A failure names the sequence position of each tensor's worst row.
+        let status = if self.pass { "ok".to_string() } else { format!("(worst rows at t {:?})  FAIL", self.worst_pos) };
+        format!("{:18} {:?} w {:5}: per-row rel err out/dq/dkl/dvl/dkg/dvg {e}  {status}", self.implementation, self.shape, self.window)
     }
 }
 
@@ -271,6 +393,11 @@ pub fn bench_command(spec: &Spec, mode: BenchMode, json: bool, mut line: impl Fn
             let failed = check_all(spec, |r| line(pick(json, r, || r.line())))?;
             if failed > 0 {
                 return Err(crate::Error::Other(format!("{failed} attention checks failed")));
+            }
+        }
+        BenchMode::Profile { dir, attention_only, vocab, warmup, steps } => {
+            for l in profile(spec, &dir, attention_only, vocab, warmup, steps)? {
+                line(l);
             }
         }
         BenchMode::AttentionOnly { reps } => bench_all(spec, reps, |r, base| line(pick(json, r, || r.line(base))))?,
@@ -318,8 +445,8 @@ mod line_tests {
 
     #[test]
     fn check_lines_say_ok_or_fail_and_json_lines_parse() {
-        let mut r = CheckRow { implementation: "sdpa".into(), shape: [1, 2, 8, 4], window: 4, rel_err: [1e-10; 6], pass: true };
-        assert!(r.line().starts_with("sdpa               [1, 2, 8, 4] w     4: rel err") && r.line().ends_with("  ok"), "{}", r.line());
+        let mut r = CheckRow { implementation: "sdpa".into(), shape: [1, 2, 8, 4], window: 4, rel_err: [1e-10; 6], worst_pos: [0; 6], pass: true };
+        assert!(r.line().starts_with("sdpa               [1, 2, 8, 4] w     4: per-row rel err") && r.line().ends_with("  ok"), "{}", r.line());
         r.pass = false;
         assert!(r.line().ends_with("FAIL"));
         let v: serde_json::Value = serde_json::from_str(&json_line(&r)).unwrap();
@@ -343,5 +470,129 @@ mod line_tests {
             Ok(()) => assert_eq!(failed, 0),
             Err(e) => assert_eq!(e.to_string(), format!("{failed} attention checks failed")),
         }
+    }
+}
+
+#[cfg(test)]
+mod check_tests {
+    use super::*;
+    use crate::attention::{dar_masks, masked_softmax_attention};
+
+    fn rows(v: &[f64], n: i64) -> Tensor {
+        Tensor::from_slice(v).view([-1, n])
+    }
+
+    /// A wrong small row next to a large one: 0.5 off in a row of norm √2 is 35% per row, while one
+    /// global max (0.5 / 1000) would call it 5e-4.
+    #[test]
+    fn per_row_error_sees_a_small_row_that_a_global_max_hides() {
+        let reference = rows(&[1000.0, 0.0, 1.0, 1.0], 2);
+        let fast = rows(&[1000.0, 0.0, 1.5, 1.0], 2);
+        let (e, row) = row_rel_err(&fast, &reference);
+        assert!((e - 0.5 / 2f64.sqrt()).abs() < 1e-12 && row == 1, "{e} at row {row}");
+        assert_eq!(row_rel_err(&reference, &reference), (0.0, 0));
+    }
+
+    /// Rows the reference leaves at zero are judged against 1e-3 of the mean row norm, not 0/0; an
+    /// all-zero reference (k_l's gradient at w = 0) passes only exact zeros; NaN is the worst.
+    #[test]
+    fn zero_rows_are_held_to_zero_and_nan_fails() {
+        let reference = rows(&[3.0, 4.0, 0.0, 0.0], 2); // row norms 5 and 0: floor 1e-3 · 2.5
+        let (e, row) = row_rel_err(&rows(&[3.0, 4.0, 0.0, 1e-6], 2), &reference);
+        assert!((e - 1e-6 / 2.5e-3).abs() < 1e-12 && row == 1, "{e} at row {row}");
+        let zeros = Tensor::zeros([3, 2], (Kind::Double, Device::Cpu));
+        assert_eq!(row_rel_err(&zeros, &zeros).0, 0.0);
+        assert!(row_rel_err(&rows(&[0.0, 0.0, 0.0, 1e-30, 0.0, 0.0], 2), &zeros).0 > 1.0);
+        let (e, row) = row_rel_err(&rows(&[3.0, 4.0, f64::NAN, 0.0], 2), &reference);
+        assert!(e.is_infinite() && row == 1, "{e} at row {row}");
+    }
+
+    /// Planted wrong implementations fail `attention_check_with` wherever they compute another
+    /// function, and the fast path passes, at windows 0, 1, inside, T − 1, T and T + 5:
+    /// `wide` (the reference at w + 1), `narrow` (at w − 1), `peek` (the local band one key into the
+    /// future: distance −1 counts as local). w ± 1 is the same function once both are ≥ T (and at w = 0
+    /// for `narrow`); there the check must pass, and `peek` must still fail.
+    #[test]
+    fn planted_off_by_one_window_boundaries_fail_the_check() {
+        let (t, dev) = (12i64, Device::Cpu);
+        let shape = [1, 2, t, 8];
+        let reference_at = |w: i64| move |xs: &[Tensor]| crate::attention::dar(&xs[0], &xs[1], &xs[2], &xs[3], &xs[4], w, AttentionImpl::Reference);
+        for w in [0, 1, 4, t - 1, t, t + 5] {
+            let fast = attention_check(AttentionImpl::Sdpa, shape, w, dev, 1e-9);
+            assert!(fast.pass, "sdpa: {}", fast.line());
+            let wide = attention_check_with("wide", &reference_at(w + 1), shape, w, dev, 1e-9);
+            assert_eq!(wide.pass, w >= t, "{}", wide.line());
+            let narrow = attention_check_with("narrow", &reference_at((w - 1).max(0)), shape, w, dev, 1e-9);
+            assert_eq!(narrow.pass, w == 0 || w > t, "{}", narrow.line());
+            let peek = move |xs: &[Tensor]| {
+                let (_, global) = dar_masks(t, w, dev);
+                let i = Tensor::arange(t, (Kind::Int64, dev)).unsqueeze(1);
+                let dist = i - Tensor::arange(t, (Kind::Int64, dev)).unsqueeze(0);
+                let local = dist.ge(-1).logical_and(&dist.lt(w));
+                masked_softmax_attention(&xs[0], &[(&xs[1], &xs[2], &local), (&xs[3], &xs[4], &global)])
+            };
+            let peek = attention_check_with("peek", &peek, shape, w, dev, 1e-9);
+            assert!(!peek.pass, "{}", peek.line());
+            // The failing rows are real errors, far above fp64 rounding.
+            for r in [&wide, &narrow, &peek].into_iter().filter(|r| !r.pass) {
+                assert!(r.rel_err.iter().cloned().fold(0.0, f64::max) > 1e-3, "{}", r.line());
+            }
+        }
+    }
+
+    /// `bench --profile` on CPU: one trace per measurement with the bench's and the model's named
+    /// scopes in it (a CUDA run adds the kernels), listed in runs.jsonl.
+    #[test]
+    fn profile_mode_writes_traces_with_the_named_scopes() {
+        let sets = ["train.device=cpu", "data.seq_len=16", "train.batch_size=2", "attention={kind: dar, d_down: 8, window: 4}"];
+        let spec = crate::spec::SpecSource { sets: sets.iter().map(|s| s.to_string()).collect(), ..Default::default() }.load().unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let mut lines = Vec::new();
+        bench_command(&spec, BenchMode::Profile { dir: tmp.path().into(), attention_only: true, vocab: 64, warmup: 1, steps: 2 }, true, |l| lines.push(l)).unwrap();
+        bench_command(&spec, BenchMode::Profile { dir: tmp.path().into(), attention_only: false, vocab: 64, warmup: 1, steps: 2 }, true, |l| lines.push(l)).unwrap();
+        let runs = std::fs::read_to_string(tmp.path().join("runs.jsonl")).unwrap();
+        assert_eq!(runs.lines().collect::<Vec<_>>(), lines);
+        let names = |trace: &str| -> Vec<String> {
+            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join(trace)).unwrap()).unwrap();
+            v["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str().map(String::from)).collect()
+        };
+        let count = |names: &[String], n: &str| names.iter().filter(|x| *x == n).count();
+        let traces: Vec<String> = lines.iter().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["trace"].as_str().unwrap().to_string()).collect();
+        assert_eq!(traces, ["op-vanilla.json", "op-dar.json", "step-dar.json"]);
+        let op = names("op-dar.json");
+        assert_eq!(count(&op, "bench.op"), 2, "{op:?}");
+        assert!(op.iter().any(|n| n.starts_with("aten::")), "{op:?}");
+        let step = names("step-dar.json");
+        assert_eq!(count(&step, "bench.step"), 2);
+        // The tiny model's layers, once per step each (spec default layers).
+        let layers = spec.shape().layers;
+        assert_eq!(count(&step, "dar.distant_kv"), 2 * layers, "{step:?}");
+        assert_eq!(count(&step, "attn.op"), 2 * layers);
+    }
+
+    /// Split-merge on heads `[B, H, T, hd]` through the C++ op with the kernels' math (CPU, fp64).
+    fn split_merge_math(xs: &[Tensor], w: i64, fused: bool) -> Tensor {
+        let bthd = |x: &Tensor| x.transpose(1, 2);
+        kernels::dar_split_merge(&bthd(&xs[0]), &bthd(&xs[1]), &bthd(&xs[2]), &bthd(&xs[3]), &bthd(&xs[4]), w, kernels::GlobalBackend::Math, fused).unwrap().transpose(1, 2)
+    }
+
+    /// The split-merge glue of csrc/dar_attention.cpp (log-sum-exp merge, each part's backward fed
+    /// the merged O and lse, dQ summed, dK_g / dV_g scattered), unfused and fused (issue 28), with
+    /// the kernels' math on CPU in fp64: output and all five input gradients equal the reference per
+    /// row to 1e-9, for w at both ends of 0 < w < T and between, with B > 1 (strided narrows).
+    #[test]
+    fn split_merge_glue_is_exact_in_fp64() {
+        let (t, shape) = (11i64, [2, 3, 11, 8]);
+        for w in [1, 4, t - 1] {
+            for fused in [false, true] {
+                let f = move |xs: &[Tensor]| split_merge_math(xs, w, fused);
+                let r = attention_check_with(if fused { "fused" } else { "unfused" }, &f, shape, w, Device::Cpu, 1e-9);
+                assert!(r.pass, "{}", r.line());
+            }
+        }
+        // The same check fails the op run one key off (w − 1 against the reference at w).
+        let f = |xs: &[Tensor]| split_merge_math(xs, 3, true);
+        let r = attention_check_with("fused at w 3", &f, shape, 4, Device::Cpu, 1e-9);
+        assert!(!r.pass, "{}", r.line());
     }
 }

@@ -22,8 +22,12 @@ extern "C" {
         eps: f64,
     ) -> *mut libc::c_char;
     fn attnlab_clip_grad_norm(grads: *const *mut C_tensor, n: i64, max_norm: f64, norm_out: *mut *mut C_tensor) -> *mut libc::c_char;
-    fn attnlab_dar_split_merge(q: *mut C_tensor, kl: *mut C_tensor, vl: *mut C_tensor, kg: *mut C_tensor, vg: *mut C_tensor, window: i64, backend: i64, out: *mut *mut C_tensor) -> *mut libc::c_char;
+    fn attnlab_dar_split_merge(q: *mut C_tensor, kl: *mut C_tensor, vl: *mut C_tensor, kg: *mut C_tensor, vg: *mut C_tensor, window: i64, backend: i64, fused: i32, out: *mut *mut C_tensor) -> *mut libc::c_char;
     fn attnlab_cuda_peak_memory(device: i64, reset: i32, out: *mut i64) -> *mut libc::c_char;
+    fn attnlab_profiler_start(cuda: i32) -> *mut libc::c_char;
+    fn attnlab_profiler_stop(path: *const libc::c_char, device_events: *mut i64) -> *mut libc::c_char;
+    fn attnlab_scope_push(name: *const libc::c_char) -> *mut libc::c_char;
+    fn attnlab_scope_pop() -> *mut libc::c_char;
 }
 
 fn check(err: *mut libc::c_char) -> Result<()> {
@@ -86,20 +90,26 @@ pub fn clip_grad_norm(grads: &[&Tensor], max_norm: f64) -> Result<Tensor> {
     Ok(unsafe { Tensor::from_ptr(out) })
 }
 
-/// Kernel that computes DAR's global (distance ≥ w) part in the split-merge construction.
+/// Kernels that compute the two parts of DAR's split-merge construction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GlobalBackend {
+    /// FlashAttention-2 for both parts (CUDA, bf16/fp16).
     Flash = 0,
+    /// Flash sliding window for the local part, cuDNN for the global part (CUDA, bf16/fp16).
     Cudnn = 1,
+    /// Explicit matmuls with the kernels' conventions, any device and dtype: the split-merge glue
+    /// (merge, backward seeds, scatter) tested exactly in fp64 on CPU.
+    Math = 2,
 }
 
-/// DAR attention by split-merge with stock CUDA kernels and an exact custom backward
-/// (csrc/dar_attention.cpp). Inputs `[B, T, H, D]` bf16/fp16 on CUDA, `0 < window < T`; the result
-/// carries its autograd graph.
-pub fn dar_split_merge(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64, backend: GlobalBackend) -> Result<Tensor> {
+/// DAR attention by split-merge with an exact custom backward (csrc/dar_attention.cpp). Inputs
+/// `[B, T, H, D]`, `0 < window < T`; the result carries its autograd graph. `fused` (experimental):
+/// the merge in one pass in place and a backward without copies of dO, O, dK_g, dV_g.
+#[allow(clippy::too_many_arguments)]
+pub fn dar_split_merge(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64, backend: GlobalBackend, fused: bool) -> Result<Tensor> {
     let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
     let mut out: *mut C_tensor = std::ptr::null_mut();
-    check(unsafe { attnlab_dar_split_merge(p(q), p(kl), p(vl), p(kg), p(vg), window, backend as i64, &mut out) })?;
+    check(unsafe { attnlab_dar_split_merge(p(q), p(kl), p(vl), p(kg), p(vg), window, backend as i64, fused as i32, &mut out) })?;
     Ok(unsafe { Tensor::from_ptr(out) })
 }
 
@@ -118,4 +128,33 @@ fn cuda_peak(device: Device, reset: bool) -> Option<u64> {
     let mut out = 0i64;
     check(unsafe { attnlab_cuda_peak_memory(i as i64, reset as i32, &mut out) }).ok()?;
     Some(out as u64)
+}
+
+/// Start libtorch's profiler (csrc/profile.cpp): CPU ops, and CUDA kernels / copies when `cuda`.
+pub fn profiler_start(cuda: bool) -> Result<()> {
+    check(unsafe { attnlab_profiler_start(cuda as i32) })
+}
+
+/// Stop the profiler and write its Chrome trace to `path`; returns how many device events (kernels,
+/// copies) it holds. An error when CUDA was profiled and no kernel was seen.
+pub fn profiler_stop(path: &std::path::Path) -> Result<i64> {
+    let c = std::ffi::CString::new(path.to_string_lossy().as_bytes()).map_err(|e| Error::Other(format!("trace path {}: {e}", path.display())))?;
+    let mut n = 0i64;
+    check(unsafe { attnlab_profiler_stop(c.as_ptr(), &mut n) })?;
+    Ok(n)
+}
+
+/// Run `f` inside a named scope: a user annotation in a profiler trace, under which
+/// scripts/profile_table.py files the kernels `f` launches. Costs a thread-local check otherwise.
+pub fn scope<T>(name: &str, f: impl FnOnce() -> T) -> T {
+    struct Open;
+    impl Drop for Open {
+        fn drop(&mut self) {
+            check(unsafe { attnlab_scope_pop() }).expect("scope pop");
+        }
+    }
+    let c = std::ffi::CString::new(name).expect("scope names have no NUL");
+    check(unsafe { attnlab_scope_push(c.as_ptr()) }).expect("scope push");
+    let _open = Open;
+    f()
 }

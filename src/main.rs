@@ -290,6 +290,12 @@ enum Cmd {
         /// windows 0, 1, 4, 64, 128, 256, T and > T; exits non-zero on a failure.
         #[arg(long)]
         check: bool,
+        /// Profile the same measurement instead (the training step; with --attention-only the op of
+        /// vanilla and of the spec's attention): libtorch's profiler (CUDA kernels through CUPTI)
+        /// around the timed steps, a Chrome trace per measurement in DIR and a line per trace in
+        /// DIR/runs.jsonl; `scripts/profile_table.py DIR` prints where the time goes.
+        #[arg(long, value_name = "DIR", conflicts_with = "check")]
+        profile: Option<PathBuf>,
         /// Print JSON lines instead of a table.
         #[arg(long)]
         json: bool,
@@ -518,11 +524,12 @@ fn run(cli: Cli) -> Result<()> {
             let rate = p.index.n_tokens as f64 / p.seconds.max(1e-9);
             println!("{} documents, {} tokens in {:.1}s ({rate:.0} tokens/s) → {}", p.index.n_docs, p.index.n_tokens, p.seconds, p.dir.display());
         }
-        Cmd::Bench { spec, steps, warmup, vocab, attention_only, check, json } => {
-            let mode = match (check, attention_only) {
-                (true, _) => bench::BenchMode::Check,
-                (false, true) => bench::BenchMode::AttentionOnly { reps: steps },
-                (false, false) => bench::BenchMode::Steps { vocab, warmup, steps },
+        Cmd::Bench { spec, steps, warmup, vocab, attention_only, check, profile, json } => {
+            let mode = match (profile, check, attention_only) {
+                (Some(dir), _, _) => bench::BenchMode::Profile { dir, attention_only, vocab, warmup, steps },
+                (None, true, _) => bench::BenchMode::Check,
+                (None, false, true) => bench::BenchMode::AttentionOnly { reps: steps },
+                (None, false, false) => bench::BenchMode::Steps { vocab, warmup, steps },
             };
             bench::bench_command(&spec.source().load()?, mode, json, |line| println!("{line}"))?;
         }

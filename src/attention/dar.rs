@@ -28,7 +28,7 @@ pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, windo
     let imp = match imp {
         AttentionImpl::Auto if split_merge_supported(q) => AttentionImpl::SplitMergeCudnn,
         AttentionImpl::Auto => AttentionImpl::Sdpa,
-        AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn if !split_merge_supported(q) => AttentionImpl::Sdpa,
+        AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn | AttentionImpl::SplitMergeFused if !split_merge_supported(q) => AttentionImpl::Sdpa,
         other => other,
     };
     if imp != AttentionImpl::Reference {
@@ -45,16 +45,22 @@ pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, windo
             let (local, global) = dar_masks(t, window, q.device());
             masked_softmax_attention(q, &[(kl, vl, &local), (kg, vg, &global)])
         }
-        AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn => {
+        AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn | AttentionImpl::SplitMergeFused => {
             let backend = if imp == AttentionImpl::SplitMerge { GlobalBackend::Flash } else { GlobalBackend::Cudnn };
-            // The kernels take [B, T, H, D]; transposes are views.
-            let bthd = |x: &Tensor| x.transpose(1, 2);
-            kernels::dar_split_merge(&bthd(q), &bthd(kl), &bthd(vl), &bthd(kg), &bthd(vg), window, backend)
-                .unwrap_or_else(|e| panic!("DAR split-merge kernel failed: {e}"))
-                .transpose(1, 2)
+            split_merge(q, kl, vl, kg, vg, window, backend, imp == AttentionImpl::SplitMergeFused)
         }
         _ => dar_sdpa(q, kl, vl, kg, vg, window),
     }
+}
+
+/// `kernels::dar_split_merge` on heads `[B, H, T, hd]` (the kernels take `[B, T, H, hd]`; the
+/// transposes are views), `0 < window < T`.
+#[allow(clippy::too_many_arguments)]
+fn split_merge(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64, backend: GlobalBackend, fused: bool) -> Tensor {
+    let bthd = |x: &Tensor| x.transpose(1, 2);
+    kernels::dar_split_merge(&bthd(q), &bthd(kl), &bthd(vl), &bthd(kg), &bthd(vg), window, backend, fused)
+        .unwrap_or_else(|e| panic!("DAR split-merge kernel failed: {e}"))
+        .transpose(1, 2)
 }
 
 /// Whether the CUDA split-merge path can take these inputs (flash kernels: fp16/bf16, head dim a
@@ -169,4 +175,3 @@ impl DarCache {
         masked_softmax_attention(q, &refs)
     }
 }
-

@@ -10,7 +10,7 @@ use super::lolcats::{Lolcats, LolcatsConfig};
 use super::still::{Still, StillConfig};
 use super::{dar, vanilla, window};
 use crate::spec::{AttentionImpl, AttentionInit, AttentionKind, DarAct};
-use crate::{Error, Result};
+use crate::{kernels, Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
@@ -249,12 +249,13 @@ impl Layer {
     pub fn forward(&self, h: &Heads) -> Tensor {
         let (k, v) = (repeat_kv(&h.k, &h.q), repeat_kv(&h.v, &h.q));
         match self {
-            Layer::Vanilla { imp } => vanilla::forward(&h.q, &k, &v, h.seg, *imp),
+            Layer::Vanilla { imp } => kernels::scope("attn.op", || vanilla::forward(&h.q, &k, &v, h.seg, *imp)),
             Layer::Window { window, imp } => window::forward(&h.q, &k, &v, *window, h.seg, *imp),
             Layer::Dar { bottleneck, window, imp } => {
-                let (kg, vg) = bottleneck.distant(h.input, h.kv, Positions::Forward);
+                // Named scopes: `attnlab bench --profile` files the kernels under them.
+                let (kg, vg) = kernels::scope("dar.distant_kv", || bottleneck.distant(h.input, h.kv, Positions::Forward));
                 let (kg, vg) = (repeat_kv(&kg, &h.q), repeat_kv(&vg, &h.q));
-                dar::forward(&h.q, &k, &v, &kg, &vg, *window, h.seg, *imp)
+                kernels::scope("attn.op", || dar::forward(&h.q, &k, &v, &kg, &vg, *window, h.seg, *imp))
             }
             Layer::Still(s) => {
                 assert!(h.seg.is_none(), "STILL layers take no packed rows");

@@ -217,6 +217,9 @@ pub enum AttentionImpl {
     SplitMerge,
     /// As split-merge, with cuDNN attention for the global part.
     SplitMergeCudnn,
+    /// Experimental (issue 28): split-merge with cuDNN, the merge in one pass in place (bf16 out,
+    /// log-sum-exp kept) and a backward without copies of dO, O, dK_g, dV_g. Never chosen by `auto`.
+    SplitMergeFused,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
