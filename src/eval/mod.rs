@@ -6,6 +6,7 @@ pub mod generate;
 pub mod infer;
 pub mod lm_eval;
 pub mod perplexity;
+pub mod recall;
 pub mod ruler;
 pub mod tasks;
 pub mod wikitext;
