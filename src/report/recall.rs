@@ -113,7 +113,7 @@ pub fn build(runs: &[Run]) -> Vec<Grid> {
                         Cell::Text(gap.to_string()),
                         Cell::Stat(st),
                         Cell::Text(seeds.join(", ")),
-                        st.t_test_p().map_or(Cell::Empty, |p| Cell::Text(format!("{p:.3}"))),
+                        st.t_test_p().map_or(Cell::Empty, |p| Cell::Text(Stat::p_text(p))),
                         st.ci.map_or(Cell::Empty, |(lo, hi)| Cell::Text(if lo > 0.0 || hi < 0.0 { "yes" } else { "no" }.into())),
                     ]);
                 }

@@ -89,7 +89,7 @@ pub fn paired_grid(t: &Table) -> (Vec<String>, Vec<Vec<Cell>>) {
                 Cell::Text(d.b.clone()),
                 Cell::Stat(d.stat),
                 Cell::Text(seeds.join(", ")),
-                d.p.map_or(Cell::Empty, |p| Cell::Text(format!("{p:.3}"))),
+                d.p.map_or(Cell::Empty, |p| Cell::Text(Stat::p_text(p))),
                 d.significant().map_or(Cell::Empty, |s| Cell::Text(if s { "yes" } else { "no" }.into())),
             ]
         })

@@ -49,6 +49,11 @@ impl Stat {
         Some(2.0 * (1.0 - dist.cdf(t.abs())))
     }
 
+    /// The p-value as tables print it: three decimals, "< 0.001" below that.
+    pub fn p_text(p: f64) -> String {
+        if p < 0.001 { "< 0.001".into() } else { format!("{p:.3}") }
+    }
+
     /// "12.34" for one seed, "12.34 ± 0.56 (3) [10.95, 13.73]" for several (two decimals).
     pub fn text(&self) -> String {
         match self.ci {
@@ -93,5 +98,6 @@ mod tests {
         assert!((Stat::of(&[-1.0, -2.0, -3.0]).unwrap().t_test_p().unwrap() - p).abs() < 1e-12);
         assert_eq!(Stat::of(&[2.0, 2.0]).unwrap().t_test_p(), None);
         assert_eq!(Stat::of(&[2.0]).unwrap().t_test_p(), None);
+        assert_eq!((Stat::p_text(0.0802), Stat::p_text(0.00009)), ("0.080".to_string(), "< 0.001".to_string()));
     }
 }
