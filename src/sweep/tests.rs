@@ -354,9 +354,12 @@ fn a_locked_run_is_busy_and_the_others_go_on() {
 }
 
 /// Expected runs per file in sweeps/ (every file there must be listed).
-const SWEEPS: [(&str, usize); 19] = [
+const SWEEPS: [(&str, usize); 22] = [
     ("dar-evidence-reduced.yaml", 15),
     ("dar-evidence-smoke.yaml", 12),
+    ("dar-longrange-niah-reduced.yaml", 12),
+    ("dar-longrange-reduced.yaml", 12),
+    ("dar-longrange-smoke.yaml", 12),
     ("dar-window-ablation-reduced.yaml", 16),
     ("dar-window-ablation-smoke.yaml", 14),
     ("still-components-paper.yaml", 6),
