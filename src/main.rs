@@ -112,7 +112,9 @@ enum Cmd {
         /// (0-shot, acc), gsm8k (5-shot, exact match), mbpp (3-shot, pass@1 in a sandbox), multi_news
         /// (0-shot, ROUGE-L), or a task YAML file (see data/tasks/README.md). Long context: a RULER
         /// task, e.g. ruler:niah_single_1 (writes ruler.json), or BABILong-style QA, babilong:qa1 or
-        /// babilong:qa2 (writes babilong.json; needs --essay and --babi).
+        /// babilong:qa2 (writes babilong.json; needs --essay and --babi). `recall`: the synthetic
+        /// long-range recall test (codes stated once, asked for --lengths tokens later; scored at the
+        /// answer digits only; writes recall.json and ruler.json cells; built-in tokenizer runs only).
         /// RUN may also be a finished `attnlab linearize` run (STILL / LoLCATs, decoded with its bounded cache).
         #[arg(long)]
         task: Option<String>,

@@ -709,3 +709,39 @@ fn seeded_smoke_sweep_reports_intervals_and_paired_rel() {
     assert!(md.contains("bands: ± 1 s.d. over seeds"), "{md}");
     assert!(std::fs::metadata(report.join("runs.parquet")).unwrap().len() > 0);
 }
+
+/// Issue 27: the recall smoke spec trains a window-only model, `eval --task recall` scores only the
+/// answer digits (recall.json with chance values and the window's reach, a ruler.json cell for the
+/// report) and eval.json records loss by window position in the bins of T 256.
+#[test]
+fn recall_smoke_run_scores_answer_digits_and_loss_by_position() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments/tiny-recall-smoke.yaml");
+    let run = cwd.join("win");
+    let sets = ["--set", "attention.kind=window", "--set", "attention.d_down=null", "--set", "train.steps=6", "--set", "data.train.synthetic.docs=100"];
+    let mut args = vec!["train", spec.to_str().unwrap(), "--quiet", "--out", run.to_str().unwrap()];
+    args.extend(sets);
+    ok(&attnlab(&args, cwd));
+    let eval: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("eval.json")).unwrap()).unwrap();
+    let p = &eval["corpora"]["recall"]["by_position"];
+    let edges: Vec<u64> = p["edges"].as_array().unwrap().iter().map(|e| e.as_u64().unwrap()).collect();
+    assert_eq!(&edges[..6], &[0, 1, 2, 4, 8, 16]);
+    assert_eq!((edges[6], *edges.last().unwrap(), edges.len()), (32, 256, 21));
+    let tokens: u64 = p["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).sum();
+    assert_eq!(tokens, eval["corpora"]["recall"]["tokens"].as_u64().unwrap());
+
+    let out = ok(&attnlab(&["eval", run.to_str().unwrap(), "--task", "recall", "--lengths", "8,64", "--samples", "20"], cwd));
+    assert!(out.contains("recall gap 64") && out.contains("at chance by construction"), "{out}");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("recall.json")).unwrap()).unwrap();
+    let g = &r["gaps"][1];
+    assert_eq!((g["gap"].as_u64(), g["docs"].as_u64(), g["window_reach"].as_u64()), (Some(64), Some(20), Some(30)));
+    assert!((g["chance_loss"].as_f64().unwrap() - 10f64.ln()).abs() < 1e-12);
+    let digits = g["digits"].as_u64().unwrap();
+    assert!(digits >= 3 * 2 * 20 && digits % 3 == 0, "{digits}");
+    let cells: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("ruler.json")).unwrap()).unwrap();
+    assert!(cells.as_array().unwrap().iter().any(|c| c["task"] == "recall" && c["length"] == 64), "{cells}");
+    // A gap whose documents do not fit T is refused with the reason.
+    let err = fails(&attnlab(&["eval", run.to_str().unwrap(), "--task", "recall", "--lengths", "400", "--samples", "2"], cwd));
+    assert!(err.contains("more than the model's T = 256"), "{err}");
+}

@@ -24,7 +24,13 @@ impl Doc {
 /// All documents of a source, in a deterministic order.
 pub fn read_documents(src: &SourceSpec) -> Result<Vec<Doc>> {
     match src {
-        SourceSpec::Synthetic { synthetic } => Ok(super::synthetic::documents(synthetic.seed, synthetic.docs).into_iter().map(Doc::plain).collect()),
+        SourceSpec::Synthetic { synthetic } => {
+            let docs = match synthetic.recall_gap {
+                Some(gap) => super::synthetic::recall_documents(synthetic.seed, synthetic.docs, gap),
+                None => super::synthetic::documents(synthetic.seed, synthetic.docs),
+            };
+            Ok(docs.into_iter().map(Doc::plain).collect())
+        }
         SourceSpec::Local(l) => read_local(l),
         SourceSpec::Needles { needles } => Ok(super::needles::documents(needles)?.into_iter().map(Doc::plain).collect()),
         SourceSpec::Mix { mix } => Ok(mix.iter().map(read_documents).collect::<Result<Vec<_>>>()?.concat()),

@@ -13,7 +13,15 @@
 //!
 //! Documents are 100–250 words. Words are single tokens of the built-in word-level tokenizer
 //! (`vocabulary()`), whose id 0 is `<|endoftext|>`. Document i depends only on (seed, i).
-use rand::{seq::IndexedRandom, Rng, SeedableRng};
+//!
+//! Those answers are often predictable from nearby tokens (a question repeats an earlier answer), so
+//! window-only attention does well on them. The **recall** corpus (`synthetic: {recall_gap: G}`,
+//! `recall_document`) is built so that it cannot: 2–4 codes stated once at the start
+//! (`the code of mira is 4 1 7 .`), at least G words of filler that never name a person, then every
+//! code asked for once (`question : what is the code of mira ? answer : 4 1 7 .`). The three answer
+//! digits are uniform and independent of everything else in the document, so a model that cannot see
+//! back G tokens scores chance at them: loss ln 10 per digit, 10% of digits right (eval/recall.rs).
+use rand::{seq::IndexedRandom, seq::SliceRandom, Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 const SYLLABLES: [&str; 12] = ["ka", "to", "mi", "re", "su", "no", "la", "vi", "do", "ne", "ri", "po"];
@@ -120,6 +128,56 @@ pub fn documents(seed: u64, n: usize) -> Vec<String> {
     (0..n as u64).map(|i| document(seed, i)).collect()
 }
 
+/// Documents `0..n` of the recall corpus with `seed` and minimum fact-to-question distance `gap`.
+pub fn recall_documents(seed: u64, n: usize, gap: usize) -> Vec<String> {
+    (0..n as u64).map(|i| recall_document(seed, i, gap)).collect()
+}
+
+/// Words of one filler sentence (the grammar of `document`, or a counting run): no names, no codes.
+fn filler(r: &mut ChaCha8Rng) -> String {
+    if r.random_range(0..6) == 0 {
+        let start = r.random_range(0..5);
+        let len = r.random_range(3..6);
+        let digits: Vec<&str> = (start..start + len).map(|d| DIGITS[d]).collect();
+        return format!("count : {} .", digits.join(" "));
+    }
+    let a = r.random_range(0..ADJ.len());
+    let noun = successors(a, &NOUN, 1)[r.random_range(0..3)];
+    let ni = NOUN.iter().position(|x| *x == noun).unwrap_or(0);
+    let verb = successors(ni, &VERB, 2)[r.random_range(0..3)];
+    let vi = VERB.iter().position(|x| *x == verb).unwrap_or(0);
+    let obj = successors(vi, &NOUN, 3)[r.random_range(0..3)];
+    format!("the {} {noun} {verb} near the {obj} .", ADJ[a])
+}
+
+/// Document `index` of the recall corpus (module doc): codes stated once, at least `gap` words of
+/// filler after the last one, then one question per person in a random order. Every answer digit is
+/// at least `gap` + 10 words after the digit it repeats.
+pub fn recall_document(seed: u64, index: u64, gap: usize) -> String {
+    let mut r = ChaCha8Rng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index ^ 0x7265_6361_6c6c);
+    let all_names = names();
+    let n_people = r.random_range(2..=4);
+    let people: Vec<(String, [usize; 3])> =
+        all_names.choose_multiple(&mut r, n_people).map(|n| (n.clone(), [r.random_range(0..10), r.random_range(0..10), r.random_range(0..10)])).collect();
+    let mut w: Vec<String> = Vec::new();
+    let say = |w: &mut Vec<String>, s: &str| w.extend(s.split(' ').map(str::to_string));
+    for (name, [a, b, c]) in &people {
+        say(&mut w, &format!("the code of {name} is {a} {b} {c} ."));
+    }
+    let facts_end = w.len();
+    while w.len() < facts_end + gap {
+        let f = filler(&mut r);
+        say(&mut w, &f);
+    }
+    let mut order: Vec<usize> = (0..people.len()).collect();
+    order.shuffle(&mut r);
+    for i in order {
+        let (name, [a, b, c]) = &people[i];
+        say(&mut w, &format!("question : what is the code of {name} ? answer : {a} {b} {c} ."));
+    }
+    w.join(" ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,6 +195,36 @@ mod tests {
             }
         }
         assert_ne!(document(7, 0), document(8, 0));
+    }
+
+    /// Recall documents: every code is stated exactly once, every person is asked for once, and each
+    /// answer digit lies at least `gap` words after the stated digit it repeats; nothing in between
+    /// names the person (so no nearer token carries the code).
+    #[test]
+    fn recall_facts_are_stated_once_and_asked_far_later() {
+        let vocab: HashSet<String> = vocabulary().into_iter().collect();
+        for gap in [8usize, 64, 300] {
+            for i in 0..40 {
+                let text = recall_document(5, i, gap);
+                assert_eq!(text, recall_document(5, i, gap));
+                let words: Vec<&str> = text.split(' ').collect();
+                assert!(words.iter().all(|w| vocab.contains(*w)));
+                let asked: Vec<usize> = (0..words.len()).filter(|&p| words[p] == "answer").collect();
+                assert!((2..=4).contains(&asked.len()), "{text}");
+                for a in asked {
+                    // question : what is the code of NAME ? answer : d d d .
+                    let name = words[a - 2];
+                    let stated: Vec<usize> = (0..words.len()).filter(|&p| words[p] == name).collect();
+                    assert_eq!(stated.len(), 2, "{name} named once as fact, once as question: {text}");
+                    let fact = stated[0];
+                    assert_eq!((words[fact - 3], words[fact - 1], words[fact + 1]), ("the", "of", "is"));
+                    for k in 0..3 {
+                        assert_eq!(words[fact + 2 + k], words[a + 2 + k], "digit {k} of {name}");
+                        assert!(a + 2 + k - (fact + 2 + k) >= gap + 10);
+                    }
+                }
+            }
+        }
     }
 
     /// Every answer in a document is the fact stated for that person at the start.

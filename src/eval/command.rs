@@ -93,6 +93,7 @@ pub fn eval(run: &Path, step: Option<u64>, device: Option<&str>, a: &EvalArgs) -
             let what = if is_long_context(task) { "evaluates generation" } else { "is a downstream task" };
             Err(Error::Other(format!("--corpus is for perplexity; --task {task} {what} (give one or the other)")))
         }
+        Some("recall") => recall(run, step, device, &a.long_context),
         Some(task) if is_long_context(task) => long_context(run, &out, task, step, device, &a.long_context),
         Some(_) if pretrained => Err(Error::Other(format!("{}: downstream tasks read a run directory; export the GGUF (`attnlab export`) and fine-tune or evaluate perplexity / RULER / BABILong directly", run.display()))),
         Some(task) => downstream(run, task, step, device, &a.downstream),
@@ -182,6 +183,34 @@ fn downstream(run: &Path, task: &str, step: Option<u64>, device: Option<&str>, a
     let lm = lm_eval::write(&info, &[lm_eval::downstream_task(&def, &result, &samples)])?;
     crate::tensorboard::refresh(run);
     Ok(Evaluated::Task { step: loaded.step, result, path, lm_eval: lm })
+}
+
+/// The synthetic recall test (eval/recall.rs): `--lengths` are the gaps, `--samples` documents per
+/// gap; writes recall.json, and a ruler.json cell per gap (score: % of answer digits right) so that
+/// the report's long-context table shows it beside S-NIAH.
+fn recall(run: &Path, step: Option<u64>, device: Option<&str>, a: &LongContextArgs) -> Result<Evaluated> {
+    let loaded = train::run::load(run, step, device)?;
+    let scores = super::recall::evaluate(&loaded.model, &loaded.tok, &loaded.spec, &a.grid.lengths, a.grid.samples, loaded.device)?;
+    let detail = super::recall::write(run, loaded.step, &scores)?;
+    let cells: Vec<ruler::Cell> = scores
+        .iter()
+        .map(|s| ruler::Cell { task: "recall".into(), length: s.gap, samples: s.docs, score: 100.0 * s.digit_accuracy, mean_prompt_tokens: s.mean_tokens, overrides: None, chat: false, diagnostics: None })
+        .collect();
+    let path = ruler::write_cells(run, "ruler.json", &cells)?;
+    for s in &scores {
+        println!(
+            "recall gap {}: loss {:.3} at {} answer digits (chance {:.3}), {:.1}% of digits and {:.1}% of codes right (chance 10% and 0.1%){}",
+            s.gap,
+            s.loss,
+            s.digits,
+            s.chance_loss,
+            100.0 * s.digit_accuracy,
+            100.0 * s.code_accuracy,
+            s.window_reach.map_or(String::new(), |r| format!("; window-only reach {r} tokens{}", if s.gap > r { " < gap: at chance by construction" } else { " ≥ gap: not a clean test" }))
+        );
+    }
+    println!("details: {}", detail.display());
+    Ok(Evaluated::LongContext { step: loaded.step, cells, path, lm_eval: None })
 }
 
 /// RULER / BABILong of `run`, results into `out` (the run directory itself, or a pretrained model's --out).

@@ -163,7 +163,7 @@ pub fn plot(rows: &[DecodeBench], stem: &std::path::Path) -> Result<Vec<std::pat
                 reference: false,
             })
             .collect();
-        Chart { title: format!("{title} (random weights)"), x_label: "log2 context length (10 = 1K, 16 = 64K tokens)".into(), y_label: y_label.into(), lines, log_y: false }.log_y_if_wide()
+        Chart { title: format!("{title} (random weights)"), x_label: "log2 context length (10 = 1K, 16 = 64K tokens)".into(), y_label: y_label.into(), lines, log_y: false, log_x: false }.log_y_if_wide()
     };
     let mut files = Vec::new();
     let with = |suffix: &str| std::path::PathBuf::from(format!("{}-{suffix}", stem.display()));

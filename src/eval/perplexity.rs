@@ -55,6 +55,75 @@ impl EvalCorpus {
     }
 }
 
+/// Bin edges for loss by position in a window of `t` tokens: 0, then powers of two below
+/// `step = next_power_of_two(t) / 16` (the first tokens, where loss falls fast), then multiples of
+/// `step` up to `t` (T 1024: 0, 1, 2, …, 32, 64, 128, 192, …, 1024), so that every power-of-two
+/// window w ≥ step is an edge and the positions past it get bins of their own.
+pub fn position_edges(t: usize) -> Vec<usize> {
+    if t == 0 {
+        return vec![0];
+    }
+    let step = (t.next_power_of_two() / 16).max(1);
+    let mut edges = vec![0];
+    let mut p = 1;
+    while p < step.min(t) {
+        edges.push(p);
+        p *= 2;
+    }
+    let mut m = step;
+    while m < t {
+        edges.push(m);
+        m += step;
+    }
+    edges.push(t);
+    edges
+}
+
+/// Mean loss by position in the model's input window: position p is a target predicted from p + 1
+/// tokens of context (the rolling protocol's later windows score only their last positions). A
+/// DAR or window-only model with window w differs from full attention only at positions ≥ w, so a
+/// distant path that carries information shows as a lower loss there than window-only's.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PositionLoss {
+    /// Bin i holds positions `edges[i] .. edges[i + 1]`.
+    pub edges: Vec<usize>,
+    /// Scored tokens per bin.
+    pub tokens: Vec<u64>,
+    /// Mean NLL (nats / token) per bin; null for a bin without tokens.
+    pub loss: Vec<Option<f64>>,
+}
+
+/// Sums behind a `PositionLoss`.
+#[derive(Debug, Clone)]
+pub struct PositionBins {
+    edges: Vec<usize>,
+    tokens: Vec<u64>,
+    nll: Vec<f64>,
+}
+
+impl PositionBins {
+    pub fn new(t: usize) -> PositionBins {
+        let edges = position_edges(t);
+        let n = edges.len() - 1;
+        PositionBins { edges, tokens: vec![0; n], nll: vec![0.0; n] }
+    }
+
+    /// Count one scored token at window position `pos` with NLL `nll` (positions ≥ t: last bin).
+    pub fn add(&mut self, pos: usize, nll: f64) {
+        if self.tokens.is_empty() {
+            return;
+        }
+        let bin = self.edges.partition_point(|&e| e <= pos).saturating_sub(1).min(self.tokens.len() - 1);
+        self.tokens[bin] += 1;
+        self.nll[bin] += nll;
+    }
+
+    pub fn finish(&self) -> PositionLoss {
+        let loss = self.nll.iter().zip(&self.tokens).map(|(s, &n)| (n > 0).then(|| s / n as f64)).collect();
+        PositionLoss { edges: self.edges.clone(), tokens: self.tokens.clone(), loss }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct CorpusResult {
     pub protocol: String,
@@ -70,6 +139,9 @@ pub struct CorpusResult {
     pub word_ppl: f64,
     pub byte_ppl: f64,
     pub bits_per_byte: f64,
+    /// Mean loss by window position (absent from eval.json files written before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by_position: Option<PositionLoss>,
 }
 
 impl CorpusResult {
@@ -90,6 +162,7 @@ impl CorpusResult {
             word_ppl: per(words).exp(),
             byte_ppl: per(bytes).exp(),
             bits_per_byte: per(bytes) / std::f64::consts::LN_2,
+            by_position: None,
         }
     }
 
@@ -107,42 +180,36 @@ impl CorpusResult {
     }
 }
 
-/// Sum of −log p(target) over the last `scored[i]` positions of each row of a right-padded batch,
-/// and the same sum per row (`rows[i]` += row i's part; the total is summed as before, per chunk).
-fn batch_nll(model: &Model, inputs: &[Vec<i64>], targets: &[Vec<i64>], scored: &[usize], device: Device, rows: Option<&mut [f64]>) -> f64 {
+/// Sum of −log p(target) over the last `scored[i]` positions of each row of a right-padded batch
+/// (summed on the device in double, per chunk), and each scored position's own value, row by row.
+fn batch_nll(model: &Model, inputs: &[Vec<i64>], targets: &[Vec<i64>], scored: &[usize], device: Device) -> (f64, Vec<f64>) {
     let t = inputs.iter().map(Vec::len).max().unwrap_or(0);
     let pad = |rows: &[Vec<i64>]| -> Tensor {
         let flat: Vec<i64> = rows.iter().flat_map(|r| r.iter().copied().chain(std::iter::repeat(0).take(t - r.len()))).collect();
         Tensor::from_slice(&flat).view([rows.len() as i64, t as i64]).to_device(device)
     };
     let (x, y) = (pad(inputs), pad(targets));
-    // Positions scored: the last `scored` of each row's real length (and the row each belongs to).
-    let (mut pos, mut row_of) = (Vec::new(), Vec::new());
+    // Positions scored: the last `scored` of each row's real length.
+    let mut pos = Vec::new();
     for (r, (row, &s)) in inputs.iter().zip(scored).enumerate() {
         pos.extend((row.len() - s..row.len()).map(|p| (r * t + p) as i64));
-        row_of.extend(std::iter::repeat(r).take(s));
     }
     let pos = Tensor::from_slice(&pos).to_device(device);
-    let mut rows = rows;
     tch::no_grad(|| {
         let autocast = device.is_cuda();
         crate::kernels::autocast(autocast, || {
             let h = model.hidden(&x).flatten(0, 1).index_select(0, &pos);
             let y = y.flatten(0, 1).index_select(0, &pos);
             // Logits for at most 4096 positions at a time: never a [B·T, V] fp32 tensor.
-            let mut total = 0.0;
-            for (c, (hc, yc)) in h.split(4096, 0).iter().zip(y.split(4096, 0)).enumerate() {
+            let (mut total, mut each) = (0.0, Vec::with_capacity(pos.size()[0] as usize));
+            for (hc, yc) in h.split(4096, 0).iter().zip(y.split(4096, 0)) {
                 let lp = model.logits(hc).to_kind(Kind::Float).log_softmax(-1, Kind::Float);
                 let g = lp.gather(1, &yc.unsqueeze(1), false);
                 total -= g.sum(Kind::Double).double_value(&[]);
-                if let Some(rows) = rows.as_deref_mut() {
-                    let v = Vec::<f64>::try_from(g.flatten(0, -1).to_kind(Kind::Double).to_device(Device::Cpu)).unwrap_or_default();
-                    for (i, x) in v.iter().enumerate() {
-                        rows[row_of[c * 4096 + i]] -= x;
-                    }
-                }
+                let v = Vec::<f64>::try_from(g.flatten(0, -1).to_kind(Kind::Double).to_device(Device::Cpu)).unwrap_or_default();
+                each.extend(v.iter().map(|x| -x));
             }
-            total
+            (total, each)
         })
     })
 }
@@ -163,13 +230,21 @@ pub fn evaluate_docs(model: &Model, corpus: &EvalCorpus, t: usize, batch: usize,
     // Windows waiting for a forward: inputs, targets, scored positions, document index.
     type Pending = (Vec<Vec<i64>>, Vec<Vec<i64>>, Vec<usize>, Vec<usize>);
     let mut pending: Pending = Default::default();
-    let flush = |p: &mut Pending, nll: &mut f64, doc_nll: &mut Vec<f64>| {
+    let mut by_pos = PositionBins::new(t);
+    let mut flush = |p: &mut Pending, nll: &mut f64, doc_nll: &mut Vec<f64>| {
         if !p.0.is_empty() {
-            let mut rows = vec![0.0; p.0.len()];
-            *nll += batch_nll(model, &p.0, &p.1, &p.2, device, (protocol == EvalProtocol::Rolling).then_some(&mut rows[..]));
-            if protocol == EvalProtocol::Rolling {
-                for (&d, r) in p.3.iter().zip(&rows) {
-                    doc_nll[d] += r;
+            let (total, each) = batch_nll(model, &p.0, &p.1, &p.2, device);
+            *nll += total;
+            let mut each = each.into_iter();
+            for (i, (row, &s)) in p.0.iter().zip(&p.2).enumerate() {
+                let mut row_sum = 0.0;
+                for position in row.len() - s..row.len() {
+                    let x = each.next().unwrap_or(f64::NAN);
+                    by_pos.add(position, x);
+                    row_sum += x;
+                }
+                if protocol == EvalProtocol::Rolling {
+                    doc_nll[p.3[i]] += row_sum;
                 }
             }
             *p = Default::default();
@@ -226,7 +301,8 @@ pub fn evaluate_docs(model: &Model, corpus: &EvalCorpus, t: usize, batch: usize,
         }
     }
     flush(&mut pending, &mut nll, &mut doc_nll);
-    (CorpusResult::new(protocol, docs, tokens, words, bytes, nll), doc_nll)
+    let result = CorpusResult { by_position: Some(by_pos.finish()), ..CorpusResult::new(protocol, docs, tokens, words, bytes, nll) };
+    (result, doc_nll)
 }
 
 /// Perplexity and scored tokens per corpus, one row per named run (`-` where a run lacks a corpus),
@@ -294,6 +370,68 @@ mod tests {
         }
         let (_, none) = evaluate_docs(&model, &corpus, 8, 3, None, EvalProtocol::Stream, Device::Cpu);
         assert!(none.is_empty());
+    }
+
+    /// Bin edges by hand: T 1024 → 0, 1, 2, 4, …, 32, then every 64; T 8 → every position; T 100
+    /// → 0, 1, 2, 4, then every 8 and the end. Positions land in the bin whose range holds them.
+    #[test]
+    fn position_bins_by_hand() {
+        let mut want: Vec<usize> = vec![0, 1, 2, 4, 8, 16, 32];
+        want.extend((1..=16).map(|k| 64 * k));
+        assert_eq!(position_edges(1024), want);
+        assert_eq!(position_edges(8), (0..=8).collect::<Vec<_>>());
+        let mut want: Vec<usize> = vec![0, 1, 2, 4];
+        want.extend((1..=12).map(|k| 8 * k));
+        want.push(100);
+        assert_eq!(position_edges(100), want);
+        let mut b = PositionBins::new(1024);
+        for (pos, nll) in [(0, 5.0), (3, 1.0), (2, 3.0), (127, 2.0), (128, 4.0), (191, 6.0), (1023, 1.5)] {
+            b.add(pos, nll);
+        }
+        let p = b.finish();
+        let bin = |pos: usize| p.edges.iter().rposition(|&e| e <= pos).unwrap();
+        // Bins 0 [0, 1), 2 [2, 4), 7 [64, 128), 8 [128, 192), 21 [960, 1024): 22 bins in all.
+        assert_eq!(p.tokens.len(), 22);
+        assert_eq!((bin(0), bin(2), bin(3), bin(127), bin(128), bin(191), bin(1023)), (0, 2, 2, 7, 8, 8, 21));
+        assert_eq!((p.tokens[0], p.tokens[2], p.tokens[7], p.tokens[8], p.tokens[21]), (1, 2, 1, 2, 1));
+        assert_eq!((p.loss[0], p.loss[2], p.loss[7], p.loss[8], p.loss[21]), (Some(5.0), Some(2.0), Some(2.0), Some(5.0), Some(1.5)));
+        assert_eq!(p.loss[1], None, "an empty bin has no mean");
+        assert_eq!(p.tokens.iter().sum::<u64>(), 7);
+    }
+
+    /// Loss by position from `evaluate` against the model's own logits computed window by window
+    /// here: one 11-token document at T = 8 → window 1 scores positions 0–7, window 2 (start 3)
+    /// positions 5–7, so positions 5–7 average two tokens; the bins add up to the corpus NLL.
+    #[test]
+    fn loss_by_position_matches_the_logits() {
+        let mut spec = crate::spec::from_str(crate::spec::BUILTIN_TINY, "tiny", &[]).unwrap();
+        spec.model.vocab = Some(128);
+        tch::manual_seed(5);
+        let vs = tch::nn::VarStore::new(Device::Cpu);
+        let model = Model::Neox(crate::model::GptNeox::new(&vs.root(), crate::train::run::model_config(&spec)));
+        let ids: Vec<u32> = (0..11u32).map(|i| (i * 13 + 5) % 120 + 1).collect();
+        let corpus = EvalCorpus { name: "c".into(), docs: vec![(ids.clone(), Doc { text: String::new(), words: 11, bytes: 11 })], prefix: 0 };
+        let r = evaluate(&model, &corpus, 8, 2, None, EvalProtocol::Rolling, Device::Cpu);
+        let p = r.by_position.clone().unwrap();
+        assert_eq!(p.edges, (0..=8).collect::<Vec<_>>());
+        assert_eq!(p.tokens, vec![1, 1, 1, 1, 1, 2, 2, 2]);
+        // Reference: y = [0] + ids; window 1 = y[0..8] → y[1..9]; window 2 = y[3..11] → y[4..12], last 3.
+        let y: Vec<i64> = std::iter::once(0).chain(ids.iter().map(|&x| x as i64)).collect();
+        let nll_at = |start: usize| -> Vec<f64> {
+            let x = Tensor::from_slice(&y[start..start + 8]).view([1, 8]);
+            let lp = tch::no_grad(|| model.logits(&model.hidden(&x)).log_softmax(-1, Kind::Double)).squeeze_dim(0);
+            (0..8).map(|q| -lp.double_value(&[q as i64, y[start + q + 1]])).collect()
+        };
+        let (w1, w2) = (nll_at(0), nll_at(3));
+        let mut want: Vec<f64> = w1.clone();
+        for q in 5..8 {
+            want[q] = (w1[q] + w2[q]) / 2.0;
+        }
+        for (q, (got, want)) in p.loss.iter().zip(&want).enumerate() {
+            assert!((got.unwrap() - want).abs() < 1e-4, "position {q}: {got:?} vs {want}");
+        }
+        let total: f64 = p.loss.iter().zip(&p.tokens).map(|(l, &n)| l.unwrap() * n as f64).sum();
+        assert!((total - r.nll).abs() < 1e-6 * r.nll, "{total} vs {}", r.nll);
     }
 
     /// Every token of a document is scored exactly once, windows never exceed T, full windows start

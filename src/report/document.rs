@@ -18,6 +18,8 @@ pub struct Inputs<'a> {
     /// Files of each table (relative to the report folder).
     pub table_files: &'a BTreeMap<String, Vec<PathBuf>>,
     pub figure3: &'a [Figure],
+    /// Loss by window position (runs whose eval.json records it).
+    pub by_position: &'a [Figure],
     pub sweeps: &'a [Figure],
     pub per_run: &'a [Figure],
     pub unit: Unit,
@@ -82,6 +84,15 @@ pub fn write(i: &Inputs) -> String {
         if let Some(files) = i.table_files.get(&t.id) {
             let _ = writeln!(o, "Files: {}\n", files.iter().map(|p| link(p)).collect::<Vec<_>>().join(", "));
         }
+        if !t.pairs.is_empty() {
+            let _ = writeln!(o, "Paired differences (A − B per seed, then over seeds; negative: A has the lower perplexity):\n");
+            let (head, body) = render::paired_grid(t);
+            o += &render::markdown_grid(&head, &body);
+            o.push('\n');
+            if let Some(files) = i.table_files.get(&format!("{}-paired", t.id)) {
+                let _ = writeln!(o, "Files: {}\n", files.iter().map(|p| link(p)).collect::<Vec<_>>().join(", "));
+            }
+        }
         let remarks: Vec<String> = t
             .rows
             .iter()
@@ -120,6 +131,16 @@ pub fn write(i: &Inputs) -> String {
         let _ = writeln!(o, "Not drawn: no sweep has a vanilla run and another configuration evaluated at common steps.\n");
     }
     for f in i.figure3 {
+        embed(&mut o, f);
+    }
+
+    let _ = writeln!(o, "## Loss by position\n");
+    if i.by_position.is_empty() {
+        let _ = writeln!(o, "Not drawn: no run's eval.json records loss by window position (`by_position`; written by `attnlab train` and `attnlab eval` since issue 27 — re-run `attnlab eval RUN` on a checkpoint to add it).\n");
+    } else {
+        let _ = writeln!(o, "Mean loss at each position of the model's input window (x: tokens of context). A DAR or window-only model with window w differs from full attention only right of the dotted line at w; there, DAR below window-only is information its compressed distant path carries.\n");
+    }
+    for f in i.by_position {
         embed(&mut o, f);
     }
 

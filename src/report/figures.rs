@@ -3,12 +3,14 @@
 //! A sweep is a recipe group (groups.rs): runs of one scale and recipe that differ in attention and
 //! seed only. A sweep's charts draw one series per configuration: the mean over its seeds, with a
 //! band of ± one s.d. where there are several; vanilla black, DAR solid, uniform dashed,
-//! window-only dotted, one colour per d_down (per window in a window ablation).
+//! window-only dotted, one colour per d_down (per window in a window ablation). Loss by window
+//! position (eval.json's `by_position`) is drawn the same way, absolute and minus vanilla's.
 use super::groups::{self, Key};
 use super::load::Run;
 use super::plots::{self, Chart, Dash, Line};
 use super::stats::Stat;
 use super::tables::{rel, Unit};
+use crate::eval::perplexity::PositionLoss;
 use crate::spec::{AttentionSpec, DarAct};
 use crate::Result;
 use std::collections::{BTreeMap, BTreeSet};
@@ -57,6 +59,7 @@ pub fn run_figures(run: &Run, out: &Path, unit: Unit) -> Result<Vec<Figure>> {
         y_label: "training loss (nats / token)".into(),
         lines: vec![Line::solid("train loss".into(), run.series("loss"), 0)],
         log_y: false,
+        log_x: false,
     };
     let ppl = Chart {
         title: format!("Validation perplexity: {}", run.rel),
@@ -68,6 +71,7 @@ pub fn run_figures(run: &Run, out: &Path, unit: Unit) -> Result<Vec<Figure>> {
             .map(|(i, c)| Line::solid(c.clone(), run.series(&format!("eval/{c}/{}", unit.field())), i))
             .collect(),
         log_y: false,
+        log_x: false,
     }
     .log_y_if_wide();
     let mut out_figs = Vec::new();
@@ -198,6 +202,7 @@ pub fn sweep_figures(key: &Key, runs: &[&Run], out: &Path, unit: Unit) -> Result
         y_label: "training loss (nats / token)".into(),
         lines: all.iter().map(|s| pooled_line(s, &s.runs.iter().map(|r| r.series("loss")).collect::<Vec<_>>())).collect(),
         log_y: false,
+        log_x: false,
     };
     figs.extend(save(loss, out, &format!("{stem}/loss"), format!("Training loss of the {scale} sweep `{}`.{band}", groups::key_id(key)))?);
     let all_corpora: BTreeSet<String> = runs.iter().flat_map(|r| corpora(r)).collect();
@@ -209,6 +214,7 @@ pub fn sweep_figures(key: &Key, runs: &[&Run], out: &Path, unit: Unit) -> Result
             y_label: ppl_label(unit),
             lines: all.iter().map(|s| pooled_line(s, &s.runs.iter().map(|r| r.series(&metric)).collect::<Vec<_>>())).collect(),
             log_y: false,
+        log_x: false,
         }
         .log_y_if_wide();
         figs.extend(save(
@@ -263,6 +269,7 @@ pub fn figure3(key: &Key, runs: &[&Run], out: &Path, unit: Unit) -> Result<Optio
         y_label: format!("Rel.(%) of {}-level PPL vs vanilla", unit.name()),
         lines,
         log_y: false,
+        log_x: false,
     };
     let caption = format!(
         "Figure 3, {scale} sweep `{id}`: Rel.(%) = 100 · mean over corpora of PPL / PPL(vanilla of the same seed) at each evaluated step ({} PPL; lower is better){}",
@@ -270,4 +277,101 @@ pub fn figure3(key: &Key, runs: &[&Run], out: &Path, unit: Unit) -> Result<Optio
         if pooled { "; lines: mean over seeds, bands: ± 1 s.d. over seeds" } else { "" }
     );
     save(chart, out, &format!("plots/figure3-{}", slug(&format!("{scale}-{id}"))), caption)
+}
+
+/// x of each bin of a loss-by-position record (the mean context length of its positions, position
+/// + 1, so that a log axis can start at the first token) and its loss.
+pub fn position_curve(p: &PositionLoss) -> Vec<(f64, f64)> {
+    p.edges.windows(2).zip(&p.loss).filter_map(|(e, l)| l.map(|l| ((e[0] + e[1] + 1) as f64 / 2.0, l))).collect()
+}
+
+/// `run`'s loss by position minus `vanilla`'s, bin by bin (same bins only).
+pub fn position_delta(run: &PositionLoss, vanilla: &PositionLoss) -> Vec<(f64, f64)> {
+    if run.edges != vanilla.edges {
+        return Vec::new();
+    }
+    let v: BTreeMap<u64, f64> = position_curve(vanilla).into_iter().map(|(x, y)| (x.to_bits(), y)).collect();
+    position_curve(run).into_iter().filter_map(|(x, y)| v.get(&x.to_bits()).map(|b| (x, y - b))).collect()
+}
+
+/// Vertical reference lines at each local window w of the sweep, spanning `lines`' y range: the
+/// bins right of it are the positions with keys at distance ≥ w.
+fn window_marks(all: &[Series], lines: &[Line]) -> Vec<Line> {
+    let ys: Vec<f64> = lines.iter().flat_map(|l| l.points.iter().map(|p| p.1).chain(l.band.iter().flat_map(|b| [b.1, b.2]))).filter(|y| y.is_finite()).collect();
+    let (lo, hi) = ys.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &y| (a.min(y), b.max(y)));
+    if !lo.is_finite() {
+        return Vec::new();
+    }
+    let windows: BTreeSet<usize> = all.iter().filter(|s| !s.config.is_vanilla()).filter_map(|s| s.config.window_len()).filter(|&w| w > 0).collect();
+    windows
+        .into_iter()
+        .map(|w| Line {
+            label: format!("w = {w}: farther keys exist right of it"),
+            points: vec![(w as f64 + 0.5, lo), (w as f64 + 0.5, hi)],
+            band: Vec::new(),
+            color: None,
+            dash: Dash::Dotted,
+            reference: true,
+        })
+        .collect()
+}
+
+/// The loss by position of the vanilla run with `r`'s seed, on `corpus`.
+fn vanilla_position<'a>(runs: &[&'a Run], r: &Run, corpus: &str) -> Option<&'a PositionLoss> {
+    runs.iter().copied().find(|v| v.spec.attention.is_vanilla() && v.spec.seed() == r.spec.seed()).and_then(|v| v.by_position.get(corpus))
+}
+
+/// Loss by position (eval.json's `by_position`) for every configuration of a sweep, per corpus: the
+/// mean loss, and the difference from the vanilla run of the same seed (paired), each pooled over
+/// seeds (bands ± 1 s.d.), on a log position axis with the window marked. Past the window, DAR below
+/// window-only means its distant path carries information window-only cannot have.
+pub fn position_figures(key: &Key, runs: &[&Run], out: &Path) -> Result<Vec<Figure>> {
+    let corpora: BTreeSet<String> = runs.iter().flat_map(|r| r.by_position.keys().cloned()).collect();
+    if corpora.is_empty() {
+        return Ok(Vec::new());
+    }
+    let all = series(runs);
+    let scale = groups::scale(&runs[0].spec);
+    let id = groups::key_id(key);
+    let stem = format!("plots/sweeps/{}", slug(&format!("{scale}-{id}")));
+    let seeds = all.iter().any(|s| s.runs.len() > 1);
+    let band = if seeds { " Lines: mean over seeds; bands: ± 1 s.d. over seeds." } else { "" };
+    let x_label = "tokens of context (window position + 1, log scale)".to_string();
+    let mut figs = Vec::new();
+    for c in corpora {
+        let mut lines: Vec<Line> = all.iter().map(|s| pooled_line(s, &s.runs.iter().filter_map(|r| r.by_position.get(&c).map(position_curve)).collect::<Vec<_>>())).collect();
+        let marks = window_marks(&all, &lines);
+        lines.extend(marks);
+        let chart = Chart { title: format!("{c}: loss by position, {scale} sweep `{id}`"), x_label: x_label.clone(), y_label: "mean loss (nats / token)".into(), lines, log_y: false, log_x: true };
+        figs.extend(save(chart, out, &format!("{stem}/loss-by-position-{}", slug(&c)), format!("{c}: mean loss by window position of the {scale} sweep `{id}` (bins of eval.json's `by_position`).{band}"))?);
+
+        let mut lines: Vec<Line> = all
+            .iter()
+            .filter(|s| !s.config.is_vanilla())
+            .map(|s| pooled_line(s, &s.runs.iter().filter_map(|r| Some(position_delta(r.by_position.get(&c)?, vanilla_position(runs, r, &c)?))).collect::<Vec<_>>()))
+            .collect();
+        if lines.iter().all(|l| l.points.is_empty()) {
+            continue;
+        }
+        let xs: Vec<f64> = lines.iter().flat_map(|l| l.points.iter().map(|p| p.0)).collect();
+        let (x0, x1) = xs.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+        lines.insert(0, Line { label: "vanilla (same seed) = 0".into(), points: vec![(x0, 0.0), (x1, 0.0)], band: Vec::new(), color: None, dash: Dash::Solid, reference: true });
+        let marks = window_marks(&all, &lines);
+        lines.extend(marks);
+        let chart = Chart {
+            title: format!("{c}: loss minus vanilla's by position, {scale} sweep `{id}`"),
+            x_label: x_label.clone(),
+            y_label: "loss − vanilla loss, same seed (nats / token)".into(),
+            lines,
+            log_y: false,
+            log_x: true,
+        };
+        figs.extend(save(
+            chart,
+            out,
+            &format!("{stem}/loss-by-position-vs-vanilla-{}", slug(&c)),
+            format!("{c}: loss minus the loss of the vanilla run of the same seed, by window position, {scale} sweep `{id}` (below 0: better than vanilla).{band}"),
+        )?);
+    }
+    Ok(figs)
 }

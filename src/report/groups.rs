@@ -128,7 +128,10 @@ fn source_words(src: &SourceSpec) -> String {
     match src {
         SourceSpec::Local(l) => format!("`{}`", l.path.display()),
         SourceSpec::Hub { hf } => format!("hf `{}` ({} files)", hf.repo, hf.files.len()),
-        SourceSpec::Synthetic { synthetic } => format!("synthetic (seed {}, {} docs)", synthetic.seed, synthetic.docs),
+        SourceSpec::Synthetic { synthetic } => match synthetic.recall_gap {
+            Some(g) => format!("synthetic recall (seed {}, {} docs, gap {g})", synthetic.seed, synthetic.docs),
+            None => format!("synthetic (seed {}, {} docs)", synthetic.seed, synthetic.docs),
+        },
         SourceSpec::Needles { needles } => format!("{} RULER-format needle documents ({})", needles.docs, needles.tasks.join(", ")),
         SourceSpec::Mix { mix } => mix.iter().map(source_words).collect::<Vec<_>>().join(" + "),
         SourceSpec::Megatron { megatron } => format!("Megatron tokens {}{}", megatron.hf.as_ref().map(|r| format!("hf `{r}` ")).unwrap_or_default(), megatron.bin.join(" + ")),

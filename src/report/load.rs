@@ -2,6 +2,7 @@
 //! per step. A resumed run re-logs the steps after its last checkpoint, and evaluation rows share a
 //! step with training rows, so rows are merged key by key with the line written last winning.
 //! eval.json is written after metrics.jsonl (and again by `attnlab eval`), so it is merged last.
+use crate::eval::perplexity::PositionLoss;
 use crate::spec::Spec;
 use crate::{Error, IoContext, Result};
 use serde_json::Value;
@@ -22,6 +23,9 @@ pub struct Run {
     pub rows: BTreeMap<u64, Row>,
     /// Lines or files that could not be read (reported, not fatal).
     pub warnings: Vec<String>,
+    /// Mean loss by window position per corpus, from eval.json (empty for runs evaluated before
+    /// `eval` recorded it).
+    pub by_position: BTreeMap<String, PositionLoss>,
 }
 
 /// A folder holding config.yaml that could not be used, and why.
@@ -125,7 +129,7 @@ pub fn load_run(dir: &Path, rel: String) -> Result<Run> {
     let cfg = dir.join("config.yaml");
     let text = std::fs::read_to_string(&cfg).at(&cfg)?;
     let spec = crate::spec::from_str(&text, &cfg.display().to_string(), &[])?;
-    let mut run = Run { rel, dir: dir.to_path_buf(), spec, done: dir.join("DONE").is_file(), rows: BTreeMap::new(), warnings: Vec::new() };
+    let mut run = Run { rel, dir: dir.to_path_buf(), spec, done: dir.join("DONE").is_file(), rows: BTreeMap::new(), warnings: Vec::new(), by_position: BTreeMap::new() };
     let metrics = dir.join("metrics.jsonl");
     // Malformed lines (a torn last row, say) are skipped with a warning on stderr and in the report.
     let read = crate::train::metrics::read(&metrics)?;
@@ -135,8 +139,9 @@ pub fn load_run(dir: &Path, rel: String) -> Result<Run> {
     }
     let eval = dir.join("eval.json");
     if eval.is_file() {
-        if let Err(e) = merge_eval_json(&mut run.rows, &eval) {
-            run.warnings.push(format!("eval.json: {e}"));
+        match merge_eval_json(&mut run.rows, &eval) {
+            Ok(by_position) => run.by_position = by_position,
+            Err(e) => run.warnings.push(format!("eval.json: {e}")),
         }
     }
     Ok(run)
@@ -162,13 +167,19 @@ fn merge_metrics_line(rows: &mut BTreeMap<u64, Row>, obj: &serde_json::Map<Strin
 
 /// eval.json = {"step": N, "corpora": {name: {protocol, ppl, word_ppl, …}}} → `eval/<name>/<field>`
 /// at step N, named as metrics.jsonl names them (stream results as stream_ppl / stream_loss).
-fn merge_eval_json(rows: &mut BTreeMap<u64, Row>, path: &Path) -> Result<()> {
+/// Returns each corpus's loss by position, where eval.json has one.
+fn merge_eval_json(rows: &mut BTreeMap<u64, Row>, path: &Path) -> Result<BTreeMap<String, PositionLoss>> {
     let v: Value = serde_json::from_str(&std::fs::read_to_string(path).at(path)?)?;
     let step = v["step"].as_u64().ok_or_else(|| Error::Data("no integer `step`".into()))?;
     let corpora = v["corpora"].as_object().ok_or_else(|| Error::Data("no `corpora` object".into()))?;
     let row = rows.entry(step).or_default();
+    let mut by_position = BTreeMap::new();
     for (name, result) in corpora {
         let Some(fields) = result.as_object() else { continue };
+        if let Some(p) = fields.get("by_position") {
+            let p: PositionLoss = serde_json::from_value(p.clone()).map_err(|e| Error::Data(format!("corpus `{name}`, by_position: {e}")))?;
+            by_position.insert(name.clone(), p);
+        }
         let stream = fields.get("protocol").and_then(Value::as_str) == Some("stream");
         for (field, value) in fields {
             let key = match (stream, field.as_str()) {
@@ -185,5 +196,5 @@ fn merge_eval_json(rows: &mut BTreeMap<u64, Row>, path: &Path) -> Result<()> {
             row.insert(format!("eval/{name}/{key}"), value);
         }
     }
-    Ok(())
+    Ok(by_position)
 }

@@ -1,6 +1,6 @@
 //! `attnlab report RESULTS_DIR`: every run directory below RESULTS_DIR → runs.parquet, the DAR
 //! paper's Tables 1–3 next to the paper's numbers (Markdown / LaTeX / CSV), Figure 3 (Rel.(%) vs
-//! step), loss and perplexity curves (PNG + SVG), and report.md tying them together and saying
+//! step), loss by window position, loss and perplexity curves (PNG + SVG), and report.md tying them together and saying
 //! which rows are missing and why.
 //!
 //! load (run dirs → Run) → groups (which runs compare: same scale and recipe) → tables (rows, Rel.%)
@@ -14,6 +14,7 @@ pub mod load;
 pub mod longctx;
 pub mod paper;
 pub mod plots;
+pub mod recall;
 pub mod render;
 pub mod stats;
 pub mod tables;
@@ -114,11 +115,18 @@ pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str
             let rel = PathBuf::from(format!("tables/{}.{f}", t.id));
             write_file(&out.join(&rel), &text, &mut files)?;
             table_files.entry(t.id.clone()).or_default().push(rel);
+            if !t.pairs.is_empty() {
+                let rel = PathBuf::from(format!("tables/{}-paired.{f}", t.id));
+                write_file(&out.join(&rel), &render::paired_file(t, f), &mut files)?;
+                table_files.entry(format!("{}-paired", t.id)).or_default().push(rel);
+            }
         }
     }
 
     // RULER / BABILong scores and STILL's ablations (also of linearized runs, which `runs` lacks).
-    let long = longctx::build(&longctx::discover(results_dir)?, &paper::still()?);
+    let mut long = longctx::build(&longctx::discover(results_dir)?, &paper::still()?);
+    // The recall test pooled over seeds, with paired differences between arms.
+    long.extend(recall::build(&runs));
     for g in &long {
         for f in &formats {
             let rel = PathBuf::from(format!("tables/{}.{f}", g.id));
@@ -127,10 +135,11 @@ pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str
         }
     }
 
-    let (mut figure3, mut sweeps, mut per_run) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut figure3, mut sweeps, mut per_run, mut by_position) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let all: Vec<&load::Run> = runs.iter().collect();
     for (key, members) in groups::by_recipe(&all) {
         figure3.extend(figures::figure3(&key, &members, out, unit)?);
+        by_position.extend(figures::position_figures(&key, &members, out)?);
         if members.len() > 1 {
             sweeps.extend(figures::sweep_figures(&key, &members, out, unit)?);
         }
@@ -138,7 +147,7 @@ pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str
     for r in &runs {
         per_run.extend(figures::run_figures(r, out, unit)?);
     }
-    for f in figure3.iter().chain(&sweeps).chain(&per_run) {
+    for f in figure3.iter().chain(&by_position).chain(&sweeps).chain(&per_run) {
         files.extend(f.files.iter().map(|p| out.join(p)));
     }
 
@@ -150,6 +159,7 @@ pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str
         long: &long,
         table_files: &table_files,
         figure3: &figure3,
+        by_position: &by_position,
         sweeps: &sweeps,
         per_run: &per_run,
         unit,

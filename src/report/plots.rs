@@ -66,6 +66,8 @@ pub struct Chart {
     pub y_label: String,
     pub lines: Vec<Line>,
     pub log_y: bool,
+    /// A logarithmic x axis (x > 0 only): loss by position, whose first tokens change fastest.
+    pub log_x: bool,
 }
 
 impl Chart {
@@ -115,19 +117,26 @@ pub fn save(chart: &Chart, stem: &Path) -> Result<Vec<PathBuf>> {
 
 fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &Chart) -> std::result::Result<(), String> {
     let (x, y) = bounds(chart);
-    if chart.log_y {
-        // plotters' own log ticks skip whole decades of a narrow range: place 1-2-5 ticks ourselves.
-        let ticks = log_ticks(y.start, y.end);
-        draw_in(root, chart, x, y.log_scale().with_key_points(ticks))
-    } else {
-        draw_in(root, chart, x, y)
+    // plotters' own log ticks skip whole decades of a narrow range: place 1-2-5 ticks ourselves.
+    let (xt, yt) = (log_ticks(x.start, x.end), log_ticks(y.start, y.end));
+    match (chart.log_x, chart.log_y) {
+        (false, false) => draw_in(root, chart, x, y),
+        (false, true) => draw_in(root, chart, x, y.log_scale().with_key_points(yt)),
+        (true, false) => draw_in(root, chart, x.log_scale().with_key_points(xt), y),
+        (true, true) => draw_in(root, chart, x.log_scale().with_key_points(xt), y.log_scale().with_key_points(yt)),
     }
 }
 
 /// Axis ranges over every point, padded so that lines do not sit on the frame.
 fn bounds(chart: &Chart) -> (Range<f64>, Range<f64>) {
     let band = chart.lines.iter().flat_map(|l| l.band.iter().flat_map(|&(x, lo, hi)| [(x, lo), (x, hi)]));
-    let pts: Vec<(f64, f64)> = chart.lines.iter().flat_map(|l| l.points.iter().copied()).chain(band).filter(|p| p.0.is_finite() && p.1.is_finite() && (!chart.log_y || p.1 > 0.0)).collect();
+    let pts: Vec<(f64, f64)> = chart
+        .lines
+        .iter()
+        .flat_map(|l| l.points.iter().copied())
+        .chain(band)
+        .filter(|p| p.0.is_finite() && p.1.is_finite() && (!chart.log_y || p.1 > 0.0) && (!chart.log_x || p.0 > 0.0))
+        .collect();
     let span = |v: &mut dyn Iterator<Item = f64>| v.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
     let (x0, x1) = span(&mut pts.iter().map(|p| p.0));
     let (y0, y1) = span(&mut pts.iter().map(|p| p.1));
@@ -138,7 +147,7 @@ fn bounds(chart: &Chart) -> (Range<f64>, Range<f64>) {
         let d = if hi > lo { (hi - lo) * frac } else { lo.abs().max(1.0) * frac.max(0.05) };
         (lo - d, hi + d)
     };
-    let (x0, x1) = pad(x0, x1, 0.02);
+    let (x0, x1) = if chart.log_x { (x0 / 1.05, x1 * 1.05) } else { pad(x0, x1, 0.02) };
     let (y0, y1) = if chart.log_y { (y0 / 1.08, y1 * 1.08) } else { pad(y0, y1, 0.06) };
     (x0..x1, y0..y1)
 }
@@ -148,11 +157,13 @@ fn bounds(chart: &Chart) -> (Range<f64>, Range<f64>) {
 fn legend_corner(c: &Chart) -> SeriesLabelPosition {
     let (x, y) = bounds(c);
     let ty = |v: f64| if c.log_y { v.max(f64::MIN_POSITIVE).ln() } else { v };
+    let tx = |v: f64| if c.log_x { v.max(f64::MIN_POSITIVE).ln() } else { v };
     let (y0, y1) = (ty(y.start), ty(y.end));
+    let (x0, x1) = (tx(x.start), tx(x.end));
     let pts = c.lines.iter().flat_map(|l| l.points.iter().copied().chain(l.band.iter().flat_map(|&(px, lo, hi)| [(px, lo), (px, hi)])));
     let mut counts = [0usize; 4]; // upper right, lower right, upper left, lower left
     for (px, py) in pts.filter(|p| p.0.is_finite() && p.1.is_finite()) {
-        let fx = (px - x.start) / (x.end - x.start);
+        let fx = (tx(px) - x0) / (x1 - x0);
         let fy = (ty(py) - y0) / (y1 - y0);
         let (right, up) = (fx > 0.55, fy > 0.6);
         let (left, down) = (fx < 0.45, fy < 0.4);
@@ -203,9 +214,11 @@ fn tick(v: f64) -> String {
     }
 }
 
-fn draw_in<DB, Y>(root: &DrawingArea<DB, Shift>, c: &Chart, x: Range<f64>, y: Y) -> std::result::Result<(), String>
+fn draw_in<DB, X, Y>(root: &DrawingArea<DB, Shift>, c: &Chart, x: X, y: Y) -> std::result::Result<(), String>
 where
     DB: DrawingBackend,
+    X: AsRangedCoord<Value = f64>,
+    X::CoordDescType: ValueFormatter<f64>,
     Y: AsRangedCoord<Value = f64>,
     Y::CoordDescType: ValueFormatter<f64>,
 {

@@ -75,6 +75,39 @@ pub fn grid(t: &Table) -> (Vec<String>, Vec<Vec<Cell>>) {
     (head, body)
 }
 
+/// The paired differences of a table (tables.rs `PairedDiff`): one row per pair of arms.
+pub fn paired_grid(t: &Table) -> (Vec<String>, Vec<Vec<Cell>>) {
+    let u = t.unit.name();
+    let head = vec!["A".to_string(), "B".into(), format!("A − B: Rel.% points ({u})"), "per seed".into(), "p (paired t)".into(), "95% interval excludes 0".into()];
+    let body = t
+        .pairs
+        .iter()
+        .map(|d| {
+            let seeds: Vec<String> = d.by_seed.iter().map(|(s, v)| format!("s{s} {v:.2}")).collect();
+            vec![
+                Cell::Text(d.a.clone()),
+                Cell::Text(d.b.clone()),
+                Cell::Stat(d.stat),
+                Cell::Text(seeds.join(", ")),
+                d.p.map_or(Cell::Empty, |p| Cell::Text(Stat::p_text(p))),
+                d.significant().map_or(Cell::Empty, |s| Cell::Text(if s { "yes" } else { "no" }.into())),
+            ]
+        })
+        .collect();
+    (head, body)
+}
+
+/// The paired differences as a standalone file in `format` (md, tex or csv).
+pub fn paired_file(t: &Table, format: &str) -> String {
+    let (head, body) = paired_grid(t);
+    let title = format!("Paired differences, {}", t.title);
+    match format {
+        "md" => format!("**{title}**\n\n{}", markdown_grid(&head, &body)),
+        "tex" => latex_grid(&title, &head, &body),
+        _ => csv_grid(&head, &body),
+    }
+}
+
 /// The Markdown table with its title and notes, for a standalone file.
 pub fn markdown_file(t: &Table) -> String {
     let notes: String = t.notes.iter().map(|n| format!("{n}\n\n")).collect();

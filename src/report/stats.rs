@@ -38,6 +38,22 @@ impl Stat {
         Some(Stat { mean, sd, n, ci: Some((mean - half, mean + half)) })
     }
 
+    /// The two-sided p-value of a one-sample t-test of mean 0 (the paired t-test when the values
+    /// are differences); None for one value or no spread.
+    pub fn t_test_p(&self) -> Option<f64> {
+        if self.n < 2 || self.sd <= 0.0 {
+            return None;
+        }
+        let t = self.mean / (self.sd / (self.n as f64).sqrt());
+        let dist = StudentsT::new(0.0, 1.0, (self.n - 1) as f64).ok()?;
+        Some(2.0 * (1.0 - dist.cdf(t.abs())))
+    }
+
+    /// The p-value as tables print it: three decimals, "< 0.001" below that.
+    pub fn p_text(p: f64) -> String {
+        if p < 0.001 { "< 0.001".into() } else { format!("{p:.3}") }
+    }
+
     /// "12.34" for one seed, "12.34 ± 0.56 (3) [10.95, 13.73]" for several (two decimals).
     pub fn text(&self) -> String {
         match self.ci {
@@ -70,5 +86,18 @@ mod tests {
         let one = Stat::of(&[5.0, f64::NAN]).unwrap();
         assert_eq!((one.n, one.ci, one.text()), (1, None, "5.00".to_string()));
         assert!(Stat::of(&[]).is_none());
+    }
+
+    /// The paired t-test's p against the closed form for 2 degrees of freedom,
+    /// p = 1 − |t| / √(2 + t²): 1, 2, 3 → t = 2√3, p = 1 − √12 / √14 = 0.0741799.
+    #[test]
+    fn t_test_p_by_hand() {
+        let p = Stat::of(&[1.0, 2.0, 3.0]).unwrap().t_test_p().unwrap();
+        assert!((p - (1.0 - 12f64.sqrt() / 14f64.sqrt())).abs() < 1e-9, "{p}");
+        // Sign does not matter (two-sided); no spread or one value: no test.
+        assert!((Stat::of(&[-1.0, -2.0, -3.0]).unwrap().t_test_p().unwrap() - p).abs() < 1e-12);
+        assert_eq!(Stat::of(&[2.0, 2.0]).unwrap().t_test_p(), None);
+        assert_eq!(Stat::of(&[2.0]).unwrap().t_test_p(), None);
+        assert_eq!((Stat::p_text(0.0802), Stat::p_text(0.00009)), ("0.080".to_string(), "< 0.001".to_string()));
     }
 }

@@ -87,6 +87,9 @@ pub struct Row {
     pub rel_alt: Option<f64>,
     pub rel_stat: Option<Stat>,
     pub rel_alt_stat: Option<Stat>,
+    /// Rel.(%) of each seed against the vanilla run of that seed (empty when unpaired): what
+    /// paired differences between two rows subtract.
+    pub rel_by_seed: BTreeMap<u64, f64>,
     /// The corpora `rel` averages over.
     pub rel_corpora: Vec<String>,
     pub paper: Option<PaperRow>,
@@ -124,6 +127,56 @@ pub struct Table {
     pub paper_cols: BTreeMap<String, String>,
     pub unit: Unit,
     pub rows: Vec<Row>,
+    /// Row minus row, seed by seed (DAR − window-only: what the distant path buys).
+    pub pairs: Vec<PairedDiff>,
+}
+
+/// Rel.(%) of row `a` minus Rel.(%) of row `b` (percentage points), computed for each seed both
+/// rows have — both against the vanilla run of that seed — then summarised over those seeds. Pairing
+/// removes what a seed does to every arm alike (initialisation outside the bottleneck, data order).
+#[derive(Debug, Clone)]
+pub struct PairedDiff {
+    pub a: String,
+    pub b: String,
+    /// Per seed: Rel.(a) − Rel.(b).
+    pub by_seed: BTreeMap<u64, f64>,
+    pub stat: Stat,
+    /// Two-sided p-value of the paired t-test (mean difference 0); None for one seed or no spread.
+    pub p: Option<f64>,
+}
+
+impl PairedDiff {
+    /// Whether the 95% interval excludes 0.
+    pub fn significant(&self) -> Option<bool> {
+        self.stat.ci.map(|(lo, hi)| lo > 0.0 || hi < 0.0)
+    }
+}
+
+/// Which arm comes first in a difference: DAR before window-only before uniform (so the headline
+/// reads DAR − window-only), then table order.
+fn pair_rank(c: &AttentionSpec) -> usize {
+    match c.kind.name() {
+        "dar" => 0,
+        "window" => 1,
+        "uniform" => 2,
+        _ => 3,
+    }
+}
+
+/// Every pair of non-vanilla rows of one scale with paired seeds in common, `a − b` per seed.
+pub fn paired_differences(rows: &[Row]) -> Vec<PairedDiff> {
+    let mut arms: Vec<&Row> = rows.iter().filter(|r| !r.config.is_vanilla() && !r.rel_by_seed.is_empty()).collect();
+    arms.sort_by_key(|r| pair_rank(&r.config));
+    let mut out = Vec::new();
+    for (i, a) in arms.iter().enumerate() {
+        for b in arms[i + 1..].iter().filter(|b| b.scale == a.scale) {
+            let by_seed: BTreeMap<u64, f64> = a.rel_by_seed.iter().filter_map(|(s, x)| b.rel_by_seed.get(s).map(|y| (*s, x - y))).collect();
+            let Some(stat) = Stat::of(&by_seed.values().copied().collect::<Vec<_>>()) else { continue };
+            let p = stat.t_test_p();
+            out.push(PairedDiff { a: a.config.label(), b: b.config.label(), by_seed, stat, p });
+        }
+    }
+    out
 }
 
 impl Table {
@@ -268,8 +321,14 @@ fn within_scale(number: u8, sec: &Section, prows: &[&PaperRow], all: &[&Run], un
                 slots.push((c, None));
             }
         }
-        // Vanilla first, then windows from wide to none (uniform last).
-        slots.sort_by_key(|(c, _)| (!c.is_vanilla(), std::cmp::Reverse(c.window_len())));
+        // Window-only runs: the same windows without any distant keys, the control for DAR's distant path.
+        let controls = window_only(sec, &slots);
+        if !controls.is_empty() {
+            notes.push(WINDOW_ONLY_NOTE.to_string());
+        }
+        slots.extend(controls.into_iter().map(|c| (c, None)));
+        // Vanilla first, then windows from wide to none (uniform last), DAR before window-only.
+        slots.sort_by_key(|(c, _)| (!c.is_vanilla(), std::cmp::Reverse(c.window_len()), c.kind.order()));
     } else {
         // Configurations the paper's table lacks (another bottleneck start, window-only attention)
         // get rows of their own, so that every arm of an experiment is compared with vanilla.
@@ -283,6 +342,9 @@ fn within_scale(number: u8, sec: &Section, prows: &[&PaperRow], all: &[&Run], un
         }
         if !extra.is_empty() {
             notes.push(format!("Rows without a paper value ({}): configurations of this recipe the paper's table has no row for.", extra.iter().map(|c| c.label()).collect::<Vec<_>>().join("; ")));
+        }
+        if extra.iter().any(|c| c.kind.is_local_only()) {
+            notes.push(WINDOW_ONLY_NOTE.to_string());
         }
         slots.extend(extra.into_iter().map(|c| (c, None)));
     }
@@ -309,6 +371,21 @@ fn within_scale(number: u8, sec: &Section, prows: &[&PaperRow], all: &[&Run], un
     ))
 }
 
+const WINDOW_ONLY_NOTE: &str = "Window-only rows: the same local window with no distant keys at all — the control for DAR's distant path (DAR − window-only is what the compressed distant tokens add).";
+
+/// The window-only configurations a section has runs of that `slots` lack.
+fn window_only(sec: &Section, slots: &[(AttentionSpec, Option<&PaperRow>)]) -> Vec<AttentionSpec> {
+    let mut out: Vec<AttentionSpec> = Vec::new();
+    for r in &sec.runs {
+        let c = r.spec.attention.comparable();
+        if c.kind.is_local_only() && !slots.iter().any(|(s, _)| *s == c) && !out.contains(&c) {
+            out.push(c);
+        }
+    }
+    out.sort_by_key(|c| std::cmp::Reverse(c.window_len()));
+    out
+}
+
 /// Table 2 (scaling): vanilla vs DAR at d_down = d/4 for every scale trained the same way.
 fn scaling(cross_key: &Key, members: &[&Run], prows: &[&PaperRow], all: &[&Run], unit: Unit) -> Option<Table> {
     let paper_w = paper_window(prows)?;
@@ -330,7 +407,7 @@ fn scaling(cross_key: &Key, members: &[&Run], prows: &[&PaperRow], all: &[&Run],
     scales.dedup();
 
     let (mut rows, mut notes, mut used) = (Vec::new(), Vec::new(), Vec::new());
-    let mut fits_any = false;
+    let (mut fits_any, mut has_controls) = (false, false);
     for (scale, d) in &scales {
         let own: Vec<&PaperRow> = prows.iter().copied().filter(|p| p.scale == *scale).collect();
         // A scale the paper lacks asks for the pattern of its first scale, without paper values.
@@ -353,7 +430,12 @@ fn scaling(cross_key: &Key, members: &[&Run], prows: &[&PaperRow], all: &[&Run],
                 notes.extend(note.map(|n| format!("{scale}: {n}")));
                 fits_any |= score(sec).0;
                 used.push(sec);
-                slots_for(tw).into_iter().map(|(c, p)| fill(sec, c, p, all, unit)).collect()
+                let mut slots = slots_for(tw);
+                let refs: Vec<(AttentionSpec, Option<&PaperRow>)> = slots.iter().map(|(c, p)| (c.clone(), p.as_ref())).collect();
+                let controls = window_only(sec, &refs);
+                has_controls |= !controls.is_empty();
+                slots.extend(controls.into_iter().map(|c| (c, None)));
+                slots.into_iter().map(|(c, p)| fill(sec, c, p, all, unit)).collect()
             }
             None => slots_for(paper_w).into_iter().map(|(c, p)| absent(scale, *d, c, p, cross_key, all)).collect(),
         };
@@ -365,6 +447,9 @@ fn scaling(cross_key: &Key, members: &[&Run], prows: &[&PaperRow], all: &[&Run],
         return None;
     }
     let ratio = prows.iter().find_map(|p| p.d_down.map(|x| p.d_model / x.max(1))).unwrap_or(4);
+    if has_controls {
+        notes.push(WINDOW_ONLY_NOTE.to_string());
+    }
     let all_used: Vec<&Run> = used.iter().flat_map(|s| s.runs.iter().copied()).collect();
     notes.insert(0, format!("Runs: {}, {} (scale-independent recipe `{}`).", groups::recipe_summary(used[0].spec()), seeds_words(&all_used), groups::key_id(cross_key)));
     let title = format!("Table 2: scaling, vanilla vs DAR at d_down = d_model/{ratio}, w = {paper_w}");
@@ -458,6 +543,7 @@ fn empty_row(scale: String, config: AttentionSpec, paper: Option<PaperRow>) -> R
         rel_alt: None,
         rel_stat: None,
         rel_alt_stat: None,
+        rel_by_seed: BTreeMap::new(),
         rel_corpora: Vec::new(),
         paper,
         paper_rel_same: None,
@@ -498,18 +584,20 @@ fn add_rel(rows: &mut [Row]) {
     let (vanilla, vanilla_paper) = (rows[v].seeds.clone(), rows[v].paper.clone());
     let (vanilla_mean, vanilla_mean_alt) = (rows[v].ppl.clone(), rows[v].ppl_alt.clone());
     for row in rows.iter_mut() {
-        let paired = |field: fn(&SeedResult) -> &BTreeMap<String, f64>| -> (Vec<f64>, Vec<String>) {
-            let (mut rels, mut corpora) = (Vec::new(), Vec::new());
+        let paired = |field: fn(&SeedResult) -> &BTreeMap<String, f64>| -> (BTreeMap<u64, f64>, Vec<String>) {
+            let (mut rels, mut corpora) = (BTreeMap::new(), Vec::new());
             for (seed, s) in &row.seeds {
                 if let Some((r, c)) = vanilla.get(seed).and_then(|v| rel(field(s), field(v))) {
-                    rels.push(r);
+                    rels.insert(*seed, r);
                     corpora = c;
                 }
             }
             (rels, corpora)
         };
-        let (rels, corpora) = paired(|s| &s.ppl);
-        let (rels_alt, _) = paired(|s| &s.ppl_alt);
+        let (by_seed, corpora) = paired(|s| &s.ppl);
+        let rels: Vec<f64> = by_seed.values().copied().collect();
+        let rels_alt: Vec<f64> = paired(|s| &s.ppl_alt).0.into_values().collect();
+        row.rel_by_seed = by_seed;
         if !rels.is_empty() {
             row.rel_stat = Stat::of(&rels);
             row.rel_corpora = corpora;
@@ -554,5 +642,12 @@ fn finish(number: u8, id: String, title: String, mut notes: Vec<String>, corpora
             theirs.join(", ")
         ));
     }
-    Table { number, id, title, notes, corpora, paper_cols, unit, rows }
+    let pairs = paired_differences(&rows);
+    if !pairs.is_empty() {
+        notes.push(format!(
+            "Paired differences (below the table): Rel.(%) of one row minus another's, in percentage points of {}-level PPL, per seed (both against the vanilla run of that seed), then mean ± s.d. (n) [95% t-interval] and the paired t-test's p; negative = the first row is better.",
+            unit.name()
+        ));
+    }
+    Table { number, id, title, notes, corpora, paper_cols, unit, rows, pairs }
 }

@@ -37,6 +37,7 @@ fn result(ppl: f64, word_ppl: f64) -> CorpusResult {
         word_ppl,
         byte_ppl: (nll / bytes as f64).exp(),
         bits_per_byte: nll / bytes as f64 / std::f64::consts::LN_2,
+        by_position: None,
     }
 }
 
@@ -517,6 +518,148 @@ fn seeds_pool_into_rows_with_intervals_and_rel_is_paired_by_seed() {
     assert_eq!(seeds, [1, 2, 3, 4].into());
     let recipes: std::collections::BTreeSet<String> = back.column("recipe").unwrap().str().unwrap().iter().flatten().map(String::from).collect();
     assert_eq!(recipes.len(), 1, "the seed is not part of the recipe");
+}
+
+/// The issue-27 evidence in miniature: per-seed Rel.% of DAR (orthogonal start) 95.35 / 95.09 /
+/// 97.26 and of window-only 96.70 / 97.40 / 98.04 against vanilla PPL 100. The window-only control
+/// gets a row, and DAR − window-only is paired by seed: differences −1.35, −2.31, −0.78, mean −1.48,
+/// s.d. 0.7732, 95% t-interval −1.48 ± 4.3027 · 0.7732 / √3 = [−3.4008, 0.4408], paired t = −3.315
+/// on 2 degrees of freedom, p = 1 − |t| / √(2 + t²) = 0.0802 (hand-computed).
+#[test]
+fn window_only_rows_and_paired_differences_by_seed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, out) = (tmp.path().join("results"), tmp.path().join("report"));
+    let s = |att: &str, dir: &str, seed: u64| {
+        let mut s = spec("tiny", att, 40, &["synthetic"], &root.join(dir));
+        s.train.seed = Some(seed);
+        s
+    };
+    let (dar, win, uni) = ([95.35, 95.09, 97.26], [96.70, 97.40, 98.04], [109.92, 109.84, 111.61]);
+    for (i, seed) in [1u64, 2, 3].into_iter().enumerate() {
+        let end = |ppl: f64| vec![("synthetic", ppl, 2.0 * ppl)];
+        finished(&s("{kind: vanilla}", &format!("v{seed}"), seed), &[], &end(100.0));
+        finished(&s("{kind: dar, d_down: 16, window: 16, init: orthogonal}", &format!("d{seed}"), seed), &[], &end(dar[i]));
+        finished(&s("{kind: window, window: 16}", &format!("w{seed}"), seed), &[], &end(win[i]));
+        finished(&s("{kind: uniform, d_down: 16}", &format!("u{seed}"), seed), &[], &end(uni[i]));
+    }
+    let (runs, _) = load::discover(&root).unwrap();
+    let tables = tables::build(&runs, &paper::dar().unwrap(), Unit::Token);
+    for t in &tables {
+        // Every DAR table of this recipe shows the control.
+        assert!(t.rows.iter().any(|r| r.config.kind == AttentionKind::Window && r.n() == 3), "{}: no window-only row", t.title);
+    }
+    let t1 = table(&tables, 1);
+    let w = row(t1, AttentionSpec { kind: AttentionKind::Window, window: Some(16), ..AttentionSpec::default() });
+    assert!(close(w.rel.unwrap(), (96.70 + 97.40 + 98.04) / 3.0));
+    let pair = t1.pairs.iter().find(|p| p.a.starts_with("DAR") && p.b.starts_with("window-only")).unwrap_or_else(|| panic!("{:?}", t1.pairs));
+    let want = [95.35 - 96.70, 95.09 - 97.40, 97.26 - 98.04];
+    for (got, want) in pair.by_seed.values().zip(want) {
+        assert!((got - want).abs() < 1e-9, "{got} vs {want}");
+    }
+    let st = pair.stat;
+    assert!((st.mean + 1.48).abs() < 1e-9 && (st.sd - 0.773_239_936_9).abs() < 1e-8 && st.n == 3, "{st:?}");
+    let (lo, hi) = st.ci.unwrap();
+    assert!((lo + 3.400_834_487_5).abs() < 1e-8 && (hi - 0.440_834_487_5).abs() < 1e-8, "{lo} {hi}");
+    assert!((pair.p.unwrap() - 0.080_195_160_7).abs() < 1e-8, "{:?}", pair.p);
+    assert_eq!(pair.significant(), Some(false));
+    // DAR − uniform is significant: −14.57 ± 0.6 or so, every seed far below 0.
+    let du = t1.pairs.iter().find(|p| p.a.starts_with("DAR") && p.b.starts_with("uniform")).unwrap();
+    assert_eq!(du.significant(), Some(true));
+    // Three arms: three pairs (vanilla is the reference, not an arm).
+    assert_eq!(t1.pairs.len(), 3, "{:?}", t1.pairs.iter().map(|p| (&p.a, &p.b)).collect::<Vec<_>>());
+
+    let summary = run_report(&root, &out, &["md,tex,csv".into()], "token").unwrap();
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("| DAR (d_down 16, w 16, orthogonal) | window-only (w 16) | -1.48 ± 0.77 (3) [-3.40, 0.44] | s1 -1.35, s2 -2.31, s3 -0.78 | 0.080 | no |"), "{md}");
+    assert!(md.contains("Window-only rows"), "the control is explained");
+    let csv = summary.files.iter().find(|p| p.to_string_lossy().contains("-paired.csv")).expect("a paired-differences CSV");
+    let csv = std::fs::read_to_string(csv).unwrap();
+    assert!(csv.lines().next().unwrap().contains("A − B: Rel.% points (token) ci95_lo"), "{csv}");
+}
+
+/// Loss by position: eval.json's `by_position` is read back, drawn per sweep (absolute, and minus
+/// the vanilla run of the same seed, which is hand-checked), and eval.json files without it load.
+#[test]
+fn loss_by_position_is_read_and_drawn() {
+    use crate::eval::perplexity::PositionLoss;
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, out) = (tmp.path().join("results"), tmp.path().join("report"));
+    let edges = vec![0, 1, 2, 4, 8];
+    let pos = |l: [f64; 4]| PositionLoss { edges: edges.clone(), tokens: vec![3, 3, 6, 12], loss: l.iter().map(|&x| Some(x)).collect() };
+    for seed in [1u64, 2] {
+        for (att, dir, l) in [
+            ("{kind: vanilla}", "v", [5.0, 4.0, 3.5, 3.0]),
+            ("{kind: dar, d_down: 16, window: 2}", "d", [5.0, 4.1, 3.4, 2.8 + seed as f64 / 10.0]),
+            ("{kind: window, window: 2}", "w", [5.0, 4.1, 3.6, 3.2]),
+        ] {
+            let mut s = spec("tiny", att, 40, &["synthetic"], &root.join(format!("{dir}{seed}")));
+            s.train.seed = Some(seed);
+            let dir = finished(&s, &[], &[("synthetic", 20.0, 40.0)]);
+            let mut r = results(&[("synthetic", 20.0, 40.0)]);
+            r.get_mut("synthetic").unwrap().by_position = Some(pos(l));
+            dir.write_eval(40, &r).unwrap();
+        }
+    }
+    // An eval.json from before by_position existed (the evidence runs') still loads.
+    let old = root.join("v1/eval.json");
+    let text = std::fs::read_to_string(&old).unwrap();
+    assert!(text.contains("by_position"));
+    let (runs, _) = load::discover(&root).unwrap();
+    let d1 = runs.iter().find(|r| r.rel == "d1").unwrap();
+    let v1 = runs.iter().find(|r| r.rel == "v1").unwrap();
+    assert_eq!(figures::position_curve(&d1.by_position["synthetic"]), vec![(1.0, 5.0), (2.0, 4.1), (3.5, 3.4), (6.5, 2.9)]);
+    let delta = figures::position_delta(&d1.by_position["synthetic"], &v1.by_position["synthetic"]);
+    let want = [(1.0, 0.0), (2.0, 0.1), (3.5, -0.1), (6.5, -0.1)];
+    for ((x, y), (wx, wy)) in delta.iter().zip(want) {
+        assert!(*x == wx && (y - wy).abs() < 1e-12, "{delta:?}");
+    }
+    let summary = run_report(&root, &out, &["md".into()], "token").unwrap();
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("## Loss by position") && md.contains("loss-by-position-vs-vanilla-synthetic.png"), "{md}");
+    assert!(summary.files.iter().any(|f| f.to_string_lossy().ends_with("loss-by-position-synthetic.svg")));
+    std::fs::write(&old, r#"{"step": 40, "corpora": {"synthetic": {"protocol": "rolling", "ppl": 20.0, "word_ppl": 40.0}}}"#).unwrap();
+    let (runs, _) = load::discover(&root).unwrap();
+    let v1 = runs.iter().find(|r| r.rel == "v1").unwrap();
+    assert!(v1.by_position.is_empty() && v1.warnings.is_empty() && v1.final_eval("ppl")["synthetic"] == 20.0);
+}
+
+/// recall.json of each run → one table per recipe, seeds pooled, and DAR − window-only paired by
+/// seed: DAR 60% / 50% of digits, window-only 10% / 12% → differences 50, 38: mean 44, s.d. 8.485.
+#[test]
+fn recall_scores_pool_over_seeds_with_paired_differences() {
+    use crate::eval::recall::RecallScore;
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("results");
+    let score = |gap: usize, acc: f64| RecallScore {
+        gap,
+        docs: 10,
+        digits: 90,
+        loss: 2.0,
+        digit_accuracy: acc,
+        code_accuracy: acc / 10.0,
+        chance_loss: 10f64.ln(),
+        chance_digit_accuracy: 0.1,
+        chance_code_accuracy: 0.001,
+        window_reach: None,
+        mean_tokens: 100.0,
+    };
+    for (seed, dar, win) in [(1u64, 0.6, 0.1), (2, 0.5, 0.12)] {
+        for (att, dir, acc) in [("{kind: dar, d_down: 16, window: 8}", "d", dar), ("{kind: window, window: 8}", "w", win), ("{kind: vanilla}", "v", 0.9)] {
+            let mut s = spec("tiny", att, 40, &["synthetic"], &root.join(format!("{dir}{seed}")));
+            s.train.seed = Some(seed);
+            let d = finished(&s, &[], &[("synthetic", 20.0, 40.0)]);
+            let v = json!({"step": 40, "gaps": [score(64, acc), score(8, 0.95)]});
+            std::fs::write(d.path.join("recall.json"), v.to_string()).unwrap();
+        }
+    }
+    let (runs, _) = load::discover(&root).unwrap();
+    let grids = recall::build(&runs);
+    assert_eq!(grids.len(), 2);
+    let md = render::markdown_grid(&grids[0].head, &grids[0].body);
+    assert!(md.contains("| DAR (d_down 16, w 8) | 64 | 2 | 55.00 ± 7.07 (2) ["), "{md}");
+    let pairs = render::markdown_grid(&grids[1].head, &grids[1].body);
+    let half = 12.706_204_736_174_7 * 72f64.sqrt() / 2f64.sqrt();
+    assert!(pairs.contains(&format!("| DAR (d_down 16, w 8) | window-only (w 8) | 64 | 44.00 ± 8.49 (2) [{:.2}, {:.2}] | s1 50.0, s2 38.0 |", 44.0 - half, 44.0 + half)), "{pairs}");
 }
 
 fn csv_path(s: &ReportSummary, ext: &str) -> PathBuf {

@@ -403,6 +403,10 @@ pub struct SyntheticSpec {
     pub seed: u64,
     #[serde(default = "default_syn_docs")]
     pub docs: usize,
+    /// The recall corpus instead (data::synthetic::recall_document): codes stated once and asked
+    /// for at least this many tokens later. Unset = the mixed corpus (and no change to config hashes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recall_gap: Option<usize>,
 }
 
 fn default_syn_seed() -> u64 {

@@ -354,9 +354,12 @@ fn a_locked_run_is_busy_and_the_others_go_on() {
 }
 
 /// Expected runs per file in sweeps/ (every file there must be listed).
-const SWEEPS: [(&str, usize); 19] = [
+const SWEEPS: [(&str, usize); 22] = [
     ("dar-evidence-reduced.yaml", 15),
     ("dar-evidence-smoke.yaml", 12),
+    ("dar-longrange-niah-reduced.yaml", 12),
+    ("dar-longrange-reduced.yaml", 12),
+    ("dar-longrange-smoke.yaml", 12),
     ("dar-window-ablation-reduced.yaml", 16),
     ("dar-window-ablation-smoke.yaml", 14),
     ("still-components-paper.yaml", 6),
@@ -402,6 +405,14 @@ fn every_sweep_file_expands_to_the_expected_runs() {
                 // The paper's §3: 70M at 256 × 19,073 steps, 160M / 410M at 896 × 5,450 (both 10.0B tokens).
                 let want = if s.model.flavor == Some(crate::spec::Flavor::Pythia70m) { (19073, 256) } else { (5450, 896) };
                 assert_eq!((steps, batch, s.seq_len(), every), (want.0, want.1, 2048, Some(2000)), "{name} {}", r.name);
+            } else if name.starts_with("dar-longrange") {
+                // Issue 27's long-range sweeps: the recall recipe (reduced, CPU smoke) and the needle teacher's.
+                let want = match name {
+                    "dar-longrange-reduced.yaml" => (800, 64, 512),
+                    "dar-longrange-smoke.yaml" => (30, 8, 256),
+                    _ => (5000, 16, 1024),
+                };
+                assert_eq!((steps, batch, s.seq_len()), want, "{name} {}", r.name);
             } else if name.starts_with("dar-") && name.contains("reduced") {
                 let d: Vec<String> = s.data.eval.keys().cloned().collect();
                 assert_eq!((steps, batch, s.seq_len(), d), (609, 64, 1024, vec!["wiki-gutenberg".to_string(), "wikitext".into()]), "{name} {}", r.name);
