@@ -24,6 +24,7 @@ extern "C" {
     fn attnlab_clip_grad_norm(grads: *const *mut C_tensor, n: i64, max_norm: f64, norm_out: *mut *mut C_tensor) -> *mut libc::c_char;
     fn attnlab_dar_split_merge(q: *mut C_tensor, kl: *mut C_tensor, vl: *mut C_tensor, kg: *mut C_tensor, vg: *mut C_tensor, window: i64, backend: i64, out: *mut *mut C_tensor) -> *mut libc::c_char;
     fn attnlab_cuda_peak_memory(device: i64, reset: i32, out: *mut i64) -> *mut libc::c_char;
+    fn attnlab_cuda_free_memory(device: i64, out: *mut i64) -> *mut libc::c_char;
 }
 
 fn check(err: *mut libc::c_char) -> Result<()> {
@@ -117,5 +118,14 @@ fn cuda_peak(device: Device, reset: bool) -> Option<u64> {
     let Device::Cuda(i) = device else { return None };
     let mut out = 0i64;
     check(unsafe { attnlab_cuda_peak_memory(i as i64, reset as i32, &mut out) }).ok()?;
+    Some(out as u64)
+}
+
+/// Bytes a new allocation on a CUDA `device` can still get (free on the device + cached unused by
+/// the caching allocator); `None` on CPU or when the allocator cannot tell.
+pub fn cuda_free_memory(device: Device) -> Option<u64> {
+    let Device::Cuda(i) = device else { return None };
+    let mut out = 0i64;
+    check(unsafe { attnlab_cuda_free_memory(i as i64, &mut out) }).ok()?;
     Some(out as u64)
 }

@@ -38,6 +38,8 @@ pub struct LongContextArgs {
     pub babi: Option<PathBuf>,
     /// `--set` overrides of a linearized model's operator, recorded in the cells.
     pub sets: Vec<String>,
+    /// Samples per forward (None: `ruler::batch_for`'s default).
+    pub batch_size: Option<usize>,
 }
 
 /// What `eval` wrote, for the command to print.
@@ -141,7 +143,7 @@ fn long_context(run: &Path, task: &str, step: Option<u64>, device: Option<&str>,
     let overrides = (!a.sets.is_empty()).then(|| a.sets.join(" "));
     let with_overrides = |c: ruler::Cell| ruler::Cell { overrides: overrides.clone(), ..c };
     let essay = a.essay.as_deref().map(ruler::read_essay).transpose()?;
-    let budget = |default_new: usize| ruler::Budget { grid: a.grid.clone(), max_new: a.max_new_tokens.unwrap_or(default_new), device: loaded.device, quiet: false };
+    let budget = |default_new: usize| ruler::Budget { grid: a.grid.clone(), max_new: a.max_new_tokens.unwrap_or(default_new), device: loaded.device, quiet: false, batch_size: a.batch_size };
     if let Some(name) = task.strip_prefix("babilong:") {
         let babi = a.babi.as_deref().ok_or_else(|| Error::Other("--task babilong:… needs --babi (e.g. ../shared/data/babi)".into()))?;
         let essay = essay.as_deref().ok_or_else(|| Error::Other("--task babilong:… needs --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)".into()))?;
