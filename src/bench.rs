@@ -108,18 +108,13 @@ pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4],
     // The op each kind computes (uniform: DAR with window 0).
     let window = kind.op_window(window);
     let run = || {
-        let o = if kind.is_vanilla() {
-            attention::causal(&q, &kl, &vl, imp)
-        } else if kind.has_bottleneck() {
-            attention::dar(&q, &kl, &vl, &kg, &vg, window, imp)
-        } else {
-            attention::window::forward(&q, &kl, &vl, window, None, imp)
+        let o = match kind {
+            AttentionKind::Vanilla => attention::causal(&q, &kl, &vl, imp),
+            AttentionKind::Dar | AttentionKind::Uniform => attention::dar(&q, &kl, &vl, &kg, &vg, window, imp),
+            AttentionKind::Window => attention::window::forward(&q, &kl, &vl, window, None, imp),
         };
         (o * &go).sum(Kind::Float).backward();
     };
-    if !(kind.is_vanilla() || kind.has_bottleneck() || kind.is_local_only()) {
-        return Err(crate::Error::Other(format!("bench: no attention op for kind {}", kind.name())));
-    }
     for _ in 0..3 {
         run();
     }

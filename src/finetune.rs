@@ -14,7 +14,7 @@
 //! the tokenizer and the chat template).
 use crate::data::chat::{self, ChatSource, ChatTemplate, PackedRow, IGNORE};
 use crate::data::Tok;
-use crate::model::bottleneck::BottleneckInit;
+use crate::attention::dar::init::BottleneckInit;
 use crate::model::{Llama, LlamaConfig};
 use crate::spec::{AttentionInit, AttentionSpec, Precision, TokenizerSpec};
 use crate::train::optim::Hyper;
@@ -30,13 +30,14 @@ use tch::{nn::VarStore, Device, Kind, Tensor};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FinetuneSpec {
-    /// A local HF Llama folder, `hf:owner/name`, or an attnlab run directory of a llama flavor.
+    /// A local HF Llama folder, `hf:owner/name`, a llama `.gguf` file or `gguf:NAME`, or an attnlab run
+    /// directory of a llama flavor.
     pub base: String,
-    /// Default: the base folder's tokenizer.json, or the run directory's tokenizer.
+    /// Default: the base folder's tokenizer.json (a GGUF's own), or the run directory's tokenizer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<TokenizerSpec>,
     /// `builtin` (Tülu format), a tokenizer_config.json, or a Jinja file. Default: the base folder's
-    /// tokenizer_config.json `chat_template`, else `builtin`.
+    /// tokenizer_config.json `chat_template` (a GGUF's `tokenizer.chat_template`), else `builtin`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
     /// The attention of the fine-tuned model, as the train spec writes it: `{kind: vanilla}` (the
@@ -223,7 +224,7 @@ impl Params {
 // ---------------------------------------------------------------------------------------------
 
 fn is_bottleneck_param(name: &str) -> bool {
-    crate::model::is_bottleneck_param(name)
+    crate::attention::is_bottleneck_param(name)
 }
 
 /// The model to fine-tune, under `vs`, from the base weights, with the attention (resolved by
@@ -234,7 +235,7 @@ fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, attention: &At
     crate::model::hf::copy_into(vs, base.variables(), Path::new("base model"))?;
     if attention.has_bottleneck() {
         let (d_down, window) = (attention.d_down_width().unwrap_or(0), attention.window_len().unwrap_or(0));
-        let dar = crate::model::DarConfig { kind: attention.kind, d_down, window, implementation: attention.implementation, ..Default::default() };
+        let dar = crate::attention::DarConfig { kind: attention.kind, d_down, window, implementation: attention.implementation, ..Default::default() };
         let init = match attention.init.unwrap_or_default() {
             AttentionInit::SmallInit => BottleneckInit::SmallInit,
             AttentionInit::Pca => BottleneckInit::Pca,
@@ -242,7 +243,7 @@ fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, attention: &At
         };
         let device = vs.device();
         let calib = (!calibration.is_empty()).then(|| batch(calibration, device));
-        let discarded = crate::model::bottleneck::add_dar_to_pretrained(&mut m, &vs.root(), dar, init, calib.as_ref().map(|c| &c[0]), calib.as_ref().map(|c| &c[2]))?;
+        let discarded = crate::attention::dar::init::add_dar_to_pretrained(&mut m, &vs.root(), dar, init, calib.as_ref().map(|c| &c[0]), calib.as_ref().map(|c| &c[2]))?;
         if !discarded.is_empty() {
             eprintln!("pca: discarded second-moment fraction per layer {discarded:?}");
         }
@@ -308,6 +309,10 @@ pub fn chat_template(spec: &FinetuneSpec, tok: &Tok) -> Result<ChatTemplate> {
         }
         Some(p) => ChatTemplate::new(&std::fs::read_to_string(p).at(p)?, "", &eos),
         None => {
+            if crate::model::gguf::is_gguf(&spec.base) {
+                let g = crate::model::gguf::Gguf::open(&crate::model::gguf::resolve(&spec.base)?)?;
+                return Ok(crate::model::gguf::tokenizer::chat_template(&g)?.unwrap_or_else(|| ChatTemplate::builtin(&eos)));
+            }
             let config = if Path::new(&spec.base).join("config.yaml").is_file() {
                 None
             } else if let Some(repo) = spec.base.strip_prefix("hf:") {

@@ -13,6 +13,7 @@ pub mod finetune;
 pub mod hub;
 pub mod kernels;
 pub mod linearize;
+pub mod lora;
 pub mod model;
 pub mod progress;
 pub mod run_kind;

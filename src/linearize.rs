@@ -20,11 +20,12 @@
 pub mod student;
 
 use crate::attention::{is_linearized_param, Variant};
+pub use crate::data::chat::read_alpaca;
 use crate::data::Tok;
 use crate::model::llama::Pass;
 use crate::model::{Llama, LlamaConfig};
 use crate::spec::{SourceSpec, TokenizerSpec};
-use crate::train::lora::LoraConfig;
+use crate::lora::LoraConfig;
 use crate::train::optim::Hyper;
 use crate::train::schedule::Schedule;
 use crate::train::stage_spec::StageDefaults;
@@ -42,8 +43,8 @@ pub struct LinearizeSpec {
     /// Human-readable run name (sweeps set it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
-    /// A local HF Llama / OLMo 2 folder (DAR ones included), `hf:owner/name`, or an attnlab run
-    /// directory of a llama flavor or a finetune run.
+    /// A local HF Llama / OLMo 2 folder (DAR ones included), `hf:owner/name`, a llama `.gguf` file or
+    /// `gguf:NAME`, or an attnlab run directory of a llama flavor or a finetune run.
     pub teacher: String,
     /// Default: the teacher folder's tokenizer.json, or the run directory's tokenizer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -91,12 +92,14 @@ pub struct LinData {
 
 /// Training data: Alpaca-format instructions (`{alpaca: PATH}`, JSON array or JSON lines with
 /// instruction / input / output; `hf:owner/name[:file]` fetches a hub dataset file, default
-/// `hf:yahma/alpaca-cleaned` = its `alpaca_data_cleaned.json`) or any plain-text source of `crate::data`.
+/// `hf:yahma/alpaca-cleaned` = its `alpaca_data_cleaned.json`), any plain-text source of `crate::data`,
+/// or a list of these (their examples together, e.g. prose plus Alpaca).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum TrainData {
     Alpaca { alpaca: PathBuf },
     Text(SourceSpec),
+    Mix(Vec<TrainData>),
 }
 
 /// A linearize stage (`stage1:` / `stage2:`): the trainer's stage keys (`train::stage_spec`) with
@@ -281,18 +284,6 @@ pub fn alpaca_file(path: &Path) -> Result<PathBuf> {
     crate::hub::dataset_file(repo, None, file)
 }
 
-/// Read Alpaca records from a JSON array or JSON-lines file.
-pub fn read_alpaca(path: &Path) -> Result<Vec<(String, String, String)>> {
-    let text = std::fs::read_to_string(path).at(path)?;
-    let values: Vec<serde_json::Value> = if text.trim_start().starts_with('[') {
-        serde_json::from_str(&text)?
-    } else {
-        text.lines().filter(|l| !l.trim().is_empty()).map(serde_json::from_str).collect::<std::result::Result<_, _>>()?
-    };
-    let field = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string();
-    Ok(values.iter().map(|v| (field(v, "instruction"), field(v, "input"), field(v, "output"))).collect())
-}
-
 /// Tokenised (tokens, labels) examples of the training data.
 pub fn examples(data: &TrainData, tok: &Tok, max: Option<usize>) -> Result<Vec<(Vec<i64>, Vec<i64>)>> {
     let eos = eos_id(tok);
@@ -304,6 +295,16 @@ pub fn examples(data: &TrainData, tok: &Tok, max: Option<usize>) -> Result<Vec<(
             .map(|(ins, inp, out)| Ok(alpaca_example(&tok.encode(&alpaca_prompt(ins, inp))?, &tok.encode(out)?, bos_id(tok), eos)))
             .collect(),
         TrainData::Text(src) => text_examples(src, tok, max),
+        // `max` bounds each part (a smoke run keeps some of every kind); the parts' examples alternate,
+        // so that every packed row range holds all of them.
+        TrainData::Mix(parts) => {
+            let mut each: Vec<std::vec::IntoIter<_>> = parts.iter().map(|p| examples(p, tok, Some(max)).map(Vec::into_iter)).collect::<Result<_>>()?;
+            let mut out = Vec::new();
+            while each.iter().any(|e| e.len() > 0) {
+                out.extend(each.iter_mut().filter_map(Iterator::next));
+            }
+            Ok(out)
+        }
     }
 }
 
@@ -346,8 +347,7 @@ pub fn load_teacher(teacher: &str, tokenizer: Option<&TokenizerSpec>, device: De
         };
         (loaded.vs, m.cfg.clone())
     } else {
-        let dir = crate::model::hf::resolve(teacher)?;
-        let (vs, m) = crate::model::hf::load_llama(&dir, device)?;
+        let (vs, m) = crate::model::hf::load_pretrained(teacher, device)?;
         (vs, m.cfg.clone())
     };
     Ok((vs, cfg, teacher_tokenizer(teacher, tokenizer)?))
@@ -368,6 +368,9 @@ pub fn teacher_tokenizer(teacher: &str, tokenizer: Option<&TokenizerSpec>) -> Re
     if cfg.is_file() {
         let spec = crate::spec::from_str(&std::fs::read_to_string(&cfg).at(&cfg)?, &cfg.display().to_string(), &[])?;
         return Tok::load(spec.data.tokenizer.as_ref().expect("resolved"));
+    }
+    if crate::model::gguf::is_gguf(teacher) {
+        return crate::model::gguf::load_tok(teacher);
     }
     let tj = crate::model::hf::resolve(teacher)?.join("tokenizer.json");
     if !tj.is_file() {

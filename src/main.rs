@@ -74,7 +74,7 @@ enum Cmd {
     },
     /// Fine-tune a pretrained Llama on chat data (loss on assistant tokens), optionally giving it DAR
     /// attention, in two stages as dar.md §4.2: stage 1 only the bottleneck (W_down, W_up; lr 3e-4),
-    /// stage 2 everything (lr 3e-5). Spec keys: base (HF folder, hf:owner/name or attnlab run dir),
+    /// stage 2 everything (lr 3e-5). Spec keys: base (HF folder, hf:owner/name, .gguf / gguf:NAME or attnlab run dir),
     /// chat_template, attention {kind: vanilla|dar, d_down, window, init: small_init|pca}, data {train,
     /// eval, seq_len, batch_size, micro_batch}, stage1/stage2 {epochs|steps, lr, warmup, schedule,
     /// params}, train, checkpoint, output. Writes config.yaml, metrics.jsonl, checkpoints/, eval.json
@@ -95,6 +95,7 @@ enum Cmd {
         quiet: bool,
     },
     /// Rolling perplexity of a run's checkpoint on its eval corpora (and any --corpus); writes eval.json.
+    /// RUN may be a pretrained llama GGUF (a .gguf file or gguf:smollm2): results then go to --out.
     Eval {
         run: PathBuf,
         /// Checkpoint step (default: the newest complete one).
@@ -149,6 +150,16 @@ enum Cmd {
         /// (e.g. ../shared/data/babi).
         #[arg(long)]
         babi: Option<PathBuf>,
+        /// RULER / BABILong: give the prompt as it is, not wrapped in the model's chat template (models
+        /// that carry one, e.g. a GGUF, are asked as a user turn by default; result cells record which).
+        #[arg(long)]
+        no_chat: bool,
+        /// Where a pretrained model's results go (RUN a GGUF; default results/<file stem>).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Perplexity: score at most N tokens per corpus (a slice of a long corpus).
+        #[arg(long)]
+        max_tokens: Option<usize>,
         /// RULER / BABILong on a linearized model: change its operator without retraining, e.g.
         /// --set attention.tokens_per_chunk=16, --set attention.routing=oracle (selects the needle
         /// sentences: a diagnostic), --set attention.linear_branch=false,
@@ -163,7 +174,8 @@ enum Cmd {
     },
     /// Write float32 logits [n, vocab] for whitespace-separated token ids in FILE to a safetensors file.
     Forward {
-        /// A training run directory.
+        /// A training run directory, a linearize run or export folder, or a llama GGUF (a .gguf file or
+        /// gguf:smollm2).
         run: PathBuf,
         /// Text file of whitespace-separated token ids, each inside the model's vocabulary.
         #[arg(long)]
@@ -179,9 +191,10 @@ enum Cmd {
         device: Option<String>,
     },
     /// Write a run's checkpoint as a Hugging Face folder (config.json + model.safetensors + tokenizer.json)
-    /// that transformers loads (GPTNeoXForCausalLM or LlamaForCausalLM; vanilla attention only).
+    /// that transformers loads (GPTNeoXForCausalLM or LlamaForCausalLM; vanilla attention only); or a
+    /// llama GGUF as one (fp32, dequantized, with tokenizer_config.json carrying its chat template).
     Export {
-        /// A training run directory.
+        /// A training run directory, or a llama GGUF (a .gguf file or gguf:smollm2).
         run: PathBuf,
         /// Output folder.
         #[arg(long)]
@@ -194,7 +207,8 @@ enum Cmd {
     /// tokens), or with a linearized model: a finished `attnlab linearize` run directory or its export/
     /// folder (STILL / LoLCATs keep selected tokens, two chunks and a fixed-size linear state).
     Generate {
-        /// A run directory (train or linearize) or a linearize export folder.
+        /// A run directory (train or linearize), a linearize export folder, or a pretrained llama GGUF
+        /// (a .gguf file, or gguf:smollm2 after `make smollm2`).
         run: PathBuf,
         /// Prompt text (or --prompt-file).
         #[arg(long, conflicts_with = "prompt_file")]
@@ -202,6 +216,10 @@ enum Cmd {
         /// Read the prompt from this file.
         #[arg(long)]
         prompt_file: Option<PathBuf>,
+        /// Wrap the prompt as a user turn in the model's chat template (with the assistant's
+        /// generation prompt); the model must carry one (a GGUF, a finetune export).
+        #[arg(long)]
+        chat: bool,
         /// Tokens to generate at most (generation also stops at the tokenizer's end-of-text token).
         #[arg(long, default_value_t = 64)]
         max_new_tokens: usize,
@@ -435,10 +453,10 @@ fn run(cli: Cli) -> Result<()> {
             let rows = attnlab::sweep::compare::compare(&spec.source(), &kinds, quiet)?;
             print!("{}", perplexity::table(&rows));
         }
-        Cmd::Eval { run, step, corpora, device, task, data, limit, shots, min_context, batch_tokens, lengths, samples, essay, max_new_tokens, babi, set, batch_size } => {
+        Cmd::Eval { run, step, corpora, device, task, data, limit, shots, min_context, batch_tokens, lengths, samples, essay, max_new_tokens, babi, no_chat, out, max_tokens, set, batch_size } => {
             let downstream = DownstreamArgs { request: eval::tasks::Request { data, limit, shots, batch_tokens }, min_context };
-            let long_context = LongContextArgs { grid: eval::ruler::Grid { lengths, samples }, max_new_tokens, essay, babi, sets: set, batch_size: batch_size.map(|n| n as usize) };
-            let args = EvalArgs { corpora, task: task.clone(), downstream, long_context };
+            let long_context = LongContextArgs { grid: eval::ruler::Grid { lengths, samples }, max_new_tokens, essay, babi, sets: set, no_chat, batch_size: batch_size.map(|n| n as usize) };
+            let args = EvalArgs { corpora, task: task.clone(), downstream, long_context, out, max_tokens };
             let what = task.as_deref().map_or_else(|| "perplexity".to_string(), |t| format!("--task {t}"));
             match eval::command::eval(&run, step, device.as_deref(), &args).with_context(|| format!("eval {} ({what})", run.display()))? {
                 Evaluated::Perplexity { step, results, lm_eval } => {
@@ -473,15 +491,15 @@ fn run(cli: Cli) -> Result<()> {
             let shape = eval::infer::forward_file(&run, &tokens, &out, step, device.as_deref()).with_context(|| format!("forward {} on {}", run.display(), tokens.display()))?;
             println!("wrote logits {shape:?} to {}", out.display());
         }
-        Cmd::Generate { run, prompt, prompt_file, max_new_tokens, temperature, greedy, seed, step, device } => {
+        Cmd::Generate { run, prompt, prompt_file, chat, max_new_tokens, temperature, greedy, seed, step, device } => {
             let text = match (prompt, prompt_file) {
                 (Some(p), _) => p,
                 (None, Some(f)) => std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?,
                 (None, None) => bail!("give --prompt TEXT or --prompt-file FILE"),
             };
             let sampling = eval::generate::Sampling { temperature: if greedy { 0.0 } else { temperature }, seed };
-            let c = eval::infer::continue_prompt(&run, &text, max_new_tokens, sampling, step, device.as_deref()).with_context(|| format!("generate with {}", run.display()))?;
-            println!("{text}{}", c.text);
+            let c = eval::infer::continue_prompt(&run, &text, chat, max_new_tokens, sampling, step, device.as_deref()).with_context(|| format!("generate with {}", run.display()))?;
+            println!("{}{}", c.prompt, c.text);
             let g = c.stats;
             eprintln!("{} prompt + {} new tokens; prefill {:.3}s, decode {:.1} tokens/s, cache {} bytes", g.prompt_tokens, g.tokens.len(), g.prefill_s, g.decode_tokens_per_s, g.cache_bytes);
         }

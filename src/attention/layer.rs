@@ -7,7 +7,7 @@
 use super::cache::{repeat_kv, CacheShape, LayerCache, Recent};
 use super::dar::{Bottleneck, DarCache, Distant};
 use super::lolcats::{Lolcats, LolcatsConfig};
-use super::still::{LayerDims, Still, StillConfig};
+use super::still::{Still, StillConfig};
 use super::{dar, vanilla, window};
 use crate::spec::{AttentionImpl, AttentionInit, AttentionKind, DarAct};
 use crate::{Error, Result};
@@ -102,6 +102,11 @@ impl Attention {
         self.softmax().has_bottleneck()
     }
 
+    /// Plain softmax attention (a model config need not record it).
+    pub fn is_vanilla(&self) -> bool {
+        matches!(self, Attention::Softmax(c) if c.kind == AttentionKind::Vanilla)
+    }
+
     /// The name a report or bench line shows: vanilla, dar, uniform, window, still, lolcats.
     pub fn label(&self) -> &'static str {
         match self {
@@ -115,6 +120,18 @@ impl Attention {
             Attention::Linearized(Variant::Lolcats(_)) => "lolcats",
         }
     }
+}
+
+/// Shapes of the layer an attention variant sits in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerDims {
+    /// Query heads H (GQA already expanded).
+    pub heads: i64,
+    pub head_dim: i64,
+    /// Width of the layer input x (for W_g).
+    pub d_model: i64,
+    /// Layer index (keys `routing: random`).
+    pub layer: i64,
 }
 
 /// Where the keys a model rebuilds sit: at the positions of the forward's own tokens, or from a start.
@@ -192,15 +209,32 @@ impl Layer {
     /// drop the one it has, or for a linearized layer.
     pub fn reconfigured(self, a: &DarConfig) -> Result<Layer> {
         let (window, imp) = (a.window as i64, a.implementation);
-        Ok(match (self, a.kind) {
-            (Layer::Dar { mut bottleneck, .. }, AttentionKind::Dar | AttentionKind::Uniform) => {
-                bottleneck.act = a.dar_act;
-                Layer::Dar { bottleneck, window, imp }
-            }
-            (Layer::Vanilla { .. } | Layer::Window { .. }, AttentionKind::Vanilla) => Layer::Vanilla { imp },
-            (Layer::Vanilla { .. } | Layer::Window { .. }, AttentionKind::Window) => Layer::Window { window, imp },
-            (_, kind) => return Err(Error::Other(format!("cannot switch this layer to {kind:?} in place (a bottleneck would be needed or dropped)"))),
+        let refused = || Err(Error::Other(format!("cannot switch this layer to {:?} in place (a bottleneck would be needed or dropped)", a.kind)));
+        Ok(match self {
+            Layer::Dar { mut bottleneck, .. } => match a.kind {
+                AttentionKind::Dar | AttentionKind::Uniform => {
+                    bottleneck.act = a.dar_act;
+                    Layer::Dar { bottleneck, window, imp }
+                }
+                AttentionKind::Vanilla | AttentionKind::Window => return refused(),
+            },
+            Layer::Vanilla { .. } | Layer::Window { .. } => match a.kind {
+                AttentionKind::Vanilla => Layer::Vanilla { imp },
+                AttentionKind::Window => Layer::Window { window, imp },
+                AttentionKind::Dar | AttentionKind::Uniform => return refused(),
+            },
+            Layer::Still(_) | Layer::Lolcats(_) => return refused(),
         })
+    }
+
+    /// Whether [`Layer::reconfigured`] can switch this layer to `a` in place: a bottleneck is neither
+    /// needed nor dropped (a linearized layer never).
+    pub fn reconfigurable(&self, a: &DarConfig) -> bool {
+        match self {
+            Layer::Dar { .. } => a.has_bottleneck(),
+            Layer::Vanilla { .. } | Layer::Window { .. } => !a.has_bottleneck(),
+            Layer::Still(_) | Layer::Lolcats(_) => false,
+        }
     }
 
     /// The bottleneck of a DAR layer.

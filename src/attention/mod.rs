@@ -5,6 +5,8 @@
 //! file holds what the variants share: masks, packed-document segments and the explicit masked
 //! softmax every fast path is tested against. Decode caches: `cache.rs`.
 pub mod cache;
+#[cfg(test)]
+mod conformance;
 pub mod dar;
 pub mod feature_maps;
 pub mod layer;
@@ -14,7 +16,7 @@ pub mod vanilla;
 pub mod window;
 
 pub use dar::{dar, dar_sdpa, split_merge_supported};
-pub use layer::{is_added_param, is_bottleneck_param, is_linearized_param, Attention, DarConfig, Heads, KvMap, Layer, Positions, Variant};
+pub use layer::{is_added_param, is_bottleneck_param, is_linearized_param, Attention, DarConfig, Heads, KvMap, Layer, LayerDims, Positions, Variant};
 pub use vanilla::causal;
 
 use crate::spec::AttentionImpl;

@@ -72,13 +72,25 @@ pub fn read_conversations(src: &ChatSource) -> Result<Vec<Conversation>> {
             let files = hf.files.iter().map(|f| crate::hub::dataset_file(&hf.repo, hf.revision.as_deref(), f)).collect::<Result<Vec<_>>>()?;
             (files, &hf.field)
         }
-        ChatSource::Alpaca { alpaca } => return Ok(crate::linearize::read_alpaca(alpaca)?.into_iter().map(|(ins, inp, out)| alpaca_conversation(&ins, &inp, &out)).collect()),
+        ChatSource::Alpaca { alpaca } => return Ok(read_alpaca(alpaca)?.into_iter().map(|(ins, inp, out)| alpaca_conversation(&ins, &inp, &out)).collect()),
     };
     let mut out = Vec::new();
     for f in &files {
         out.extend(read_file(f, field)?);
     }
     Ok(out)
+}
+
+/// Read Alpaca records from a JSON array or JSON-lines file.
+pub fn read_alpaca(path: &Path) -> Result<Vec<(String, String, String)>> {
+    let text = std::fs::read_to_string(path).at(path)?;
+    let values: Vec<serde_json::Value> = if text.trim_start().starts_with('[') {
+        serde_json::from_str(&text)?
+    } else {
+        text.lines().filter(|l| !l.trim().is_empty()).map(serde_json::from_str).collect::<std::result::Result<_, _>>()?
+    };
+    let field = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string();
+    Ok(values.iter().map(|v| (field(v, "instruction"), field(v, "input"), field(v, "output"))).collect())
 }
 
 /// user: the instruction (and the input after a blank line, when there is one); assistant: the output.

@@ -4,10 +4,12 @@
 pub mod batches;
 pub mod megatron;
 pub mod needles;
+pub mod niah;
 pub mod shards;
 pub mod sources;
 pub mod synthetic;
 pub mod tokenizer;
+pub mod wikitext;
 pub mod chat;
 
 pub use batches::{Batcher, TokenSource};

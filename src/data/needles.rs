@@ -2,7 +2,7 @@
 //! the question, the answer prefix and the answer. A teacher that sees these mixed into real text
 //! learns to copy a value from far back in its context, which is what STILL's selection must keep
 //! (still-linearized students are then judged on the same format, with fresh keys and values).
-use crate::eval::ruler::{self, Generator, Haystack};
+use super::niah::{self, Generator, Haystack};
 use crate::spec::NeedleSpec;
 use crate::{Error, Result};
 use rand::{Rng, SeedableRng};
@@ -20,12 +20,12 @@ fn words_per_unit(h: Haystack) -> usize {
 /// `spec.docs` documents, task i % tasks, document i from its own seeded stream (so the set is a
 /// pure function of the spec).
 pub fn documents(spec: &NeedleSpec) -> Result<Vec<String>> {
-    let essay = spec.essay.as_deref().map(ruler::read_essay).transpose()?;
+    let essay = spec.essay.as_deref().map(niah::read_essay).transpose()?;
     let gen = Generator::new(essay.as_deref());
     let tasks = spec
         .tasks
         .iter()
-        .map(|t| ruler::task(t).ok_or_else(|| Error::Data(format!("unknown RULER task `{t}`"))))
+        .map(|t| niah::task(t).ok_or_else(|| Error::Data(format!("unknown RULER task `{t}`"))))
         .collect::<Result<Vec<_>>>()?;
     Ok((0..spec.docs)
         .map(|i| {

@@ -1,7 +1,7 @@
 //! Reading documents from a source: local files or directories (.txt, .jsonl[.zst|.gz], .json.gz,
 //! .parquet), Hugging Face dataset files, or the synthetic corpus. One document = one file (.txt),
 //! one JSON line / parquet row (field `field`), or one WikiText article (`format: wikitext`).
-use crate::eval::wikitext;
+use super::wikitext;
 use crate::spec::{LocalSource, SourceSpec, TextFormat};
 use crate::{Error, IoContext, Result};
 use std::io::{BufRead, BufReader, Read};

@@ -202,6 +202,7 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, task: &str,
     let bg = Background::new(essay);
     let greedy = Greedy::new(model, tok, b.device);
     let count = |s: &str| tok.encode(s).map(|v| v.len()).unwrap_or(usize::MAX);
+    let overhead = ruler::chat_overhead(b.chat, tok)?;
     let mut cells = Vec::new();
     for &len in &b.grid.lengths {
         let recs = usable(records, len, b.grid.samples);
@@ -212,8 +213,9 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, task: &str,
         let (mut right, mut prompt_tokens) = (0usize, 0usize);
         let batch = ruler::batch_for(model, b, len);
         for (g, group) in recs.chunks(batch).enumerate() {
-            let samples: Vec<Sample> = group.iter().enumerate().map(|(j, rec)| bg.sample(task, rec, len, &count, &mut ruler::rng(42, len, g * batch + j))).collect::<crate::Result<_>>()?;
-            let answers = greedy.answers(&samples.iter().map(|s| s.prompt.as_str()).collect::<Vec<_>>(), b.max_new)?;
+            let samples: Vec<Sample> = group.iter().enumerate().map(|(j, rec)| bg.sample(task, rec, len.saturating_sub(overhead), &count, &mut ruler::rng(42, len, g * batch + j))).collect::<crate::Result<_>>()?;
+            let prompts: Vec<String> = samples.iter().map(|s| ruler::wrap(b.chat, &s.prompt, "")).collect::<crate::Result<_>>()?;
+            let answers = greedy.answers(&prompts.iter().map(String::as_str).collect::<Vec<_>>(), b.max_new)?;
             for (rec, (answer, n)) in group.iter().zip(answers) {
                 prompt_tokens += n;
                 right += correct(&answer, &rec.answer, &rec.question) as usize;
@@ -222,7 +224,7 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, task: &str,
         }
         bar.finish_and_clear();
         let k = recs.len();
-        cells.push(Cell { task: task.to_string(), length: len, samples: k, score: 100.0 * right as f64 / k as f64, mean_prompt_tokens: prompt_tokens as f64 / k as f64, ..Default::default() });
+        cells.push(Cell { task: task.to_string(), length: len, samples: k, score: 100.0 * right as f64 / k as f64, mean_prompt_tokens: prompt_tokens as f64 / k as f64, chat: b.chat.is_some(), ..Default::default() });
     }
     Ok(cells)
 }

@@ -12,6 +12,11 @@ use std::path::{Path, PathBuf};
 /// The `attnlab eval` flags (their meaning: `attnlab eval --help`).
 #[derive(Debug, Clone, Default)]
 pub struct EvalArgs {
+    /// Where a pretrained model's results go (a GGUF has no run directory; default
+    /// `results/<file stem>`). Run directories keep theirs inside.
+    pub out: Option<PathBuf>,
+    /// Perplexity: score at most this many tokens per corpus (default: the spec's `eval.max_tokens`).
+    pub max_tokens: Option<usize>,
     /// Extra perplexity corpora, `NAME=PATH` or `NAME=wikitext:PATH`.
     pub corpora: Vec<String>,
     /// None: perplexity. `ruler:…` / `babilong:…`: long context. Anything else: a downstream task.
@@ -38,6 +43,8 @@ pub struct LongContextArgs {
     pub babi: Option<PathBuf>,
     /// `--set` overrides of a linearized model's operator, recorded in the cells.
     pub sets: Vec<String>,
+    /// Prompts as they are even when the model has a chat template.
+    pub no_chat: bool,
     /// Samples per forward (None: `ruler::batch_for`'s default).
     pub batch_size: Option<usize>,
 }
@@ -69,13 +76,27 @@ pub enum Evaluated {
 /// Evaluate `run` at checkpoint `step` (default: the newest) on `device` (default: the run's) as
 /// `a` says (see the module doc).
 pub fn eval(run: &Path, step: Option<u64>, device: Option<&str>, a: &EvalArgs) -> Result<Evaluated> {
+    let pretrained = crate::model::gguf::is_gguf(&run.to_string_lossy());
+    if !pretrained && a.out.is_some() {
+        return Err(Error::Other(format!("--out is for pretrained models (a GGUF); {} keeps its results inside", run.display())));
+    }
+    let out = match &a.out {
+        Some(o) => o.clone(),
+        None if pretrained => Path::new("results").join(crate::model::gguf::resolve(&run.to_string_lossy())?.file_stem().map_or("gguf".into(), |s| s.to_string_lossy().to_string())),
+        None => run.to_path_buf(),
+    };
+    if pretrained {
+        std::fs::create_dir_all(&out).map_err(|e| Error::io(&out, e))?;
+    }
     match a.task.as_deref() {
-        None => perplexity(run, step, device, &a.corpora),
+        None if pretrained => pretrained_perplexity(run, &out, device, &a.corpora, a.max_tokens),
+        None => perplexity(run, step, device, &a.corpora, a.max_tokens),
         Some(task) if !a.corpora.is_empty() => {
             let what = if is_long_context(task) { "evaluates generation" } else { "is a downstream task" };
             Err(Error::Other(format!("--corpus is for perplexity; --task {task} {what} (give one or the other)")))
         }
-        Some(task) if is_long_context(task) => long_context(run, task, step, device, &a.long_context),
+        Some(task) if is_long_context(task) => long_context(run, &out, task, step, device, &a.long_context),
+        Some(_) if pretrained => Err(Error::Other(format!("{}: downstream tasks read a run directory; export the GGUF (`attnlab export`) and fine-tune or evaluate perplexity / RULER / BABILong directly", run.display()))),
         Some(task) => downstream(run, task, step, device, &a.downstream),
     }
 }
@@ -98,13 +119,14 @@ fn lm_info(run: &Path, step: u64, device: tch::Device, limit: Option<usize>, sec
     lm_eval::RunInfo { run: run.to_path_buf(), step, device: format!("{device:?}"), limit, seconds }
 }
 
-fn perplexity(run: &Path, step: Option<u64>, device: Option<&str>, extra: &[String]) -> Result<Evaluated> {
+fn perplexity(run: &Path, step: Option<u64>, device: Option<&str>, extra: &[String], max_tokens: Option<usize>) -> Result<Evaluated> {
     // A linearize run directory, or its export folder (hybrid.yaml, no config.yaml).
     if run.join("hybrid.yaml").is_file() || crate::run_kind::RunKind::of(run).ok() == Some(crate::run_kind::RunKind::Linearize) {
         return Err(Error::Other(format!("{}: a linearized model; its held-out perplexity is in the run's eval.json (for RULER give --task)", run.display())));
     }
     let loaded = train::run::load(run, step, device)?;
     let mut spec = loaded.spec.clone();
+    spec.eval.max_tokens = max_tokens.or(spec.eval.max_tokens);
     for c in extra {
         let (name, src) = parse_corpus(c)?;
         spec.data.eval.insert(name, src);
@@ -124,6 +146,32 @@ fn perplexity(run: &Path, step: Option<u64>, device: Option<&str>, extra: &[Stri
     Ok(Evaluated::Perplexity { step: loaded.step, results, lm_eval: lm })
 }
 
+/// Windows of a pretrained model's rolling perplexity: its context, at most this.
+const PRETRAINED_WINDOW: usize = 2048;
+
+/// Rolling perplexity (evaluation.md §2.2) of a pretrained GGUF on the `--corpus` files, written to
+/// `out`/eval.json (step 0) and an lm-eval file.
+fn pretrained_perplexity(run: &Path, out: &Path, device: Option<&str>, extra: &[String], max_tokens: Option<usize>) -> Result<Evaluated> {
+    if extra.is_empty() {
+        return Err(Error::Other(format!("{}: a pretrained model has no eval corpora of its own; give --corpus NAME=PATH (e.g. wiki=wikitext:PATH)", run.display())));
+    }
+    let loaded = super::generate::load(run, None, device)?;
+    let crate::model::Model::Llama(m) = &loaded.model else { unreachable!("a GGUF loads as a Llama") };
+    let window = m.cfg.max_position_embeddings.min(PRETRAINED_WINDOW);
+    let corpora = extra.iter().map(|c| parse_corpus(c).and_then(|(name, src)| super::EvalCorpus::load(&name, &src, &loaded.tok))).collect::<Result<Vec<_>>>()?;
+    let t0 = std::time::Instant::now();
+    let scored: BTreeMap<String, (CorpusResult, Vec<f64>)> = corpora
+        .iter()
+        .map(|c| (c.name.clone(), super::perplexity::evaluate_docs(&loaded.model, c, window, 8, max_tokens, crate::spec::EvalProtocol::Rolling, loaded.device)))
+        .collect();
+    let results: BTreeMap<_, _> = scored.iter().map(|(k, v)| (k.clone(), v.0.clone())).collect();
+    train::run::RunDir { path: out.to_path_buf() }.write_eval(0, &results)?;
+    let lm_tasks: Vec<_> = corpora.iter().filter_map(|c| scored.get(&c.name).and_then(|(r, d)| lm_eval::perplexity_task(c, r, d))).collect();
+    let info = lm_info(out, 0, loaded.device, None, t0.elapsed().as_secs_f64());
+    let lm = if lm_tasks.is_empty() { None } else { Some(lm_eval::write(&info, &lm_tasks)?) };
+    Ok(Evaluated::Perplexity { step: 0, results, lm_eval: lm })
+}
+
 fn downstream(run: &Path, task: &str, step: Option<u64>, device: Option<&str>, a: &DownstreamArgs) -> Result<Evaluated> {
     let def = tasks::TaskDef::load(task)?;
     let loaded = train::run::load(run, step, device)?;
@@ -138,18 +186,20 @@ fn downstream(run: &Path, task: &str, step: Option<u64>, device: Option<&str>, a
     Ok(Evaluated::Task { step: loaded.step, result, path, lm_eval: lm })
 }
 
-fn long_context(run: &Path, task: &str, step: Option<u64>, device: Option<&str>, a: &LongContextArgs) -> Result<Evaluated> {
+/// RULER / BABILong of `run`, results into `out` (the run directory itself, or a pretrained model's --out).
+fn long_context(run: &Path, out: &Path, task: &str, step: Option<u64>, device: Option<&str>, a: &LongContextArgs) -> Result<Evaluated> {
     let loaded = super::generate::load_with(run, step, device, &a.sets)?;
     let overrides = (!a.sets.is_empty()).then(|| a.sets.join(" "));
     let with_overrides = |c: ruler::Cell| ruler::Cell { overrides: overrides.clone(), ..c };
     let essay = a.essay.as_deref().map(ruler::read_essay).transpose()?;
-    let budget = |default_new: usize| ruler::Budget { grid: a.grid.clone(), max_new: a.max_new_tokens.unwrap_or(default_new), device: loaded.device, quiet: false, batch_size: a.batch_size };
+    let chat = if a.no_chat { None } else { loaded.chat.as_ref() };
+    let budget = |default_new: usize| ruler::Budget { grid: a.grid.clone(), chat, max_new: a.max_new_tokens.unwrap_or(default_new), device: loaded.device, quiet: false, batch_size: a.batch_size };
     if let Some(name) = task.strip_prefix("babilong:") {
         let babi = a.babi.as_deref().ok_or_else(|| Error::Other("--task babilong:… needs --babi (e.g. ../shared/data/babi)".into()))?;
         let essay = essay.as_deref().ok_or_else(|| Error::Other("--task babilong:… needs --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)".into()))?;
         let records = babilong::read_records(babi, name)?;
         let cells: Vec<_> = babilong::evaluate(&loaded.model, &loaded.tok, name, &records, essay, &budget(babilong::TOKENS_TO_GENERATE))?.into_iter().map(with_overrides).collect();
-        let path = ruler::write_cells(run, "babilong.json", &cells)?;
+        let path = ruler::write_cells(out, "babilong.json", &cells)?;
         return Ok(Evaluated::LongContext { step: loaded.step, cells, path, lm_eval: None });
     }
     let name = task.strip_prefix("ruler:").ok_or_else(|| Error::Other(format!("--task `{task}`: want ruler:<task> or babilong:<task>")))?;
@@ -158,13 +208,13 @@ fn long_context(run: &Path, task: &str, step: Option<u64>, device: Option<&str>,
     let (mut cells, mut all_records) = (Vec::new(), Vec::new());
     for (cell, records) in ruler::evaluate(&loaded.model, &loaded.tok, name, essay.as_deref(), &b)? {
         let cell = with_overrides(cell);
-        ruler::write_samples(run, &cell, &records)?;
+        ruler::write_samples(out, &cell, &records)?;
         cells.push(cell);
         all_records.extend(records);
     }
-    let info = lm_info(run, loaded.step, loaded.device, Some(a.grid.samples), t0.elapsed().as_secs_f64());
+    let info = lm_info(out, loaded.step, loaded.device, Some(a.grid.samples), t0.elapsed().as_secs_f64());
     let lm = lm_eval::write(&info, &[lm_eval::ruler_task(name, &cells, &all_records, b.max_new)])?;
-    let path = ruler::write_cells(run, "ruler.json", &cells)?;
+    let path = ruler::write_cells(out, "ruler.json", &cells)?;
     Ok(Evaluated::LongContext { step: loaded.step, cells, path, lm_eval: Some(lm) })
 }
 

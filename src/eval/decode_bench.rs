@@ -10,16 +10,17 @@ use crate::{Error, Result};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use tch::{nn::VarStore, Device};
 
-/// The attention names `--attention` knows, with what they build.
-pub const NAMES: [(&str, &str); 7] = [
-    ("vanilla", "GPT-NeoX, softmax attention: K/V of every token"),
-    ("dar", "GPT-NeoX, the spec's DAR: full K/V for the last w tokens, d_down-wide latents before"),
-    ("uniform", "GPT-NeoX, DAR with w = 0"),
-    ("window", "GPT-NeoX, sliding-window attention only (the spec's window, default 128): K/V of the last w tokens"),
+/// The linearized operators `--attention` knows by name, with what they build.
+const HYBRID_NAMES: [(&str, &str); 3] = [
     ("still", "{kind: still}: still.md's reference (C = 64, κ = 4 per chunk, uncapped)"),
     ("still-budget", "{kind: still, budget: {m: 384, max_len: 4096}}: still.md §6's worked budget, flat memory"),
     ("lolcats", "{kind: lolcats}: terrace window of 64, Hedgehog linear attention"),
 ];
+
+/// The attention names `--attention` knows, with what they build: every softmax kind, then the hybrids.
+pub fn names() -> Vec<(&'static str, &'static str)> {
+    AttentionKind::ALL.iter().map(|k| (k.name(), k.decode_bench_model())).chain(HYBRID_NAMES).collect()
+}
 
 /// The hybrid operator of a STILL / LoLCATs name, or of `name={kind: …, …}` (any hybrid.yaml).
 fn hybrid_variant(name: &str) -> Option<Result<Variant>> {
@@ -61,7 +62,7 @@ fn label(name: &str) -> &str {
 pub fn bench_model(base: &Spec, name: &str, vocab: usize, device: Device) -> Result<(VarStore, Model)> {
     let bad = |k: String, m: String| Error::Other(format!("{k}: {m}"));
     let mut vs = VarStore::new(device);
-    let model = match (name, hybrid_variant(name)) {
+    let model = match (AttentionKind::from_name(name), hybrid_variant(name)) {
         (_, Some(variant)) => {
             let mut s = base.with_attention(AttentionKind::Vanilla).map_err(|(k, m)| bad(k, m))?;
             s.model.vocab.get_or_insert(vocab);
@@ -69,14 +70,13 @@ pub fn bench_model(base: &Spec, name: &str, vocab: usize, device: Device) -> Res
             cfg.attention = Attention::Linearized(variant?);
             Model::Llama(Llama::build(&vs.root(), cfg)?)
         }
-        (kind @ ("vanilla" | "dar" | "uniform" | "window"), None) => {
-            let kind: AttentionKind = serde_yaml::from_str(kind).expect("a known kind");
+        (Some(kind), None) => {
             let mut s = base.with_attention(kind).map_err(|(k, m)| bad(k, m))?;
             s.model.vocab.get_or_insert(vocab);
             crate::train::run::build_model(&s, &vs)
         }
-        _ => {
-            let known: Vec<&str> = NAMES.iter().map(|n| n.0).collect();
+        (None, None) => {
+            let known: Vec<&str> = names().iter().map(|n| n.0).collect();
             return Err(Error::Other(format!("--attention `{name}`: unknown (known: {}, or NAME={{kind: still|lolcats, …}})", known.join(", "))));
         }
     };

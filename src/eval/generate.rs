@@ -95,11 +95,14 @@ pub struct Loaded {
     pub step: u64,
     /// The tokenizer's end-of-sequence token, which ends a generation.
     pub eos: u32,
+    /// The model's own chat template (a GGUF's `tokenizer.chat_template`, an HF folder's
+    /// tokenizer_config.json); None for models attnlab trained from scratch.
+    pub chat: Option<crate::data::chat::ChatTemplate>,
     /// Owns the model's variables.
     pub vs: VarStore,
 }
 
-/// Load what `generate` and `eval --task` read: a training run directory (at checkpoint `step`, default
+/// Load what `generate` and `eval --task` read: a llama `.gguf` file or `gguf:NAME`, a training run directory (at checkpoint `step`, default
 /// the newest), a finished `finetune` run directory (its export), a finished `linearize` run directory, or its `export/` folder (STILL / LoLCATs students,
 /// LoRA merged). `device` overrides the run's (`auto` for exports).
 pub fn load(path: &Path, step: Option<u64>, device: Option<&str>) -> Result<Loaded> {
@@ -109,6 +112,9 @@ pub fn load(path: &Path, step: Option<u64>, device: Option<&str>) -> Result<Load
 /// [`load`] with `--set attention.KEY=VALUE` overrides of a linearized model's operator (other run
 /// kinds take none: their attention is part of what was trained).
 pub fn load_with(path: &Path, step: Option<u64>, device: Option<&str>, overrides: &[String]) -> Result<Loaded> {
+    if crate::model::gguf::is_gguf(&path.to_string_lossy()) {
+        return load_gguf(path, step, device, overrides);
+    }
     let exported = path.join(EXPORT_VARIANT).is_file() || path.join(linearize::EXPORT_DIR).join(EXPORT_VARIANT).is_file();
     let kind = crate::run_kind::RunKind::of(path).ok();
     if !exported {
@@ -122,7 +128,7 @@ pub fn load_with(path: &Path, step: Option<u64>, device: Option<&str>, overrides
             return load_finetuned(path, step, device);
         }
         let l = crate::train::run::load(path, step, device)?;
-        return Ok(Loaded { eos: linearize::eos_id(&l.tok), model: l.model, tok: l.tok, device: l.device, step: l.step, vs: l.vs });
+        return Ok(Loaded { eos: linearize::eos_id(&l.tok), model: l.model, tok: l.tok, device: l.device, step: l.step, chat: None, vs: l.vs });
     }
     if let Some(s) = step {
         return Err(Error::Run { dir: path.into(), msg: format!("--step {s}: a linearize run is loaded from its final export, not from a checkpoint") });
@@ -131,7 +137,7 @@ pub fn load_with(path: &Path, step: Option<u64>, device: Option<&str>, overrides
     let (vs, hybrid, tok) = linearize::load_exported_with(path, device, overrides)?;
     let run = if path.join(EXPORT_VARIANT).is_file() { path.parent().unwrap_or(path) } else { path };
     let step = crate::train::checkpoint::list(run).last().map_or(0, |c| c.0);
-    Ok(Loaded { eos: linearize::eos_id(&tok), model: Model::Llama(hybrid), tok, device, step, vs })
+    Ok(Loaded { eos: linearize::eos_id(&tok), model: Model::Llama(hybrid), tok, device, step, chat: None, vs })
 }
 
 /// A finished `finetune` run: its `export/` folder (a Hugging Face Llama / OLMo 2 folder, DAR
@@ -149,7 +155,28 @@ fn load_finetuned(path: &Path, step: Option<u64>, device: Option<&str>) -> Resul
     let (vs, m) = crate::model::hf::load_llama(&export, device)?;
     let tok = Tok::load(&crate::spec::TokenizerSpec::Path(export.join("tokenizer.json").display().to_string()))?;
     let step = crate::train::checkpoint::list(path).last().map_or(0, |c| c.0);
-    Ok(Loaded { eos: linearize::eos_id(&tok), model: Model::Llama(m), tok, device, step, vs })
+    let chat = crate::data::chat::ChatTemplate::from_tokenizer_config(&export.join("tokenizer_config.json")).ok().flatten();
+    Ok(Loaded { eos: linearize::eos_id(&tok), model: Model::Llama(m), tok, device, step, chat, vs })
+}
+
+/// A pretrained llama GGUF: fp32 weights, its tokenizer, EOS and chat template from the metadata.
+fn load_gguf(path: &Path, step: Option<u64>, device: Option<&str>, overrides: &[String]) -> Result<Loaded> {
+    let source = path.to_string_lossy();
+    let bad = |msg: String| Error::Other(format!("{source}: {msg}"));
+    if let Some(s) = step {
+        return Err(bad(format!("--step {s}: a GGUF file has no checkpoints")));
+    }
+    if let Some(o) = overrides.first() {
+        return Err(bad(format!("--set {o}: overrides apply to linearized (STILL / LoLCATs) models only")));
+    }
+    let device = crate::device::parse_device(device.unwrap_or("auto"))?;
+    let file = crate::model::gguf::resolve(&source)?;
+    let g = crate::model::gguf::Gguf::open(&file)?;
+    let (vs, m) = crate::model::gguf::load_llama(&file.to_string_lossy(), device)?;
+    let tok = crate::model::gguf::load_tok(&file.to_string_lossy())?;
+    let eos = crate::model::gguf::tokenizer::eos_id(&g).unwrap_or_else(|| linearize::eos_id(&tok));
+    let chat = crate::model::gguf::tokenizer::chat_template(&g)?;
+    Ok(Loaded { eos, model: Model::Llama(m), tok, device, step: 0, chat, vs })
 }
 
 /// Greedy when `temperature` is 0, else sampling from softmax(logits / temperature) with `seed`.

@@ -18,10 +18,10 @@ pub fn parse_token_ids(text: &str, origin: &Path, vocab: i64) -> Result<Vec<i64>
     Ok(ids)
 }
 
-/// `attnlab forward`: float32 logits `[n, vocab]` of the ids in `tokens` under `run` (checkpoint
-/// `step`, default the newest) into the safetensors file `out` (tensor `logits`). Returns its shape.
+/// `attnlab forward`: float32 logits `[n, vocab]` of the ids in `tokens` under `run` (anything
+/// `generate::load` reads; checkpoint `step`, default the newest) into the safetensors file `out` (tensor `logits`). Returns its shape.
 pub fn forward_file(run: &Path, tokens: &Path, out: &Path, step: Option<u64>, device: Option<&str>) -> Result<Vec<i64>> {
-    let loaded = crate::train::run::load(run, step, device)?;
+    let loaded = generate::load(run, step, device)?;
     let text = std::fs::read_to_string(tokens).map_err(|e| Error::io(tokens, e))?;
     let ids = parse_token_ids(&text, tokens, loaded.model.vocab() as i64)?;
     let x = tch::Tensor::from_slice(&ids).view([1, -1]).to_device(loaded.device);
@@ -32,6 +32,8 @@ pub fn forward_file(run: &Path, tokens: &Path, out: &Path, step: Option<u64>, de
 
 /// What `attnlab generate` produced.
 pub struct Continuation {
+    /// The prompt as the model saw it (wrapped in the chat template with `chat`).
+    pub prompt: String,
     /// The generated tokens, decoded (the prompt not included).
     pub text: String,
     pub stats: Generated,
@@ -39,16 +41,23 @@ pub struct Continuation {
 
 /// `attnlab generate`: continue `prompt` with the model of `run` (a train or linearize run
 /// directory, or a linearize export folder; see `generate::load`). The tokenizer's BOS goes first
-/// when it has one (Llama), as Hugging Face and `eval --task` do; generation stops at its EOS.
-pub fn continue_prompt(run: &Path, prompt: &str, max_new_tokens: usize, sampling: Sampling, step: Option<u64>, device: Option<&str>) -> Result<Continuation> {
+/// when it has one (Llama), as Hugging Face and `eval --task` do; generation stops at its EOS. With
+/// `chat` the prompt is a user turn of the model's chat template, with the assistant's generation prompt.
+pub fn continue_prompt(run: &Path, prompt: &str, chat: bool, max_new_tokens: usize, sampling: Sampling, step: Option<u64>, device: Option<&str>) -> Result<Continuation> {
     let loaded = generate::load(run, step, device)?;
+    let prompt = if chat {
+        let template = loaded.chat.as_ref().ok_or_else(|| Error::Other(format!("--chat: {} has no chat template", run.display())))?;
+        template.render(&[crate::data::chat::Message { role: "user".into(), content: prompt.into() }], true)?
+    } else {
+        prompt.to_string()
+    };
     let mut ids: Vec<u32> = crate::linearize::bos_id(&loaded.tok).into_iter().collect();
-    ids.extend(loaded.tok.encode(prompt)?);
+    ids.extend(loaded.tok.encode(&prompt)?);
     if ids.is_empty() {
         return Err(Error::Other("the prompt encodes to no tokens".into()));
     }
     let stats = generate::generate(&loaded.model, &ids, max_new_tokens, sampling, Some(loaded.eos), loaded.device);
-    Ok(Continuation { text: loaded.tok.decode(&stats.tokens)?, stats })
+    Ok(Continuation { text: loaded.tok.decode(&stats.tokens)?, prompt, stats })
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ pub mod lm_eval;
 pub mod perplexity;
 pub mod ruler;
 pub mod tasks;
-pub mod wikitext;
+/// The WikiText rules live with the text sources (`data::wikitext`); this path stays for callers.
+pub use crate::data::wikitext;
 
 pub use perplexity::{CorpusResult, EvalCorpus};

@@ -3,15 +3,15 @@
 //! every layer's attention is replaced by a STILL or LoLCATs operator (`attention::Layer::Still` /
 //! `Lolcats`). The layer's original attention is kept beside it (`Block::teacher`) as the target of
 //! attention transfer and for the teacher's forward (`Pass::Teacher`: the original attention, base
-//! projections without LoRA). LoRA adapters sit on the attention projections (`train::lora::Linear`)
+//! projections without LoRA). LoRA adapters sit on the attention projections (`lora::Linear`)
 //! and on STILL's gate. Exported students hold the merged weights, `config.json` (the attention in
 //! `attnlab_attention`) and `hybrid.yaml` (the operator, what `--set attention.KEY=V` edits).
 use crate::attention::cache::repeat_kv;
-use crate::attention::still::{LayerDims, Probe};
-use crate::attention::{is_bottleneck_param, Attention, Layer, Variant};
+use crate::attention::still::Probe;
+use crate::attention::{is_bottleneck_param, Attention, Layer, LayerDims, Variant};
 use crate::model::hf;
 use crate::model::llama::{Llama, LlamaConfig, Pass};
-use crate::train::lora::{Lora, LoraConfig};
+use crate::lora::{Lora, LoraConfig};
 use crate::{Error, IoContext, Result};
 use std::collections::BTreeMap;
 use std::path::Path;

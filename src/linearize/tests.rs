@@ -24,16 +24,6 @@ fn alpaca_prompt_tokens_are_masked_and_packed() {
 }
 
 #[test]
-fn reads_the_shared_alpaca_file() {
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("alpaca.jsonl");
-    std::fs::write(&path, crate::testutil::shared_text("data/alpaca/alpaca_200.jsonl")).unwrap();
-    let recs = read_alpaca(&path).unwrap();
-    assert_eq!(recs.len(), 200);
-    assert!(!recs[0].0.is_empty() && !recs[0].2.is_empty());
-}
-
-#[test]
 fn spec_defaults_and_unknown_keys() {
     let s = LinearizeSpec::from_yaml("{teacher: t, attention: {kind: still}, data: {train: {alpaca: a.jsonl}}, output: o}").unwrap().resolved();
     assert_eq!(s.data.seq_len, 1024);
@@ -165,4 +155,36 @@ fn stage2_freezes_all_but_lora() {
         }
     }
     assert!(changed > 0, "no LoRA weight moved");
+}
+
+/// experiments/{still,lolcats}-smollm2.yaml end to end on CPU at smoke size (the real SmolLM2 teacher
+/// from its GGUF, prose plus Alpaca, one step per stage of 128 tokens), and the routing sweep on it
+/// expanding into valid runs.
+#[test]
+fn smollm2_experiments_linearize_at_smoke_size() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    crate::model::gguf::tests_support::smollm2();
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["still", "lolcats"] {
+        let out = tmp.path().join(name);
+        let sets: Vec<String> = [
+            "stage1.steps=1", "stage2.steps=1", "stage1.eval_every=1", "stage2.eval_every=1", "data.seq_len=128", "data.batch_size=1",
+            "data.max_examples=2", "data.eval=null", "data.val_rows=1", "data.eval_rows=1", "train.device=cpu", "checkpoint.every=0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([format!("output={}", out.display())])
+        .collect();
+        let spec = LinearizeSpec::from_file_with(&root.join(format!("experiments/{name}-smollm2.yaml")), &sets).unwrap();
+        assert_eq!(spec.teacher, "gguf:smollm2");
+        let o = linearize(spec, &LinearizeOptions { quiet: true, stop_after: None }).unwrap();
+        assert_eq!(o.step, 2, "{name}");
+        assert!(out.join("DONE").is_file() && out.join("export/tokenizer.json").is_file(), "{name}");
+        let (s, t) = (o.eval["student"]["ppl"].as_f64().unwrap(), o.eval["teacher"]["ppl"].as_f64().unwrap());
+        assert!(s.is_finite() && t.is_finite() && t < 1000.0, "{name}: student {s}, teacher {t}");
+    }
+    let plan = crate::sweep::plan(&root.join("sweeps/still-routing-smollm2.yaml"), &[], Some(tmp.path())).unwrap();
+    let names: Vec<&str> = plan.runs.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(plan.runs.len(), 11, "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with("still-random-k4")) && names.iter().any(|n| n.starts_with("still-self_saliency-k16")), "{names:?}");
 }

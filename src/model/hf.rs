@@ -58,6 +58,15 @@ pub fn load_llama(dir: &Path, device: tch::Device) -> Result<(VarStore, Llama)> 
     Ok((vs, model))
 }
 
+/// A pretrained Llama-family model from wherever one is named: a `.gguf` file or `gguf:NAME`
+/// ([`super::gguf`]), a Hugging Face folder, or `hf:owner/name`.
+pub fn load_pretrained(source: &str, device: tch::Device) -> Result<(VarStore, Llama)> {
+    if super::gguf::is_gguf(source) {
+        return super::gguf::load_llama(source, device);
+    }
+    load_llama(&resolve(source)?, device)
+}
+
 /// Copy named tensors into `vs`: every variable must be present with its shape; a tied `lm_head`
 /// may be absent or present (then equal to the embedding); other extras are errors.
 pub fn copy_into(vs: &VarStore, mut tensors: HashMap<String, Tensor>, origin: &Path) -> Result<()> {

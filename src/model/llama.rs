@@ -12,15 +12,12 @@
 //! LoLCATs): the model computes the rotated heads and hands them over with the tensor that feeds
 //! k_proj / v_proj (`input_layernorm(x)` for Llama, the residual stream x for OLMo 2) and its own k / v
 //! map (`KvMap`: the same k_proj / v_proj, k_norm, RoPE), which DAR's distant keys go through. The
-//! attention projections are LoRA-capable (`train::lora::Linear`), so `attnlab linearize` adapts them
+//! attention projections are LoRA-capable (`lora::Linear`), so `attnlab linearize` adapts them
 //! in place (`crate::linearize::student`). Packed rows: `hidden_docs` takes per-token document ids
 //! (block-diagonal mask, positions restarting at every document).
 use crate::attention::cache::{CacheShape, DecodeCache};
-use crate::attention::still::LayerDims;
-use crate::attention::{self, Attention, Heads, KvMap, Layer, Positions};
-pub use crate::attention::DarConfig;
-use crate::spec::AttentionKind;
-use crate::train::lora::Linear;
+use crate::attention::{self, Attention, DarConfig, Heads, KvMap, Layer, LayerDims, Positions};
+use crate::lora::Linear;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::nn::{self, Init, Module};
@@ -151,7 +148,7 @@ impl LlamaConfig {
             "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
             "attention_bias": false, "mlp_bias": false, "bos_token_id": serde_json::Value::Null, "torch_dtype": "float32"
         });
-        if !matches!(self.attention, Attention::Softmax(c) if c.kind == AttentionKind::Vanilla) {
+        if !self.attention.is_vanilla() {
             v[ATTENTION_KEY] = serde_json::to_value(&self.attention).expect("serializes");
         }
         v
@@ -301,8 +298,7 @@ impl Llama {
     /// bottleneck the model lacks, or drop one it has, is an error (use `add_dar`).
     pub fn set_attention(&mut self, attention: DarConfig) -> Result<()> {
         // Checked for the whole model first, so that a refused change leaves it as it was.
-        let has = self.layers.iter().any(|b| b.attn.bottleneck().is_some());
-        if !matches!(self.cfg.attention, Attention::Softmax(_)) || attention.has_bottleneck() != has {
+        if !self.layers.iter().all(|b| b.attn.reconfigurable(&attention)) {
             return Err(Error::Other(format!("set_attention: cannot switch {} to {:?} in place", self.cfg.attention.label(), attention.kind)));
         }
         for b in &mut self.layers {

@@ -2,16 +2,14 @@
 //! / Pythia) and `llama` (Llama and OLMo 2). They know architecture only: each layer's attention is a
 //! `crate::attention::Layer` (vanilla, DAR, uniform, window; STILL and LoLCATs in a Llama made by
 //! `attnlab linearize`). `Model` is what the trainer, evaluation and benches hold.
+pub mod gguf;
 pub mod hf;
 pub mod llama;
 pub mod loss;
 pub mod neox;
 pub mod rope;
 
-/// DAR's bottleneck initialisation (it lives with the variant, `attention::dar::init`).
-pub use crate::attention::dar::init as bottleneck;
-pub use crate::attention::is_bottleneck_param;
-pub use llama::{DarConfig, Family, Llama, LlamaConfig};
+pub use llama::{Family, Llama, LlamaConfig};
 pub use neox::{GptNeox, NeoxConfig};
 
 use tch::Tensor;

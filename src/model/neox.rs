@@ -4,8 +4,7 @@
 //! hands it the rotated heads, LN1(x) and its k / v map (`KvMap`: the k/v rows and bias of
 //! `query_key_value`, then RoPE), through which DAR's distant keys are built.
 use super::rope::Rope;
-use crate::attention::still::LayerDims;
-use crate::attention::{Attention, DarConfig, Heads, KvMap, Layer as AttentionLayer, Positions};
+use crate::attention::{Attention, DarConfig, Heads, KvMap, Layer as AttentionLayer, LayerDims, Positions};
 use crate::spec::{Gelu, Spec};
 use tch::nn::{self, Init, Module};
 use tch::Tensor;
@@ -205,16 +204,6 @@ impl GptNeox {
         let kv = x.linear(&wkv.matmul(w), Some(&bias));
         let mut parts = self.split_heads(&kv, 2).into_iter();
         (parts.next().unwrap(), parts.next().unwrap())
-    }
-
-    /// The global-path keys/values by the direct form `h' = (a·W_down)·W_up`, then the k/v projection.
-    /// Kept to test that the absorbed form computes the same function.
-    #[cfg(test)]
-    fn bottleneck_kv_direct(&self, layer: &Layer, a: &Tensor) -> (Tensor, Tensor) {
-        let b = layer.attn.bottleneck().unwrap();
-        let h_prime = a.linear::<Tensor>(&b.down, None).linear::<Tensor>(&b.up, None);
-        let qkv = self.split_heads(&layer.query_key_value.forward(&h_prime), 3);
-        (qkv[1].shallow_clone(), qkv[2].shallow_clone())
     }
 }
 

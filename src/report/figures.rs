@@ -92,11 +92,7 @@ fn is_sigmoid(r: &Run) -> bool {
 
 /// The dash of a kind: vanilla and DAR solid, uniform dashed, window-only dotted.
 fn dash_of(c: &AttentionSpec) -> Dash {
-    match c.kind.name() {
-        "uniform" => Dash::Dashed,
-        "window" => Dash::Dotted,
-        _ => Dash::Solid,
-    }
+    c.kind.line_style()
 }
 
 /// A sweep's runs as series, in table order (vanilla, DAR by d_down and window, wide first,

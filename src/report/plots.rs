@@ -12,13 +12,8 @@ static FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans.ttf");
 const FAMILY: &str = "sans-serif";
 const SIZE: (u32, u32) = (960, 600);
 
-/// How a line is stroked: a sweep's charts use one per attention kind (figures.rs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Dash {
-    Solid,
-    Dashed,
-    Dotted,
-}
+/// How a line is stroked: a sweep's charts use one per attention kind (`AttentionKind::line_style`).
+pub use crate::spec::LineStyle as Dash;
 
 pub struct Line {
     pub label: String,

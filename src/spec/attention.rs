@@ -4,10 +4,15 @@
 //! and bench, compare, export, eval and the report follow.
 use super::schema::{AttentionImpl, AttentionInit, AttentionKind, AttentionSpec, DarAct, Invalid};
 
-impl AttentionKind {
-    /// Every kind, in the order tables, plots and `bench` list them.
-    pub const ALL: [AttentionKind; 4] = [AttentionKind::Vanilla, AttentionKind::Dar, AttentionKind::Uniform, AttentionKind::Window];
+/// How a plot strokes a line: one style per attention kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LineStyle {
+    Solid,
+    Dashed,
+    Dotted,
+}
 
+impl AttentionKind {
     /// The spec's spelling (`attention.kind: dar`): `compare`, `bench`, bench-decode and the report's
     /// `kind` column write it (the serde name; a test holds them together).
     pub fn name(self) -> &'static str {
@@ -53,6 +58,25 @@ impl AttentionKind {
             AttentionKind::Dar => "DAR",
             AttentionKind::Uniform => "Uniform",
             AttentionKind::Window => "Window-only",
+        }
+    }
+
+    /// How plots stroke the kind's lines (`report::plots::Dash`).
+    pub fn line_style(self) -> LineStyle {
+        match self {
+            AttentionKind::Vanilla | AttentionKind::Dar => LineStyle::Solid,
+            AttentionKind::Uniform => LineStyle::Dashed,
+            AttentionKind::Window => LineStyle::Dotted,
+        }
+    }
+
+    /// What `bench-decode --attention NAME` builds for the kind (its `--help` and errors list these).
+    pub fn decode_bench_model(self) -> &'static str {
+        match self {
+            AttentionKind::Vanilla => "GPT-NeoX, softmax attention: K/V of every token",
+            AttentionKind::Dar => "GPT-NeoX, the spec's DAR: full K/V for the last w tokens, d_down-wide latents before",
+            AttentionKind::Uniform => "GPT-NeoX, DAR with w = 0",
+            AttentionKind::Window => "GPT-NeoX, sliding-window attention only (the spec's window, default 128): K/V of the last w tokens",
         }
     }
 
@@ -152,15 +176,19 @@ impl AttentionSpec {
             Some(i) => format!(", {}", i.name()),
         };
         let (d, w) = (c.d_down_width(), c.window_len());
-        match (c.kind, d, w) {
-            (AttentionKind::Vanilla, _, _) => "vanilla".into(),
-            (AttentionKind::Uniform, Some(d), _) => format!("uniform (d_down {d}{init})"),
-            (AttentionKind::Dar, Some(d), Some(w)) => format!("DAR (d_down {d}, w {w}{init})"),
-            (AttentionKind::Window, _, Some(w)) => format!("window-only (w {w})"),
-            (k, d, w) => {
-                let parts: Vec<String> = d.map(|d| format!("d_down {d}")).into_iter().chain(w.map(|w| format!("w {w}"))).collect();
-                if parts.is_empty() { k.name().to_string() } else { format!("{} ({})", k.name(), parts.join(", ")) }
-            }
+        // A size left unset (an unresolved spec) is left out of the label.
+        let sizes = || {
+            let parts: Vec<String> = d.map(|d| format!("d_down {d}")).into_iter().chain(w.map(|w| format!("w {w}"))).collect();
+            if parts.is_empty() { c.kind.name().to_string() } else { format!("{} ({})", c.kind.name(), parts.join(", ")) }
+        };
+        match c.kind {
+            AttentionKind::Vanilla => "vanilla".into(),
+            AttentionKind::Uniform => d.map_or_else(sizes, |d| format!("uniform (d_down {d}{init})")),
+            AttentionKind::Dar => match (d, w) {
+                (Some(d), Some(w)) => format!("DAR (d_down {d}, w {w}{init})"),
+                _ => sizes(),
+            },
+            AttentionKind::Window => w.map_or_else(sizes, |w| format!("window-only (w {w})")),
         }
     }
 

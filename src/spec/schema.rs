@@ -158,9 +158,25 @@ pub struct ModelSpec {
     pub tie_embeddings: Option<bool>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum AttentionKind {
+/// The softmax attention kinds, listed once: the enum and `AttentionKind::ALL` (the order of tables,
+/// plots and `bench`) both come from this list, so a new kind cannot be left out of ALL; every match
+/// on the kind (src/spec/attention.rs, resolve, bench, the layers) then names itself to the compiler.
+macro_rules! attention_kinds {
+    ($($(#[$meta:meta])* $kind:ident,)*) => {
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+        #[serde(rename_all = "lowercase")]
+        pub enum AttentionKind {
+            $($(#[$meta])* $kind,)*
+        }
+
+        impl AttentionKind {
+            /// Every kind, in the order tables, plots and `bench` list them.
+            pub const ALL: [AttentionKind; 0 $(+ { let _ = stringify!($kind); 1 })*] = [$(AttentionKind::$kind,)*];
+        }
+    };
+}
+
+attention_kinds! {
     #[default]
     Vanilla,
     Dar,
@@ -239,7 +255,7 @@ pub enum AttentionInit {
     /// projection onto a random d_down-dimensional subspace (norm-preserving on its span).
     Orthogonal,
     /// Fine-tuning only (`attnlab finetune`): W_down = Uᵀ, W_up = U with U the top-d_down principal
-    /// directions of each layer's K/V input over calibration rows (model::bottleneck). A pretraining
+    /// directions of each layer's K/V input over calibration rows (attention::dar::init). A pretraining
     /// spec refuses it: a model being trained from scratch has no activations to read.
     Pca,
 }
@@ -286,10 +302,10 @@ impl SourceSpec {
                     return Err((".needles.tasks".into(), "lists no task".into()));
                 }
                 for (i, t) in n.tasks.iter().enumerate() {
-                    let Some(task) = crate::eval::ruler::task(t) else {
-                        return Err((format!(".needles.tasks[{i}]"), format!("unknown RULER task `{t}` (one of {})", crate::eval::ruler::TASKS.join(", "))));
+                    let Some(task) = crate::data::niah::task(t) else {
+                        return Err((format!(".needles.tasks[{i}]"), format!("unknown RULER task `{t}` (one of {})", crate::data::niah::TASKS.join(", "))));
                     };
-                    if task.haystack == crate::eval::ruler::Haystack::Essay && n.essay.is_none() {
+                    if task.haystack == crate::data::niah::Haystack::Essay && n.essay.is_none() {
                         return Err((".needles.essay".into(), format!("task `{t}` has an essay haystack: give the essay file")));
                     }
                 }

@@ -6,7 +6,8 @@ pub mod distributed;
 pub mod fault;
 pub mod launch;
 pub mod lock;
-pub mod lora;
+/// LoRA sits below the models and attention that use it (`crate::lora`); this path stays for callers.
+pub use crate::lora;
 pub mod metrics;
 pub mod optim;
 pub mod run;

@@ -2,7 +2,8 @@
 use super::checkpoint;
 use crate::data::Tok;
 use crate::eval::perplexity::CorpusResult;
-use crate::model::{DarConfig, Family, GptNeox, LlamaConfig, Model, NeoxConfig};
+use crate::attention::DarConfig;
+use crate::model::{Family, GptNeox, LlamaConfig, Model, NeoxConfig};
 use crate::run_kind::RunKind;
 use crate::spec::{Arch, Spec};
 use serde::Serialize;

@@ -189,3 +189,13 @@ fn hub_chat_sources_default_to_the_messages_field() {
     assert_eq!(serde_yaml::from_str::<ChatSource>(&serde_yaml::to_string(&src).unwrap()).unwrap(), src);
     assert!(serde_yaml::from_str::<ChatSource>("hf: {repo: r, files: [a], feld: x}").is_err());
 }
+
+#[test]
+fn reads_the_shared_alpaca_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("alpaca.jsonl");
+    std::fs::write(&path, crate::testutil::shared_text("data/alpaca/alpaca_200.jsonl")).unwrap();
+    let recs = read_alpaca(&path).unwrap();
+    assert_eq!(recs.len(), 200);
+    assert!(!recs[0].0.is_empty() && !recs[0].2.is_empty());
+}

@@ -1,6 +1,7 @@
 use super::*;
 use crate::model::hf;
-use crate::model::llama::{DarConfig, Family, Llama, LlamaConfig, RopeScaling};
+use crate::attention::DarConfig;
+use crate::model::llama::{Family, Llama, LlamaConfig, RopeScaling};
 use crate::spec::{AttentionImpl, AttentionKind};
 use std::path::Path;
 use tch::nn::{OptimizerConfig, VarStore};
@@ -143,12 +144,12 @@ fn bottleneck_parameters_are_recognised() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/olmo2_tiny");
     let (vs, mut m) = hf::load_llama(&dir, Device::Cpu).unwrap();
     m.add_dar(&vs.root(), dar(16, 4)).unwrap();
-    let mut picked: Vec<String> = vs.variables().into_keys().filter(|n| crate::model::is_bottleneck_param(n)).collect();
+    let mut picked: Vec<String> = vs.variables().into_keys().filter(|n| crate::attention::is_bottleneck_param(n)).collect();
     picked.sort();
     let want: Vec<String> = (0..2).flat_map(|i| ["down", "up"].map(|w| format!("model.layers.{i}.self_attn.bottleneck_{w}.weight"))).collect();
     assert_eq!(picked, want);
-    assert!(crate::model::is_bottleneck_param("gpt_neox.layers.3.attention.bottleneck_up.weight"));
-    assert!(!crate::model::is_bottleneck_param("model.layers.0.self_attn.k_proj.weight"));
+    assert!(crate::attention::is_bottleneck_param("gpt_neox.layers.3.attention.bottleneck_up.weight"));
+    assert!(!crate::attention::is_bottleneck_param("model.layers.0.self_attn.k_proj.weight"));
 }
 
 /// A resolved tiny spec (`arch` neox or llama) with `attention` (YAML) and `train.seed`.
@@ -179,13 +180,13 @@ fn dar_and_uniform_runs_start_from_the_vanilla_runs_weights_of_the_same_seed() {
                 assert!(w.equal(other), "{arch} {att}: {name} differs from vanilla's");
             }
             let own: Vec<&String> = dar.keys().filter(|k| !vanilla.contains_key(*k)).collect();
-            assert!(!own.is_empty() && own.iter().all(|k| crate::model::is_bottleneck_param(k)), "{arch}: {own:?}");
+            assert!(!own.is_empty() && own.iter().all(|k| crate::attention::is_bottleneck_param(k)), "{arch}: {own:?}");
             assert!(own.iter().all(|k| dar[*k].abs().sum(Kind::Double).double_value(&[]) > 0.0), "bottleneck left at zero");
         }
         // The bottleneck's stream depends on the run's seed only, not on the global generator's state.
         let att = "{kind: dar, d_down: 16, window: 8}";
         let (a, b, c) = (weights(&pretrain_spec(arch, att, 5), 5), weights(&pretrain_spec(arch, att, 5), 99), weights(&pretrain_spec(arch, att, 6), 5));
-        for k in a.keys().filter(|k| crate::model::is_bottleneck_param(k)) {
+        for k in a.keys().filter(|k| crate::attention::is_bottleneck_param(k)) {
             assert!(a[k].equal(&b[k]), "{arch} {k}: depends on the global generator");
             assert!(!a[k].equal(&c[k]), "{arch} {k}: seeds 5 and 6 drew the same bottleneck");
         }

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""The import rule of ARCHITECTURE.md, checked: every `crate::` reference between top-level modules of
+src/ (a folder or a file: data, eval, linearize, ...) points down the LAYERS below, except the upward
+edges listed in KNOWN (each one to remove, never to add). Test code (tests.rs, testkit.rs and a file's
+trailing #[cfg(test)] module) may reach up: a test builds a whole model to test a part.
+
+    python3 scripts/import_layers.py            # exit 1 naming each new upward reference (file:line)
+    python3 scripts/import_layers.py --edges    # every edge, then the check
+"""
+import re, sys
+from collections import defaultdict
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+# Lowest first; a module may use its own layer and those before it.
+LAYERS = [
+    ["error", "util", "progress", "hub", "kernels", "device", "lora"],
+    ["spec"],
+    ["data"],
+    ["attention"],
+    ["model"],
+    ["train", "tensorboard"],
+    ["eval"],
+    ["export", "linearize", "finetune", "bench"],
+    ["run_kind", "runs"],
+    ["sweep", "report"],
+]
+
+# Upward edges that exist today (issue 25), to be removed; a fixed one must leave this list.
+KNOWN = {
+    ("attention", "model"): "dar::init adds DAR to a loaded Llama (Llama::add_dar)",
+    ("spec", "data"): "validation names data's Megatron dtypes and RULER tasks",
+    ("spec", "finetune"): "spec::resolved_command_spec reads a finetune spec",
+    ("spec", "linearize"): "spec::resolved_command_spec reads a linearize spec",
+    ("spec", "run_kind"): "config.yaml's `command:` line is stripped by spec",
+    ("spec", "runs"): "spec::resolved_command_spec asks runs which command wrote a config",
+    ("tensorboard", "eval"): "tensorboard export reads eval.json's perplexity results",
+    ("train", "eval"): "training evaluates perplexity (eval::perplexity, eval::lm_eval)",
+    ("train", "run_kind"): "the run directory writes `command:`",
+    ("eval", "linearize"): "generate loads a linearize export (linearize::load_exported_with)",
+    ("eval", "report"): "bench-decode draws its plots with report::plots",
+    ("eval", "run_kind"): "eval and generate load any run kind",
+    ("finetune", "run_kind"): "finetune names its own run kind",
+    ("linearize", "run_kind"): "linearize names its own run kind",
+}
+ROOT_REEXPORTS = {"Error": "error", "IoContext": "error", "Result": "error"}
+SKIP = {"lib", "main", "testutil"}  # the crate root, the binary, test helpers
+
+
+def top(path):
+    rel = path.relative_to(SRC).parts
+    return rel[0][:-3] if len(rel) == 1 else rel[0]
+
+
+def targets(text):
+    """Top-level modules named by `crate::x` paths and `crate::{x, y::z}` groups."""
+    for m in re.finditer(r"\bcrate::(\{[^}]*\}|\w+)", text):
+        g = m.group(1)
+        names = [p.strip().split("::")[0] for p in g[1:].split(",")] if g.startswith("{") else [g]
+        for n in names:
+            n = n.strip("{ }\n")
+            if n:
+                yield ROOT_REEXPORTS.get(n, n)
+
+
+def is_module(name):
+    return (SRC / f"{name}.rs").exists() or (SRC / name).is_dir()
+
+
+def graph():
+    edges = defaultdict(lambda: defaultdict(list))
+    for f in sorted(SRC.rglob("*.rs")):
+        a = top(f)
+        if a in SKIP or f.name in ("tests.rs", "testkit.rs") or "tests" in f.relative_to(SRC).parts:
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if line.startswith("#[cfg(test)]") and i > 1:
+                break  # the file's test module comes last
+            if line.lstrip().startswith("//"):
+                continue
+            for b in targets(line):
+                if b != a and b not in SKIP and is_module(b):
+                    edges[a][b].append(f"{f.relative_to(SRC.parent)}:{i}")
+    return edges
+
+
+def main():
+    edges = graph()
+    level = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+    errors = []
+    for a in sorted(set(edges) | {b for a in edges for b in edges[a]}):
+        if a not in level:
+            errors.append(f"module `{a}` is in no layer: add it to LAYERS in {Path(__file__).name}")
+    if "--edges" in sys.argv:
+        for a in sorted(edges):
+            print(f"{a} -> {', '.join(sorted(edges[a]))}")
+    for a in sorted(edges):
+        for b in sorted(edges[a]):
+            if a in level and b in level and level[b] > level[a] and (a, b) not in KNOWN:
+                errors.append(f"{a} -> {b} points up ({a} is below {b}): " + ", ".join(edges[a][b][:5]))
+    for (a, b) in sorted(KNOWN):
+        if b not in edges.get(a, {}):
+            errors.append(f"{a} -> {b} is gone: remove it from KNOWN")
+    for e in errors:
+        print(e)
+    if errors:
+        sys.exit(1)
+    print(f"imports point down: {sum(len(v) for v in edges.values())} edges between {len(level)} modules, {len(KNOWN)} known upward edges left")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+//! One conformance suite over every attention kind on GPT-NeoX, Llama and OLMo 2 (issue 25). A new
+//! kind is one line in [`KINDS`]: its options as a model config records them (config.json's
+//! `attnlab_attention`), sized so that windows, chunks and bottlenecks all act within 13 tokens.
+//!
+//! For every (family, kind) the family can hold (GPT-NeoX holds the softmax kinds), in fp64:
+//! - decode = the full forward on every prefix (prompts of 1 and 6 tokens, then one token at a time);
+//! - packed = alone: a packed row gives each document's logits run alone, or the model refuses packed
+//!   rows (GPT-NeoX, and kinds that declare they do not pack) instead of mixing documents;
+//! - reference = fast path, outputs and gradients of every parameter (softmax kinds: `impl: reference`
+//!   against the default; a linearized operator holds its chunked path to its explicit reference in
+//!   its own file, `still/reference.rs`, `lolcats.rs`);
+//! - config → config.json → reload (Llama family): the same config and the same logits.
+use super::Attention;
+use crate::model::llama::LlamaConfig;
+use crate::model::{hf, GptNeox, Llama, Model, NeoxConfig};
+use crate::spec::{AttentionImpl, Gelu};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+
+/// Every kind, one line each: (name, its config as config.json records it, whether it takes packed rows).
+const KINDS: &[(&str, &str, bool)] = &[
+    ("vanilla", "{kind: vanilla, d_down: 0, window: 0, dar_act: linear, impl: auto}", true),
+    ("dar", "{kind: dar, d_down: 12, window: 3, dar_act: linear, impl: auto}", true),
+    ("dar-sigmoid", "{kind: dar, d_down: 12, window: 3, dar_act: sigmoid, impl: auto}", true),
+    ("uniform", "{kind: uniform, d_down: 12, window: 0, dar_act: linear, impl: auto}", true),
+    ("window", "{kind: window, d_down: 0, window: 3, dar_act: linear, impl: auto}", true),
+    ("still", "{kind: still, chunk: 4, tokens_per_chunk: 1}", false),
+    ("lolcats", "{kind: lolcats, window: 4, feature_dim: 8}", false),
+];
+
+const T: i64 = 13;
+
+enum Family {
+    Neox,
+    Llama(&'static str),
+}
+
+impl Family {
+    fn name(&self) -> &'static str {
+        match self {
+            Family::Neox => "gpt-neox",
+            Family::Llama(f) => f,
+        }
+    }
+}
+
+fn attention(yaml: &str) -> Attention {
+    serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("{yaml}: {e}"))
+}
+
+fn fixture_config(name: &str) -> LlamaConfig {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    hf::load_llama(&dir, Device::Cpu).unwrap().1.cfg
+}
+
+/// The model of `family` with `a`, weights drawn from `seed`, in fp64; None when the family cannot
+/// hold the kind (a linearized operator in GPT-NeoX).
+fn build(family: &Family, a: &Attention, seed: i64) -> Option<(VarStore, Model)> {
+    tch::manual_seed(seed);
+    let mut vs = VarStore::new(Device::Cpu);
+    let model = match family {
+        Family::Neox => {
+            let Attention::Softmax(attention) = a else { return None };
+            let cfg = NeoxConfig { vocab: 97, d_model: 32, layers: 2, heads: 4, ffn: 64, rotary_pct: 0.25, rotary_base: 10000.0, ln_eps: 1e-5, gelu: Gelu::Erf, attention: *attention };
+            Model::Neox(GptNeox::new(&vs.root(), cfg))
+        }
+        Family::Llama(fixture) => {
+            let cfg = LlamaConfig { attention: a.clone(), ..fixture_config(fixture) };
+            Model::Llama(Llama::build(&vs.root(), cfg).unwrap())
+        }
+    };
+    vs.double();
+    Some((vs, model))
+}
+
+fn ids(model: &Model) -> Tensor {
+    tch::manual_seed(3);
+    Tensor::randint(model.vocab() as i64, [2, T], (Kind::Int64, Device::Cpu))
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+/// Prefill `prompt` tokens, then one at a time: every step's logits against the full forward of that prefix.
+fn decode_gap(model: &Model, x: &Tensor, prompt: i64) -> f64 {
+    let full: Vec<Tensor> = (1..=T).map(|t| tch::no_grad(|| model.forward(&x.narrow(1, 0, t)))).collect();
+    let mut worst = 0f64;
+    let mut step = |logits: Tensor, upto: i64, n: i64| worst = worst.max(max_diff(&logits, &full[upto as usize - 1].narrow(1, upto - n, n)));
+    match model {
+        Model::Neox(m) => {
+            let mut cache = m.new_cache(2, Kind::Double, Device::Cpu);
+            step(tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, prompt))), prompt, prompt);
+            for t in prompt..T {
+                step(tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, 1))), t + 1, 1);
+            }
+        }
+        Model::Llama(m) => {
+            let mut cache = m.new_cache(2, Kind::Double, Device::Cpu);
+            step(tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, prompt))), prompt, prompt);
+            for t in prompt..T {
+                step(tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, 1))), t + 1, 1);
+            }
+        }
+    }
+    worst
+}
+
+/// Logits and the gradient of ⟨logits, g⟩ for every parameter, by name.
+fn outputs_and_grads(vs: &VarStore, model: &Model, x: &Tensor) -> (Tensor, Vec<(String, Tensor)>) {
+    let logits = model.forward(x);
+    tch::manual_seed(4);
+    let g = Tensor::randn(logits.size(), (Kind::Double, Device::Cpu));
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let wrt: Vec<&Tensor> = vars.iter().map(|v| &v.1).collect();
+    let grads = Tensor::run_backward(&[(&logits * g).sum(Kind::Double)], &wrt, false, false);
+    (logits.detach(), vars.into_iter().map(|v| v.0).zip(grads).collect())
+}
+
+#[test]
+fn every_kind_on_every_family() {
+    let families = [Family::Neox, Family::Llama("llama_tiny"), Family::Llama("olmo2_tiny")];
+    let mut checked = 0;
+    for family in &families {
+        for &(kind, yaml, packs) in KINDS {
+            let a = attention(yaml);
+            let Some((vs, model)) = build(family, &a, 1) else { continue };
+            let what = format!("{} {kind}", family.name());
+            let x = ids(&model);
+
+            // Decode = the full forward on every prefix.
+            for prompt in [1, 6] {
+                let gap = decode_gap(&model, &x, prompt);
+                assert!(gap < 1e-9, "{what}: decode after a {prompt}-token prompt differs from the forward by {gap}");
+            }
+
+            // Packed = alone, or refused.
+            let docs = Tensor::from_slice(&[1i64, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2]).view([1, T]).repeat([2, 1]);
+            // A guard, not tch::no_grad: a refusal unwinds, and the guard restores grad mode as it does.
+            let packed = catch_unwind(AssertUnwindSafe(|| {
+                let _no_grad = tch::no_grad_guard();
+                model.logits(&model.hidden_docs(&x, Some(&docs)))
+            }));
+            if packs && matches!(family, Family::Llama(_)) {
+                let packed = packed.unwrap_or_else(|_| panic!("{what}: packed rows refused"));
+                for (at, n) in [(0, 5), (5, 8)] {
+                    let alone = tch::no_grad(|| model.forward(&x.narrow(1, at, n)));
+                    let gap = max_diff(&packed.narrow(1, at, n), &alone);
+                    assert!(gap < 1e-9, "{what}: document at {at} packed vs alone: {gap}");
+                }
+            } else {
+                assert!(packed.is_err(), "{what}: packed rows must be refused, not mixed");
+            }
+
+            // Reference = fast path, outputs and gradients (softmax kinds).
+            if let Attention::Softmax(c) = &a {
+                let (vs_ref, reference) = build(family, &Attention::Softmax(super::DarConfig { implementation: AttentionImpl::Reference, ..*c }), 1).unwrap();
+                let (o_fast, g_fast) = outputs_and_grads(&vs, &model, &x);
+                let (o_ref, g_ref) = outputs_and_grads(&vs_ref, &reference, &x);
+                assert!(max_diff(&o_fast, &o_ref) < 1e-9, "{what}: fast path vs reference outputs");
+                assert_eq!(g_fast.len(), g_ref.len());
+                for ((name, a), (name_ref, b)) in g_fast.iter().zip(&g_ref) {
+                    assert_eq!(name, name_ref);
+                    assert!(a.defined() && b.defined(), "{what}: {name} gets no gradient");
+                    assert!(max_diff(a, b) < 1e-9, "{what}: gradient of {name}: {}", max_diff(a, b));
+                }
+            }
+
+            // Config → config.json → reload.
+            if let Model::Llama(m) = &model {
+                let dir = tempfile::tempdir().unwrap();
+                hf::save_llama(&vs, &m.cfg, dir.path()).unwrap();
+                let (_vs2, again) = hf::load_llama(dir.path(), Device::Cpu).unwrap();
+                assert_eq!(again.cfg, m.cfg, "{what}: config.json round trip");
+                let again = Model::Llama(again);
+                let logits = tch::no_grad(|| again.forward(&x.narrow(0, 0, 1)));
+                let want = tch::no_grad(|| model.forward(&x.narrow(0, 0, 1)));
+                assert!(max_diff(&logits.to_kind(Kind::Double), &want) < 1e-5, "{what}: reloaded logits (saved weights in fp32)");
+            }
+            checked += 1;
+        }
+    }
+    // Softmax kinds on all three families, linearized operators on the two Llama-family ones.
+    let want: usize = KINDS.iter().map(|k| if matches!(attention(k.1), Attention::Softmax(_)) { 3 } else { 2 }).sum();
+    assert_eq!(checked, want);
+}

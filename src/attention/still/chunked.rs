@@ -1,0 +1,255 @@
+//! The shared hybrid operator (STILL, and LoLCATs with κ = 0 and γ): its vectorised prefill /
+//! training path over chunks (§3), the softmax part one masked `[C, κ·#chunks + 2C]` block per chunk,
+//! the linear part prefix sums of per-chunk states.
+use super::{dims4, pad_to, two_chunks, HybridCache, Scorer, Selection};
+use crate::attention::feature_maps::FeatureMap;
+use tch::{Kind, Tensor};
+
+/// Everything the hybrid operator needs besides q, k, v and the gate: §3 for STILL, §7 for LoLCATs.
+pub(crate) struct Hybrid<'a> {
+    pub chunk: i64,
+    pub fq: &'a FeatureMap,
+    pub fk: &'a FeatureMap,
+    pub selection: Selection,
+    /// Routing scores; `None` = nothing is ever selected.
+    pub scorer: Option<Scorer>,
+    /// γ_h `[H]` multiplying both softmax sums (LoLCATs); `None` = 1.
+    pub gamma: Option<Tensor>,
+    /// Added to the denominator.
+    pub eps: f64,
+    pub phantom_chunk0_keys: bool,
+    /// Decode only: a sliding window of `chunk` tokens, one token folded per step (LoLCATs' decode).
+    pub sliding_decode: bool,
+    /// `false`: no linear branch (numerator and denominator).
+    pub linear: bool,
+    /// Scale the linear terms by e^{−m_t} ([`Normalizer::MaxCompensated`](super::Normalizer::MaxCompensated)).
+    pub compensate: bool,
+    /// `routing: oracle`: the positions to select instead of the top-κ (ascending).
+    pub oracle: Option<Vec<i64>>,
+}
+
+impl Hybrid<'_> {
+    /// The chunked prefill/training path; with `want_cache`, also the decode state after the last token.
+    pub fn prefill(&self, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>, want_cache: bool) -> (Tensor, Option<HybridCache>) {
+        let (b, h, t, d) = dims4(q);
+        let c = self.chunk;
+        let (qf, kf, vf) = (pad_to(q, c), pad_to(k, c), pad_to(v, c));
+        let (kind, dev) = (qf.kind(), q.device());
+        let n = qf.size()[2] / c;
+        let chunks = |x: &Tensor| x.reshape([b, h, n, c, x.size()[3]]);
+
+        // Softmax part. Win: chunk c−1 (all) and chunk c (causal); chunk 0 has no previous chunk.
+        let s_win = self.window_logits(&qf, &kf);
+        let qi = Tensor::arange(c, (Kind::Int64, dev)).view([c, 1]);
+        let col = Tensor::arange(2 * c, (Kind::Int64, dev)).view([1, 2 * c]);
+        let mut win_ok = col.lt(c).logical_or(&(&col - c).le_tensor(&qi)).expand([n, c, 2 * c], false);
+        if !self.phantom_chunk0_keys {
+            let first = Tensor::arange(n, (Kind::Int64, dev)).eq(0).view([n, 1, 1]);
+            win_ok = win_ok.logical_and(&first.logical_and(&col.lt(c).view([1, 1, 2 * c])).logical_not());
+        }
+        let scores = tch::no_grad(|| self.scores(&s_win.detach(), &kf.detach()));
+        let routed = tch::no_grad(|| self.route(&scores));
+        let (mut logits, mut ok) = (vec![s_win], vec![win_ok]);
+        let mut sel_kv = None;
+        if let Some(r) = &routed {
+            // Sel: the κ tokens of every chunk ≤ c−2, visible from query chunk c.
+            let nsel = r.pos.size()[2];
+            let take = |x: &Tensor| x.gather(2, &r.pos.unsqueeze(-1).expand([b, h, nsel, d], false), false);
+            let (ks, vs) = (take(&kf), take(&vf));
+            logits.insert(0, chunks(&qf).matmul(&ks.unsqueeze(2).transpose(-2, -1)) / (d as f64).sqrt());
+            let key_chunk = r.chunks(c).view([1, 1, nsel]);
+            let q_chunk = Tensor::arange(n, (Kind::Int64, dev)).view([n, 1, 1]);
+            ok.insert(0, (key_chunk + 2).le_tensor(&q_chunk).expand([n, c, nsel], false));
+            sel_kv = Some(vs);
+        }
+        let s_all = Tensor::cat(&logits, -1).masked_fill(&Tensor::cat(&ok, -1).logical_not(), f64::NEG_INFINITY);
+        let m = s_all.amax(-1, true); // over Sel ∪ Win only (and not compensated below, §3)
+        let e = (s_all - &m).exp();
+        let mut z_sm = e.sum_dim_intlist(-1, true, kind);
+        let n_sel = e.size()[4] - 2 * c;
+        let mut n_sm = e.narrow(-1, n_sel, 2 * c).matmul(&two_chunks(&chunks(&vf)));
+        if let Some(vs) = &sel_kv {
+            n_sm = n_sm + e.narrow(-1, 0, n_sel).matmul(&vs.unsqueeze(2));
+        }
+        if let Some(gamma) = &self.gamma {
+            let gamma = gamma.to_kind(kind).view([1, h, 1, 1, 1]);
+            n_sm = n_sm * &gamma;
+            z_sm = z_sm * gamma;
+        }
+
+        // Linear part: per-chunk states of the non-selected tokens, summed over chunks ≤ c−2.
+        let phi_k = chunks(&self.fk.forward(&kf));
+        let phi_k = match &routed {
+            // Lin = every token of chunks ≤ c−2 but the selected ones (capped chunks are all Lin).
+            Some(r) => {
+                let sel = Tensor::zeros([b, h, n * c], (kind, dev)).scatter_value(2, &r.pos, 1.0);
+                phi_k * (-sel + 1.0).reshape([b, h, n, c, 1])
+            }
+            None => phi_k,
+        };
+        let ds = phi_k.transpose(-2, -1).matmul(&chunks(&vf)); // [B, H, n, F, D]
+        let dz = phi_k.sum_dim_intlist(3, false, kind); // [B, H, n, F]
+        let s_state = ds.cumsum(2, kind).constant_pad_nd([0, 0, 0, 0, 2, 0]).narrow(2, 0, n);
+        let z_state = dz.cumsum(2, kind).constant_pad_nd([0, 0, 2, 0]).narrow(2, 0, n);
+        let phi_q = chunks(&self.fq.forward(&qf));
+        let mut n_lin = phi_q.matmul(&s_state);
+        let mut z_lin = phi_q.matmul(&z_state.unsqueeze(-1));
+        if let Some(g) = g {
+            n_lin = n_lin * chunks(&pad_to(g, c));
+        }
+        (n_lin, z_lin) = self.linear_terms(n_lin, z_lin, &m);
+        let y = ((n_sm + n_lin) / (z_sm + z_lin + self.eps)).reshape([b, h, n * c, d]).narrow(2, 0, t).to_kind(q.kind());
+        if !want_cache {
+            return (y, None);
+        }
+
+        // The state after token t−1 (§6): routed chunks ≤ c(t−1)−2 are exactly the R routed above.
+        let cache = tch::no_grad(|| {
+            let last = (t - 1) / c;
+            let (w0, kvk) = ((last - 1).max(0) * c, k.kind());
+            let mut cache = HybridCache::empty(b, h, d, self.fk.dim(), kvk, dev);
+            cache.pos = t;
+            if self.sliding_decode {
+                // LoLCATs' decode: the last `chunk` tokens in the window, everything before folded.
+                let w0 = (t - c).max(0);
+                let phi = self.fk.forward(&kf.narrow(2, 0, w0));
+                cache.s = phi.transpose(-2, -1).matmul(&vf.narrow(2, 0, w0));
+                cache.z = phi.sum_dim_intlist(2, false, kind);
+                cache.win_k = k.narrow(2, w0, t - w0).detach();
+                cache.win_v = v.narrow(2, w0, t - w0).detach();
+                cache.win_scores = scores.narrow(2, w0, t - w0);
+                return cache;
+            }
+            if let Some(r) = &routed {
+                let nsel = r.pos.size()[2];
+                let take = |x: &Tensor| x.gather(2, &r.pos.unsqueeze(-1).expand([b, h, nsel, d], false), false);
+                cache.sel_k = take(&k.detach());
+                cache.sel_v = take(&v.detach());
+            }
+            cache.win_k = k.narrow(2, w0, t - w0).detach();
+            cache.win_v = v.narrow(2, w0, t - w0).detach();
+            cache.win_scores = scores.narrow(2, w0, t - w0);
+            cache.s = s_state.select(2, n - 1).detach();
+            cache.z = z_state.select(2, n - 1).detach();
+            cache
+        });
+        (y, Some(cache))
+    }
+
+    /// The linear numerator and denominator as they enter the output: dropped without the linear
+    /// branch, scaled by e^{−m} (m = the softmax max, broadcast over the last dim) when compensated.
+    pub(super) fn linear_terms(&self, n_lin: Tensor, z_lin: Tensor, m: &Tensor) -> (Tensor, Tensor) {
+        if !self.linear {
+            return (n_lin.zeros_like(), z_lin.zeros_like());
+        }
+        if self.compensate {
+            let f = (-m).exp();
+            return (n_lin * &f, z_lin * f);
+        }
+        (n_lin, z_lin)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use crate::attention::causal;
+    use crate::spec::AttentionImpl;
+    use tch::{Device, Kind, Tensor};
+
+    /// still.md §12.6: the gate multiplies only the linear numerator: y(g) = y(0) + g ⊙ (y(1) − y(0)).
+    #[test]
+    fn gate_scales_only_the_linear_numerator() {
+        let (_, st) = layer(&cfg("{chunk: 8, tokens_per_chunk: 2}"), 2, 8, 4);
+        let x = inputs(2, 2, 40, 8, 4);
+        let g = st.gate(&x[3]).unwrap();
+        let y = |g: Option<&Tensor>| tch::no_grad(|| st.forward(&x[0], &x[1], &x[2], g));
+        let (y_g, y_1, y_0) = (y(Some(&g)), y(None), y(Some(&g.zeros_like())));
+        assert!(max_diff(&y_g, &(&y_0 + &g * (&y_1 - &y_0))) < 1e-12);
+        assert!(max_diff(&y_g, &y_1) > 1e-3, "the gate does something");
+        // `gate: false` is g ≡ 1, the dense reference without a gate.
+        let (_, off) = layer(&cfg("{chunk: 8, tokens_per_chunk: 2, gate: false}"), 2, 8, 4);
+        assert!(off.gate(&x[3]).is_none());
+        let y_off = tch::no_grad(|| off.forward(&x[0], &x[1], &x[2], None));
+        assert!(max_diff(&y_off, &tch::no_grad(|| off.reference(&x[0], &x[1], &x[2], None))) < 1e-10);
+    }
+
+    /// still.md §12.7: with L ≤ 2C, or κ = C, the output is the teacher's causal softmax; with the
+    /// phantom chunk-0 keys it is not.
+    #[test]
+    fn exact_softmax_limits() {
+        let teacher = |x: &[Tensor]| causal(&x[0], &x[1], &x[2], AttentionImpl::Reference);
+        for (y, t) in [
+            ("{chunk: 8, tokens_per_chunk: 2}", 16i64),
+            ("{chunk: 8, tokens_per_chunk: 2}", 11),
+            ("{chunk: 64}", 60),
+            ("{chunk: 8, tokens_per_chunk: 8}", 50),
+            ("{chunk: 8, budget: {m: 1000, max_len: 50}}", 50),
+        ] {
+            let (_, st) = layer(&cfg(y), 2, 8, 7);
+            let x = inputs(2, 2, t, 8, 7);
+            let g = st.gate(&x[3]);
+            let out = tch::no_grad(|| st.forward(&x[0], &x[1], &x[2], g.as_ref()));
+            let want = tch::no_grad(|| teacher(&x));
+            // Only the 1e-6 of the denominator separates them.
+            assert!(max_diff(&out, &want) < 1e-5, "{y} T={t}: {}", max_diff(&out, &want));
+        }
+        let (_, st) = layer(&cfg("{chunk: 8, compat: {phantom_chunk0_keys: true}}"), 2, 8, 7);
+        let x = inputs(2, 2, 16, 8, 7);
+        let out = tch::no_grad(|| st.forward(&x[0], &x[1], &x[2], None));
+        assert!(max_diff(&out, &tch::no_grad(|| teacher(&x))) > 1e-3);
+        // And past 2C without selecting everything, it is not softmax either.
+        let (_, st) = layer(&cfg("{chunk: 8, tokens_per_chunk: 2}"), 2, 8, 7);
+        let x = inputs(2, 2, 40, 8, 7);
+        assert!(max_diff(&tch::no_grad(|| st.forward(&x[0], &x[1], &x[2], None)), &tch::no_grad(|| teacher(&x))) > 1e-3);
+    }
+
+    /// fp32 inputs: the math runs in fp32 and stays within 1e-4 of the fp64 reference; bf16 runs and
+    /// returns bf16.
+    #[test]
+    fn low_precision_inputs() {
+        let (_, st) = layer(&cfg("{chunk: 8, tokens_per_chunk: 2, routing: key_norm}"), 2, 8, 3);
+        let x = inputs(2, 2, 40, 8, 3);
+        let g = st.gate(&x[3]).unwrap().detach();
+        let want = tch::no_grad(|| st.reference(&x[0], &x[1], &x[2], Some(&g)));
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let c = |t: &Tensor| t.detach().to_kind(kind);
+            let out = tch::no_grad(|| st.forward(&c(&x[0]), &c(&x[1]), &c(&x[2]), Some(&c(&g))));
+            assert_eq!(out.kind(), kind);
+            let rel = ((out.to_kind(Kind::Double) - &want).abs().max() / want.abs().max()).double_value(&[]);
+            assert!(rel < if kind == Kind::Float { 1e-4 } else { 5e-2 }, "{kind:?}: {rel}");
+            let (_, cache) = tch::no_grad(|| st.prefill(&c(&x[0]), &c(&x[1]), &c(&x[2]), Some(&c(&g))));
+            assert_eq!((cache.win_k.kind(), cache.s.kind()), (kind, Kind::Float), "K/V in the model dtype, S in fp32");
+        }
+    }
+
+    /// With the linear branch off and every token selected (κ = C, or the oracle listing everything),
+    /// the hybrid is the teacher; with the linear branch off and κ < C it is softmax over Sel ∪ Win
+    /// exactly (an explicit masked softmax from the selected set).
+    #[test]
+    fn linear_branch_off() {
+        let teacher = |x: &[Tensor]| causal(&x[0], &x[1], &x[2], AttentionImpl::Reference);
+        let x: Vec<Tensor> = inputs(2, 2, 50, 8, 9).iter().map(|t| t.detach()).collect();
+        for y in ["{chunk: 8, tokens_per_chunk: 8, linear_branch: false}", "{chunk: 8, routing: oracle, linear_branch: false}"] {
+            let (_, st) = layer(&cfg(y), 2, 8, 9);
+            st.set_oracle(Some((0..50).collect()));
+            let g = st.gate(&x[3]);
+            let out = tch::no_grad(|| st.forward(&x[0], &x[1], &x[2], g.as_ref()));
+            assert!(max_diff(&out, &teacher(&x)) < 1e-5, "{y}: {}", max_diff(&out, &teacher(&x)));
+        }
+        let (_, st) = layer(&cfg("{chunk: 8, tokens_per_chunk: 2, linear_branch: false}"), 2, 8, 9);
+        let g = st.gate(&x[3]);
+        let out = tch::no_grad(|| st.forward(&x[0], &x[1], &x[2], g.as_ref()));
+        // Visible to query t: its window (chunks c−1, c, causal) and the selected tokens of chunks ≤ c−2.
+        let sel = st.selected(&x[0], &x[1]); // [B, H, T]; a token's selection never changes once routed
+        let t = Tensor::arange(50, (Kind::Int64, Device::Cpu));
+        let (qc, kc) = (t.divide_scalar_mode(8, "floor").view([50, 1]), t.divide_scalar_mode(8, "floor").view([1, 50]));
+        let causal_ok = t.view([1, 50]).le_tensor(&t.view([50, 1]));
+        let win = (&kc + 1).ge_tensor(&qc).logical_and(&causal_ok);
+        let routed = (&kc + 2).le_tensor(&qc);
+        let mask = win.view([1, 1, 50, 50]).logical_or(&routed.view([1, 1, 50, 50]).logical_and(&sel.unsqueeze(2)));
+        let want = crate::attention::masked_softmax_attention(&x[0], &[(&x[1], &x[2], &mask)]);
+        assert!(max_diff(&out, &want) < 1e-5, "softmax over Sel ∪ Win: {}", max_diff(&out, &want));
+        assert!(max_diff(&out, &teacher(&x)) > 1e-3, "and not the teacher");
+    }
+}

@@ -1,0 +1,289 @@
+//! Decode with a bounded cache (§6): route chunk c−2 when chunk c starts, append, score, attend.
+use super::routing::top_kappa;
+use super::{dims4, Hybrid};
+use tch::{Device, Kind, Tensor};
+
+/// Decode state of one layer, per query head (§6). Its size is bounded by 2C window tokens, the
+/// selected tokens (≤ m − 2C with a budget) and the fixed S, z.
+#[derive(Debug)]
+pub struct HybridCache {
+    /// Position of the next token.
+    pub pos: i64,
+    /// Selected keys/values `[B, H, n_sel, D]` (model dtype), never evicted.
+    pub sel_k: Tensor,
+    pub sel_v: Tensor,
+    /// Chunk c−1 and the current chunk `[B, H, ≤ 2C, D]` (model dtype).
+    pub win_k: Tensor,
+    pub win_v: Tensor,
+    /// Routing scores of the window tokens `[B, H, ≤ 2C]` (fp32).
+    pub win_scores: Tensor,
+    /// S `[B, H, F, D]` and z `[B, H, F]` over the folded tokens (fp32).
+    pub s: Tensor,
+    pub z: Tensor,
+}
+
+impl HybridCache {
+    pub(crate) fn empty(b: i64, h: i64, d: i64, f: i64, kv_kind: Kind, dev: Device) -> Self {
+        let state = if kv_kind == Kind::Double { Kind::Double } else { Kind::Float };
+        let kv = || Tensor::zeros([b, h, 0, d], (kv_kind, dev));
+        HybridCache {
+            pos: 0,
+            sel_k: kv(),
+            sel_v: kv(),
+            win_k: kv(),
+            win_v: kv(),
+            win_scores: Tensor::zeros([b, h, 0], (state, dev)),
+            s: Tensor::zeros([b, h, f, d], (state, dev)),
+            z: Tensor::zeros([b, h, f], (state, dev)),
+        }
+    }
+
+    /// Bytes held by the cache's tensors.
+    pub fn bytes(&self) -> i64 {
+        [&self.sel_k, &self.sel_v, &self.win_k, &self.win_v, &self.win_scores, &self.s, &self.z]
+            .iter()
+            .map(|x| x.numel() as i64 * x.kind().elt_size_in_bytes() as i64)
+            .sum()
+    }
+}
+
+impl Hybrid<'_> {
+    /// One decode step (§6): route chunk c−2 when chunk c starts, append, score, attend.
+    pub fn step(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>) -> Tensor {
+        self.advance(cache, q, k, v, g)
+    }
+
+    /// n new tokens (`[B, H, n, hd]`, rotated at positions cache.pos..): the outputs and final state of n
+    /// calls of [`Hybrid::step`]. An empty cache takes the vectorised prefill (with the sliding decode
+    /// window that is the terrace prefill, as in the reference); otherwise the tokens go one chunk
+    /// segment at a time (Sel, S and z only change at chunk starts), or one by one when sliding.
+    pub fn extend(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>) -> Tensor {
+        let n = q.size()[2];
+        if cache.pos == 0 && n > 1 {
+            let (y, fresh) = tch::no_grad(|| self.prefill(q, k, v, g, true));
+            *cache = fresh.expect("cache requested");
+            return y;
+        }
+        let mut outs = Vec::new();
+        let mut at = 0;
+        while at < n {
+            let len = if self.sliding_decode { 1 } else { (self.chunk - cache.pos % self.chunk).min(n - at) };
+            let seg = |x: &Tensor| x.narrow(2, at, len);
+            outs.push(self.advance(cache, &seg(q), &seg(k), &seg(v), g.map(seg).as_ref()));
+            at += len;
+        }
+        Tensor::cat(&outs, 2)
+    }
+
+    /// `len` new tokens that all fall in the current chunk (one token with the sliding window): route
+    /// chunk c−2 if chunk c starts here, append to the window, score each token over its C most recent
+    /// keys, attend causally to Sel ∪ window and linearly to S, z (§6).
+    fn advance(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>) -> Tensor {
+        let _guard = tch::no_grad_guard();
+        let (b, h, len, d) = dims4(q);
+        let c = self.chunk;
+        let kind = cache.s.kind();
+        let dev = q.device();
+        let (t, i) = (cache.pos, cache.pos % c);
+        assert!(i + len <= c || (self.sliding_decode && len == 1), "advance: tokens cross a chunk boundary");
+        if !self.sliding_decode && i == 0 && t / c >= 2 {
+            self.route_step(cache, t / c - 2);
+        }
+        cache.win_k = Tensor::cat(&[&cache.win_k, &k.to_kind(cache.win_k.kind())], 2);
+        cache.win_v = Tensor::cat(&[&cache.win_v, &v.to_kind(cache.win_v.kind())], 2);
+        if self.sliding_decode && cache.win_k.size()[2] > c {
+            self.fold(cache, &Tensor::ones([b, h, 1, 1], (kind, dev)), 1);
+        }
+        let qf = q.to_kind(kind);
+        let scale = 1.0 / (d as f64).sqrt();
+        let nsel = cache.sel_k.size()[2];
+        let nw = cache.win_k.size()[2];
+        let keys = Tensor::cat(&[&cache.sel_k, &cache.win_k], 2).to_kind(kind);
+        let vals = Tensor::cat(&[&cache.sel_v, &cache.win_v], 2).to_kind(kind);
+        let s = qf.matmul(&keys.transpose(-2, -1)) * scale; // [B, H, len, nsel + nw]
+        // New token r sits at window index nw − len + r.
+        let r = Tensor::arange(len, (Kind::Int64, dev)).view([len, 1]) + (nw - len);
+
+        // Score of each new token over its C most recent keys: column w ↔ window index r − C + 1 + w
+        // (self last), invalid before the start of the sequence (as prefill's zero padding).
+        let idx = &r - (c - 1) + Tensor::arange(c, (Kind::Int64, dev)).view([1, c]); // [len, C]
+        let valid = idx.ge(0);
+        let s_w = s.narrow(-1, nsel, nw).gather(-1, &idx.clamp_min(0).expand([b, h, len, c], false), false).masked_fill(&valid.logical_not(), 0.0);
+        let score = match self.scorer {
+            Some(sc) => sc.scores(&s_w, &valid, &k.to_kind(kind), t),
+            None => Tensor::zeros([b, h, len], (kind, dev)),
+        };
+        cache.win_scores = Tensor::cat(&[&cache.win_scores, &score], 2);
+
+        // Output: softmax over Sel ∪ window (causal inside the window), linear over S, z.
+        let col = Tensor::arange(nsel + nw, (Kind::Int64, dev)).view([1, nsel + nw]) - nsel;
+        let s = s.masked_fill(&col.gt_tensor(&r), f64::NEG_INFINITY);
+        let m = s.amax(-1, true);
+        let e = (&s - &m).exp();
+        let mut n_sm = e.matmul(&vals);
+        let mut z_sm = e.sum_dim_intlist(-1, true, kind);
+        if let Some(gamma) = &self.gamma {
+            let gamma = gamma.to_kind(kind).view([1, h, 1, 1]);
+            n_sm = n_sm * &gamma;
+            z_sm = z_sm * gamma;
+        }
+        let phi_q = self.fq.forward(&qf);
+        let mut n_lin = phi_q.matmul(&cache.s);
+        let z_lin = phi_q.matmul(&cache.z.unsqueeze(-1));
+        if let Some(g) = g {
+            n_lin = n_lin * g.to_kind(kind);
+        }
+        let (n_lin, z_lin) = self.linear_terms(n_lin, z_lin, &m);
+        cache.pos += len;
+        ((n_sm + n_lin) / (z_sm + z_lin + self.eps)).to_kind(q.kind())
+    }
+
+    /// Route chunk `chunk` = the first C window tokens: top-κ (or the oracle's) to Sel, the rest into S and z.
+    fn route_step(&self, cache: &mut HybridCache, chunk: i64) {
+        let c = self.chunk;
+        let (b, h, d) = (cache.win_k.size()[0], cache.win_k.size()[1], cache.win_k.size()[3]);
+        let kappa = if self.scorer.is_some() { self.selection.kappa_for(chunk).min(c) } else { 0 };
+        let mut lin = Tensor::ones([b, h, c, 1], (cache.s.kind(), cache.s.device()));
+        let idx = match &self.oracle {
+            Some(list) if kappa > 0 => {
+                let inside: Vec<i64> = list.iter().filter(|&&p| p / c == chunk && p >= 0).map(|&p| p - chunk * c).collect();
+                (!inside.is_empty()).then(|| Tensor::from_slice(&inside).to_device(cache.s.device()).view([1, 1, -1]).expand([b, h, inside.len() as i64], false).contiguous())
+            }
+            _ => (kappa > 0).then(|| top_kappa(&cache.win_scores.narrow(2, 0, c), kappa)), // [B, H, κ]
+        };
+        if let Some(idx) = idx {
+            let kappa = idx.size()[2];
+            let take = |x: &Tensor| x.narrow(2, 0, c).gather(2, &idx.unsqueeze(-1).expand([b, h, kappa, d], false), false);
+            cache.sel_k = Tensor::cat(&[&cache.sel_k, &take(&cache.win_k)], 2);
+            cache.sel_v = Tensor::cat(&[&cache.sel_v, &take(&cache.win_v)], 2);
+            lin = lin.scatter_value(2, &idx.unsqueeze(-1), 0.0);
+        }
+        self.fold(cache, &lin, c);
+    }
+
+    /// Fold the first `count` window tokens (weighted by `lin` `[B, H, count, 1]`) into S, z and drop them.
+    fn fold(&self, cache: &mut HybridCache, lin: &Tensor, count: i64) {
+        let kind = cache.s.kind();
+        let phi = self.fk.forward(&cache.win_k.narrow(2, 0, count).to_kind(kind)) * lin;
+        cache.s = &cache.s + phi.transpose(-2, -1).matmul(&cache.win_v.narrow(2, 0, count).to_kind(kind));
+        cache.z = &cache.z + phi.sum_dim_intlist(2, false, kind);
+        let drop = |x: &Tensor| x.narrow(2, count, x.size()[2] - count);
+        (cache.win_k, cache.win_v, cache.win_scores) = (drop(&cache.win_k), drop(&cache.win_v), drop(&cache.win_scores));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// still.md §12.2: prefill(L0) then token-by-token decode to L gives prefill(L)'s outputs and cache,
+    /// for every L0 < L (L0 = 0: decoding from an empty cache).
+    #[test]
+    fn prefill_then_decode_matches_prefill() {
+        let lens = [0i64, 1, 7, 8, 9, 15, 16, 17, 30, 45];
+        for y in [
+            "{chunk: 8, tokens_per_chunk: 2}",
+            "{chunk: 8, budget: {m: 20, max_len: 24}, routing: self_saliency_reference_code}",
+            "{chunk: 8, tokens_per_chunk: 3, routing: random}",
+            "{chunk: 8, routing: uniform, tokens_per_chunk: 3, gate: false}",
+            "{chunk: 8, routing: oracle, normalizer: max_compensated}",
+            "{chunk: 8, tokens_per_chunk: 2, linear_branch: false}",
+        ] {
+            let (_, st) = layer(&cfg(y), 2, 8, 5);
+            st.set_oracle(Some(vec![2, 3, 4, 12, 20, 21, 22, 23, 30]));
+            let x = inputs(2, 2, 45, 8, 6);
+            let x = tch::no_grad(|| x.iter().map(|t| t.detach()).collect::<Vec<_>>());
+            let cut = |l: i64| -> Vec<Tensor> { x.iter().enumerate().map(|(i, t)| t.narrow(if i == 3 { 1 } else { 2 }, 0, l)).collect() };
+            let prefill = |l: i64| {
+                let xl = cut(l);
+                let g = st.gate(&xl[3]);
+                st.prefill(&xl[0], &xl[1], &xl[2], g.as_ref())
+            };
+            let full: Vec<(Tensor, HybridCache)> = lens
+                .iter()
+                .map(|&l| if l == 0 { (Tensor::zeros([0], (Kind::Double, Device::Cpu)), st.new_cache(2, Kind::Double, Device::Cpu)) } else { prefill(l) })
+                .collect();
+            // From each L0, decode to the end, checking outputs and cache whenever a listed L is reached.
+            for (a, &l0) in lens.iter().enumerate() {
+                let mut cache = if l0 == 0 { st.new_cache(2, Kind::Double, Device::Cpu) } else { prefill(l0).1 };
+                let mut outs = vec![];
+                for (bi, &l) in lens.iter().enumerate().skip(a + 1) {
+                    outs.push(decode(&st, &mut cache, &x, lens[bi - 1].max(l0), l));
+                    let y_dec = Tensor::cat(&outs, 2);
+                    let err = max_diff(&y_dec, &full[bi].0.narrow(2, l0, l - l0));
+                    assert!(err < 1e-10, "{y} L0={l0} L={l}: outputs differ by {err}");
+                    assert_same_cache(&cache, &full[bi].1, &format!("{y} L0={l0} L={l}"));
+                }
+            }
+        }
+    }
+
+    /// Multi-token `extend` (chunk segments over an existing cache, or the prefill from an empty one)
+    /// gives prefill(L)'s outputs and cache whatever the block sizes, blocks crossing chunk boundaries included.
+    #[test]
+    fn extend_in_blocks_matches_prefill() {
+        for y in ["{chunk: 8, tokens_per_chunk: 2}", "{chunk: 8, budget: {m: 20, max_len: 24}, routing: self_saliency_reference_code}", "{chunk: 8, tokens_per_chunk: 3, routing: random, gate: false}"] {
+            let (_, st) = layer(&cfg(y), 2, 8, 5);
+            let x: Vec<Tensor> = inputs(2, 2, 45, 8, 6).iter().map(|t| t.detach()).collect();
+            let g = st.gate(&x[3]);
+            let (want, want_cache) = tch::no_grad(|| st.prefill(&x[0], &x[1], &x[2], g.as_ref()));
+            for blocks in [vec![45i64], vec![1, 3, 8, 13, 20], vec![10, 1, 1, 17, 16], vec![5, 40]] {
+                let mut cache = st.new_cache(2, Kind::Double, Device::Cpu);
+                let mut outs = vec![];
+                let mut at = 0;
+                for n in blocks.iter().copied() {
+                    let cut = |t: &Tensor| t.narrow(2, at, n);
+                    outs.push(st.extend(&mut cache, &cut(&x[0]), &cut(&x[1]), &cut(&x[2]), g.as_ref().map(cut).as_ref()));
+                    at += n;
+                }
+                let err = max_diff(&Tensor::cat(&outs, 2), &want);
+                assert!(err < 1e-10, "{y} blocks {blocks:?}: outputs differ by {err}");
+                assert_same_cache(&cache, &want_cache, &format!("{y} blocks {blocks:?}"));
+            }
+        }
+    }
+
+    /// The C6 compat keys exist only in prefill (as in the reference), so decode must disagree on chunk 0.
+    #[test]
+    fn phantom_keys_break_prefill_decode_agreement() {
+        let (_, st) = layer(&cfg("{chunk: 8, tokens_per_chunk: 2, compat: {phantom_chunk0_keys: true}}"), 2, 8, 5);
+        let x: Vec<Tensor> = inputs(1, 2, 12, 8, 6).iter().map(|t| t.detach()).collect();
+        let g = st.gate(&x[3]);
+        let y = tch::no_grad(|| st.forward(&x[0], &x[1], &x[2], g.as_ref()));
+        let mut cache = st.new_cache(1, Kind::Double, Device::Cpu);
+        let y_dec = tch::no_grad(|| decode(&st, &mut cache, &x, 0, 12));
+        assert!(max_diff(&y.narrow(2, 0, 8), &y_dec.narrow(2, 0, 8)) > 1e-3, "chunk 0 must differ");
+        assert!(max_diff(&y.narrow(2, 8, 4), &y_dec.narrow(2, 8, 4)) < 1e-10, "later chunks agree");
+    }
+
+    /// §6: the cache holds ≤ 2C window tokens, κ·max(0, c−1) selected ones without a budget and at most
+    /// m − 2C with one, so with a budget its size stops growing.
+    #[test]
+    fn decode_cache_is_bounded() {
+        for (y, cap) in [("{chunk: 8, tokens_per_chunk: 2}", None), ("{chunk: 8, budget: {m: 22, max_len: 32}}", Some(6))] {
+            let (_, st) = layer(&cfg(y), 2, 8, 1);
+            let x: Vec<Tensor> = inputs(1, 2, 200, 8, 2).iter().map(|t| t.detach()).collect();
+            let mut cache = st.new_cache(1, Kind::Double, Device::Cpu);
+            let mut bytes = vec![];
+            for p in 0..200 {
+                let _ = decode(&st, &mut cache, &x, p, p + 1);
+                let (n_sel, n_win) = (cache.sel_k.size()[2], cache.win_k.size()[2]);
+                assert!(n_win <= 16 && n_win == (p % 8) + 1 + if p >= 8 { 8 } else { 0 }, "window {n_win} at {p}");
+                let c = p / 8;
+                match cap {
+                    None => assert_eq!(n_sel, 2 * (c - 1).max(0), "at {p}"),
+                    Some(cap) => assert!(n_sel <= cap && n_sel == (c - 1).clamp(0, cap), "{n_sel} at {p}"),
+                }
+                bytes.push(cache.bytes());
+            }
+            if cap.is_some() {
+                // Budget: λ = ⌊6/4⌋ = 1 per chunk for 6 chunks, then constant memory (window full after 16 tokens).
+                assert_eq!(bytes[199], bytes[8 * 8 - 1 + 8 * 2]);
+                assert!(bytes[199] <= *bytes.iter().max().unwrap());
+            } else {
+                assert!(bytes[199] > bytes[100]);
+            }
+        }
+    }
+}
