@@ -95,4 +95,16 @@ char* attnlab_cuda_peak_memory(int64_t device, int reset, int64_t* out) {
   GUARD_END
 }
 
+// Bytes a new allocation on `device` can still get: the device's free memory plus what the caching
+// allocator holds unused (torch.cuda.mem_get_info()[0] + reserved − allocated).
+char* attnlab_cuda_free_memory(int64_t device, int64_t* out) {
+  GUARD_BEGIN
+  auto* alloc = c10::getDeviceAllocator(c10::DeviceType::CUDA);
+  auto idx = static_cast<c10::DeviceIndex>(device);
+  auto info = alloc->getMemoryInfo(idx);
+  auto stats = alloc->getDeviceStats(idx);
+  *out = static_cast<int64_t>(info.first) + stats.reserved_bytes[0].current - stats.allocated_bytes[0].current;
+  GUARD_END
+}
+
 }  // extern "C"

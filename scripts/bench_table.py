@@ -40,13 +40,32 @@ if attn:
         print(f"| {r['seq_len']} | {r['attention']} | {r['implementation']} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_ms'] / base[r['seq_len']]:.2f} |")
 
 decode = rows("decode.jsonl")
+peer = rows("decode_peer.jsonl")
 if decode:
+    from statistics import median
+
+    def med(rs, key):
+        return median(r[key] for r in rs) if rs else None
+
     print()
-    print("Decode (random-init weights and random tokens: cache memory and speed only; hybrids are Llamas of the same shape):")
+    print("Decode, medians over repeats (random-init weights and random tokens: cache memory and speed only;")
+    print("hybrids are Llamas of the same shape; HF = ../shared/bench/hf_decode.py in the same job):")
     print()
-    print("| context | attention | cache bytes | bytes/token | × vanilla cache | prefill s | decode tok/s |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("| context | attention | runs | cache bytes | × vanilla cache | prefill s | × HF eager prefill | decode tok/s | × HF static+compile | × HF eager |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     van = {r["context"]: r["cache_bytes"] for r in decode if r["attention"] == "vanilla"}
-    for r in sorted(decode, key=lambda r: (r["context"], r["attention"] != "vanilla", r["attention"])):
-        ratio = f"{r['cache_bytes'] / van[r['context']]:.3f}" if r["context"] in van else "–"
-        print(f"| {r['context']} | {r['attention']} | {r['cache_bytes']:,} | {r['cache_bytes_per_token']:,.0f} | {ratio} | {r['prefill_s']:.3f} | {r['decode_tokens_per_s']:.1f} |")
+    hf = {}
+    for r in peer:
+        hf.setdefault((r["mode"], r["context"]), []).append(r)
+    keys = sorted({(r["context"], r["attention"]) for r in decode}, key=lambda k: (k[0], k[1] != "vanilla", k[1]))
+    for ctx, att in keys:
+        rs = [r for r in decode if r["context"] == ctx and r["attention"] == att]
+        pre, dec = med(rs, "prefill_s"), med(rs, "decode_tokens_per_s")
+        eager, static = hf.get(("eager", ctx), []), hf.get(("static-compile", ctx), [])
+        ratio = f"{rs[0]['cache_bytes'] / van[ctx]:.3f}" if ctx in van else "–"
+        x_pre = f"{pre / med(eager, 'prefill_s'):.2f}" if eager else "–"
+        x_static = f"{dec / med(static, 'decode_tok_s'):.2f}" if static else "–"
+        x_eager = f"{dec / med(eager, 'decode_tok_s'):.2f}" if eager else "–"
+        print(f"| {ctx} | {att} | {len(rs)} | {rs[0]['cache_bytes']:,} | {ratio} | {pre:.4f} | {x_pre} | {dec:.1f} | {x_static} | {x_eager} |")
+    for (mode, ctx), rs in sorted(hf.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        print(f"| {ctx} | HF {mode} | {len(rs)} | – | – | {med(rs, 'prefill_s'):.4f} | – | {med(rs, 'decode_tok_s'):.1f} | – | – |")

@@ -8,8 +8,8 @@
 # (and a vanilla, and a split-merge-fused DAR) Pythia-70M training step goes, by kernel under libtorch's profiler
 # (`attnlab bench --profile`), summarised by scripts/profile_table.py into $OUT/profile.md,
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
-# Expects: .gpu/attnlab (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench; not for check,
-# attn, train, profile). Usage:
+# Expects: .gpu/attnlab (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
+# hf_decode.py; not for check, attn, train, profile). Usage:
 #   scripts/gpu_bench.sh [check|attn|train|decode|peers|profile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
@@ -35,14 +35,29 @@ for what in "${@:-all}"; do
         done
       done ;;&
     decode|all)
-      # KV-cache memory and decode speed at Pythia-70M size, 1K…64K context: GPT-NeoX vanilla / DAR /
-      # uniform, and STILL (uncapped; budget m = 384) and LoLCATs hybrid Llamas of the same shape.
-      # Random-init weights and random tokens (speed and memory only). Render locally with
+      # Issue 29: KV-cache memory, prefill time and decode speed at Pythia-70M size beside Hugging Face
+      # GPT-NeoX of the same shape (.gpu/bench/hf_decode.py: eager, and static cache + torch.compile up
+      # to 16K) in the same job: DECODE_REPEATS (3) interleaved rounds, each one `attnlab bench-decode`
+      # sweep (GPT-NeoX vanilla / DAR / uniform / window; STILL budget m = 384 and LoLCATs hybrid Llamas
+      # of the same shape) then one hf_decode.py sweep (its first round compiles; later ones reuse
+      # Inductor's cache). Every command runs under what is left of DECODE_BUDGET_S (450 s) and a round
+      # starts only with 90 s left, so the phase fits one device call of 9 minutes. Random-init weights
+      # and random tokens (speed and memory only). Rows carry `repeat` (the round, from 0) and go to
+      # decode.jsonl (attnlab) and decode_peer.jsonl (HF). Render locally with
       #   attnlab bench-decode --from OUT/decode.jsonl --plot results/bench/decode
-      DL=${DECODE_LENGTHS:-1024,2048,4096,8192,16384,32768,65536}
-      DA=${DECODE_ATTENTION:-vanilla,dar,uniform,still,still-budget,lolcats}
+      DL=${DECODE_LENGTHS:-1024,4096,16384,65536}
+      DA=${DECODE_ATTENTION:-vanilla,dar,uniform,window,still-budget,lolcats}
+      R=${DECODE_REPEATS:-3}; BUDGET=${DECODE_BUDGET_S:-450}; t0=$SECONDS
       echo "decode: random-init weights and random tokens (cache memory and speed only)" | tee "$OUT/decode-note.txt"
-      run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $DL --attention $DA --new-tokens 64 | grep '^{' >> "$OUT/decode.jsonl" ;;&
+      for ((r = 0; r < R; r++)); do
+        left=$((BUDGET - (SECONDS - t0)))
+        if ((left < 90)); then echo "decode: rounds $r.. skipped (${left}s of the budget left)" | tee -a "$OUT/log.txt"; break; fi
+        run timeout $((left > 30 ? left : 30)) $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $DL --attention $DA --new-tokens 64 \
+          | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/" >> "$OUT/decode.jsonl"
+        left=$((BUDGET - (SECONDS - t0)))
+        (cd .gpu/bench && PYTHONUNBUFFERED=1 run timeout $((left > 30 ? left : 30)) $PY hf_decode.py --lengths $DL --new 64) \
+          | grep '^{' | sed "s/^{/{\"repeat\":$r,/" >> "$OUT/decode_peer.jsonl"
+      done ;;&
     smprobe)
       # Where split-merge spends its time: w = 1 (global part + merge only) vs w = 128, with and
       # without contiguous cuDNN inputs.

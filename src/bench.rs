@@ -411,13 +411,16 @@ pub fn bench_command(spec: &Spec, mode: BenchMode, json: bool, mut line: impl Fn
 
 /// `attnlab bench-decode`'s rows: read back from an earlier `--json` run's output (`from`), or
 /// measured with random weights at the size of the spec `src` names, for the `--attention` list
-/// `attention`; `each` gets every measured row as it comes.
+/// `attention`, each (attention, length) `repeats` times, interleaved; `each` gets every measured row
+/// as it comes.
+#[allow(clippy::too_many_arguments)]
 pub fn decode_rows(
     from: Option<&std::path::Path>,
     src: &crate::spec::SpecSource,
     attention: &str,
     lengths: &[i64],
     new_tokens: usize,
+    repeats: usize,
     vocab: usize,
     each: impl FnMut(&crate::eval::generate::DecodeBench),
 ) -> Result<Vec<crate::eval::generate::DecodeBench>> {
@@ -428,14 +431,14 @@ pub fn decode_rows(
     let base = src.load()?;
     let device = crate::device::parse_device(base.train.device.as_deref().unwrap_or("auto"))?;
     eprintln!("random-initialised weights and random prompt tokens: cache memory and speed only, not quality");
-    decode_bench::run(&base, &decode_bench::split_names(attention), lengths, new_tokens, vocab, device, each)
+    decode_bench::run(&base, &decode_bench::split_names(attention), lengths, new_tokens, repeats, vocab, device, each)
 }
 
 /// A measured bench-decode row as a progress line.
 pub fn decode_line(r: &crate::eval::generate::DecodeBench) -> String {
     format!(
-        "{:12} context {:6}: cache {:>12} bytes ({:8.1} B/token), prefill {:7.3}s, decode {:8.1} tokens/s",
-        r.attention, r.context, r.cache_bytes, r.cache_bytes_per_token, r.prefill_s, r.decode_tokens_per_s
+        "{:12} context {:6} (run {}): cache {:>12} bytes ({:8.1} B/token), prefill {:7.3}s, decode {:8.1} tokens/s",
+        r.attention, r.context, r.repeat + 1, r.cache_bytes, r.cache_bytes_per_token, r.prefill_s, r.decode_tokens_per_s
     )
 }
 

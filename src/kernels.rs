@@ -28,6 +28,7 @@ extern "C" {
     fn attnlab_profiler_stop(path: *const libc::c_char, device_events: *mut i64) -> *mut libc::c_char;
     fn attnlab_scope_push(name: *const libc::c_char) -> *mut libc::c_char;
     fn attnlab_scope_pop() -> *mut libc::c_char;
+    fn attnlab_cuda_free_memory(device: i64, out: *mut i64) -> *mut libc::c_char;
 }
 
 fn check(err: *mut libc::c_char) -> Result<()> {
@@ -157,4 +158,13 @@ pub fn scope<T>(name: &str, f: impl FnOnce() -> T) -> T {
     check(unsafe { attnlab_scope_push(c.as_ptr()) }).expect("scope push");
     let _open = Open;
     f()
+}
+
+/// Bytes a new allocation on a CUDA `device` can still get (free on the device + cached unused by
+/// the caching allocator); `None` on CPU or when the allocator cannot tell.
+pub fn cuda_free_memory(device: Device) -> Option<u64> {
+    let Device::Cuda(i) = device else { return None };
+    let mut out = 0i64;
+    check(unsafe { attnlab_cuda_free_memory(i as i64, &mut out) }).ok()?;
+    Some(out as u64)
 }

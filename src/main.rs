@@ -168,6 +168,11 @@ enum Cmd {
         /// --set attention.normalizer=max_compensated (repeatable; recorded in the result cells).
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
+        /// RULER / BABILong: samples per forward, left-padded to the longest (softmax models; STILL
+        /// and LoLCATs take one at a time). Default: 4 on CPU; on CUDA what half of the free memory
+        /// holds (at most 64). The scores equal batch 1's up to rounding.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        batch_size: Option<u64>,
     },
     /// Write float32 logits [n, vocab] for whitespace-separated token ids in FILE to a safetensors file.
     Forward {
@@ -252,6 +257,10 @@ enum Cmd {
         /// Tokens decoded after the prefill, for the decode speed.
         #[arg(long, default_value_t = 32)]
         new_tokens: usize,
+        /// Measure every (attention, length) this many times, interleaved (each repeat sweeps every
+        /// attention and length); --json prints one line per repeat, the table shows medians.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+        repeats: u64,
         /// Vocabulary rows of the random models (Pythia: 50304).
         #[arg(long, default_value_t = 50304)]
         vocab: usize,
@@ -452,9 +461,9 @@ fn run(cli: Cli) -> Result<()> {
             let rows = attnlab::sweep::compare::compare(&spec.source(), &kinds, quiet)?;
             print!("{}", perplexity::table(&rows));
         }
-        Cmd::Eval { run, step, corpora, device, task, data, limit, shots, min_context, batch_tokens, lengths, samples, essay, max_new_tokens, babi, no_chat, out, max_tokens, set } => {
+        Cmd::Eval { run, step, corpora, device, task, data, limit, shots, min_context, batch_tokens, lengths, samples, essay, max_new_tokens, babi, no_chat, out, max_tokens, set, batch_size } => {
             let downstream = DownstreamArgs { request: eval::tasks::Request { data, limit, shots, batch_tokens }, min_context };
-            let long_context = LongContextArgs { grid: eval::ruler::Grid { lengths, samples }, max_new_tokens, essay, babi, sets: set, no_chat };
+            let long_context = LongContextArgs { grid: eval::ruler::Grid { lengths, samples }, max_new_tokens, essay, babi, sets: set, no_chat, batch_size: batch_size.map(|n| n as usize) };
             let args = EvalArgs { corpora, task: task.clone(), downstream, long_context, out, max_tokens };
             let what = task.as_deref().map_or_else(|| "perplexity".to_string(), |t| format!("--task {t}"));
             match eval::command::eval(&run, step, device.as_deref(), &args).with_context(|| format!("eval {} ({what})", run.display()))? {
@@ -502,9 +511,9 @@ fn run(cli: Cli) -> Result<()> {
             let g = c.stats;
             eprintln!("{} prompt + {} new tokens; prefill {:.3}s, decode {:.1} tokens/s, cache {} bytes", g.prompt_tokens, g.tokens.len(), g.prefill_s, g.decode_tokens_per_s, g.cache_bytes);
         }
-        Cmd::BenchDecode { spec, lengths, new_tokens, vocab, attention, plot, from, json } => {
+        Cmd::BenchDecode { spec, lengths, new_tokens, repeats, vocab, attention, plot, from, json } => {
             let each = |r: &_| if json { println!("{}", bench::json_line(r)) } else { eprintln!("{}", bench::decode_line(r)) };
-            let rows = bench::decode_rows(from.as_deref(), &spec.source(), &attention, &lengths, new_tokens, vocab, each)?;
+            let rows = bench::decode_rows(from.as_deref(), &spec.source(), &attention, &lengths, new_tokens, repeats as usize, vocab, each)?;
             if !json {
                 print!("{}", eval::decode_bench::table(&rows));
             }

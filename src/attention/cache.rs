@@ -1,11 +1,17 @@
 //! Decode caches for every model family. A model computes the new tokens' rotated queries
 //! `[B, H, n, hd]` and rotated keys / values `[B, H_kv, n, hd]` (per KV head, so grouped-query
-//! attention keeps its saving) and hands them to its layer's cache, which keeps what later tokens need
-//! and attends the new queries over cached + new keys with the explicit masked softmax (exact for any
-//! number of new tokens). Caches per variant (each made by `Layer::new_cache`):
+//! attention keeps its saving) and hands them to its layer's cache, which keeps what later tokens need.
+//! Caches per variant (each made by `Layer::new_cache`):
 //! - vanilla: `Recent` holding every token; window: `Recent` holding the last w (`super::window`);
 //! - DAR / uniform: `super::dar::DarCache` (last w tokens full width, a d_down latent for every token);
 //! - STILL / LoLCATs: `super::still::HybridCache` (selected K/V, the window of chunks, S and z).
+//!
+//! The softmax caches never copy what they hold: their buffers ([`Slots`]) are preallocated (sized
+//! from the request by [`DecodeCache::reserve`], else grown by doubling) and written in place; a
+//! window is a ring buffer (position p in slot p mod w). An empty cache is filled from the prefill's
+//! own tensors after the training forward's fast kernels (`Layer::decode`). One new token attends all
+//! the cache holds through SDPA ([`attend_newest`]); several new tokens after cached ones (a prompt fed
+//! in pieces) take the explicit masked softmax, exact for any number of tokens.
 use super::dar::DarCache;
 use super::masked_softmax_attention;
 use super::still::HybridCache;
@@ -21,56 +27,260 @@ pub struct CacheShape {
     pub device: Device,
 }
 
-impl CacheShape {
-    /// An empty `[B, H_kv, 0, hd]` tensor.
-    pub(crate) fn empty_kv(&self) -> Tensor {
-        Tensor::zeros([self.batch, self.kv_heads, 0, self.head_dim], (self.kind, self.device))
-    }
-}
-
 pub(crate) fn tensor_bytes(t: &Tensor) -> i64 {
     t.numel() as i64 * t.kind().elt_size_in_bytes() as i64
 }
 
-/// Rotated keys and values `[B, H_kv, S, hd]` of the most recent tokens: all of them (`keep: None`)
-/// or the last `keep`.
+/// A buffer whose axis `dim` holds one slot per token, written in place. Capacity grows by doubling
+/// (or to what [`Slots::reserve`] asks) up to `limit` slots (a window's ring) and never shrinks.
+pub struct Slots {
+    buf: Tensor,
+    dim: i64,
+    limit: Option<i64>,
+}
+
+impl Slots {
+    /// Empty slots of `shape` (its entry at `dim` is ignored).
+    pub fn new(shape: &[i64], dim: usize, limit: Option<i64>, kind: Kind, device: Device) -> Self {
+        let mut s = shape.to_vec();
+        s[dim] = 0;
+        Slots { buf: Tensor::zeros(s.as_slice(), (kind, device)), dim: dim as i64, limit }
+    }
+
+    pub fn capacity(&self) -> i64 {
+        self.buf.size()[self.dim as usize]
+    }
+
+    /// The storage (tests: nothing is copied while the capacity suffices).
+    pub fn storage(&self) -> &Tensor {
+        &self.buf
+    }
+
+    /// Room for `slots` slots (at most `limit`): one copy of the filled part when the buffer grows,
+    /// to at least twice its size.
+    pub fn reserve(&mut self, slots: i64) {
+        let want = self.limit.map_or(slots, |w| slots.min(w));
+        let cap = self.capacity();
+        if want <= cap {
+            return;
+        }
+        let new_cap = self.limit.map_or(want.max(2 * cap), |w| want.max(2 * cap).min(w));
+        let mut shape = self.buf.size();
+        shape[self.dim as usize] = new_cap;
+        let grown = Tensor::zeros(shape.as_slice(), (self.buf.kind(), self.buf.device()));
+        if cap > 0 {
+            grown.narrow(self.dim, 0, cap).copy_(&self.buf);
+        }
+        self.buf = grown;
+    }
+
+    /// Write `x` (its axis `dim` holding `n` ≤ capacity − slot tokens) from slot `slot` on.
+    pub fn write(&mut self, slot: i64, x: &Tensor) {
+        let n = x.size()[self.dim as usize];
+        self.buf.narrow(self.dim, slot, n).copy_(x);
+    }
+
+    /// The first `n` slots (a view).
+    pub fn view(&self, n: i64) -> Tensor {
+        self.buf.narrow(self.dim, 0, n)
+    }
+}
+
+/// Rotated keys and values `[B, H_kv, S, hd]` of the most recent tokens: all of them (`keep: None`,
+/// position p in slot p) or the last `keep` (a ring: position p in slot p mod keep).
 pub struct Recent {
-    pub k: Tensor,
-    pub v: Tensor,
+    k: Slots,
+    v: Slots,
     keep: Option<i64>,
+    /// Tokens written so far.
+    seen: i64,
+    /// Left padding of a batch of prompts (`DecodeCache::set_padding`).
+    pad: Option<Padding>,
 }
 
 impl Recent {
     pub fn new(shape: &CacheShape, keep: Option<i64>) -> Self {
-        Recent { k: shape.empty_kv(), v: shape.empty_kv(), keep }
+        let s = [shape.batch, shape.kv_heads, 0, shape.head_dim];
+        Recent { k: Slots::new(&s, 2, keep, shape.kind, shape.device), v: Slots::new(&s, 2, keep, shape.kind, shape.device), keep, seen: 0, pad: None }
     }
 
+    pub fn set_padding(&mut self, pad: &Padding) {
+        self.pad = Some(pad.clone());
+    }
+
+    /// Slots holding a token.
+    pub fn filled(&self) -> i64 {
+        self.keep.map_or(self.seen, |w| self.seen.min(w))
+    }
+
+    /// Bytes of the keys and values held (the cache's size; spare capacity not counted).
     pub fn bytes(&self) -> i64 {
-        tensor_bytes(&self.k) + tensor_bytes(&self.v)
+        let per_slot = tensor_bytes(self.k.storage()) / self.k.capacity().max(1);
+        2 * self.filled() * per_slot
     }
 
-    /// Append the new tokens' keys / values; returns every cached + new key and value, before the
-    /// cache drops what it no longer keeps, and the position of the first of them (the last is at `end − 1`).
-    pub(crate) fn append(&mut self, k: &Tensor, v: &Tensor, end: i64) -> (Tensor, Tensor, i64) {
-        let (all_k, all_v) = (Tensor::cat(&[&self.k, k], 2), Tensor::cat(&[&self.v, v], 2));
-        let total = all_k.size()[2];
-        let keep = self.keep.map_or(total, |w| w.min(total));
-        self.k = all_k.narrow(2, total - keep, keep);
-        self.v = all_v.narrow(2, total - keep, keep);
-        (all_k, all_v, end - total)
+    /// Room for `tokens` tokens in all.
+    pub fn reserve(&mut self, tokens: i64) {
+        self.k.reserve(tokens);
+        self.v.reserve(tokens);
     }
 
-    /// Attention of the new queries over every cached + new key at distance < `window` (None: all).
-    pub(crate) fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, p0: i64) -> Tensor {
-        let n = q.size()[2];
-        let (ck, cv, start) = self.append(k, v, p0 + n);
-        let d = distances(p0, n, start, ck.size()[2], q.device());
-        let mask = match self.keep {
+    /// The key and value buffers (tests).
+    pub fn storage(&self) -> (&Tensor, &Tensor) {
+        (self.k.storage(), self.v.storage())
+    }
+
+    /// Keys and values of every slot holding a token, in slot order (a view).
+    pub fn held(&self) -> (Tensor, Tensor) {
+        (self.k.view(self.filled()), self.v.view(self.filled()))
+    }
+
+    /// The position of the token in each held slot `[filled]` (a ring's slots are not in order).
+    pub fn positions(&self, device: Device) -> Tensor {
+        let slots = Tensor::arange(self.filled(), (Kind::Int64, device));
+        match self.keep {
+            Some(w) if self.seen > w => {
+                // The latest position p < seen with p ≡ slot (mod w): last − ((last − slot) mod w).
+                let last = self.seen - 1;
+                (slots.neg() + last).remainder(w).neg() + last
+            }
+            _ => slots,
+        }
+    }
+
+    /// Store the keys / values of the next `n` tokens (only the last `keep` of them in a ring).
+    pub fn push(&mut self, k: &Tensor, v: &Tensor) {
+        let n = k.size()[2];
+        let from = self.keep.map_or(0, |w| (n - w).max(0));
+        let (start, count) = (self.seen + from, n - from);
+        if count == 0 {
+            // A ring of no slots (DAR with window 0) holds nothing.
+            self.seen += n;
+            return;
+        }
+        self.reserve(self.seen + n);
+        match self.keep {
+            None => {
+                self.k.write(start, k);
+                self.v.write(start, v);
+            }
+            Some(w) => {
+                // At most two runs of slots: up to the ring's end, then from its start.
+                let slot = start % w;
+                let first = count.min(w - slot);
+                self.k.write(slot, &k.narrow(2, from, first));
+                self.v.write(slot, &v.narrow(2, from, first));
+                if count > first {
+                    self.k.write(0, &k.narrow(2, from + first, count - first));
+                    self.v.write(0, &v.narrow(2, from + first, count - first));
+                }
+            }
+        }
+        self.seen += n;
+    }
+
+    /// The held keys (slots, positions, mask of the ones the new queries at p0.. see) and the new
+    /// ones (band mask), for the explicit masked softmax of several new tokens. Call before `push`.
+    pub(crate) fn parts_before_push(&self, k: &Tensor, v: &Tensor, p0: i64) -> Vec<(Tensor, Tensor, Tensor)> {
+        let (n, device) = (k.size()[2], k.device());
+        let visible = |d: Tensor| match self.keep {
             None => d.ge(0),
             Some(w) => d.ge(0).logical_and(&d.lt(w)),
         };
-        masked_softmax_attention(q, &[(&repeat_kv(&ck, q), &repeat_kv(&cv, q), &mask)])
+        let mut parts = Vec::new();
+        if self.filled() > 0 {
+            let (hk, hv) = self.held();
+            let pos = self.positions(device);
+            let qpos = Tensor::arange_start(p0, p0 + n, (Kind::Int64, device)).unsqueeze(1);
+            parts.push((hk, hv, Padding::and(&self.pad, visible(qpos - pos.unsqueeze(0)), &pos)));
+        }
+        let pos = Tensor::arange_start(p0, p0 + n, (Kind::Int64, device));
+        parts.push((k.shallow_clone(), v.shallow_clone(), Padding::and(&self.pad, visible(distances(p0, n, p0, n, device)), &pos)));
+        parts
     }
+
+    /// Attention of the new queries at positions p0.. over every held + new key at distance <
+    /// `keep` (None: all); stores the new keys / values.
+    pub(crate) fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, p0: i64) -> Tensor {
+        if q.size()[2] == 1 {
+            self.push(k, v);
+            let (hk, hv) = self.held();
+            let mask = self.pad.as_ref().map(|p| p.keys(&self.positions(q.device())));
+            return attend_newest(q, &[(&hk, &hv, mask)]);
+        }
+        let parts = self.parts_before_push(k, v, p0);
+        let out = masked_parts(q, &parts);
+        self.push(k, v);
+        out
+    }
+}
+
+/// The explicit masked softmax over parts whose keys are per KV head.
+pub(crate) fn masked_parts(q: &Tensor, parts: &[(Tensor, Tensor, Tensor)]) -> Tensor {
+    let expanded: Vec<(Tensor, Tensor)> = parts.iter().map(|(k, v, _)| (repeat_kv(k, q), repeat_kv(v, q))).collect();
+    let refs: Vec<(&Tensor, &Tensor, &Tensor)> = expanded.iter().zip(parts).map(|((k, v), (_, _, m))| (k, v, m)).collect();
+    masked_softmax_attention(q, &refs)
+}
+
+/// Left padding of a batch of prompts: row b's first `pad[b]` tokens are filler that no real token
+/// reads (RoPE scores depend on relative positions only, so a row shifted right by its padding
+/// computes what it computes alone).
+pub struct Padding {
+    /// `[B, 1, 1, 1]` i64.
+    pad: Tensor,
+}
+
+impl Clone for Padding {
+    fn clone(&self) -> Self {
+        Padding { pad: self.pad.shallow_clone() }
+    }
+}
+
+impl Padding {
+    /// Pads per row `[B]`.
+    pub fn new(pad: &Tensor) -> Self {
+        Padding { pad: pad.to_kind(Kind::Int64).view([-1, 1, 1, 1]) }
+    }
+
+    /// `[B, 1, 1, len]`: whether each key (at positions `pos` `[len]`) is a real token.
+    pub fn keys(&self, pos: &Tensor) -> Tensor {
+        pos.view([1, 1, 1, -1]).ge_tensor(&self.pad)
+    }
+
+    /// `mask` (`[n, len]`, by positions) without the filler keys: `[B, 1, n, len]` when padded.
+    pub(crate) fn and(pad: &Option<Padding>, mask: Tensor, pos: &Tensor) -> Tensor {
+        match pad {
+            Some(p) => mask.logical_and(&p.keys(pos)),
+            None => mask,
+        }
+    }
+
+    /// Document segments `[B, n]` of a padded prompt (0: filler, 1: the prompt), for the prefill's
+    /// masks (`super::doc_segments`' layout).
+    pub fn segments(&self, n: i64) -> Tensor {
+        Tensor::arange(n, (Kind::Int64, self.pad.device())).unsqueeze(0).ge_tensor(&self.pad.view([-1, 1])).to_kind(Kind::Int64)
+    }
+}
+
+/// One new query per sequence `[B, H, 1, hd]` over key sets `[B, H_kv, S_p, hd]`, each with the
+/// mask of the keys it may read (`[B, 1, 1, S_p]`, None: all), in one SDPA call (several sets are
+/// joined along the key axis; a key's slot order does not matter to a softmax). Grouped-query heads
+/// are not expanded: the H / H_kv query heads of one KV head become that head's rows (HF repeat_kv order).
+pub(crate) fn attend_newest(q: &Tensor, parts: &[(&Tensor, &Tensor, Option<Tensor>)]) -> Tensor {
+    let (b, h, n, hd) = q.size4().expect("q is [B, H, n, hd]");
+    assert_eq!(n, 1, "attend_newest takes one new token");
+    let cat = |f: &dyn Fn(&(&Tensor, &Tensor, Option<Tensor>)) -> Tensor| match parts {
+        [p] => f(p),
+        _ => Tensor::cat(&parts.iter().map(f).collect::<Vec<_>>(), -2),
+    };
+    let (k, v) = (cat(&|p| p.0.shallow_clone()), cat(&|p| p.1.shallow_clone()));
+    let mask = parts.iter().any(|p| p.2.is_some()).then(|| {
+        let each: Vec<Tensor> = parts.iter().map(|(k, _, m)| m.as_ref().map_or_else(|| Tensor::ones([1, 1, 1, k.size()[2]], (Kind::Bool, k.device())).expand([b, 1, 1, k.size()[2]], false), |m| m.expand([b, 1, 1, k.size()[2]], false))).collect();
+        Tensor::cat(&each, -1)
+    });
+    let hkv = k.size()[1];
+    let qg = q.reshape([b, hkv, h / hkv, hd]);
+    Tensor::scaled_dot_product_attention(&qg, &k, &v, mask, 0.0, false, None, false).reshape([b, h, 1, hd])
 }
 
 /// `[n, len]`: query position (p0 ..) − key position (start ..).
@@ -103,21 +313,62 @@ impl LayerCache {
             LayerCache::Linearized(c) => c.bytes(),
         }
     }
+
+    /// Room for `tokens` tokens in all, so that decoding up to there copies nothing (STILL / LoLCATs
+    /// caches are bounded by their own rules: nothing to do).
+    pub fn reserve(&mut self, tokens: i64) {
+        match self {
+            LayerCache::Recent(c) => c.reserve(tokens),
+            LayerCache::Dar(c) => c.reserve(tokens),
+            LayerCache::Linearized(_) => {}
+        }
+    }
+
+    /// Left-padded prompts (softmax variants only: STILL's / LoLCATs' chunks are counted from
+    /// position 0, so a shifted row would be routed differently).
+    pub fn set_padding(&mut self, pad: &Padding) {
+        match self {
+            LayerCache::Recent(c) => c.set_padding(pad),
+            LayerCache::Dar(c) => c.set_padding(pad),
+            LayerCache::Linearized(_) => panic!("STILL / LoLCATs caches take one prompt per batch row without padding"),
+        }
+    }
 }
 
 /// The decode cache of a whole model: one `LayerCache` per layer and the number of tokens seen.
 pub struct DecodeCache {
     pub layers: Vec<LayerCache>,
     pub len: i64,
+    /// Left padding of the rows (set before the prefill).
+    pub pad: Option<Padding>,
 }
 
 impl DecodeCache {
     pub fn new(layers: Vec<LayerCache>) -> Self {
-        DecodeCache { layers, len: 0 }
+        DecodeCache { layers, len: 0, pad: None }
+    }
+
+    /// Rows whose first `pad[b]` tokens are filler (prompts of several lengths, left-padded to one):
+    /// the prefill masks them as a document of their own, and no later token reads them.
+    pub fn set_padding(&mut self, pad: &Tensor) {
+        assert_eq!(self.len, 0, "padding is set before the prefill");
+        let p = Padding::new(pad);
+        self.layers.iter_mut().for_each(|l| l.set_padding(&p));
+        self.pad = Some(p);
+    }
+
+    /// The document segments of the prefill of `n` tokens when padded (`Heads::seg`).
+    pub fn prefill_segments(&self, n: i64) -> Option<Tensor> {
+        (self.len == 0).then(|| self.pad.as_ref().map(|p| p.segments(n))).flatten()
     }
 
     /// Bytes held by the cache (all layers).
     pub fn bytes(&self) -> i64 {
         self.layers.iter().map(LayerCache::bytes).sum()
+    }
+
+    /// Preallocate every layer for `tokens` tokens in all (prompt + new tokens).
+    pub fn reserve(&mut self, tokens: i64) {
+        self.layers.iter_mut().for_each(|l| l.reserve(tokens));
     }
 }

@@ -18,7 +18,7 @@ use super::{dar_masks, doc_dar_masks, masked, masked_sdpa};
 use crate::kernels::{self, GlobalBackend};
 use crate::spec::{AttentionImpl, DarAct};
 use tch::{nn, Kind};
-use super::cache::{distances, repeat_kv, tensor_bytes, CacheShape, Recent};
+use super::cache::{attend_newest, distances, masked_parts, tensor_bytes, CacheShape, Padding, Recent, Slots};
 use super::masked_softmax_attention;
 use tch::Tensor;
 
@@ -132,46 +132,87 @@ pub fn forward(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, w
 pub struct Distant<'a> {
     /// Latents of the new tokens `[B, n, d_down]`.
     pub latent: Tensor,
-    /// Latents of positions 0..g `[B, g, d_down]` → rotated distant keys and values `[B, H_kv, g, hd]`.
+    /// Latents of positions 0..g `[B, g, d_down]` → rotated distant keys and values `[B, H_kv, g, hd]`
+    /// (one matmul through the layer's k / v map with W_up absorbed, then RoPE).
     pub kv: &'a dyn Fn(&Tensor) -> (Tensor, Tensor),
 }
 
+/// DAR's decode cache: a ring of the last `window` tokens' full-width keys / values and the latent of
+/// every token in a buffer written in place (`cache::Slots`).
 pub struct DarCache {
-    /// Full-width keys / values of the last `window` tokens.
     recent: Recent,
     /// The latent of every token `[B, T, d_down]`.
-    latent: Tensor,
+    latent: Slots,
+    seen: i64,
     window: i64,
+    pad: Option<Padding>,
 }
 
 impl DarCache {
     pub fn new(shape: &CacheShape, window: i64, d_down: i64) -> Self {
-        let latent = Tensor::zeros([shape.batch, 0, d_down], (shape.kind, shape.device));
-        DarCache { recent: Recent::new(shape, Some(window)), latent, window }
+        let latent = Slots::new(&[shape.batch, 0, d_down], 1, None, shape.kind, shape.device);
+        DarCache { recent: Recent::new(shape, Some(window)), latent, seen: 0, window, pad: None }
     }
 
     pub fn bytes(&self) -> i64 {
-        self.recent.bytes() + tensor_bytes(&self.latent)
+        let per_token = tensor_bytes(self.latent.storage()) / self.latent.capacity().max(1);
+        self.recent.bytes() + self.seen * per_token
     }
 
-    /// Attention of the new queries: keys at distance < w full width (from the cache), farther keys
-    /// rebuilt from the latents, in one joint softmax.
+    /// Room for `tokens` tokens in all.
+    pub fn reserve(&mut self, tokens: i64) {
+        self.recent.reserve(tokens);
+        self.latent.reserve(tokens);
+    }
+
+    pub fn set_padding(&mut self, pad: &Padding) {
+        self.recent.set_padding(pad);
+        self.pad = Some(pad.clone());
+    }
+
+    /// The ring of recent keys / values and the latent buffer (tests).
+    pub fn parts(&self) -> (&Recent, &Slots) {
+        (&self.recent, &self.latent)
+    }
+
+    /// Store the next tokens' keys / values (the last `window` of them) and latents `[B, n, d_down]`.
+    pub fn push(&mut self, k: &Tensor, v: &Tensor, latent: &Tensor) {
+        let n = latent.size()[1];
+        self.latent.reserve(self.seen + n);
+        self.latent.write(self.seen, latent);
+        self.seen += n;
+        self.recent.push(k, v);
+    }
+
+    /// Attention of the new queries at p0..: keys at distance < w full width (from the ring), farther
+    /// keys rebuilt from the latents, in one joint softmax; stores the new tokens.
     pub fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, p0: i64, distant: Distant) -> Tensor {
-        let (n, w, device) = (q.size()[2], self.window, q.device());
-        self.latent = Tensor::cat(&[&self.latent, &distant.latent], 1);
-        let (lk, lv, start) = self.recent.append(k, v, p0 + n);
-        let mut parts: Vec<(Tensor, Tensor, Tensor)> = Vec::new();
-        if w > 0 {
-            let d = distances(p0, n, start, lk.size()[2], device);
-            parts.push((repeat_kv(&lk, q), repeat_kv(&lv, q), d.ge(0).logical_and(&d.lt(w))));
-        }
+        let (n, w) = (q.size()[2], self.window);
+        self.latent.reserve(self.seen + n);
+        self.latent.write(self.seen, &distant.latent);
+        self.seen += n;
         // Distant keys: every position the newest query sees at distance ≥ w.
         let g = (p0 + n - w).max(0);
-        if g > 0 {
-            let (kg, vg) = (distant.kv)(&self.latent.narrow(1, 0, g));
-            parts.push((repeat_kv(&kg, q), repeat_kv(&vg, q), distances(p0, n, 0, g, device).ge(w)));
+        let far = (g > 0).then(|| (distant.kv)(&self.latent.view(g)));
+        let far_pos = Tensor::arange(g, (tch::Kind::Int64, q.device()));
+        if n == 1 {
+            self.recent.push(k, v);
+            let held = self.recent.held();
+            let mut parts: Vec<(&Tensor, &Tensor, Option<Tensor>)> = Vec::new();
+            if self.recent.filled() > 0 {
+                parts.push((&held.0, &held.1, self.pad.as_ref().map(|p| p.keys(&self.recent.positions(q.device())))));
+            }
+            if let Some((kg, vg)) = &far {
+                parts.push((kg, vg, self.pad.as_ref().map(|p| p.keys(&far_pos))));
+            }
+            return attend_newest(q, &parts);
         }
-        let refs: Vec<(&Tensor, &Tensor, &Tensor)> = parts.iter().map(|(k, v, m)| (k, v, m)).collect();
-        masked_softmax_attention(q, &refs)
+        let mut parts = if w > 0 { self.recent.parts_before_push(k, v, p0) } else { Vec::new() };
+        if let Some((kg, vg)) = far {
+            parts.push((kg, vg, Padding::and(&self.pad, distances(p0, n, 0, g, q.device()).ge(w), &far_pos)));
+        }
+        let out = masked_parts(q, &parts);
+        self.recent.push(k, v);
+        out
     }
 }

@@ -280,14 +280,30 @@ impl Layer {
     }
 
     /// Outputs `[B, H, n, hd]` of the new tokens at positions p0.. after the cached ones; extends
-    /// `cache` (made by [`Layer::new_cache`]). Equals [`Layer::forward`] on the whole sequence.
+    /// `cache` (made by [`Layer::new_cache`]). Equals [`Layer::forward`] on the whole sequence. The
+    /// softmax variants prefill (p0 = 0) with the training forward's kernels and fill the cache from
+    /// its keys, values and latents; `h.seg` there marks the filler of left-padded rows
+    /// (`cache::Padding`).
     pub fn decode(&self, cache: &mut LayerCache, h: &Heads, p0: i64) -> Tensor {
         match (self, cache) {
+            (Layer::Vanilla { .. } | Layer::Window { .. }, LayerCache::Recent(c)) if p0 == 0 => {
+                let out = self.forward(h);
+                c.push(&h.k, &h.v);
+                out
+            }
             (Layer::Vanilla { .. } | Layer::Window { .. }, LayerCache::Recent(c)) => c.attend(&h.q, &h.k, &h.v, p0),
-            (Layer::Dar { bottleneck, .. }, LayerCache::Dar(c)) => {
+            (Layer::Dar { bottleneck, window, imp }, LayerCache::Dar(c)) => {
+                let latent = bottleneck.latent(h.input);
+                if p0 == 0 {
+                    let (kg, vg) = h.kv.kv(bottleneck.up(), &latent, Positions::Forward);
+                    let r = |x: &Tensor| repeat_kv(x, &h.q);
+                    let out = dar::forward(&h.q, &r(&h.k), &r(&h.v), &r(&kg), &r(&vg), *window, h.seg, *imp);
+                    c.push(&h.k, &h.v, &latent);
+                    return out;
+                }
                 // Distant keys of positions 0..g, rebuilt from the latents through the model's own map.
                 let kv = |latent: &Tensor| h.kv.kv(bottleneck.up(), latent, Positions::From(0));
-                c.attend(&h.q, &h.k, &h.v, p0, Distant { latent: bottleneck.latent(h.input), kv: &kv })
+                c.attend(&h.q, &h.k, &h.v, p0, Distant { latent, kv: &kv })
             }
             (Layer::Still(s), LayerCache::Linearized(c)) => {
                 let (k, v) = (repeat_kv(&h.k, &h.q), repeat_kv(&h.v, &h.q));

@@ -211,12 +211,16 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, task: &str,
         }
         let bar = crate::progress::bar(recs.len() as u64, &format!("babilong:{task} @ {len}"), b.quiet);
         let (mut right, mut prompt_tokens) = (0usize, 0usize);
-        for (i, rec) in recs.iter().enumerate() {
-            let s = bg.sample(task, rec, len.saturating_sub(overhead), &count, &mut ruler::rng(42, len, i))?;
-            let (answer, n) = greedy.answer(&ruler::wrap(b.chat, &s.prompt, "")?, b.max_new)?;
-            prompt_tokens += n;
-            right += correct(&answer, &rec.answer, &rec.question) as usize;
-            bar.inc(1);
+        let batch = ruler::batch_for(model, b, len);
+        for (g, group) in recs.chunks(batch).enumerate() {
+            let samples: Vec<Sample> = group.iter().enumerate().map(|(j, rec)| bg.sample(task, rec, len.saturating_sub(overhead), &count, &mut ruler::rng(42, len, g * batch + j))).collect::<crate::Result<_>>()?;
+            let prompts: Vec<String> = samples.iter().map(|s| ruler::wrap(b.chat, &s.prompt, "")).collect::<crate::Result<_>>()?;
+            let answers = greedy.answers(&prompts.iter().map(String::as_str).collect::<Vec<_>>(), b.max_new)?;
+            for (rec, (answer, n)) in group.iter().zip(answers) {
+                prompt_tokens += n;
+                right += correct(&answer, &rec.answer, &rec.question) as usize;
+                bar.inc(1);
+            }
         }
         bar.finish_and_clear();
         let k = recs.len();

@@ -45,6 +45,8 @@ pub struct LongContextArgs {
     pub sets: Vec<String>,
     /// Prompts as they are even when the model has a chat template.
     pub no_chat: bool,
+    /// Samples per forward (None: `ruler::batch_for`'s default).
+    pub batch_size: Option<usize>,
 }
 
 /// What `eval` wrote, for the command to print.
@@ -220,7 +222,7 @@ fn long_context(run: &Path, out: &Path, task: &str, step: Option<u64>, device: O
     let with_overrides = |c: ruler::Cell| ruler::Cell { overrides: overrides.clone(), ..c };
     let essay = a.essay.as_deref().map(ruler::read_essay).transpose()?;
     let chat = if a.no_chat { None } else { loaded.chat.as_ref() };
-    let budget = |default_new: usize| ruler::Budget { grid: a.grid.clone(), chat, max_new: a.max_new_tokens.unwrap_or(default_new), device: loaded.device, quiet: false };
+    let budget = |default_new: usize| ruler::Budget { grid: a.grid.clone(), chat, max_new: a.max_new_tokens.unwrap_or(default_new), device: loaded.device, quiet: false, batch_size: a.batch_size };
     if let Some(name) = task.strip_prefix("babilong:") {
         let babi = a.babi.as_deref().ok_or_else(|| Error::Other("--task babilong:… needs --babi (e.g. ../shared/data/babi)".into()))?;
         let essay = essay.as_deref().ok_or_else(|| Error::Other("--task babilong:… needs --essay (e.g. ../shared/data/haystack/ruler_paul_graham_essays.json.gz)".into()))?;

@@ -86,23 +86,38 @@ pub fn bench_model(base: &Spec, name: &str, vocab: usize, device: Device) -> Res
     Ok((vs, model))
 }
 
-/// Measure every (attention, context) pair, calling `each` on every row as it comes. A context that
-/// fails (out of memory) is reported on stderr and ends that attention's sweep: larger ones would too.
-pub fn run(base: &Spec, names: &[String], lengths: &[i64], new_tokens: usize, vocab: usize, device: Device, mut each: impl FnMut(&DecodeBench)) -> Result<Vec<DecodeBench>> {
-    let mut rows = Vec::new();
+/// Measure every (attention, context) pair `repeats` times, interleaved (each repeat runs every
+/// attention at every context, so that drifts of the machine spread over all of them), calling
+/// `each` on every row as it comes. A context that fails (out of memory) is reported on stderr and
+/// ends that attention's sweeps at it and beyond: larger ones would fail too.
+#[allow(clippy::too_many_arguments)]
+pub fn run(base: &Spec, names: &[String], lengths: &[i64], new_tokens: usize, repeats: usize, vocab: usize, device: Device, mut each: impl FnMut(&DecodeBench)) -> Result<Vec<DecodeBench>> {
+    let mut models = Vec::new();
     for name in names {
-        let (_vs, model) = bench_model(base, name, vocab, device)?;
+        let (vs, model) = bench_model(base, name, vocab, device)?;
         // Warm-up (CUDA context, cuBLAS handles, allocator) outside the timed runs.
         let _ = decode_bench(&model, label(name), 256, 4, device);
-        for &t in lengths {
-            match catch_unwind(AssertUnwindSafe(|| decode_bench(&model, label(name), t, new_tokens, device))) {
-                Ok(r) => {
-                    each(&r);
-                    rows.push(r);
-                }
-                Err(_) => {
-                    eprintln!("{} at context {t}: failed (out of memory?); skipping longer contexts", label(name));
+        models.push((name, vs, model));
+    }
+    let mut fails_at: Vec<Option<i64>> = vec![None; models.len()];
+    let mut rows = Vec::new();
+    for repeat in 0..repeats {
+        for ((name, _vs, model), fail) in models.iter().zip(fails_at.iter_mut()) {
+            for &t in lengths {
+                if fail.is_some_and(|f| t >= f) {
                     break;
+                }
+                match catch_unwind(AssertUnwindSafe(|| decode_bench(model, label(name), t, new_tokens, device))) {
+                    Ok(mut r) => {
+                        r.repeat = repeat;
+                        each(&r);
+                        rows.push(r);
+                    }
+                    Err(_) => {
+                        eprintln!("{} at context {t}: failed (out of memory?); skipping it and longer contexts", label(name));
+                        *fail = Some(t);
+                        break;
+                    }
                 }
             }
         }
@@ -110,24 +125,38 @@ pub fn run(base: &Spec, names: &[String], lengths: &[i64], new_tokens: usize, vo
     Ok(rows)
 }
 
-/// A Markdown table of the rows: cache size (and its ratio to vanilla's at the same context), prefill
-/// time and decode speed.
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n % 2 == 1 { xs[n / 2] } else { (xs[n / 2 - 1] + xs[n / 2]) / 2.0 }
+}
+
+/// A Markdown table, one line per (attention, context): cache size (and its ratio to vanilla's at
+/// the same context), and the medians over repeats of prefill time and decode speed.
 pub fn table(rows: &[DecodeBench]) -> String {
     let vanilla = |ctx: i64| rows.iter().find(|r| r.attention == "vanilla" && r.context == ctx).map(|r| r.cache_bytes as f64);
-    let mut out = String::from("| context | attention | cache MiB | cache bytes/token | × vanilla | prefill s | decode tok/s |\n|---:|---|---:|---:|---:|---:|---:|\n");
-    let mut sorted: Vec<&DecodeBench> = rows.iter().collect();
-    sorted.sort_by_key(|r| r.context);
-    for r in sorted {
-        let ratio = vanilla(r.context).map_or("–".into(), |v| format!("{:.3}", r.cache_bytes as f64 / v));
+    let mut out = String::from("| context | attention | cache MiB | cache bytes/token | × vanilla | prefill s | decode tok/s | runs |\n|---:|---|---:|---:|---:|---:|---:|---:|\n");
+    let mut keys: Vec<(i64, &str)> = Vec::new();
+    for r in rows {
+        if !keys.contains(&(r.context, r.attention.as_str())) {
+            keys.push((r.context, r.attention.as_str()));
+        }
+    }
+    keys.sort_by_key(|k| k.0);
+    for (ctx, att) in keys {
+        let runs: Vec<&DecodeBench> = rows.iter().filter(|r| r.context == ctx && r.attention == att).collect();
+        let r = runs[0];
+        let ratio = vanilla(ctx).map_or("–".into(), |v| format!("{:.3}", r.cache_bytes as f64 / v));
         out += &format!(
-            "| {} | {} | {:.2} | {:.1} | {} | {:.3} | {:.1} |\n",
-            r.context,
-            r.attention,
+            "| {} | {} | {:.2} | {:.1} | {} | {:.3} | {:.1} | {} |\n",
+            ctx,
+            att,
             r.cache_bytes as f64 / (1 << 20) as f64,
             r.cache_bytes_per_token,
             ratio,
-            r.prefill_s,
-            r.decode_tokens_per_s
+            median(runs.iter().map(|r| r.prefill_s).collect()),
+            median(runs.iter().map(|r| r.decode_tokens_per_s).collect()),
+            runs.len()
         );
     }
     out
@@ -178,16 +207,21 @@ mod tests {
     use super::*;
 
     fn row(attention: &str, context: i64, cache_bytes: i64) -> DecodeBench {
-        DecodeBench { attention: attention.into(), context, cache_bytes, cache_bytes_per_token: cache_bytes as f64 / context as f64, prefill_s: 0.5, decode_tokens_per_s: 100.0 }
+        DecodeBench { attention: attention.into(), context, cache_bytes, cache_bytes_per_token: cache_bytes as f64 / context as f64, prefill_s: 0.5, decode_tokens_per_s: 100.0, repeat: 0, new_tokens: 32 }
     }
 
-    /// The ratio column divides by vanilla's cache at the same context; rows survive a JSON round trip.
+    /// The ratio column divides by vanilla's cache at the same context; repeats collapse into one
+    /// line of medians; rows survive a JSON round trip.
     #[test]
     fn table_ratios_and_json_rows() {
         let rows = vec![row("vanilla", 2048, 4 << 20), row("still", 1024, 1 << 20), row("vanilla", 1024, 2 << 20), row("still", 2048, 1 << 20)];
         let t = table(&rows);
-        assert!(t.contains("| 1024 | still | 1.00 | 1024.0 | 0.500 |"), "{t}");
+        assert!(t.contains("| 1024 | still | 1.00 | 1024.0 | 0.500 | 0.500 | 100.0 | 1 |"), "{t}");
         assert!(t.contains("| 2048 | still | 1.00 | 512.0 | 0.250 |"), "{t}");
+        let speeds = [(0, 0.9, 80.0), (1, 0.1, 300.0), (2, 0.4, 120.0)];
+        let repeated: Vec<DecodeBench> = speeds.iter().map(|&(repeat, prefill_s, tps)| DecodeBench { repeat, prefill_s, decode_tokens_per_s: tps, ..row("dar", 4096, 1 << 20) }).collect();
+        let t = table(&repeated);
+        assert!(t.contains("| 4096 | dar | 1.00 | 256.0 | – | 0.400 | 120.0 | 3 |"), "{t}");
         let text = format!("# note\n{}\n", rows.iter().map(|r| serde_json::to_string(r).unwrap()).collect::<Vec<_>>().join("\n"));
         let back = read_rows(&text).unwrap();
         assert_eq!(back.len(), 4);

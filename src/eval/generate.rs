@@ -1,6 +1,8 @@
 //! Text generation with a KV cache per model and attention variant (vanilla: keys/values of every
 //! token; DAR / uniform: dar.md §3's latent cache; Llama: per KV head; STILL / LoLCATs students:
-//! still.md §6's bounded cache), and the decode benchmark.
+//! still.md §6's bounded cache), and the decode benchmark. A prompt is prefilled in one call through
+//! the variant's fast forward, the cache is sized for the whole request, tokens are chosen on the
+//! device; prompts of several lengths decode together in left-padded batches (`generate_batch`).
 use crate::data::Tok;
 use crate::linearize;
 use crate::linearize::student::EXPORT_VARIANT;
@@ -49,11 +51,38 @@ impl Model {
 
     /// Logits `[B, n, V]` of `ids` (`[B, n]`) following the cached tokens; extends the cache.
     pub fn extend(&self, cache: &mut Cache, ids: &Tensor) -> Tensor {
+        self.logits(&self.extend_hidden(cache, ids))
+    }
+
+    /// Final hidden states `[B, n, d]` of `ids` following the cached tokens; extends the cache.
+    pub fn extend_hidden(&self, cache: &mut Cache, ids: &Tensor) -> Tensor {
         tch::no_grad(|| match (self, cache) {
-            (Model::Neox(m), Cache::Neox(c)) => m.extend(c, ids),
-            (Model::Llama(m), Cache::Llama(c)) => m.extend(c, ids),
+            (Model::Neox(m), Cache::Neox(c)) => m.extend_hidden(c, ids),
+            (Model::Llama(m), Cache::Llama(c)) => m.extend_hidden(c, ids),
             _ => panic!("cache of another model family"),
         })
+    }
+
+    /// An upper estimate of the memory one sample of `tokens` tokens takes in a padded batch: the
+    /// prefill's `[T, T]` mask (boolean, and the float bias SDPA may make of it), every layer's keys
+    /// and values (and DAR's latents: fewer), and one layer's activations.
+    pub fn sample_bytes(&self, tokens: u64) -> u64 {
+        let elt = self.head_weight().kind().elt_size_in_bytes() as u64;
+        let (d, layers) = match self {
+            Model::Neox(m) => (m.cfg.d_model as u64, m.cfg.layers as u64),
+            Model::Llama(m) => (m.cfg.hidden_size as u64, m.cfg.num_hidden_layers as u64),
+        };
+        5 * tokens * tokens + tokens * d * elt * (2 * layers + 16)
+    }
+
+    /// Whether rows of one batch may hold prompts of different lengths, left-padded: every layer is
+    /// a softmax variant (vanilla, DAR, uniform, window). STILL's / LoLCATs' chunks count from
+    /// position 0, so a shifted row would be computed differently.
+    pub fn pads_rows(&self) -> bool {
+        match self {
+            Model::Neox(_) => true,
+            Model::Llama(m) => matches!(m.cfg.attention, crate::attention::Attention::Softmax(_)),
+        }
     }
 }
 
@@ -168,20 +197,13 @@ pub struct Generated {
     pub cache_tokens: i64,
 }
 
-/// Prefill in blocks of this many tokens: the explicit attention of a block over the cache costs
-/// O(block × context) memory.
-const PREFILL_BLOCK: i64 = 1024;
-
+/// Run the prompt `ids` `[B, T]` into an empty `cache` in one call, through each variant's fast
+/// forward (softmax variants: the training kernels; STILL / LoLCATs: the chunk-parallel prefill):
+/// logits `[B, 1, V]` of its last token.
 pub fn prefill(model: &Model, cache: &mut Cache, ids: &Tensor) -> Tensor {
     let n = ids.size()[1];
-    let mut last = Tensor::new();
-    let mut at = 0;
-    while at < n {
-        let len = PREFILL_BLOCK.min(n - at);
-        last = model.extend(cache, &ids.narrow(1, at, len)).narrow(1, len - 1, 1);
-        at += len;
-    }
-    last
+    let hidden = model.extend_hidden(cache, ids);
+    tch::no_grad(|| model.logits(&hidden.narrow(1, n - 1, 1)))
 }
 
 fn sync(device: Device) {
@@ -190,31 +212,126 @@ fn sync(device: Device) {
     }
 }
 
-/// Continue `prompt` by up to `max_new` tokens (stopping after `stop` if given).
+/// While generating with a stop token, the host reads the new tokens (and looks for it) once every
+/// this many steps; the device runs ahead in between (tokens after the stop are dropped).
+pub const STOP_CHECK_EVERY: usize = 16;
+
+/// Continue `prompt` by up to `max_new` tokens (stopping after `stop` if given). The cache is sized
+/// for the whole request up front; each token is chosen on the device and fed back without a trip
+/// through the host, which reads the tokens every [`STOP_CHECK_EVERY`] steps (at the end without a
+/// stop), so the cache may hold a few tokens past the stop.
 pub fn generate(model: &Model, prompt: &[u32], max_new: usize, sampling: Sampling, stop: Option<u32>, device: Device) -> Generated {
     let kind = model.head_weight().kind();
     let mut cache = model.new_cache(1, kind, device);
+    reserve(&mut cache, (prompt.len() + max_new) as i64);
     let ids = Tensor::from_slice(&prompt.iter().map(|&t| t as i64).collect::<Vec<_>>()).view([1, -1]).to_device(device);
     let t0 = Instant::now();
     let mut logits = prefill(model, &mut cache, &ids);
     sync(device);
     let prefill_s = t0.elapsed().as_secs_f64();
     tch::manual_seed(sampling.seed as i64);
-    let mut out = Vec::new();
-    let t1 = Instant::now();
-    for _ in 0..max_new {
-        let l = logits.view([-1]).to_kind(Kind::Float);
-        let next = if sampling.temperature <= 0.0 { l.argmax(0, false) } else { (l / sampling.temperature).softmax(0, Kind::Float).multinomial(1, false).view([]) };
-        let id = next.int64_value(&[]) as u32;
-        out.push(id);
-        if Some(id) == stop {
-            break;
+    let mut out: Vec<u32> = Vec::new();
+    // Chosen on the device, not read yet.
+    let mut pending: Vec<Tensor> = Vec::new();
+    let read_back = |pending: &mut Vec<Tensor>, out: &mut Vec<u32>| -> bool {
+        if pending.is_empty() {
+            return false;
         }
-        logits = model.extend(&mut cache, &Tensor::from_slice(&[id as i64]).view([1, 1]).to_device(device));
+        let ids: Vec<i64> = Vec::try_from(Tensor::cat(&std::mem::take(pending), 1).view([-1]).to_device(Device::Cpu)).expect("token ids");
+        let end = ids.iter().position(|&t| Some(t as u32) == stop);
+        out.extend(ids[..end.map_or(ids.len(), |e| e + 1)].iter().map(|&t| t as u32));
+        end.is_some()
+    };
+    let t1 = Instant::now();
+    let mut stopped = false;
+    for _ in 0..max_new {
+        let l = logits.view([1, -1]).to_kind(Kind::Float);
+        let next = if sampling.temperature <= 0.0 { l.argmax(-1, true) } else { (l / sampling.temperature).softmax(-1, Kind::Float).multinomial(1, false) };
+        pending.push(next.shallow_clone());
+        if stop.is_some() && pending.len() == STOP_CHECK_EVERY {
+            stopped = read_back(&mut pending, &mut out);
+            if stopped {
+                break;
+            }
+        }
+        logits = model.extend(&mut cache, &next);
+    }
+    if !stopped {
+        read_back(&mut pending, &mut out);
     }
     sync(device);
     let secs = t1.elapsed().as_secs_f64().max(1e-9);
-    Generated { decode_tokens_per_s: out.len() as f64 / secs, tokens: out, prompt_tokens: prompt.len(), prefill_s, cache_bytes: cache.bytes(), cache_tokens: cache.len() }
+    // Decode steps per second (one forward per token, as hf_decode.py counts).
+    let steps = cache.len() - prompt.len() as i64;
+    Generated { decode_tokens_per_s: steps as f64 / secs, tokens: out, prompt_tokens: prompt.len(), prefill_s, cache_bytes: cache.bytes(), cache_tokens: cache.len() }
+}
+
+/// Greedy continuations of several prompts in one batch (softmax variants; see
+/// [`Model::pads_rows`]): the prompts are left-padded to the longest (`DecodeCache::set_padding`),
+/// prefilled in one forward and decoded together, each row up to `max_new` tokens or its first `stop`
+/// (included). Equal to [`generate`] on each prompt alone, up to rounding.
+pub fn generate_batch(model: &Model, prompts: &[&[u32]], max_new: usize, stop: Option<u32>, device: Device) -> Vec<Vec<u32>> {
+    assert!(model.pads_rows(), "generate_batch: STILL / LoLCATs models decode one prompt at a time");
+    let b = prompts.len();
+    let len = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    assert!(len > 0, "generate_batch: empty prompts");
+    let mut flat = Vec::with_capacity(b * len);
+    let mut pads = Vec::with_capacity(b);
+    for p in prompts {
+        pads.push((len - p.len()) as i64);
+        // Filler: token 0, never read by a real token.
+        flat.extend(std::iter::repeat_n(0i64, len - p.len()).chain(p.iter().map(|&t| t as i64)));
+    }
+    let mut cache = model.new_cache(b as i64, model.head_weight().kind(), device);
+    reserve(&mut cache, (len + max_new) as i64);
+    match &mut cache {
+        Cache::Neox(c) => c.set_padding(&Tensor::from_slice(&pads).to_device(device)),
+        Cache::Llama(c) => c.set_padding(&Tensor::from_slice(&pads).to_device(device)),
+    }
+    let ids = Tensor::from_slice(&flat).view([b as i64, len as i64]).to_device(device);
+    let mut logits = prefill(model, &mut cache, &ids);
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
+    let mut done = vec![false; b];
+    let mut pending: Vec<Tensor> = Vec::new();
+    // Appends the tokens chosen so far to the rows still running; whether every row has ended.
+    let mut read_back = |pending: &mut Vec<Tensor>| -> bool {
+        if pending.is_empty() {
+            return done.iter().all(|&d| d);
+        }
+        let chosen = Tensor::cat(&std::mem::take(pending), 1).to_device(Device::Cpu);
+        let k = chosen.size()[1] as usize;
+        let ids: Vec<i64> = Vec::try_from(chosen.view([-1])).expect("token ids");
+        for (row, (o, d)) in out.iter_mut().zip(done.iter_mut()).enumerate() {
+            for &t in &ids[row * k..(row + 1) * k] {
+                if *d {
+                    break;
+                }
+                o.push(t as u32);
+                *d = Some(t as u32) == stop;
+            }
+        }
+        done.iter().all(|&d| d)
+    };
+    for step in 0..max_new {
+        let next = logits.view([b as i64, -1]).argmax(-1, true);
+        pending.push(next.shallow_clone());
+        if stop.is_some() && pending.len() == STOP_CHECK_EVERY && read_back(&mut pending) {
+            break;
+        }
+        if step + 1 < max_new {
+            logits = model.extend(&mut cache, &next);
+        }
+    }
+    read_back(&mut pending);
+    out
+}
+
+/// Preallocate a cache for `tokens` tokens in all.
+pub fn reserve(cache: &mut Cache, tokens: i64) {
+    match cache {
+        Cache::Neox(c) => c.reserve(tokens),
+        Cache::Llama(c) => c.reserve(tokens),
+    }
 }
 
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
@@ -225,6 +342,12 @@ pub struct DecodeBench {
     pub cache_bytes_per_token: f64,
     pub prefill_s: f64,
     pub decode_tokens_per_s: f64,
+    /// Which repeat of the (attention, context) measurement (0-based; rows of older runs read as 0).
+    #[serde(default)]
+    pub repeat: usize,
+    /// Tokens decoded.
+    #[serde(default)]
+    pub new_tokens: usize,
 }
 
 /// Prefill `context` random tokens, then decode `new_tokens` greedily; report cache size and speed.
@@ -241,5 +364,58 @@ pub fn decode_bench(model: &Model, attention: &str, context: i64, new_tokens: us
         cache_bytes_per_token: g.cache_bytes as f64 / total as f64,
         prefill_s: g.prefill_s,
         decode_tokens_per_s: g.decode_tokens_per_s,
+        repeat: 0,
+        new_tokens,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{GptNeox, NeoxConfig};
+    use crate::spec::{AttentionKind, Gelu};
+
+    fn tiny(kind: AttentionKind, d_down: usize, window: usize) -> (VarStore, Model) {
+        tch::manual_seed(5);
+        let mut vs = VarStore::new(Device::Cpu);
+        let attention = crate::attention::DarConfig { kind, d_down, window, ..Default::default() };
+        let cfg = NeoxConfig { vocab: 61, d_model: 32, layers: 2, heads: 4, ffn: 64, rotary_pct: 0.25, rotary_base: 10000.0, ln_eps: 1e-5, gelu: Gelu::Erf, attention };
+        let m = GptNeox::new(&vs.root(), cfg);
+        vs.double();
+        (vs, Model::Neox(m))
+    }
+
+    /// Greedy generation with the token chosen on the device equals the host loop over full forward
+    /// passes (argmax of the last logits, appended, again), for every softmax variant; with a stop
+    /// token, the output ends at its first occurrence (read back every STOP_CHECK_EVERY steps).
+    #[test]
+    fn greedy_generation_equals_the_forward_loop_and_stops_at_the_stop_token() {
+        for (kind, d_down, w) in [(AttentionKind::Vanilla, 0, 0), (AttentionKind::Dar, 8, 3), (AttentionKind::Uniform, 8, 0), (AttentionKind::Window, 0, 4)] {
+            let (_vs, m) = tiny(kind, d_down, w);
+            let prompt: Vec<u32> = vec![3, 17, 42, 8, 8, 29, 1];
+            let mut seq: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
+            let mut want = Vec::new();
+            for _ in 0..40 {
+                let logits = tch::no_grad(|| m.forward(&Tensor::from_slice(&seq).view([1, -1])));
+                let id = logits.select(1, -1).argmax(-1, false).int64_value(&[0]);
+                want.push(id as u32);
+                seq.push(id);
+            }
+            let greedy = Sampling { temperature: 0.0, seed: 0 };
+            let g = generate(&m, &prompt, 40, greedy, None, Device::Cpu);
+            assert_eq!(g.tokens, want, "{kind:?}");
+            assert_eq!(g.cache_tokens, (prompt.len() + 40) as i64, "{kind:?}: every new token cached");
+            // The same prompts of several lengths in one left-padded batch, and a stop token.
+            let prompts: Vec<Vec<u32>> = vec![prompt.clone(), vec![9, 4], vec![11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]];
+            let alone: Vec<Vec<u32>> = prompts.iter().map(|p| generate(&m, p, 30, greedy, Some(want[5]), Device::Cpu).tokens).collect();
+            let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+            assert_eq!(generate_batch(&m, &refs, 30, Some(want[5]), Device::Cpu), alone, "{kind:?} batch");
+            // Stop tokens taken from inside the first and the second read-back window.
+            for pick in [2, STOP_CHECK_EVERY + 9] {
+                let at = want.iter().position(|&t| t == want[pick]).unwrap();
+                let g = generate(&m, &prompt, 40, greedy, Some(want[pick]), Device::Cpu);
+                assert_eq!(g.tokens, want[..=at], "{kind:?}: stop token {} first at {at}", want[pick]);
+            }
+        }
     }
 }

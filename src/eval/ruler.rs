@@ -85,6 +85,27 @@ pub struct Budget<'a> {
     pub max_new: usize,
     pub device: tch::Device,
     pub quiet: bool,
+    /// Samples per forward (`--batch-size`; None: [`batch_for`]'s default).
+    pub batch_size: Option<usize>,
+}
+
+/// Samples per batch on CPU when `--batch-size` is not given.
+pub const CPU_BATCH: usize = 4;
+
+/// Samples per forward for prompts of up to `len` tokens: one for STILL / LoLCATs models (their
+/// chunks count from position 0, so rows cannot be padded), else `b.batch_size`, else 4 on CPU and,
+/// on CUDA, what half of the free memory holds at [`crate::model::Model::sample_bytes`] each (at most 64).
+pub fn batch_for(model: &crate::model::Model, b: &Budget, len: usize) -> usize {
+    if !model.pads_rows() {
+        return 1;
+    }
+    if let Some(n) = b.batch_size {
+        return n.max(1);
+    }
+    match crate::kernels::cuda_free_memory(b.device) {
+        None => CPU_BATCH,
+        Some(free) => ((free / 2) / model.sample_bytes(len as u64 + b.max_new as u64)).clamp(1, 64) as usize,
+    }
 }
 
 /// Generate `b.grid.samples` prompts per length, decode greedily (`b.max_new` tokens, RULER: 128), score.
@@ -104,21 +125,28 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, name: &str,
         let bar = crate::progress::bar(samples as u64, &format!("{name} @ {len}"), b.quiet);
         let (mut total, mut prompt_tokens) = (0.0, 0usize);
         let mut records = Vec::new();
-        for i in 0..samples {
-            let s = g.sized(&t, len.saturating_sub(overhead), TOKENS_TO_GENERATE, &count, &mut rng(42, len, i));
-            let prompt = wrap(b.chat, &s.input, &s.answer_prefix)?;
-            let (ids, offsets) = greedy.encode(&prompt)?;
-            let needles = diagnose::needle_positions(&prompt, &s.queried, &offsets);
-            // `routing: oracle` selects the needle spans (a diagnostic); other routings ignore them.
-            let hybrid = diagnose::set_oracle(model, &needles);
-            let reads = if hybrid { diagnose::probe(model, &ids, &needles, device) } else { None };
-            let answer = greedy.answer_ids(&ids, max_new)?;
-            let score = match_all(&answer, &s.outputs);
-            prompt_tokens += ids.len();
-            total += score;
-            let result = diagnose::SampleRecord { index: i, length: len, prompt_tokens: ids.len(), depths: s.depths.clone(), needles, prediction: answer, references: s.outputs.clone(), score, layers: reads };
-            records.push(Record { sample: s, result });
-            bar.inc(1);
+        let batch = batch_for(model, b, len);
+        for first in (0..samples).step_by(batch) {
+            let mut group = Vec::new();
+            for i in first..(first + batch).min(samples) {
+                let s = g.sized(&t, len.saturating_sub(overhead), TOKENS_TO_GENERATE, &count, &mut rng(42, len, i));
+                let prompt = wrap(b.chat, &s.input, &s.answer_prefix)?;
+                let (ids, offsets) = greedy.encode(&prompt)?;
+                let needles = diagnose::needle_positions(&prompt, &s.queried, &offsets);
+                // `routing: oracle` selects the needle spans (a diagnostic); other routings ignore them.
+                let hybrid = diagnose::set_oracle(model, &needles);
+                let reads = if hybrid { diagnose::probe(model, &ids, &needles, device) } else { None };
+                group.push((i, s, ids, needles, reads));
+            }
+            let answers = greedy.answers_ids(&group.iter().map(|g| g.2.as_slice()).collect::<Vec<_>>(), max_new)?;
+            for ((i, s, ids, needles, reads), answer) in group.into_iter().zip(answers) {
+                let score = match_all(&answer, &s.outputs);
+                prompt_tokens += ids.len();
+                total += score;
+                let result = diagnose::SampleRecord { index: i, length: len, prompt_tokens: ids.len(), depths: s.depths.clone(), needles, prediction: answer, references: s.outputs.clone(), score, layers: reads };
+                records.push(Record { sample: s, result });
+                bar.inc(1);
+            }
         }
         bar.finish_and_clear();
         let n = samples.max(1) as f64;
@@ -213,11 +241,55 @@ impl<'a> Greedy<'a> {
         let out = crate::eval::generate::generate(self.model, ids, max_new, crate::eval::generate::Sampling { temperature: 0.0, seed: 0 }, None, self.device);
         self.tok.decode(&out.tokens)
     }
+
+    /// [`Greedy::answer_ids`] of several prompts, in one left-padded batch when there are several
+    /// (`generate::generate_batch`).
+    pub fn answers_ids(&self, prompts: &[&[u32]], max_new: usize) -> crate::Result<Vec<String>> {
+        match prompts {
+            [one] => Ok(vec![self.answer_ids(one, max_new)?]),
+            _ => crate::eval::generate::generate_batch(self.model, prompts, max_new, None, self.device).iter().map(|t| self.tok.decode(t)).collect(),
+        }
+    }
+
+    /// [`Greedy::answer`] of several prompts: the answers and the prompts' lengths in tokens.
+    pub fn answers(&self, prompts: &[&str], max_new: usize) -> crate::Result<Vec<(String, usize)>> {
+        let ids: Vec<Vec<u32>> = prompts.iter().map(|p| self.encode(p).map(|e| e.0)).collect::<crate::Result<_>>()?;
+        let answers = self.answers_ids(&ids.iter().map(|i| i.as_slice()).collect::<Vec<_>>(), max_new)?;
+        Ok(answers.into_iter().zip(ids.iter().map(|i| i.len())).collect())
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Several samples per forward (left-padded prompts of different lengths) give batch 1's
+    /// predictions, scores and prompt lengths: a tiny random Llama with grouped-query heads in f64,
+    /// vanilla, DAR and window.
+    #[test]
+    fn batched_evaluation_equals_batch_one() {
+        use crate::attention::{Attention, DarConfig};
+        use crate::spec::AttentionKind;
+        let tok = crate::data::Tok::load(&crate::spec::TokenizerSpec::Path("builtin".into())).unwrap();
+        for (kind, d_down, window) in [(AttentionKind::Vanilla, 0, 0), (AttentionKind::Dar, 8, 16), (AttentionKind::Window, 0, 24)] {
+            tch::manual_seed(3);
+            let mut cfg = crate::testutil::tiny_llama(tok.padded_vocab(), crate::model::Family::Llama);
+            cfg.attention = Attention::Softmax(DarConfig { kind, d_down, window, ..DarConfig::default() });
+            let mut vs = tch::nn::VarStore::new(tch::Device::Cpu);
+            let m = crate::model::Model::Llama(crate::model::Llama::new(&vs.root(), cfg));
+            vs.double();
+            let budget = |batch_size| Budget { grid: Grid { lengths: vec![400], samples: 5 }, chat: None, max_new: 12, device: tch::Device::Cpu, quiet: true, batch_size: Some(batch_size) };
+            // A haystack of needles: prompts of different lengths.
+            let one = evaluate(&m, &tok, "niah_multikey_2", None, &budget(1)).unwrap().remove(0).1;
+            let three = evaluate(&m, &tok, "niah_multikey_2", None, &budget(3)).unwrap().remove(0).1;
+            let lens: std::collections::BTreeSet<usize> = one.iter().map(|r| r.result.prompt_tokens).collect();
+            assert!(lens.len() > 1, "the prompts must differ in length for padding to happen: {lens:?}");
+            for (a, b) in one.iter().zip(&three) {
+                assert_eq!((&a.result.prediction, a.result.prompt_tokens, a.result.score), (&b.result.prediction, b.result.prompt_tokens, b.result.score), "{kind:?} sample {}", a.result.index);
+            }
+            assert!(one.iter().any(|r| !r.result.prediction.is_empty()), "{kind:?}: something was generated");
+        }
+    }
 
     #[test]
     fn cell_summary_shows_overrides_and_layer_diagnostics() {

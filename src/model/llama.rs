@@ -433,20 +433,27 @@ impl Llama {
 
     /// Run `ids` (`[B, n]`, after the cached tokens): logits `[B, n, V]`, cache extended.
     pub fn extend(&self, cache: &mut LlamaCache, ids: &Tensor) -> Tensor {
+        self.logits(&self.extend_hidden(cache, ids))
+    }
+
+    /// [`Llama::extend`]'s final hidden states `[B, n, d]` (a prefill needs the last one's logits only).
+    pub fn extend_hidden(&self, cache: &mut LlamaCache, ids: &Tensor) -> Tensor {
         let _guard = tch::no_grad_guard();
         let n = ids.size()[1];
         let p0 = cache.len;
         let (cos, sin) = self.rope(p0, n, ids.device());
         let mut x = self.embed(ids);
+        // Left-padded rows: their filler is a document of its own in the prefill.
+        let seg = cache.prefill_segments(n);
         for (i, b) in self.layers.iter().enumerate() {
             let a = self.kv_input(i, &x);
             let (q, k, v) = self.qkv(b, &a, &cos, &sin, Pass::Eval);
             let kv = LayerKv { model: self, block: b, cos: &cos, sin: &sin };
-            let o = b.attn.decode(&mut cache.layers[i], &Heads { q, k, v, input: &a, seg: None, kv: &kv, train: false }, p0);
+            let o = b.attn.decode(&mut cache.layers[i], &Heads { q, k, v, input: &a, seg: seg.as_ref(), kv: &kv, train: false }, p0);
             x = self.layer_finish(i, &x, &o, Pass::Eval);
         }
         cache.len += n;
-        self.logits(&self.final_norm(&x))
+        self.final_norm(&x)
     }
 
     pub fn logits(&self, hidden: &Tensor) -> Tensor {

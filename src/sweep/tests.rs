@@ -354,7 +354,7 @@ fn a_locked_run_is_busy_and_the_others_go_on() {
 }
 
 /// Expected runs per file in sweeps/ (every file there must be listed).
-const SWEEPS: [(&str, usize); 22] = [
+const SWEEPS: [(&str, usize); 23] = [
     ("dar-evidence-reduced.yaml", 15),
     ("dar-evidence-smoke.yaml", 12),
     ("dar-longrange-niah-reduced.yaml", 12),
@@ -368,6 +368,7 @@ const SWEEPS: [(&str, usize); 22] = [
     ("still-routing-paper.yaml", 7),
     ("still-routing-reduced.yaml", 7),
     ("still-routing-smoke.yaml", 7),
+    ("still-routing-smollm2.yaml", 11),
     ("table1-paper.yaml", 7),
     ("table1-reduced.yaml", 7),
     ("table1-smoke.yaml", 7),

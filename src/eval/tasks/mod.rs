@@ -494,6 +494,7 @@ pub fn eos_id(tok: &Tok) -> u32 {
 /// Greedy decoding until a stop string, `eos` or `max_new` tokens; the text is cut at the first stop string.
 pub fn generate_until(model: &Model, tok: &Tok, prompt: &[u32], max_new: usize, until: &[String], eos: Option<u32>, device: Device) -> Result<String> {
     let mut cache = model.new_cache(1, model.head_weight().kind(), device);
+    crate::eval::generate::reserve(&mut cache, (prompt.len() + max_new) as i64);
     let ids = Tensor::from_slice(&prompt.iter().map(|&t| i64::from(t)).collect::<Vec<_>>()).view([1, -1]).to_device(device);
     let mut logits = crate::eval::generate::prefill(model, &mut cache, &ids);
     let mut out: Vec<u32> = Vec::new();

@@ -272,14 +272,19 @@ fn dar_latent_cache_equals_full_forward_on_every_prefix() {
             assert!(kvh < m.cfg.num_attention_heads as i64, "the fixture has GQA");
             let full: Vec<Tensor> = (1..=t_max).map(|t| tch::no_grad(|| m.logits(&m.hidden(&x.narrow(1, 0, t))))).collect();
             let mut worst = 0f64;
-            for prompt in [1, 5] {
+            // Prefill (the forward's kernels), then a piece of `piece` tokens (the masked path over
+            // the cache), then one token at a time.
+            for (prompt, piece) in [(1, 1), (5, 1), (2, 4)] {
                 let mut cache = m.new_cache(2, Kind::Double, Device::Cpu);
                 let first = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, prompt)));
                 worst = worst.max(max_diff(&first, &full[prompt as usize - 1]));
-                for t in prompt..t_max {
-                    let step = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, 1)));
-                    worst = worst.max(max_diff(&step, &full[t as usize].narrow(1, t, 1)));
-                    let n = t + 1;
+                let mut t = prompt;
+                while t < t_max {
+                    let len = if t == prompt { piece } else { 1 };
+                    let step = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, len)));
+                    worst = worst.max(max_diff(&step, &full[(t + len) as usize - 1].narrow(1, t, len)));
+                    t += len;
+                    let n = t;
                     let per_layer = n * 12 + 2 * (w as i64).min(n) * kvh * hd;
                     assert_eq!(cache.bytes(), 2 * 2 * per_layer * 8, "{name} {kind:?} w={w}: batch 2 × 2 layers × f64 after {n} tokens");
                 }
@@ -335,5 +340,43 @@ fn window_attention_decodes_packs_and_matches_reference() {
                 assert!(max_diff(&packed.narrow(1, at, n), &alone) < 1e-5, "{name} {imp:?} doc at {at}");
             }
         }
+    }
+}
+
+/// STILL and LoLCATs students prefill a whole prompt in one chunk-parallel call (every chunk at once:
+/// the window softmax, the selected set, the linear state of earlier chunks as a chunked prefix sum),
+/// as `generate` now does at any length, then decode: every logit equals feeding the same tokens one
+/// at a time from an empty cache (the chunk-by-chunk path), in f64, for every routing metric with and
+/// without a budget, with grouped-query heads.
+#[test]
+fn linearized_prefill_at_once_equals_token_by_token() {
+    let (t, prompt) = (40i64, 29i64);
+    let x = (Tensor::arange(2 * t, (Kind::Int64, Device::Cpu)).view([2, t]) * 11).remainder(128);
+    let routings = ["self_saliency", "self_saliency_reference_code", "diag_attention", "self_logit", "key_norm", "random", "uniform", "none"];
+    let mut variants: Vec<String> = routings
+        .iter()
+        .flat_map(|r| [format!("{{kind: still, chunk: 8, tokens_per_chunk: 2, routing: {r}}}"), format!("{{kind: still, chunk: 8, budget: {{m: 28, max_len: 40}}, routing: {r}}}")])
+        .collect();
+    variants.push("{kind: lolcats, window: 8}".into());
+    for yaml in &variants {
+        tch::manual_seed(9);
+        let mut cfg = crate::testutil::tiny_llama(128, Family::Llama);
+        cfg.attention = Attention::Linearized(serde_yaml::from_str(yaml).unwrap());
+        let mut vs = tch::nn::VarStore::new(Device::Cpu);
+        let m = Llama::build(&vs.root(), cfg).unwrap();
+        vs.double();
+        let mut at_once = m.new_cache(2, Kind::Double, Device::Cpu);
+        let mut got = vec![tch::no_grad(|| m.extend(&mut at_once, &x.narrow(1, 0, prompt)))];
+        let mut one_by_one = m.new_cache(2, Kind::Double, Device::Cpu);
+        let mut want = Vec::new();
+        for p in 0..t {
+            want.push(tch::no_grad(|| m.extend(&mut one_by_one, &x.narrow(1, p, 1))));
+            if p >= prompt {
+                got.push(tch::no_grad(|| m.extend(&mut at_once, &x.narrow(1, p, 1))));
+            }
+        }
+        let err = max_diff(&Tensor::cat(&got, 1), &Tensor::cat(&want, 1));
+        assert!(err < 1e-10, "{yaml}: {err}");
+        assert_eq!(at_once.bytes(), one_by_one.bytes(), "{yaml}: the same cache");
     }
 }
