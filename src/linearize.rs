@@ -379,6 +379,20 @@ pub fn teacher_tokenizer(teacher: &str, tokenizer: Option<&TokenizerSpec>) -> Re
     Tok::load(&TokenizerSpec::Path(tj.display().to_string()))
 }
 
+/// The teacher's tokenizer_config.json (chat template, special tokens) when it has one: a GGUF's
+/// metadata, or the file beside a Hugging Face folder's weights or a finetune run's export.
+fn teacher_tokenizer_config(teacher: &str) -> Result<Option<Value>> {
+    if crate::model::gguf::is_gguf(teacher) {
+        let g = crate::model::gguf::Gguf::open(&crate::model::gguf::resolve(teacher)?)?;
+        return crate::model::gguf::tokenizer::tokenizer_config(&g).map(Some);
+    }
+    let local = Path::new(teacher);
+    let candidates = [local.join("export").join("tokenizer_config.json"), local.join("tokenizer_config.json")];
+    let Some(path) = candidates.into_iter().find(|p| p.is_file()) else { return Ok(None) };
+    let text = std::fs::read_to_string(&path).at(&path)?;
+    serde_json::from_str(&text).map(Some).map_err(|e| Error::Data(format!("{}: {e}", path.display())))
+}
+
 /// Where a finished run keeps its merged model ([`Llama::save_export`] plus `tokenizer.json`).
 pub const EXPORT_DIR: &str = "export";
 
@@ -599,6 +613,12 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
     // The tokenizer too, so that the folder alone can be loaded for generation.
     let tp = export.join("tokenizer.json");
     std::fs::write(&tp, tok.inner.to_string(false).map_err(|e| Error::Other(format!("tokenizer: {e}")))?).at(&tp)?;
+    // And the teacher's chat template and special tokens, so that RULER / BABILong prompt the student
+    // as they prompt the teacher (a chat model evaluated without its template is not comparable).
+    if let Some(config) = teacher_tokenizer_config(&spec.teacher)? {
+        let cp = export.join("tokenizer_config.json");
+        std::fs::write(&cp, serde_json::to_string_pretty(&config)?).at(&cp)?;
+    }
     let (lt, ls) = held_out_loss(&hybrid, eval_rows, device);
     let eval = json!({"step": total, "rows": eval_rows.len(), "seq_len": spec.data.seq_len,
         "teacher": {"loss": lt, "ppl": lt.exp()}, "student": {"loss": ls, "ppl": ls.exp()}});

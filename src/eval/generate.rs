@@ -137,7 +137,12 @@ pub fn load_with(path: &Path, step: Option<u64>, device: Option<&str>, overrides
     let (vs, hybrid, tok) = linearize::load_exported_with(path, device, overrides)?;
     let run = if path.join(EXPORT_VARIANT).is_file() { path.parent().unwrap_or(path) } else { path };
     let step = crate::train::checkpoint::list(run).last().map_or(0, |c| c.0);
-    Ok(Loaded { eos: linearize::eos_id(&tok), model: Model::Llama(hybrid), tok, device, step, chat: None, vs })
+    // The teacher's chat template and EOS, when the export carries them (linearize writes them).
+    let export = if path.join(EXPORT_VARIANT).is_file() { path.to_path_buf() } else { path.join(linearize::EXPORT_DIR) };
+    let config = export.join("tokenizer_config.json");
+    let chat = if config.is_file() { crate::data::chat::ChatTemplate::from_tokenizer_config(&config)? } else { None };
+    let eos = chat.as_ref().and_then(|c| tok.inner.token_to_id(&c.eos_token)).unwrap_or_else(|| linearize::eos_id(&tok));
+    Ok(Loaded { eos, model: Model::Llama(hybrid), tok, device, step, chat, vs })
 }
 
 /// A finished `finetune` run: its `export/` folder (a Hugging Face Llama / OLMo 2 folder, DAR

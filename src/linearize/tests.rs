@@ -182,6 +182,11 @@ fn smollm2_experiments_linearize_at_smoke_size() {
         assert!(out.join("DONE").is_file() && out.join("export/tokenizer.json").is_file(), "{name}");
         let (s, t) = (o.eval["student"]["ppl"].as_f64().unwrap(), o.eval["teacher"]["ppl"].as_f64().unwrap());
         assert!(s.is_finite() && t.is_finite() && t < 1000.0, "{name}: student {s}, teacher {t}");
+        // The student is prompted as the teacher is: its ChatML template and <|im_end|> (id 2) as EOS.
+        let loaded = crate::eval::generate::load(&out, None, Some("cpu")).unwrap();
+        let chat = loaded.chat.as_ref().unwrap_or_else(|| panic!("{name}: the export lost the teacher's chat template"));
+        assert!(chat.source.contains("<|im_start|>"), "{name}: {}", chat.source);
+        assert_eq!(loaded.eos, 2, "{name}");
     }
     let plan = crate::sweep::plan(&root.join("sweeps/still-routing-smollm2.yaml"), &[], Some(tmp.path())).unwrap();
     let names: Vec<&str> = plan.runs.iter().map(|r| r.name.as_str()).collect();
