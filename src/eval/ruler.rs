@@ -54,7 +54,9 @@ impl Cell {
     /// The lines `eval --task` prints for the cell: its score, then any STILL diagnostics per layer.
     pub fn summary(&self) -> String {
         let c = self;
-        let mut out = format!("{:16} length {:6}: {:6.2}% over {} samples (mean prompt {:.0} tokens){}\n", c.task, c.length, c.score, c.samples, c.mean_prompt_tokens, c.overrides.as_deref().map(|o| format!("  [{o}]")).unwrap_or_default()) + if c.chat { "  (chat template)" } else { "" };
+        let overrides = c.overrides.as_deref().map(|o| format!("  [{o}]")).unwrap_or_default();
+        let chat = if c.chat { "  (chat template)" } else { "" };
+        let mut out = format!("{:16} length {:6}: {:6.2}% over {} samples (mean prompt {:.0} tokens){overrides}{chat}\n", c.task, c.length, c.score, c.samples, c.mean_prompt_tokens);
         if let Some(d) = &c.diagnostics {
             out += &format!("  value tokens outside the window: {:.0}%\n", 100.0 * d.value_outside_window);
             let pct = |x: Option<f64>| x.map_or("  –".to_string(), |v| format!("{:3.0}%", 100.0 * v));
@@ -299,7 +301,10 @@ mod tests {
         assert_eq!(lines[0], "niah_single_1    length    512:  50.00% over 2 samples (mean prompt 480 tokens)  [attention.routing=oracle]");
         assert_eq!(lines[1], "  value tokens outside the window: 75%");
         assert_eq!(lines[2], "  layer  3: selected (any head)  50%  (best head)   –   normalizer share window  25.0%  selected  50.0%  linear  25.0%");
-        assert_eq!(Cell { diagnostics: None, ..c }.summary().lines().count(), 1);
+        assert_eq!(Cell { diagnostics: None, ..c.clone() }.summary().lines().count(), 1);
+        // The chat mark stays on the score's line (a cell's lines are read one by one).
+        let chat = Cell { diagnostics: None, chat: true, ..c }.summary();
+        assert_eq!(chat, "niah_single_1    length    512:  50.00% over 2 samples (mean prompt 480 tokens)  [attention.routing=oracle]  (chat template)\n");
     }
 
     #[test]
