@@ -10,8 +10,8 @@
 //! from the request by [`DecodeCache::reserve`], else grown by doubling) and written in place; a
 //! window is a ring buffer (position p in slot p mod w). An empty cache is filled from the prefill's
 //! own tensors after the training forward's fast kernels (`Layer::decode`). One new token attends all
-//! the cache holds through SDPA ([`attend_newest`]); several new tokens after cached ones (a prompt fed
-//! in pieces) take the explicit masked softmax, exact for any number of tokens.
+//! the cache holds by an explicit softmax over views of its buffers ([`attend_newest`]); several new
+//! tokens after cached ones (a prompt fed in pieces) take the explicit masked softmax.
 use super::dar::DarCache;
 use super::masked_softmax_attention;
 use super::still::HybridCache;
@@ -262,25 +262,46 @@ impl Padding {
     }
 }
 
-/// One new query per sequence `[B, H, 1, hd]` over key sets `[B, H_kv, S_p, hd]`, each with the
-/// mask of the keys it may read (`[B, 1, 1, S_p]`, None: all), in one SDPA call (several sets are
-/// joined along the key axis; a key's slot order does not matter to a softmax). Grouped-query heads
-/// are not expanded: the H / H_kv query heads of one KV head become that head's rows (HF repeat_kv order).
+/// One new query per sequence `[B, H, 1, hd]` over key sets `[B, H_kv, S_p, hd]` (views of the cache's
+/// buffers, not copied into one), each with the mask of the keys it may read (`[B, 1, 1, S_p]`, None:
+/// all), as one softmax over every set (a key's slot order does not matter to a softmax). Grouped-query
+/// heads are not expanded: the H / H_kv query heads of one KV head become that head's rows (HF
+/// repeat_kv order). Explicit matmul → softmax (fp32) → matmul, as before the in-place caches, rather
+/// than SDPA: with SDPA here the H200 decoded vanilla / DAR at 19–25 tok/s at every length (1K–64K)
+/// while the window, whose key length stops changing, ran at 445 tok/s: a fixed cost per new key
+/// length, i.e. SDPA's per-shape setup (BENCHMARKS.md, issue 29).
 pub(crate) fn attend_newest(q: &Tensor, parts: &[(&Tensor, &Tensor, Option<Tensor>)]) -> Tensor {
     let (b, h, n, hd) = q.size4().expect("q is [B, H, n, hd]");
     assert_eq!(n, 1, "attend_newest takes one new token");
-    let cat = |f: &dyn Fn(&(&Tensor, &Tensor, Option<Tensor>)) -> Tensor| match parts {
-        [p] => f(p),
-        _ => Tensor::cat(&parts.iter().map(f).collect::<Vec<_>>(), -2),
+    let hkv = parts[0].0.size()[1];
+    let kind = if q.kind() == Kind::Double { Kind::Double } else { Kind::Float };
+    let qg = q.reshape([b, hkv, h / hkv, hd]).to_kind(kind) * (1.0 / (hd as f64).sqrt());
+    let scores: Vec<Tensor> = parts
+        .iter()
+        .map(|(k, _, mask)| {
+            let s = qg.matmul(&k.to_kind(kind).transpose(-2, -1));
+            match mask {
+                Some(m) => s.masked_fill(&m.logical_not(), f64::NEG_INFINITY),
+                None => s,
+            }
+        })
+        .collect();
+    let p = match scores.as_slice() {
+        [s] => s.softmax(-1, kind),
+        _ => Tensor::cat(&scores, -1).softmax(-1, kind),
     };
-    let (k, v) = (cat(&|p| p.0.shallow_clone()), cat(&|p| p.1.shallow_clone()));
-    let mask = parts.iter().any(|p| p.2.is_some()).then(|| {
-        let each: Vec<Tensor> = parts.iter().map(|(k, _, m)| m.as_ref().map_or_else(|| Tensor::ones([1, 1, 1, k.size()[2]], (Kind::Bool, k.device())).expand([b, 1, 1, k.size()[2]], false), |m| m.expand([b, 1, 1, k.size()[2]], false))).collect();
-        Tensor::cat(&each, -1)
-    });
-    let hkv = k.size()[1];
-    let qg = q.reshape([b, hkv, h / hkv, hd]);
-    Tensor::scaled_dot_product_attention(&qg, &k, &v, mask, 0.0, false, None, false).reshape([b, h, 1, hd])
+    let mut at = 0;
+    let mut out: Option<Tensor> = None;
+    for (k, v, _) in parts {
+        let len = k.size()[2];
+        let o = p.narrow(-1, at, len).matmul(&v.to_kind(kind));
+        at += len;
+        out = Some(match out {
+            Some(acc) => acc + o,
+            None => o,
+        });
+    }
+    out.expect("at least one key set").to_kind(q.kind()).reshape([b, h, 1, hd])
 }
 
 /// `[n, len]`: query position (p0 ..) − key position (start ..).
