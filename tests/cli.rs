@@ -694,7 +694,7 @@ fn seeded_smoke_sweep_reports_intervals_and_paired_rel() {
     let half = 4.302_652_729_911_275 * sd / 3f64.sqrt(); // t(0.975, 2 df)
     assert!(sd > 0.0, "seeds gave identical runs: {rels:?}");
 
-    let csv = std::fs::read_dir(report.join("tables")).unwrap().map(|e| e.unwrap().path()).find(|p| p.file_name().unwrap().to_string_lossy().starts_with("table1-") && p.extension().unwrap() == "csv").expect("Table 1 CSV");
+    let csv = std::fs::read_dir(report.join("tables")).unwrap().map(|e| e.unwrap().path()).find(|p| { let n = p.file_name().unwrap().to_string_lossy(); n.starts_with("table1-") && !n.contains("-paired") && p.extension().unwrap() == "csv" }).expect("Table 1 CSV");
     let csv = std::fs::read_to_string(csv).unwrap();
     let head: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
     let row: Vec<&str> = csv.lines().find(|l| l.starts_with("DAR,16,8,")).unwrap_or_else(|| panic!("{csv}")).split(',').collect();

@@ -165,6 +165,11 @@ fn smollm2_experiments_linearize_at_smoke_size() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     crate::model::gguf::tests_support::smollm2();
     let tmp = tempfile::tempdir().unwrap();
+    // The specs' prose + Alpaca mix, from the test data a clean clone has (no ../shared beside it).
+    let (prose, alpaca) = (tmp.path().join("prose.txt"), tmp.path().join("alpaca.jsonl"));
+    std::fs::write(&prose, crate::testutil::shared_text("data/text/wikitext-2/test.raw.txt").chars().take(20_000).collect::<String>()).unwrap();
+    std::fs::write(&alpaca, crate::testutil::shared_text("data/alpaca/alpaca_200.jsonl")).unwrap();
+    let mix = format!("data.train=[{{path: {}}}, {{alpaca: {}}}]", prose.display(), alpaca.display());
     for name in ["still", "lolcats"] {
         let out = tmp.path().join(name);
         let sets: Vec<String> = [
@@ -173,7 +178,7 @@ fn smollm2_experiments_linearize_at_smoke_size() {
         ]
         .iter()
         .map(|s| s.to_string())
-        .chain([format!("output={}", out.display())])
+        .chain([format!("output={}", out.display()), mix.clone()])
         .collect();
         let spec = LinearizeSpec::from_file_with(&root.join(format!("experiments/{name}-smollm2.yaml")), &sets).unwrap();
         assert_eq!(spec.teacher, "gguf:smollm2");
