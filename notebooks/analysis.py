@@ -163,7 +163,7 @@ assert (table1.loc[table1["kind"] == "vanilla", "rel"] == 100).all()
 
 # %%
 checked = 0
-for csv in sorted((REPORT / "tables").glob("table[13]-*.csv")):
+for csv in sorted(c for c in (REPORT / "tables").glob("table[13]-*.csv") if not c.stem.endswith("-paired")):
     t = pd.read_csv(csv)
     ours = final.assign(name=final["run"].map(lambda r: Path(r).name)).set_index("name")["rel"]
     for _, row in t.dropna(subset=["Rel.% (word)"]).iterrows():
