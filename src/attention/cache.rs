@@ -274,34 +274,9 @@ pub(crate) fn attend_newest(q: &Tensor, parts: &[(&Tensor, &Tensor, Option<Tenso
     let (b, h, n, hd) = q.size4().expect("q is [B, H, n, hd]");
     assert_eq!(n, 1, "attend_newest takes one new token");
     let hkv = parts[0].0.size()[1];
-    let kind = if q.kind() == Kind::Double { Kind::Double } else { Kind::Float };
-    let qg = q.reshape([b, hkv, h / hkv, hd]).to_kind(kind) * (1.0 / (hd as f64).sqrt());
-    let scores: Vec<Tensor> = parts
-        .iter()
-        .map(|(k, _, mask)| {
-            let s = qg.matmul(&k.to_kind(kind).transpose(-2, -1));
-            match mask {
-                Some(m) => s.masked_fill(&m.logical_not(), f64::NEG_INFINITY),
-                None => s,
-            }
-        })
-        .collect();
-    let p = match scores.as_slice() {
-        [s] => s.softmax(-1, kind),
-        _ => Tensor::cat(&scores, -1).softmax(-1, kind),
-    };
-    let mut at = 0;
-    let mut out: Option<Tensor> = None;
-    for (k, v, _) in parts {
-        let len = k.size()[2];
-        let o = p.narrow(-1, at, len).matmul(&v.to_kind(kind));
-        at += len;
-        out = Some(match out {
-            Some(acc) => acc + o,
-            None => o,
-        });
-    }
-    out.expect("at least one key set").to_kind(q.kind()).reshape([b, h, 1, hd])
+    let all = Tensor::from(true).to_device(q.device());
+    let masked: Vec<(&Tensor, &Tensor, &Tensor)> = parts.iter().map(|(k, v, m)| (*k, *v, m.as_ref().unwrap_or(&all))).collect();
+    masked_softmax_attention(&q.reshape([b, hkv, h / hkv, hd]), &masked).reshape([b, h, 1, hd])
 }
 
 /// `[n, len]`: query position (p0 ..) − key position (start ..).
