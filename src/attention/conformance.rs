@@ -26,6 +26,7 @@ const KINDS: &[(&str, &str, bool)] = &[
     ("dar-sigmoid", "{kind: dar, d_down: 12, window: 3, dar_act: sigmoid}", true),
     ("uniform", "{kind: uniform, d_down: 12}", true),
     ("window", "{kind: window, window: 3}", true),
+    ("sink", "{kind: sink, window: 3, sinks: 2}", true),
     ("still", "{kind: still, chunk: 4, tokens_per_chunk: 1}", false),
     ("lolcats", "{kind: lolcats, window: 4, feature_dim: 8}", false),
 ];

@@ -22,6 +22,7 @@ softmax_kinds! {
     vanilla: Vanilla;
     dar: Dar, Uniform;
     window: Window;
+    sink: Sink;
 }
 
 pub use dar::{dar, dar_sdpa, split_merge_supported, AttentionInit, DarAct};
