@@ -125,6 +125,13 @@ impl Recent {
         self.v.reserve(tokens);
     }
 
+    /// The most bytes held after `tokens` tokens: keys and values of all of them, or of the last `keep`.
+    pub fn bound(&self, tokens: i64) -> i64 {
+        let s = self.k.storage().size();
+        let slot = s[0] * s[1] * s[3] * self.k.storage().kind().elt_size_in_bytes() as i64;
+        2 * self.keep.map_or(tokens, |w| tokens.min(w)) * slot
+    }
+
     /// The key and value buffers (tests).
     pub fn storage(&self) -> (&Tensor, &Tensor) {
         (self.k.storage(), self.v.storage())
@@ -300,6 +307,9 @@ pub(crate) fn repeat_kv(x: &Tensor, q: &Tensor) -> Tensor {
 pub trait KindCache: Any + Send {
     /// Bytes held (the cache's size; spare capacity not counted).
     fn bytes(&self) -> i64;
+    /// The most bytes the cache may hold after `tokens` tokens: the variant's declared memory (the
+    /// conformance suite holds `bytes` to it); None when bounded by rules of its own (STILL's budget).
+    fn bound(&self, tokens: i64) -> Option<i64>;
     /// Room for `tokens` tokens in all, so that decoding up to there copies nothing (a cache
     /// bounded by its own rules has nothing to do).
     fn reserve(&mut self, _tokens: i64) {}
@@ -317,6 +327,10 @@ impl LayerCache {
 
     pub fn bytes(&self) -> i64 {
         self.0.bytes()
+    }
+
+    pub fn bound(&self, tokens: i64) -> Option<i64> {
+        self.0.bound(tokens)
     }
 
     pub fn reserve(&mut self, tokens: i64) {
@@ -342,6 +356,9 @@ impl LayerCache {
 impl KindCache for Recent {
     fn bytes(&self) -> i64 {
         Recent::bytes(self)
+    }
+    fn bound(&self, tokens: i64) -> Option<i64> {
+        Some(Recent::bound(self, tokens))
     }
     fn reserve(&mut self, tokens: i64) {
         Recent::reserve(self, tokens)
@@ -393,6 +410,11 @@ impl DecodeCache {
     /// Bytes held by the cache (all layers).
     pub fn bytes(&self) -> i64 {
         self.layers.iter().map(LayerCache::bytes).sum()
+    }
+
+    /// The most bytes the layers declare they hold after `tokens` tokens (None if one does not say).
+    pub fn bound(&self, tokens: i64) -> Option<i64> {
+        self.layers.iter().map(|l| l.bound(tokens)).sum()
     }
 
     /// Preallocate every layer for `tokens` tokens in all (prompt + new tokens).

@@ -3,7 +3,8 @@
 //! `attnlab_attention`), sized so that windows, chunks and bottlenecks all act within 13 tokens.
 //!
 //! For every (family, kind) the family can hold (GPT-NeoX holds the softmax kinds), in fp64:
-//! - decode = the full forward on every prefix (prompts of 1 and 6 tokens, then one token at a time);
+//! - decode = the full forward on every prefix (prompts of 1 and 6 tokens, then one token at a time),
+//!   the cache within the bound its layers declare (`KindCache::bound`);
 //! - packed = alone: a packed row gives each document's logits run alone, or the model refuses packed
 //!   rows (GPT-NeoX, and kinds that declare they do not pack) instead of mixing documents;
 //! - reference = fast path, outputs and gradients of every parameter (softmax kinds: `impl: reference`
@@ -85,24 +86,34 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
 
-/// Prefill `prompt` tokens, then one at a time: every step's logits against the full forward of that prefix.
+/// Prefill `prompt` tokens, then one at a time: every step's logits against the full forward of that
+/// prefix, and the cache within the bound its layers declare (`KindCache::bound`).
 fn decode_gap(model: &Model, x: &Tensor, prompt: i64) -> f64 {
     let full: Vec<Tensor> = (1..=T).map(|t| tch::no_grad(|| model.forward(&x.narrow(1, 0, t)))).collect();
     let mut worst = 0f64;
-    let mut step = |logits: Tensor, upto: i64, n: i64| worst = worst.max(max_diff(&logits, &full[upto as usize - 1].narrow(1, upto - n, n)));
+    let mut step = |logits: Tensor, cache: &crate::attention::cache::DecodeCache, upto: i64, n: i64| {
+        worst = worst.max(max_diff(&logits, &full[upto as usize - 1].narrow(1, upto - n, n)));
+        if let Some(bound) = cache.bound(upto) {
+            assert!(cache.bytes() <= bound, "after {upto} tokens the cache holds {} bytes, over its declared {bound}", cache.bytes());
+        }
+    };
     match model {
         Model::Neox(m) => {
             let mut cache = m.new_cache(2, Kind::Double, Device::Cpu);
-            step(tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, prompt))), prompt, prompt);
+            let out = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, prompt)));
+            step(out, &cache, prompt, prompt);
             for t in prompt..T {
-                step(tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, 1))), t + 1, 1);
+                let out = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, 1)));
+                step(out, &cache, t + 1, 1);
             }
         }
         Model::Llama(m) => {
             let mut cache = m.new_cache(2, Kind::Double, Device::Cpu);
-            step(tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, prompt))), prompt, prompt);
+            let out = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, prompt)));
+            step(out, &cache, prompt, prompt);
             for t in prompt..T {
-                step(tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, 1))), t + 1, 1);
+                let out = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, 1)));
+                step(out, &cache, t + 1, 1);
             }
         }
     }
@@ -240,6 +251,10 @@ fn configs_written_before_the_per_kind_options_still_load() {
         again.resolve(128).unwrap();
         assert_eq!(again, read, "{old}");
     }
+    // A fine-tuned model's config.json records `init: pca` (its start); it builds (the weights load over it).
+    assert!(build(&Family::Llama("llama_tiny"), &attention("{kind: dar, d_down: 12, window: 3, init: pca}"), 1).is_some());
+    // A key set to null is unset (`--set attention.d_down=null` when switching kinds).
+    assert_eq!(attention("{kind: window, window: 8, d_down: null}"), attention("{kind: window, window: 8}"));
     // `compare` once carried a DAR spec's init into its window-only run.
     let carried: crate::spec::AttentionSpec = serde_yaml::from_str("{kind: window, window: 16, init: small_init}").unwrap();
     assert_eq!(carried, serde_yaml::from_str("{kind: window, window: 16}").unwrap());

@@ -125,7 +125,13 @@ impl Dar {
     fn dar_layer(&self, p: &nn::Path, dims: LayerDims, window: i64) -> Result<Box<dyn LayerOp>> {
         let d_down = self.d_down.unwrap_or(dims.d_model / 4).max(1);
         let bottleneck = Bottleneck::new(p, dims.d_model, d_down, self.dar_act, nn::Init::Const(0.0));
-        let (down, up) = init::pretraining_start(self.init.unwrap_or_default(), self.init_seed, dims.layer as usize, dims.d_model as usize, d_down as usize);
+        // A fine-tuned model's config records `init: pca`, a start its weights (loaded over these, or
+        // calibrated by `init::calibrate_pca`) replace: it builds with the default start.
+        let start = match self.init.unwrap_or_default() {
+            AttentionInit::Pca => AttentionInit::SmallInit,
+            other => other,
+        };
+        let (down, up) = init::pretraining_start(start, self.init_seed, dims.layer as usize, dims.d_model as usize, d_down as usize);
         tch::no_grad(|| {
             bottleneck.down.shallow_clone().copy_(&down);
             bottleneck.up.shallow_clone().copy_(&up);
@@ -511,6 +517,11 @@ pub struct DarCache {
 impl KindCache for DarCache {
     fn bytes(&self) -> i64 {
         DarCache::bytes(self)
+    }
+    /// dar.md §3: T·d_down latent elements + 2·min(w, T)·d_kv full-width ones per sequence.
+    fn bound(&self, tokens: i64) -> Option<i64> {
+        let s = self.latent.storage().size();
+        Some(self.recent.bound(tokens) + tokens * s[0] * s[2] * self.latent.storage().kind().elt_size_in_bytes() as i64)
     }
     fn reserve(&mut self, tokens: i64) {
         DarCache::reserve(self, tokens)

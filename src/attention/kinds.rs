@@ -404,6 +404,8 @@ impl<'de> Deserialize<'de> for AttentionSpec {
             Value::Null => Mapping::new(),
             other => return Err(D::Error::custom(format!("attention: expected a mapping such as {{kind: dar, d_down: 64}}, got {other:?}"))),
         };
+        // A key set to null is unset (`--set attention.d_down=null` when switching to a kind without one).
+        map.retain(|_, v| !v.is_null());
         let kind = match map.shift_remove("kind") {
             None | Some(Value::Null) => AttentionKind::default(),
             Some(Value::String(name)) => AttentionKind::from_name(&name).ok_or_else(|| D::Error::custom(format!("unknown attention kind `{name}` (one of {})", AttentionKind::names())))?,

@@ -219,6 +219,11 @@ impl KindCache for SinkCache {
         self.head.bytes() + self.ring.bytes()
     }
 
+    /// The sinks (after the largest padding) and the window, whatever the length.
+    fn bound(&self, tokens: i64) -> Option<i64> {
+        Some(self.head.bound(tokens.min(self.head_len)) + self.ring.bound(tokens))
+    }
+
     fn reserve(&mut self, tokens: i64) {
         self.head.reserve(tokens.min(self.head_len));
         self.ring.reserve(tokens);

@@ -26,6 +26,10 @@ impl crate::attention::cache::KindCache for HybridCache {
     fn bytes(&self) -> i64 {
         HybridCache::bytes(self)
     }
+    /// Bounded by the STILL budget when one is set (still.md §6); its own tests check its size.
+    fn bound(&self, _tokens: i64) -> Option<i64> {
+        None
+    }
     /// STILL's / LoLCATs' chunks are counted from position 0, so a shifted row would be routed
     /// differently: one prompt per batch row, without padding.
     fn set_padding(&mut self, _pad: &crate::attention::cache::Padding) {
