@@ -20,6 +20,7 @@ LAYERS = [
     ["data"],
     ["attention"],
     ["model"],
+    ["student_export"],
     ["train", "tensorboard"],
     ["eval"],
     ["export", "linearize", "finetune", "bench"],
@@ -33,7 +34,6 @@ KNOWN = {
     ("spec", "data"): "validation names data's Megatron dtypes and RULER tasks",
     ("tensorboard", "eval"): "tensorboard export reads eval.json's perplexity results",
     ("train", "eval"): "training evaluates perplexity (eval::perplexity, eval::lm_eval)",
-    ("eval", "linearize"): "generate loads a linearize export (linearize::load_exported_with)",
     ("eval", "report"): "bench-decode draws its plots with report::plots",
 }
 ROOT_REEXPORTS = {"Error": "error", "IoContext": "error", "Result": "error"}

@@ -21,6 +21,7 @@ pub mod run_kind;
 pub mod report;
 pub mod runs;
 pub mod spec;
+pub mod student_export;
 pub mod sweep;
 pub mod tensorboard;
 pub mod train;
