@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 LAYERS = [
     ["error", "util", "progress", "hub", "kernels", "device", "lora", "run_kind"],
     ["spec"],
-    ["data"],
+    ["data", "plots"],
     ["attention"],
     ["model"],
     ["student_export"],
@@ -34,7 +34,6 @@ KNOWN = {
     ("spec", "data"): "validation names data's Megatron dtypes and RULER tasks",
     ("tensorboard", "eval"): "tensorboard export reads eval.json's perplexity results",
     ("train", "eval"): "training evaluates perplexity (eval::perplexity, eval::lm_eval)",
-    ("eval", "report"): "bench-decode draws its plots with report::plots",
 }
 ROOT_REEXPORTS = {"Error": "error", "IoContext": "error", "Result": "error"}
 SKIP = {"lib", "main", "testutil"}  # the crate root, the binary, test helpers

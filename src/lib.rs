@@ -15,6 +15,8 @@ pub mod kernels;
 pub mod linearize;
 pub mod lora;
 pub mod model;
+#[cfg(feature = "analysis")]
+pub mod plots;
 pub mod progress;
 pub mod run_kind;
 #[cfg(feature = "analysis")]
