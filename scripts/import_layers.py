@@ -20,7 +20,7 @@ LAYERS = [
     ["data", "plots"],
     ["attention"],
     ["model"],
-    ["student_export"],
+    ["student_export", "perplexity"],
     ["train", "tensorboard"],
     ["eval"],
     ["export", "linearize", "finetune", "bench"],
@@ -32,8 +32,6 @@ LAYERS = [
 KNOWN = {
     ("attention", "model"): "dar::init adds DAR to a loaded Llama (Llama::add_dar)",
     ("spec", "data"): "validation names data's Megatron dtypes and RULER tasks",
-    ("tensorboard", "eval"): "tensorboard export reads eval.json's perplexity results",
-    ("train", "eval"): "training evaluates perplexity (eval::perplexity, eval::lm_eval)",
 }
 ROOT_REEXPORTS = {"Error": "error", "IoContext": "error", "Result": "error"}
 SKIP = {"lib", "main", "testutil"}  # the crate root, the binary, test helpers

@@ -15,6 +15,7 @@ pub mod kernels;
 pub mod linearize;
 pub mod lora;
 pub mod model;
+pub mod perplexity;
 #[cfg(feature = "analysis")]
 pub mod plots;
 pub mod progress;

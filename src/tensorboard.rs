@@ -179,7 +179,7 @@ pub fn collect(dir: &Path, up_to: Option<i64>) -> Result<Scalars> {
     if let Some(v) = read_json(&ep)? {
         if let (Some(step), Some(corpora)) = (v["step"].as_i64(), v.get("corpora")) {
             if keep(step) {
-                let corpora: BTreeMap<String, crate::eval::perplexity::CorpusResult> = serde_json::from_value(corpora.clone()).map_err(|e| Error::Data(format!("{}: {e}", ep.display())))?;
+                let corpora: BTreeMap<String, crate::perplexity::CorpusResult> = serde_json::from_value(corpora.clone()).map_err(|e| Error::Data(format!("{}: {e}", ep.display())))?;
                 for (name, r) in corpora {
                     for (tag, x) in r.metrics(&name) {
                         s.insert(step, tag, x);

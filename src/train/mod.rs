@@ -17,7 +17,7 @@ pub mod stages;
 pub mod workers;
 
 use crate::data::Batcher;
-use crate::eval::perplexity::{CorpusResult, EvalCorpus};
+use crate::perplexity::{CorpusResult, EvalCorpus};
 use crate::model::Model;
 use crate::spec::{Precision, Spec};
 use crate::{Error, Result};
@@ -72,7 +72,7 @@ pub fn load_eval_corpora(spec: &Spec, tok: &crate::data::Tok) -> Result<Vec<Eval
 }
 
 pub fn evaluate_all(model: &Model, corpora: &[EvalCorpus], spec: &Spec, device: Device) -> BTreeMap<String, CorpusResult> {
-    crate::eval::lm_eval::evaluate_perplexity(model, corpora, spec, device).into_iter().map(|(name, (result, _))| (name, result)).collect()
+    crate::perplexity::evaluate_perplexity(model, corpora, spec, device).into_iter().map(|(name, (result, _))| (name, result)).collect()
 }
 
 /// Train the run a spec describes (or resume it, or report it finished): one stage of the
