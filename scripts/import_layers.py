@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """The import rule of ARCHITECTURE.md, checked: every `crate::` reference between top-level modules of
 src/ (a folder or a file: data, eval, linearize, ...) points down the LAYERS below, except the upward
-edges listed in KNOWN (each one to remove, never to add). Test code (tests.rs, testkit.rs and a file's
+edges listed in KNOWN (each one to remove, never to add), and no modules import each other, even through
+others (an import circle, which only modules of one layer could close). Test code (tests.rs, testkit.rs and a file's
 trailing #[cfg(test)] module) may reach up: a test builds a whole model to test a part.
 
-    python3 scripts/import_layers.py            # exit 1 naming each new upward reference (file:line)
+    python3 scripts/import_layers.py            # exit 1 naming each new upward reference (file:line) or circle
     python3 scripts/import_layers.py --edges    # every edge, then the check
 """
 import re, sys
@@ -13,15 +14,16 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 
-# Lowest first; a module may use its own layer and those before it.
+# Lowest first; a module may use its own layer and those before it, and no two modules import each
+# other, even through others (no import circle).
 LAYERS = [
     ["error", "util", "progress", "hub", "kernels", "device", "lora", "run_kind"],
     ["spec"],
     ["data", "plots"],
     ["attention"],
     ["model"],
-    ["student_export", "perplexity"],
-    ["train", "tensorboard"],
+    ["student_export", "perplexity", "tensorboard"],
+    ["train"],
     ["eval"],
     ["export", "linearize", "finetune", "bench"],
     ["runs"],
@@ -74,6 +76,25 @@ def graph():
     return edges
 
 
+def circles(edges):
+    """The sets of two or more modules that each reach the others (strongly connected components)."""
+    def reach(a):
+        seen, todo = set(), [a]
+        while todo:
+            for b in edges.get(todo.pop(), {}):
+                if b not in seen:
+                    seen.add(b)
+                    todo.append(b)
+        return seen
+    r = {a: reach(a) for a in edges}
+    out = []
+    for a in sorted(r):
+        c = sorted({a} | {b for b in r[a] if a in r.get(b, ())})
+        if len(c) > 1 and c not in out:
+            out.append(c)
+    return out
+
+
 def main():
     edges = graph()
     level = {m: i for i, layer in enumerate(LAYERS) for m in layer}
@@ -88,6 +109,10 @@ def main():
         for b in sorted(edges[a]):
             if a in level and b in level and level[b] > level[a] and (a, b) not in KNOWN:
                 errors.append(f"{a} -> {b} points up ({a} is below {b}): " + ", ".join(edges[a][b][:5]))
+    # Beside the KNOWN edges (circles through those go when they do), only modules of one layer can
+    # close a circle.
+    for circle in circles({a: {b: v for b, v in bs.items() if (a, b) not in KNOWN} for a, bs in edges.items()}):
+        errors.append("import circle: " + ", ".join(circle) + " (each reaches the others)")
     for (a, b) in sorted(KNOWN):
         if b not in edges.get(a, {}):
             errors.append(f"{a} -> {b} is gone: remove it from KNOWN")

@@ -284,7 +284,7 @@ impl RunDir {
     /// scalars to the run's TensorBoard event file (crate::tensorboard; before the line, so that a
     /// resumed process rebuilds the file from the rows of earlier sessions only).
     pub fn append_metrics(&self, row: &Map<String, Value>) -> Result<()> {
-        crate::tensorboard::log_row(&self.path, row);
+        crate::tensorboard::log_row(&self.path, row, || checkpoint::list(&self.path).last().map(|c| c.0));
         metrics::append(&self.metrics_path(), row)
     }
 }
