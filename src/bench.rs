@@ -2,6 +2,7 @@
 //! tokens/s, MFU (PaLM convention, pythia.md §6) and peak GPU memory. Speed goals live here, never
 //! in unit tests.
 use crate::attention;
+use crate::attention::kinds::BenchInputs;
 use crate::spec::{AttentionImpl, AttentionKind, Spec};
 use crate::train::{self, optim};
 use crate::Result;
@@ -84,7 +85,7 @@ pub fn train_bench_traced(spec: &Spec, vocab: usize, warmup: usize, steps: usize
     Ok(TrainBench {
         name: spec.name.clone().unwrap_or_default(),
         flavor: spec.model.flavor.map(|f| serde_yaml::to_string(&f).unwrap_or_default().trim().to_string()).unwrap_or_else(|| "custom".into()),
-        attention: spec.attention.kind.name().into(),
+        attention: spec.attention.kind().name().into(),
         device: format!("{device:?}"),
         micro_batch: b as usize,
         seq_len: t as usize,
@@ -121,12 +122,9 @@ pub fn attention_bench_traced(kind: AttentionKind, imp: AttentionImpl, shape: [i
     let go = Tensor::randn(shape, (kind_t, device));
     // The op each kind computes (uniform: DAR with window 0).
     let window = kind.op_window(window);
+    let inputs = BenchInputs { q: &q, k: &kl, v: &vl, kg: &kg, vg: &vg, window, imp };
     let run = || {
-        let o = match kind {
-            AttentionKind::Vanilla => attention::causal(&q, &kl, &vl, imp),
-            AttentionKind::Dar | AttentionKind::Uniform => attention::dar(&q, &kl, &vl, &kg, &vg, window, imp),
-            AttentionKind::Window => attention::window::forward(&q, &kl, &vl, window, None, imp),
-        };
+        let o = kind.bench_op(&inputs);
         (o * &go).sum(Kind::Float).backward();
     };
     for _ in 0..3 {
@@ -193,10 +191,10 @@ pub fn profile(spec: &Spec, dir: &Path, attention_only: bool, vocab: usize, warm
         let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
         let s = spec.shape();
         let shape = [spec.batch_size() as i64, s.heads as i64, spec.seq_len() as i64, (s.d_model / s.heads) as i64];
-        let window = spec.attention.window.unwrap_or(128);
+        let window = spec.attention.window_len().unwrap_or(128) as i64;
         let mut kinds = vec![AttentionKind::Vanilla];
-        if !spec.attention.kind.is_vanilla() {
-            kinds.push(spec.attention.kind);
+        if !spec.attention.is_vanilla() {
+            kinds.push(spec.attention.kind());
         }
         for kind in kinds {
             let trace = format!("op-{}.json", kind.name());
@@ -204,7 +202,7 @@ pub fn profile(spec: &Spec, dir: &Path, attention_only: bool, vocab: usize, warm
             lines.push(json_line(&ProfiledRun { trace, reps: steps, what: "op", result: &r }));
         }
     } else {
-        let trace = format!("step-{}.json", spec.attention.kind.name());
+        let trace = format!("step-{}.json", spec.attention.kind().name());
         let r = train_bench_traced(spec, vocab, warmup, steps, Some(&dir.join(&trace)))?;
         lines.push(json_line(&ProfiledRun { trace, reps: steps, what: "step", result: &r }));
     }
@@ -315,7 +313,7 @@ pub fn bench_all(spec: &Spec, reps: usize, mut each: impl FnMut(&OpBench, f64)) 
     let s = spec.shape();
     let hd = (s.d_model / s.heads) as i64;
     let shape = [spec.batch_size() as i64, s.heads as i64, spec.seq_len() as i64, hd];
-    let window = spec.attention.window.unwrap_or(128);
+    let window = spec.attention.window_len().unwrap_or(128) as i64;
     let imps: Vec<AttentionImpl> = if device.is_cuda() {
         vec![AttentionImpl::Auto, AttentionImpl::SplitMergeFused, AttentionImpl::SplitMerge, AttentionImpl::Sdpa]
     } else {

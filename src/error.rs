@@ -3,6 +3,10 @@ use std::path::PathBuf;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// A validation failure: (dotted key path, message); the spec turns it into [`Error::Spec`] with the
+/// file and line.
+pub type Invalid = (String, String);
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A spec value that parses but is not allowed (bad range, unknown name, inconsistent keys).

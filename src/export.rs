@@ -19,8 +19,8 @@ pub fn export(run: &Path, out: &Path, step: Option<u64>) -> Result<u64> {
     let config = match &loaded.model {
         Model::Llama(m) if m.variant().is_some() => return Err(bad("linearize runs write their export/ themselves".into())),
         Model::Llama(m) => m.cfg.to_hf_json(),
-        Model::Neox(m) if m.cfg.attention.kind.is_vanilla() => hf::neox_config_json(&m.cfg, loaded.spec.seq_len()),
-        Model::Neox(_) => return Err(bad(format!("{:?} attention has no Hugging Face architecture; only vanilla runs export", loaded.spec.attention.kind))),
+        Model::Neox(m) if m.cfg.attention.is_vanilla() => hf::neox_config_json(&m.cfg, loaded.spec.seq_len()),
+        Model::Neox(_) => return Err(bad(format!("{} attention has no Hugging Face architecture; only vanilla runs export", loaded.spec.attention.kind().name()))),
     };
     hf::save_folder(&loaded.vs, &config, out)?;
     let tok = loaded.tok.inner.to_string(true).map_err(|e| Error::Other(format!("tokenizer: {e}")))?;

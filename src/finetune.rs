@@ -234,16 +234,14 @@ fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, attention: &At
     let mut m = Llama::new(&vs.root(), cfg.clone());
     crate::model::hf::copy_into(vs, base.variables(), Path::new("base model"))?;
     if attention.has_bottleneck() {
-        let (d_down, window) = (attention.d_down_width().unwrap_or(0), attention.window_len().unwrap_or(0));
-        let dar = crate::attention::DarConfig { kind: attention.kind, d_down, window, implementation: attention.implementation, ..Default::default() };
-        let init = match attention.init.unwrap_or_default() {
+        let init = match attention.init().unwrap_or_default() {
             AttentionInit::SmallInit => BottleneckInit::SmallInit,
             AttentionInit::Pca => BottleneckInit::Pca,
             other => return Err(Error::Other(format!("attention.init: {} cannot start a pretrained model's bottleneck (small_init or pca)", other.name()))),
         };
         let device = vs.device();
         let calib = (!calibration.is_empty()).then(|| batch(calibration, device));
-        let discarded = crate::attention::dar::init::add_dar_to_pretrained(&mut m, &vs.root(), dar, init, calib.as_ref().map(|c| &c[0]), calib.as_ref().map(|c| &c[2]))?;
+        let discarded = crate::attention::dar::init::add_dar_to_pretrained(&mut m, &vs.root(), attention.clone(), init, calib.as_ref().map(|c| &c[0]), calib.as_ref().map(|c| &c[2]))?;
         if !discarded.is_empty() {
             eprintln!("pca: discarded second-moment fraction per layer {discarded:?}");
         }
@@ -546,7 +544,8 @@ mod tests {
     #[test]
     fn old_finetune_configs_still_parse_and_reopen() {
         let old = FinetuneSpec::from_yaml(OLD_CONFIG).unwrap();
-        assert_eq!((old.attention.kind, old.attention.d_down, old.attention.window, old.attention.init), (AttentionKind::Dar, Some(16), Some(8), Some(AttentionInit::Pca)));
+        let a = &old.attention;
+        assert_eq!((a.kind(), a.d_down_width(), a.window_len(), a.init()), (AttentionKind::Dar, Some(16), Some(8), Some(AttentionInit::Pca)));
         assert_eq!(old.to_yaml(), OLD_CONFIG.strip_prefix("command: finetune\n").unwrap());
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("ft");
@@ -554,7 +553,7 @@ mod tests {
         std::fs::write(dir.join("config.yaml"), OLD_CONFIG.replace("OUT", &dir.display().to_string())).unwrap();
         let new = FinetuneSpec::from_yaml(&format!("base: some/llama\nattention: {{kind: dar, d_down: 16, window: 8, init: pca}}\ndata: {{train: {{path: chat.jsonl}}}}\noutput: {}\n", dir.display())).unwrap().resolved();
         stages::prepare_dir(&dir, &new, |s| s.train.device = String::new(), "finetune").expect("the old config is the same run");
-        let other = FinetuneSpec { attention: AttentionSpec { init: Some(AttentionInit::SmallInit), ..new.attention.clone() }, ..new.clone() };
+        let other = FinetuneSpec { attention: new.attention.clone().with_init(AttentionInit::SmallInit), ..new.clone() };
         assert!(stages::prepare_dir(&dir, &other, |s| s.train.device = String::new(), "finetune").is_err(), "another start is another run");
         // The old vanilla form (and no attention key at all) is vanilla, written as before.
         let v = ft("attention:\n  kind: vanilla\n").unwrap();
@@ -568,10 +567,10 @@ mod tests {
     #[test]
     fn finetune_attention_takes_the_spec_keys() {
         let s = ft("attention: {kind: dar, d_down: 8, window: 0, init: small_init, impl: sdpa}\n").unwrap();
-        assert_eq!((s.attention.window, s.attention.init, s.attention.implementation), (Some(0), Some(AttentionInit::SmallInit), AttentionImpl::Sdpa));
+        assert_eq!((s.attention.window_len(), s.attention.init(), s.attention.implementation()), (Some(0), Some(AttentionInit::SmallInit), AttentionImpl::Sdpa));
         assert!(s.to_yaml().contains("attention:\n  kind: dar\n  d_down: 8\n  window: 0\n  impl: sdpa\n  init: small_init\n"), "{}", s.to_yaml());
         assert_eq!(FinetuneSpec::from_yaml(&s.to_yaml()).unwrap(), s);
-        assert_eq!(ft("attention: {kind: dar, d_down: 8, dar_act: linear}\n").unwrap().attention.window, Some(128));
+        assert_eq!(ft("attention: {kind: dar, d_down: 8, dar_act: linear}\n").unwrap().attention.window_len(), Some(128));
     }
 
     /// Values that do not apply to fine-tuning are refused, naming the key.
@@ -585,8 +584,11 @@ mod tests {
             ("{kind: dar, d_down: 8, window: -1}", "attention.window"),
             ("{kind: dar, d_down: 8, init: orthogonal}", "attention.init"),
             ("{kind: dar, d_down: 8, dar_act: sigmoid}", "attention.dar_act"),
-            ("{kind: vanilla, d_down: 8}", "attention.d_down"),
-            ("{kind: vanilla, init: pca}", "attention.init"),
+            // Keys of another kind: serde refuses them, naming the key.
+            ("{kind: vanilla, d_down: 8}", "unknown field `d_down`"),
+            ("{kind: vanilla, init: pca}", "unknown field `init`"),
+            ("{kind: dar, d_down: 8, sinks: 4}", "unknown field `sinks`"),
+            ("{kind: vanilla, impl: sdpa}", "attention.impl"),
             ("{kind: dar, d_down: 8, init: svd}", "init"),
             ("{kind: still}", "kind"),
         ];
@@ -618,7 +620,8 @@ mod tests {
     #[test]
     fn spec_defaults_are_dar_md_4_2() {
         let s = FinetuneSpec::from_yaml("base: b\nattention: {kind: dar, d_down: 64}\ndata: {train: {path: x.jsonl}}\noutput: o\n").unwrap().resolved();
-        assert_eq!((s.attention.kind, s.attention.d_down, s.attention.window, s.attention.init), (AttentionKind::Dar, Some(64), Some(128), Some(AttentionInit::SmallInit)));
+        let a = &s.attention;
+        assert_eq!((a.kind(), a.d_down_width(), a.window_len(), a.init()), (AttentionKind::Dar, Some(64), Some(128), Some(AttentionInit::SmallInit)));
         assert_eq!((s.stage1.lr, s.stage2.lr, s.stage1.epochs, s.stage2.epochs), (Some(3e-4), Some(3e-5), 1.0, 1.0));
         assert_eq!((s.stage1.params.as_deref(), s.stage2.params.as_deref()), (Some("bottleneck"), Some("all")));
         assert_eq!((s.data.seq_len, s.stage1.warmup, s.stage1.schedule, s.stage1.weight_decay), (4096, 0.03, Schedule::Linear, Some(0.0)));

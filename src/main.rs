@@ -87,8 +87,7 @@ enum Cmd {
     Compare {
         #[command(flatten)]
         spec: SpecArgs,
-        /// Attention kinds to train, comma-separated.
-        #[arg(long, default_value = "vanilla,dar,uniform", value_delimiter = ',')]
+        #[arg(long, default_value = "vanilla,dar,uniform", value_delimiter = ',', help = format!("Attention kinds to train, comma-separated: any of {}", attnlab::spec::AttentionKind::names()))]
         kinds: Vec<String>,
         /// No progress bars.
         #[arg(long)]
@@ -243,7 +242,7 @@ enum Cmd {
     },
     /// Decode benchmark: KV-cache bytes (total and per token), prefill time and decode tokens/s at the
     /// spec's model size, for several context lengths, with random weights and tokens (speed and memory
-    /// only). vanilla / dar / uniform / window are GPT-NeoX models with the spec's DAR settings; still /
+    /// only). The softmax kinds (vanilla, dar, …) are GPT-NeoX models with the spec's settings; still /
     /// still-budget / lolcats are hybrid Llamas of the same width, depth, heads, MLP and vocabulary
     /// (still: κ = 4 per 64-token chunk, uncapped; still-budget: m = 384 for 4096 tokens, flat memory).
     /// A context that runs out of memory ends that variant's sweep. Prints a table (or JSON lines);
@@ -264,9 +263,7 @@ enum Cmd {
         /// Vocabulary rows of the random models (Pythia: 50304).
         #[arg(long, default_value_t = 50304)]
         vocab: usize,
-        /// Variants, comma-separated: vanilla, dar, uniform, window, still, still-budget, lolcats, or
-        /// NAME={kind: still|lolcats, …} (a hybrid.yaml; quote it).
-        #[arg(long, default_value = "vanilla,dar,uniform,still,still-budget,lolcats")]
+        #[arg(long, default_value = "vanilla,dar,uniform,still,still-budget,lolcats", help = format!("Variants, comma-separated: {}, or NAME={{kind: still|lolcats, …}} (a hybrid.yaml; quote it)", attnlab::eval::decode_bench::names().iter().map(|n| n.0).collect::<Vec<_>>().join(", ")))]
         attention: String,
         /// Write STEM-cache, STEM-decode and STEM-prefill charts (.png, .svg; needs the `analysis` feature).
         #[arg(long, value_name = "STEM")]

@@ -44,3 +44,17 @@ pub fn tiny_llama(vocab: usize, family: crate::model::Family) -> crate::model::L
         attention: Default::default(),
     }
 }
+
+/// A softmax kind's options as a test writes them: `{kind, d_down (bottleneck kinds), window (all
+/// but vanilla)}`, read through the spec's own serde (so a kind's refusals hold here too).
+pub fn softmax(kind: crate::attention::AttentionKind, d_down: usize, window: usize) -> crate::attention::AttentionSpec {
+    let mut m = serde_yaml::Mapping::new();
+    m.insert("kind".into(), kind.name().into());
+    if kind.has_bottleneck() {
+        m.insert("d_down".into(), (d_down as i64).into());
+    }
+    if !kind.is_vanilla() {
+        m.insert("window".into(), (window as i64).into());
+    }
+    serde_yaml::from_value(serde_yaml::Value::Mapping(m)).unwrap_or_else(|e| panic!("{kind:?}: {e}"))
+}

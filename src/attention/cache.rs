@@ -1,7 +1,7 @@
 //! Decode caches for every model family. A model computes the new tokens' rotated queries
 //! `[B, H, n, hd]` and rotated keys / values `[B, H_kv, n, hd]` (per KV head, so grouped-query
 //! attention keeps its saving) and hands them to its layer's cache, which keeps what later tokens need.
-//! Caches per variant (each made by `Layer::new_cache`):
+//! Each variant's cache is a [`KindCache`] (made by its layer's `new_cache`), for instance:
 //! - vanilla: `Recent` holding every token; window: `Recent` holding the last w (`super::window`);
 //! - DAR / uniform: `super::dar::DarCache` (last w tokens full width, a d_down latent for every token);
 //! - STILL / LoLCATs: `super::still::HybridCache` (selected K/V, the window of chunks, S and z).
@@ -12,9 +12,9 @@
 //! own tensors after the training forward's fast kernels (`Layer::decode`). One new token attends all
 //! the cache holds by an explicit softmax over views of its buffers ([`attend_newest`]); several new
 //! tokens after cached ones (a prompt fed in pieces) take the explicit masked softmax.
-use super::dar::DarCache;
+use super::layer::Heads;
 use super::masked_softmax_attention;
-use super::still::HybridCache;
+use std::any::Any;
 use tch::{Device, Kind, Tensor};
 
 /// What a layer's cache is made of (the same in every family): batch, KV heads, head dim, dtype, device.
@@ -242,6 +242,11 @@ impl Padding {
         Padding { pad: pad.to_kind(Kind::Int64).view([-1, 1, 1, 1]) }
     }
 
+    /// The largest padding of any row: every row's real tokens have begun by this position.
+    pub fn largest(&self) -> i64 {
+        self.pad.max().int64_value(&[])
+    }
+
     /// `[B, 1, 1, len]`: whether each key (at positions `pos` `[len]`) is a real token.
     pub fn keys(&self, pos: &Tensor) -> Tensor {
         pos.view([1, 1, 1, -1]).ge_tensor(&self.pad)
@@ -291,44 +296,71 @@ pub(crate) fn repeat_kv(x: &Tensor, q: &Tensor) -> Tensor {
     if rep == 1 { x.shallow_clone() } else { x.repeat_interleave_self_int(rep, 1, None) }
 }
 
-/// The decode state of one layer.
-pub enum LayerCache {
-    /// Vanilla (every token) and window (the last w tokens).
-    Recent(Recent),
-    /// DAR / uniform.
-    Dar(DarCache),
-    /// STILL / LoLCATs.
-    Linearized(HybridCache),
+/// What a layer's decode state answers, whatever its variant keeps.
+pub trait KindCache: Any + Send {
+    /// Bytes held (the cache's size; spare capacity not counted).
+    fn bytes(&self) -> i64;
+    /// Room for `tokens` tokens in all, so that decoding up to there copies nothing (a cache
+    /// bounded by its own rules has nothing to do).
+    fn reserve(&mut self, _tokens: i64) {}
+    /// Left-padded prompts: row b's first `pad[b]` tokens are filler no real token reads.
+    fn set_padding(&mut self, pad: &Padding);
 }
 
+/// The decode state of one layer: the cache type of the layer's variant (made by its `new_cache`).
+pub struct LayerCache(Box<dyn KindCache>);
+
 impl LayerCache {
+    pub fn new(cache: impl KindCache) -> Self {
+        LayerCache(Box::new(cache))
+    }
+
     pub fn bytes(&self) -> i64 {
-        match self {
-            LayerCache::Recent(c) => c.bytes(),
-            LayerCache::Dar(c) => c.bytes(),
-            LayerCache::Linearized(c) => c.bytes(),
-        }
+        self.0.bytes()
     }
 
-    /// Room for `tokens` tokens in all, so that decoding up to there copies nothing (STILL / LoLCATs
-    /// caches are bounded by their own rules: nothing to do).
     pub fn reserve(&mut self, tokens: i64) {
-        match self {
-            LayerCache::Recent(c) => c.reserve(tokens),
-            LayerCache::Dar(c) => c.reserve(tokens),
-            LayerCache::Linearized(_) => {}
-        }
+        self.0.reserve(tokens)
     }
 
-    /// Left-padded prompts (softmax variants only: STILL's / LoLCATs' chunks are counted from
-    /// position 0, so a shifted row would be routed differently).
     pub fn set_padding(&mut self, pad: &Padding) {
-        match self {
-            LayerCache::Recent(c) => c.set_padding(pad),
-            LayerCache::Dar(c) => c.set_padding(pad),
-            LayerCache::Linearized(_) => panic!("STILL / LoLCATs caches take one prompt per batch row without padding"),
-        }
+        self.0.set_padding(pad)
     }
+
+    /// The variant's own state, asked for by the layer that made it.
+    pub fn get<T: KindCache>(&self) -> Option<&T> {
+        (self.0.as_ref() as &dyn Any).downcast_ref()
+    }
+
+    /// As [`LayerCache::get`], mutably; a cache made by another layer is a caller's bug (the model
+    /// builds one cache per layer from that layer).
+    pub fn state<T: KindCache>(&mut self) -> &mut T {
+        (self.0.as_mut() as &mut dyn Any).downcast_mut().unwrap_or_else(|| panic!("decode: the cache was made for another attention variant, not {}", std::any::type_name::<T>()))
+    }
+}
+
+impl KindCache for Recent {
+    fn bytes(&self) -> i64 {
+        Recent::bytes(self)
+    }
+    fn reserve(&mut self, tokens: i64) {
+        Recent::reserve(self, tokens)
+    }
+    fn set_padding(&mut self, pad: &Padding) {
+        Recent::set_padding(self, pad)
+    }
+}
+
+/// `LayerOp::decode` of a layer whose cache is a [`Recent`] (vanilla, window): the prefill by the
+/// layer's own forward, then the explicit softmax over what the cache holds.
+pub(crate) fn decode_recent(forward: impl FnOnce() -> Tensor, cache: &mut LayerCache, h: &Heads, p0: i64) -> Tensor {
+    let c = cache.state::<Recent>();
+    if p0 == 0 {
+        let out = forward();
+        c.push(&h.k, &h.v);
+        return out;
+    }
+    c.attend(&h.q, &h.k, &h.v, p0)
 }
 
 /// The decode cache of a whole model: one `LayerCache` per layer and the number of tokens seen.

@@ -10,7 +10,7 @@
 //!   against the default; a linearized operator holds its chunked path to its explicit reference in
 //!   its own file, `still/reference.rs`, `lolcats.rs`);
 //! - config → config.json → reload (Llama family): the same config and the same logits.
-use super::Attention;
+use super::{Attention, AttentionKind};
 use crate::model::llama::LlamaConfig;
 use crate::model::{hf, GptNeox, Llama, Model, NeoxConfig};
 use crate::spec::{AttentionImpl, Gelu};
@@ -21,11 +21,12 @@ use tch::{Device, Kind, Tensor};
 
 /// Every kind, one line each: (name, its config as config.json records it, whether it takes packed rows).
 const KINDS: &[(&str, &str, bool)] = &[
-    ("vanilla", "{kind: vanilla, d_down: 0, window: 0, dar_act: linear, impl: auto}", true),
-    ("dar", "{kind: dar, d_down: 12, window: 3, dar_act: linear, impl: auto}", true),
-    ("dar-sigmoid", "{kind: dar, d_down: 12, window: 3, dar_act: sigmoid, impl: auto}", true),
-    ("uniform", "{kind: uniform, d_down: 12, window: 0, dar_act: linear, impl: auto}", true),
-    ("window", "{kind: window, d_down: 0, window: 3, dar_act: linear, impl: auto}", true),
+    ("vanilla", "{kind: vanilla}", true),
+    ("dar", "{kind: dar, d_down: 12, window: 3}", true),
+    ("dar-sigmoid", "{kind: dar, d_down: 12, window: 3, dar_act: sigmoid}", true),
+    ("uniform", "{kind: uniform, d_down: 12}", true),
+    ("window", "{kind: window, window: 3}", true),
+    ("sink", "{kind: sink, window: 3, sinks: 2}", true),
     ("still", "{kind: still, chunk: 4, tokens_per_chunk: 1}", false),
     ("lolcats", "{kind: lolcats, window: 4, feature_dim: 8}", false),
 ];
@@ -63,7 +64,7 @@ fn build(family: &Family, a: &Attention, seed: i64) -> Option<(VarStore, Model)>
     let model = match family {
         Family::Neox => {
             let Attention::Softmax(attention) = a else { return None };
-            let cfg = NeoxConfig { vocab: 97, d_model: 32, layers: 2, heads: 4, ffn: 64, rotary_pct: 0.25, rotary_base: 10000.0, ln_eps: 1e-5, gelu: Gelu::Erf, attention: *attention };
+            let cfg = NeoxConfig { vocab: 97, d_model: 32, layers: 2, heads: 4, ffn: 64, rotary_pct: 0.25, rotary_base: 10000.0, ln_eps: 1e-5, gelu: Gelu::Erf, attention: attention.clone() };
             Model::Neox(GptNeox::new(&vs.root(), cfg))
         }
         Family::Llama(fixture) => {
@@ -137,6 +138,16 @@ fn every_kind_on_every_family() {
                 assert!(gap < 1e-9, "{what}: decode after a {prompt}-token prompt differs from the forward by {gap}");
             }
 
+            // Left-padded prompts of several lengths in one batch = each prompt alone (softmax kinds;
+            // the linearized caches take one prompt per row).
+            if matches!(a, Attention::Softmax(_)) {
+                use crate::eval::generate::{generate, generate_batch, Sampling};
+                let prompts: [&[u32]; 3] = [&[3, 17, 42, 8, 8, 29, 1], &[9, 4], &[11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]];
+                let greedy = Sampling { temperature: 0.0, seed: 0 };
+                let alone: Vec<Vec<u32>> = prompts.iter().map(|p| generate(&model, p, 9, greedy, None, Device::Cpu).tokens).collect();
+                assert_eq!(generate_batch(&model, &prompts, 9, None, Device::Cpu), alone, "{what}: left-padded batch vs alone");
+            }
+
             // Packed = alone, or refused.
             let docs = Tensor::from_slice(&[1i64, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2]).view([1, T]).repeat([2, 1]);
             // A guard, not tch::no_grad: a refusal unwinds, and the guard restores grad mode as it does.
@@ -157,7 +168,7 @@ fn every_kind_on_every_family() {
 
             // Reference = fast path, outputs and gradients (softmax kinds).
             if let Attention::Softmax(c) = &a {
-                let (vs_ref, reference) = build(family, &Attention::Softmax(super::DarConfig { implementation: AttentionImpl::Reference, ..*c }), 1).unwrap();
+                let (vs_ref, reference) = build(family, &Attention::Softmax(c.clone().with_implementation(AttentionImpl::Reference)), 1).unwrap();
                 let (o_fast, g_fast) = outputs_and_grads(&vs, &model, &x);
                 let (o_ref, g_ref) = outputs_and_grads(&vs_ref, &reference, &x);
                 assert!(max_diff(&o_fast, &o_ref) < 1e-9, "{what}: fast path vs reference outputs");
@@ -186,4 +197,69 @@ fn every_kind_on_every_family() {
     // Softmax kinds on all three families, linearized operators on the two Llama-family ones.
     let want: usize = KINDS.iter().map(|k| if matches!(attention(k.1), Attention::Softmax(_)) { 3 } else { 2 }).sum();
     assert_eq!(checked, want);
+}
+
+/// Every registered softmax kind has a line in `KINDS` (a kind registered without one would go
+/// unchecked).
+#[test]
+fn every_registered_kind_is_checked() {
+    for kind in AttentionKind::ALL {
+        let listed = KINDS.iter().any(|(_, yaml, _)| matches!(attention(yaml), Attention::Softmax(a) if a.kind() == kind));
+        assert!(listed, "kind {} has no line in conformance::KINDS", kind.name());
+    }
+}
+
+/// Model configs (config.json `attnlab_attention`) and run configs (config.yaml `attention:`) as
+/// versions before the per-kind options wrote them still read, as the same options as today's form.
+#[test]
+fn configs_written_before_the_per_kind_options_still_load() {
+    // (as written then, as written now): DarConfig's config.json wrote d_down and window for every kind.
+    let model_configs = [
+        (r#"{"kind":"vanilla","d_down":0,"window":0,"dar_act":"linear","impl":"auto"}"#, "{kind: vanilla}"),
+        (r#"{"kind":"dar","d_down":16,"window":8,"dar_act":"sigmoid","impl":"sdpa"}"#, "{kind: dar, d_down: 16, window: 8, dar_act: sigmoid, impl: sdpa}"),
+        (r#"{"kind":"uniform","d_down":16,"window":0,"dar_act":"linear","impl":"auto"}"#, "{kind: uniform, d_down: 16, window: 0}"),
+        (r#"{"kind":"window","d_down":0,"window":128,"dar_act":"linear","impl":"auto"}"#, "{kind: window, window: 128}"),
+    ];
+    for (old, new) in model_configs {
+        let read: Attention = serde_json::from_str(old).unwrap_or_else(|e| panic!("{old}: {e}"));
+        assert_eq!(read, attention(new), "{old}");
+    }
+    // config.yaml of resolved train specs: read, and written back byte for byte (sweeps name run
+    // directories by the hash of this text, so an existing sweep finds its runs again).
+    let run_configs = [
+        "kind: vanilla\ndar_act: linear\nimpl: auto\n",
+        "kind: dar\nd_down: 32\nwindow: 4\ndar_act: linear\nimpl: auto\ninit: small_init\nnote: 'dar: keys at distance < 4 (the current token included) full width, farther keys through the d_down bottleneck'\n",
+        "kind: uniform\nd_down: 128\nwindow: 0\ndar_act: linear\nimpl: auto\ninit: orthogonal\nnote: 'uniform = DAR with window 0: every key, the current token''s included, uses the d_down bottleneck'\n",
+        "kind: window\nwindow: 16\ndar_act: linear\nimpl: auto\nnote: 'window: keys at distance < 16 (the current token included), nothing farther'\n",
+    ];
+    for old in run_configs {
+        let read: crate::spec::AttentionSpec = serde_yaml::from_str(old).unwrap_or_else(|e| panic!("{old}: {e}"));
+        assert_eq!(serde_yaml::to_string(&read).unwrap(), old);
+        // And resolving it again changes nothing.
+        let mut again = read.clone();
+        again.resolve(128).unwrap();
+        assert_eq!(again, read, "{old}");
+    }
+    // `compare` once carried a DAR spec's init into its window-only run.
+    let carried: crate::spec::AttentionSpec = serde_yaml::from_str("{kind: window, window: 16, init: small_init}").unwrap();
+    assert_eq!(carried, serde_yaml::from_str("{kind: window, window: 16}").unwrap());
+}
+
+/// A key belongs to one kind: every other kind refuses it in every spec that takes an attention
+/// (train through `Spec`, finetune through its form, model configs through `Attention`).
+#[test]
+fn a_key_of_one_kind_is_refused_by_the_others() {
+    let cases = [("{kind: vanilla, d_down: 8}", "d_down"), ("{kind: window, d_down: 8}", "d_down"), ("{kind: vanilla, init: orthogonal}", "init"), ("{kind: uniform, d_down: 8, routing: random}", "routing")];
+    for (yaml, key) in cases {
+        let e = serde_yaml::from_str::<crate::spec::AttentionSpec>(yaml).unwrap_err().to_string();
+        assert!(e.contains(&format!("unknown field `{key}`")), "{yaml}: {e}");
+        let e = serde_yaml::from_str::<Attention>(yaml).unwrap_err().to_string();
+        assert!(e.contains(&format!("unknown field `{key}`")), "{yaml}: {e}");
+        let train = format!("attention: {yaml}\ndata: {{train: {{synthetic: {{docs: 4}}}}}}\ntrain: {{steps: 1}}\n");
+        let e = crate::spec::from_str(&train, "t.yaml", &[]).unwrap_err().to_string();
+        assert!(e.contains(&format!("unknown field `{key}`")), "train spec {yaml}: {e}");
+    }
+    // The linearized operators' options are their own too.
+    let e = serde_yaml::from_str::<Attention>("{kind: still, window: 8}").unwrap_err().to_string();
+    assert!(e.contains("unknown field `window`"), "{e}");
 }

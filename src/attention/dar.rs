@@ -12,15 +12,375 @@
 //! (T·d_down + 2·min(w, T)·d_kv) elements, d_kv = kv_heads·head_dim.
 pub mod init;
 
-use super::layer::{KvMap, Positions};
+use super::cache::{attend_newest, distances, masked_parts, repeat_kv, tensor_bytes, CacheShape, KindCache, LayerCache, Padding, Recent, Slots};
+use super::kinds::{AttentionImpl, AttentionSpec, BenchInputs, LineStyle, Settings, SoftmaxKind};
+use super::layer::{Heads, KvMap, LayerDims, LayerOp, Positions};
+use super::masked_softmax_attention;
 use super::vanilla::causal;
 use super::{dar_masks, doc_dar_masks, masked, masked_sdpa};
+use crate::error::Invalid;
 use crate::kernels::{self, GlobalBackend};
-use crate::spec::{AttentionImpl, DarAct};
-use tch::{nn, Kind};
-use super::cache::{attend_newest, distances, masked_parts, tensor_bytes, CacheShape, Padding, Recent, Slots};
-use super::masked_softmax_attention;
+use crate::Result;
+use serde::{Deserialize, Serialize};
 use tch::Tensor;
+use tch::{nn, Kind};
+
+/// The activation of DAR's latent h^D = a·W_down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DarAct {
+    #[default]
+    Linear,
+    Sigmoid,
+}
+
+/// The start of a pretraining run's DAR bottleneck (dar.md §7.4), drawn from its own seeded stream
+/// so that every other weight equals the vanilla run's of the same seed (`init::pretraining_start`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AttentionInit {
+    /// W_down and W_up each N(0, 2/(5d)), GPT-NeoX's small_init: the distant path starts at about
+    /// 0.4·√(d_down/d) of the local path's norm.
+    #[default]
+    SmallInit,
+    /// W_down with orthonormal rows, W_up = W_downᵀ: the distant path starts as the orthogonal
+    /// projection onto a random d_down-dimensional subspace (norm-preserving on its span).
+    Orthogonal,
+    /// Fine-tuning only (`attnlab finetune`): W_down = Uᵀ, W_up = U with U the top-d_down principal
+    /// directions of each layer's K/V input over calibration rows (`init`). A pretraining spec
+    /// refuses it: a model being trained from scratch has no activations to read.
+    Pca,
+}
+
+impl AttentionInit {
+    /// The spec's spelling (`attention.init: small_init`).
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionInit::SmallInit => "small_init",
+            AttentionInit::Orthogonal => "orthogonal",
+            AttentionInit::Pca => "pca",
+        }
+    }
+}
+
+/// `attention: {kind: dar, d_down, window, dar_act, impl, init}` (dar.md §4.1).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Dar {
+    /// Bottleneck width for distant keys (default d_model/4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub d_down: Option<i64>,
+    /// Keys at distance < window use full width (default 128; 0 is uniform).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<i64>,
+    #[serde(default)]
+    pub dar_act: DarAct,
+    #[serde(default, rename = "impl")]
+    pub implementation: AttentionImpl,
+    /// How pretraining starts the bottleneck (resolved to small_init).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<AttentionInit>,
+    /// Set in the resolved config to explain how the kind was interpreted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    /// The seed of the bottleneck's own stream at the start of pretraining (the run's seed, set by
+    /// the model's config; not an option).
+    #[serde(skip)]
+    pub init_seed: u64,
+}
+
+/// `attention: {kind: uniform, d_down}`: DAR with window 0, every key through the bottleneck.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Uniform(pub Dar);
+
+impl Dar {
+    /// d_down and the pretraining start, resolved (shared by DAR and uniform).
+    fn resolve_bottleneck(&mut self, d_model: usize) -> std::result::Result<(), Invalid> {
+        if self.init == Some(AttentionInit::Pca) {
+            return Err(("init".into(), "pca starts a pretrained model's bottleneck from its own activations (attnlab finetune); pretraining starts it with small_init or orthogonal".into()));
+        }
+        self.init.get_or_insert_default();
+        let d_down = *self.d_down.get_or_insert((d_model / 4) as i64);
+        if d_down <= 0 || d_down as usize > d_model {
+            return Err(("d_down".into(), format!("{d_down} is not in 1..={d_model} (d_model)")));
+        }
+        Ok(())
+    }
+
+    fn settings(&self) -> Settings {
+        let size = |v: Option<i64>| v.filter(|&x| x >= 0).map(|x| x as usize);
+        Settings { d_down: size(self.d_down), window: size(self.window), init: self.init, dar_act: self.dar_act, implementation: self.implementation }
+    }
+
+    /// The comparable form: d_down, window (DAR at window 0 is uniform) and the bottleneck start.
+    fn comparable_form(&self) -> AttentionSpec {
+        let s = self.settings();
+        let c = AttentionSpec::bottleneck(s.d_down.unwrap_or(0), s.window.unwrap_or(0));
+        c.with_init(self.init.unwrap_or_default())
+    }
+
+    /// A layer: the bottleneck under `p`, started by the pretraining start of its own stream (seed,
+    /// layer): every other weight draws exactly what it draws in a vanilla model of the same seed.
+    fn dar_layer(&self, p: &nn::Path, dims: LayerDims, window: i64) -> Result<Box<dyn LayerOp>> {
+        let d_down = self.d_down.unwrap_or(dims.d_model / 4).max(1);
+        let bottleneck = Bottleneck::new(p, dims.d_model, d_down, self.dar_act, nn::Init::Const(0.0));
+        let (down, up) = init::pretraining_start(self.init.unwrap_or_default(), self.init_seed, dims.layer as usize, dims.d_model as usize, d_down as usize);
+        tch::no_grad(|| {
+            bottleneck.down.shallow_clone().copy_(&down);
+            bottleneck.up.shallow_clone().copy_(&up);
+        });
+        Ok(Box::new(DarLayer { bottleneck, window, imp: self.implementation }))
+    }
+
+    fn op(x: &BenchInputs, window: i64) -> Tensor {
+        dar(x.q, x.k, x.v, x.kg, x.vg, window, x.imp)
+    }
+}
+
+impl SoftmaxKind for Dar {
+    const NAME: &'static str = "dar";
+    const TABLE_NAME: &'static str = "DAR";
+    const LINE_STYLE: LineStyle = LineStyle::Solid;
+    const DECODE_BENCH: &'static str = "GPT-NeoX, the spec's DAR: full K/V for the last w tokens, d_down-wide latents before";
+    const HAS_BOTTLENECK: bool = true;
+    const LOCAL_ONLY: bool = false;
+
+    /// d_down, the activation, the start and the implementation carry over; the window only from DAR.
+    fn adopt(other: &AttentionSpec) -> Self {
+        let s = other.settings();
+        let window = if other.kind() == super::AttentionKind::Dar { s.window.map(|w| w as i64) } else { None };
+        Dar { d_down: s.d_down.map(|d| d as i64), window, dar_act: s.dar_act, implementation: s.implementation, init: s.init, note: None, init_seed: 0 }
+    }
+
+    fn resolve(&mut self, d_model: usize) -> std::result::Result<(), Invalid> {
+        self.resolve_bottleneck(d_model)?;
+        let w = *self.window.get_or_insert(128);
+        if w < 0 {
+            return Err(("window".into(), format!("{w} is negative")));
+        }
+        self.note = Some(format!("dar: keys at distance < {w} (the current token included) full width, farther keys through the d_down bottleneck"));
+        Ok(())
+    }
+
+    /// dar.md §4.2: d_down required, window default 128, small_init or pca, the linear bottleneck.
+    fn resolve_finetune(&mut self) -> std::result::Result<(), Invalid> {
+        self.note = None;
+        match self.d_down {
+            None => return Err(("d_down".into(), "is required for kind: dar (the bottleneck width)".into())),
+            Some(d) if d <= 0 => return Err(("d_down".into(), format!("{d} must be > 0"))),
+            Some(_) => {}
+        }
+        let w = *self.window.get_or_insert(128);
+        if w < 0 {
+            return Err(("window".into(), format!("{w} is negative")));
+        }
+        match *self.init.get_or_insert_default() {
+            AttentionInit::SmallInit | AttentionInit::Pca => {}
+            AttentionInit::Orthogonal => return Err(("init".into(), "orthogonal is a pretraining start; finetune starts the bottleneck with small_init or pca".into())),
+        }
+        if self.dar_act != DarAct::Linear {
+            return Err(("dar_act".into(), "finetune adds the linear bottleneck (dar.md §4.2); sigmoid is a pretraining variant".into()));
+        }
+        Ok(())
+    }
+
+    fn comparable(&self) -> AttentionSpec {
+        self.comparable_form()
+    }
+
+    fn label(&self) -> String {
+        let c = self.comparable_form();
+        let s = c.settings();
+        match c {
+            AttentionSpec::Dar(_) => match (s.d_down, s.window) {
+                (Some(d), Some(w)) => format!("DAR (d_down {d}, w {w}{})", init_suffix(s.init)),
+                _ => "dar".into(),
+            },
+            other => other.label(),
+        }
+    }
+
+    fn settings(&self) -> Settings {
+        Dar::settings(self)
+    }
+
+    fn set_implementation(&mut self, imp: AttentionImpl) {
+        self.implementation = imp;
+    }
+
+    fn set_init_seed(&mut self, seed: u64) {
+        self.init_seed = seed;
+    }
+
+    fn note(&self) -> Option<&str> {
+        self.note.as_deref()
+    }
+
+    fn layer(&self, p: &nn::Path, dims: LayerDims) -> Result<Box<dyn LayerOp>> {
+        self.dar_layer(p, dims, self.window.unwrap_or(128))
+    }
+
+    fn bench_op(x: &BenchInputs) -> Tensor {
+        Dar::op(x, x.window)
+    }
+}
+
+impl SoftmaxKind for Uniform {
+    const NAME: &'static str = "uniform";
+    const TABLE_NAME: &'static str = "Uniform";
+    const LINE_STYLE: LineStyle = LineStyle::Dashed;
+    const DECODE_BENCH: &'static str = "GPT-NeoX, DAR with w = 0";
+    const HAS_BOTTLENECK: bool = true;
+    const LOCAL_ONLY: bool = false;
+
+    fn adopt(other: &AttentionSpec) -> Self {
+        let mut d = Dar::adopt(other);
+        d.window = None;
+        Uniform(d)
+    }
+
+    fn resolve(&mut self, d_model: usize) -> std::result::Result<(), Invalid> {
+        let d = &mut self.0;
+        d.resolve_bottleneck(d_model)?;
+        if let Some(w) = d.window.filter(|&w| w != 0) {
+            return Err(("window".into(), format!("kind: uniform is DAR with window 0; got window {w}")));
+        }
+        d.window = Some(0);
+        d.note = Some("uniform = DAR with window 0: every key, the current token's included, uses the d_down bottleneck".into());
+        Ok(())
+    }
+
+    fn resolve_finetune(&mut self) -> std::result::Result<(), Invalid> {
+        Err(("kind".into(), "finetune keeps vanilla or changes the attention to dar, not to uniform (uniform is dar with window: 0)".into()))
+    }
+
+    fn comparable(&self) -> AttentionSpec {
+        let mut c = self.0.clone();
+        c.window.get_or_insert(0);
+        c.comparable_form()
+    }
+
+    fn label(&self) -> String {
+        let s = self.0.settings();
+        match s.d_down {
+            Some(d) => format!("uniform (d_down {d}{})", init_suffix(s.init.or(Some(AttentionInit::SmallInit)))),
+            None => "uniform".into(),
+        }
+    }
+
+    fn settings(&self) -> Settings {
+        self.0.settings()
+    }
+
+    fn set_implementation(&mut self, imp: AttentionImpl) {
+        self.0.implementation = imp;
+    }
+
+    fn set_init_seed(&mut self, seed: u64) {
+        self.0.init_seed = seed;
+    }
+
+    fn note(&self) -> Option<&str> {
+        self.0.note.as_deref()
+    }
+
+    fn layer(&self, p: &nn::Path, dims: LayerDims) -> Result<Box<dyn LayerOp>> {
+        self.0.dar_layer(p, dims, 0)
+    }
+
+    fn bench_op(x: &BenchInputs) -> Tensor {
+        Dar::op(x, 0)
+    }
+
+    /// Uniform's op is DAR's with window 0, whatever window the bench asks for.
+    fn op_window(_window: i64) -> i64 {
+        0
+    }
+}
+
+/// ", orthogonal" after a label's sizes; nothing for the default start.
+fn init_suffix(init: Option<AttentionInit>) -> String {
+    match init {
+        Some(AttentionInit::SmallInit) | None => String::new(),
+        Some(i) => format!(", {}", i.name()),
+    }
+}
+
+impl AttentionSpec {
+    /// DAR with a bottleneck of `d_down` beyond `window` (small_init) in comparable form; window 0 is
+    /// uniform (dar.md §1.1).
+    pub fn bottleneck(d_down: usize, window: usize) -> AttentionSpec {
+        let d = Dar { d_down: Some(d_down as i64), window: Some(window as i64), init: Some(AttentionInit::SmallInit), ..Dar::default() };
+        if window == 0 { AttentionSpec::Uniform(Uniform(d)) } else { AttentionSpec::Dar(d) }
+    }
+
+    /// The same with another bottleneck start (kinds without a bottleneck: unchanged).
+    pub fn with_init(self, init: AttentionInit) -> AttentionSpec {
+        match self {
+            AttentionSpec::Dar(d) => AttentionSpec::Dar(Dar { init: Some(init), ..d }),
+            AttentionSpec::Uniform(Uniform(d)) => AttentionSpec::Uniform(Uniform(Dar { init: Some(init), ..d })),
+            other => other,
+        }
+    }
+}
+
+/// A DAR layer (uniform: window 0): its bottleneck, window and implementation.
+pub struct DarLayer {
+    bottleneck: Bottleneck,
+    window: i64,
+    imp: AttentionImpl,
+}
+
+impl DarLayer {
+    /// A layer around a bottleneck already made (`init`: a pretrained model given DAR).
+    pub fn new(bottleneck: Bottleneck, window: i64, imp: AttentionImpl) -> Self {
+        DarLayer { bottleneck, window, imp }
+    }
+}
+
+impl LayerOp for DarLayer {
+    fn forward(&self, h: &Heads) -> Tensor {
+        let (k, v) = h.expanded_kv();
+        // Named scopes: `attnlab bench --profile` files the kernels under them.
+        let (kg, vg) = kernels::scope("dar.distant_kv", || self.bottleneck.distant(h.input, h.kv, Positions::Forward));
+        let (kg, vg) = (repeat_kv(&kg, &h.q), repeat_kv(&vg, &h.q));
+        kernels::scope("attn.op", || forward(&h.q, &k, &v, &kg, &vg, self.window, h.seg, self.imp))
+    }
+
+    fn new_cache(&self, shape: &CacheShape) -> LayerCache {
+        LayerCache::new(DarCache::new(shape, self.window, self.bottleneck.d_down()))
+    }
+
+    fn decode(&self, cache: &mut LayerCache, h: &Heads, p0: i64) -> Tensor {
+        let c = cache.state::<DarCache>();
+        let latent = self.bottleneck.latent(h.input);
+        if p0 == 0 {
+            let (kg, vg) = h.kv.kv(self.bottleneck.up(), &latent, Positions::Forward);
+            let r = |x: &Tensor| repeat_kv(x, &h.q);
+            let out = forward(&h.q, &r(&h.k), &r(&h.v), &r(&kg), &r(&vg), self.window, h.seg, self.imp);
+            c.push(&h.k, &h.v, &latent);
+            return out;
+        }
+        // Distant keys of positions 0..g, rebuilt from the latents through the model's own map.
+        let kv = |latent: &Tensor| h.kv.kv(self.bottleneck.up(), latent, Positions::From(0));
+        c.attend(&h.q, &h.k, &h.v, p0, Distant { latent, kv: &kv })
+    }
+
+    /// DAR ↔ uniform, another window or implementation, the bottleneck kept (its width must agree).
+    fn reconfigured(&self, a: &AttentionSpec) -> Option<Box<dyn LayerOp>> {
+        let s = a.settings();
+        if !a.has_bottleneck() || s.d_down.is_some_and(|d| d as i64 != self.bottleneck.d_down()) {
+            return None;
+        }
+        let bottleneck = Bottleneck { down: self.bottleneck.down.shallow_clone(), up: self.bottleneck.up.shallow_clone(), act: s.dar_act };
+        Some(Box::new(DarLayer { bottleneck, window: s.window.unwrap_or(0) as i64, imp: s.implementation }))
+    }
+
+    fn bottleneck(&self) -> Option<&Bottleneck> {
+        Some(&self.bottleneck)
+    }
+}
 
 /// DAR attention. `window ≥ T` is vanilla over (k_l, v_l); `window = 0` is causal attention over (k_g, v_g).
 pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64, imp: AttentionImpl) -> Tensor {
@@ -146,6 +506,18 @@ pub struct DarCache {
     seen: i64,
     window: i64,
     pad: Option<Padding>,
+}
+
+impl KindCache for DarCache {
+    fn bytes(&self) -> i64 {
+        DarCache::bytes(self)
+    }
+    fn reserve(&mut self, tokens: i64) {
+        DarCache::reserve(self, tokens)
+    }
+    fn set_padding(&mut self, pad: &Padding) {
+        DarCache::set_padding(self, pad)
+    }
 }
 
 impl DarCache {

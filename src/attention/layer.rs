@@ -1,58 +1,18 @@
 //! The one interface between a model and its layers' attention. A model computes a layer's rotated
 //! queries and keys, its values and the tensor its k / v projections read, and hands them over as
-//! [`Heads`]; the layer's [`Layer`] (one arm per variant, each written in its own file) does the rest:
+//! [`Heads`]; the layer (a [`LayerOp`], one type per variant, each in its own file) does the rest:
 //! the training / prefill forward (packed documents included), the decode cache (create, extend,
-//! bytes), the parameters the variant adds, which of them a stage-1 run trains, and its label.
-//! [`Attention`] is the variant with its options as configs and checkpoints record it.
-use super::cache::{repeat_kv, CacheShape, LayerCache, Recent};
-use super::dar::{Bottleneck, DarCache, Distant};
+//! bytes) and the parameters the variant adds. [`Attention`] is the variant with its options as
+//! configs and checkpoints record it: a softmax kind's [`AttentionSpec`] (`kinds.rs`: one type from
+//! the spec to the model config) or a linearized operator's [`Variant`].
+use super::cache::{repeat_kv, CacheShape, LayerCache};
+use super::dar::Bottleneck;
+use super::kinds::AttentionSpec;
 use super::lolcats::{Lolcats, LolcatsConfig};
 use super::still::{Still, StillConfig};
-use super::{dar, vanilla, window};
-use crate::spec::{AttentionImpl, AttentionInit, AttentionKind, DarAct};
-use crate::{kernels, Error, Result};
+use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
-
-/// The softmax variants (vanilla, DAR, uniform, window) with their resolved options, as a model's
-/// config records them (config.json `attnlab_attention`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DarConfig {
-    pub kind: AttentionKind,
-    /// Bottleneck width (DAR / uniform only).
-    pub d_down: usize,
-    /// Keys at distance < window are full width (uniform: 0; window: the band).
-    pub window: usize,
-    pub dar_act: DarAct,
-    /// Not part of the model's function: which implementation computes it.
-    #[serde(rename = "impl")]
-    pub implementation: AttentionImpl,
-    /// How a model built from scratch starts the bottleneck, and the seed of its own stream
-    /// (dar::init::pretraining_start). Not part of a checkpoint's config.
-    #[serde(default, skip_serializing)]
-    pub init: AttentionInit,
-    #[serde(default, skip_serializing)]
-    pub init_seed: u64,
-}
-
-impl Default for DarConfig {
-    fn default() -> Self {
-        DarConfig { kind: AttentionKind::Vanilla, d_down: 0, window: 0, dar_act: DarAct::Linear, implementation: AttentionImpl::Auto, init: AttentionInit::SmallInit, init_seed: 0 }
-    }
-}
-
-impl DarConfig {
-    /// The `attention:` section of a resolved train spec.
-    pub fn from_spec(spec: &crate::spec::Spec) -> Self {
-        let a = &spec.attention;
-        let (init, init_seed) = (a.init.unwrap_or_default(), spec.train.seed.unwrap_or(1234));
-        DarConfig { kind: a.kind, d_down: spec.d_down(), window: spec.window(), dar_act: a.dar_act, implementation: a.implementation, init, init_seed }
-    }
-
-    pub fn has_bottleneck(&self) -> bool {
-        self.kind.has_bottleneck()
-    }
-}
 
 /// A linearized operator that replaces softmax attention (`attnlab linearize`), with its options.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -62,68 +22,74 @@ pub enum Variant {
     Lolcats(LolcatsConfig),
 }
 
+impl Variant {
+    /// The names `kind:` takes for a linearized operator.
+    pub const NAMES: [&'static str; 2] = ["still", "lolcats"];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Variant::Still(_) => "still",
+            Variant::Lolcats(_) => "lolcats",
+        }
+    }
+}
+
 /// Every attention variant with its options: what a model's layers run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum Attention {
-    Softmax(DarConfig),
+    Softmax(AttentionSpec),
     Linearized(Variant),
 }
 
 impl Default for Attention {
     fn default() -> Self {
-        Attention::Softmax(DarConfig::default())
+        Attention::Softmax(AttentionSpec::default())
     }
 }
 
-/// `kind: still | lolcats` reads a [`Variant`], any other kind a [`DarConfig`], so that errors name
-/// the fields of the variant written (an untagged enum would only say that nothing matched).
+/// `kind: still | lolcats` reads a [`Variant`], any other kind an [`AttentionSpec`], so that errors
+/// name the fields of the variant written (an untagged enum would only say that nothing matched).
 impl<'de> Deserialize<'de> for Attention {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::Error as _;
-        let v = serde_json::Value::deserialize(d)?;
+        let v = serde_yaml::Value::deserialize(d)?;
         match v.get("kind").and_then(|k| k.as_str()) {
-            Some("still" | "lolcats") => serde_json::from_value(v).map(Attention::Linearized).map_err(D::Error::custom),
-            _ => serde_json::from_value(v).map(Attention::Softmax).map_err(D::Error::custom),
+            Some(k) if Variant::NAMES.contains(&k) => serde_yaml::from_value(v).map(Attention::Linearized).map_err(D::Error::custom),
+            _ => serde_yaml::from_value(v).map(Attention::Softmax).map_err(D::Error::custom),
         }
     }
 }
 
 impl Attention {
-    /// The softmax options (vanilla for a linearized operator, whose layers have no bottleneck).
-    pub fn softmax(&self) -> DarConfig {
+    /// The softmax kind's options (None for a linearized operator).
+    pub fn softmax(&self) -> Option<&AttentionSpec> {
         match self {
-            Attention::Softmax(c) => *c,
-            Attention::Linearized(_) => DarConfig::default(),
+            Attention::Softmax(a) => Some(a),
+            Attention::Linearized(_) => None,
         }
     }
 
     pub fn has_bottleneck(&self) -> bool {
-        self.softmax().has_bottleneck()
+        self.softmax().is_some_and(AttentionSpec::has_bottleneck)
     }
 
     /// Plain softmax attention (a model config need not record it).
     pub fn is_vanilla(&self) -> bool {
-        matches!(self, Attention::Softmax(c) if c.kind == AttentionKind::Vanilla)
+        self.softmax().is_some_and(AttentionSpec::is_vanilla)
     }
 
-    /// The name a report or bench line shows: vanilla, dar, uniform, window, still, lolcats.
+    /// The name a report or bench line shows: vanilla, dar, uniform, window, …, still, lolcats.
     pub fn label(&self) -> &'static str {
         match self {
-            Attention::Softmax(c) => match c.kind {
-                AttentionKind::Vanilla => "vanilla",
-                AttentionKind::Dar => "dar",
-                AttentionKind::Uniform => "uniform",
-                AttentionKind::Window => "window",
-            },
-            Attention::Linearized(Variant::Still(_)) => "still",
-            Attention::Linearized(Variant::Lolcats(_)) => "lolcats",
+            Attention::Softmax(a) => a.kind().name(),
+            Attention::Linearized(v) => v.name(),
         }
     }
 }
 
 /// Shapes of the layer an attention variant sits in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct LayerDims {
     /// Query heads H (GQA already expanded).
     pub heads: i64,
@@ -165,161 +131,109 @@ pub struct Heads<'a> {
     pub train: bool,
 }
 
-/// One layer's attention: the variant's parameters and options.
-pub enum Layer {
-    Vanilla { imp: AttentionImpl },
-    /// Sliding-window attention only (`window.rs`).
-    Window { window: i64, imp: AttentionImpl },
-    /// DAR; uniform is DAR with window 0 (`dar.rs`).
-    Dar { bottleneck: Bottleneck, window: i64, imp: AttentionImpl },
-    Still(Still),
-    Lolcats(Lolcats),
+/// What every variant's layer answers (one implementation per variant, in the variant's file).
+pub trait LayerOp: std::any::Any + Send {
+    /// Training / prefill output `[B, H, n, hd]` of the model's heads.
+    fn forward(&self, h: &Heads) -> Tensor;
+    /// An empty decode cache for this layer (`shape`: the model's batch, KV heads, head dim, dtype).
+    fn new_cache(&self, shape: &CacheShape) -> LayerCache;
+    /// Outputs `[B, H, n, hd]` of the new tokens at positions p0.. after the cached ones; extends
+    /// `cache` (made by this layer's `new_cache`). Equals `forward` on the whole sequence. The
+    /// softmax variants prefill (p0 = 0) with the training forward's kernels and fill the cache from
+    /// its keys, values and latents; `h.seg` there marks the filler of left-padded rows
+    /// (`cache::Padding`).
+    fn decode(&self, cache: &mut LayerCache, h: &Heads, p0: i64) -> Tensor;
+    /// This layer with the options `a`, its parameters kept (another implementation or window,
+    /// vanilla ↔ window, DAR ↔ uniform); None when `a` needs parameters the layer lacks or would
+    /// drop ones it has.
+    fn reconfigured(&self, a: &AttentionSpec) -> Option<Box<dyn LayerOp>>;
+    /// The bottleneck of a DAR layer (PCA calibration reads and sets it).
+    fn bottleneck(&self) -> Option<&Bottleneck> {
+        None
+    }
+    /// The STILL operator of this layer (probes and oracle routing).
+    fn still(&self) -> Option<&Still> {
+        None
+    }
+    /// The same, to add its gate's LoRA adapter (`linearize`).
+    fn still_mut(&mut self) -> Option<&mut Still> {
+        None
+    }
 }
+
+/// `LayerOp::reconfigured` of a layer without parameters: any kind without parameters, built anew.
+pub(crate) fn rebuilt_without_parameters(a: &AttentionSpec) -> Option<Box<dyn LayerOp>> {
+    if a.has_bottleneck() {
+        return None;
+    }
+    // Such a kind creates no variable: the throwaway store stays empty.
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    a.layer(&vs.root(), LayerDims::default()).ok()
+}
+
+/// One layer's attention: the variant's parameters and options.
+pub struct Layer(Box<dyn LayerOp>);
 
 impl Layer {
     /// The attention of one layer under the module path `p` (`…self_attn` / `…attention`). DAR's
     /// bottleneck draws nothing from the global generator (`dar::init::pretraining_start`).
     pub fn new(p: &nn::Path, attention: &Attention, dims: LayerDims) -> Result<Layer> {
-        Ok(match attention {
-            Attention::Softmax(c) => {
-                let imp = c.implementation;
-                match c.kind {
-                    AttentionKind::Vanilla => Layer::Vanilla { imp },
-                    AttentionKind::Window => Layer::Window { window: c.window as i64, imp },
-                    AttentionKind::Dar | AttentionKind::Uniform => {
-                        let bottleneck = Bottleneck::new(p, dims.d_model, c.d_down as i64, c.dar_act, nn::Init::Const(0.0));
-                        // The pretraining start, from the bottleneck's own stream (seed, layer): every
-                        // other weight draws exactly what it draws in a vanilla model of the same seed.
-                        let (down, up) = dar::init::pretraining_start(c.init, c.init_seed, dims.layer as usize, dims.d_model as usize, c.d_down);
-                        tch::no_grad(|| {
-                            bottleneck.down.shallow_clone().copy_(&down);
-                            bottleneck.up.shallow_clone().copy_(&up);
-                        });
-                        Layer::Dar { bottleneck, window: c.window as i64, imp }
-                    }
-                }
-            }
-            Attention::Linearized(Variant::Still(sc)) => Layer::Still(Still::new(p, sc, dims)?),
-            Attention::Linearized(Variant::Lolcats(lc)) => Layer::Lolcats(Lolcats::new(p, lc, dims.heads, dims.head_dim)?),
-        })
+        Ok(Layer(match attention {
+            Attention::Softmax(a) => a.layer(p, dims)?,
+            Attention::Linearized(Variant::Still(sc)) => Box::new(Still::new(p, sc, dims)?),
+            Attention::Linearized(Variant::Lolcats(lc)) => Box::new(Lolcats::new(p, lc, dims.heads, dims.head_dim)?),
+        }))
     }
 
-    /// This softmax layer with `a`'s options, its parameters kept: the implementation, the window,
-    /// vanilla ↔ window, DAR ↔ uniform. An error when `a` needs a bottleneck the layer lacks or would
-    /// drop the one it has, or for a linearized layer.
-    pub fn reconfigured(self, a: &DarConfig) -> Result<Layer> {
-        let (window, imp) = (a.window as i64, a.implementation);
-        let refused = || Err(Error::Other(format!("cannot switch this layer to {:?} in place (a bottleneck would be needed or dropped)", a.kind)));
-        Ok(match self {
-            Layer::Dar { mut bottleneck, .. } => match a.kind {
-                AttentionKind::Dar | AttentionKind::Uniform => {
-                    bottleneck.act = a.dar_act;
-                    Layer::Dar { bottleneck, window, imp }
-                }
-                AttentionKind::Vanilla | AttentionKind::Window => return refused(),
-            },
-            Layer::Vanilla { .. } | Layer::Window { .. } => match a.kind {
-                AttentionKind::Vanilla => Layer::Vanilla { imp },
-                AttentionKind::Window => Layer::Window { window, imp },
-                AttentionKind::Dar | AttentionKind::Uniform => return refused(),
-            },
-            Layer::Still(_) | Layer::Lolcats(_) => return refused(),
-        })
+    /// A layer of a variant's own type (`dar::init` gives a pretrained model bottlenecks).
+    pub fn from_op(op: Box<dyn LayerOp>) -> Layer {
+        Layer(op)
     }
 
-    /// Whether [`Layer::reconfigured`] can switch this layer to `a` in place: a bottleneck is neither
-    /// needed nor dropped (a linearized layer never).
-    pub fn reconfigurable(&self, a: &DarConfig) -> bool {
-        match self {
-            Layer::Dar { .. } => a.has_bottleneck(),
-            Layer::Vanilla { .. } | Layer::Window { .. } => !a.has_bottleneck(),
-            Layer::Still(_) | Layer::Lolcats(_) => false,
-        }
+    /// This layer with `a`'s options, its parameters kept (`LayerOp::reconfigured`), or an error.
+    pub fn reconfigured(&self, a: &AttentionSpec) -> Result<Layer> {
+        self.0.reconfigured(a).map(Layer).ok_or_else(|| Error::Other(format!("cannot switch this layer to {} in place (a bottleneck would be needed or dropped)", a.label())))
     }
 
-    /// The bottleneck of a DAR layer.
+    /// Whether [`Layer::reconfigured`] can switch this layer to `a` in place.
+    pub fn reconfigurable(&self, a: &AttentionSpec) -> bool {
+        self.0.reconfigured(a).is_some()
+    }
+
     pub fn bottleneck(&self) -> Option<&Bottleneck> {
-        match self {
-            Layer::Dar { bottleneck, .. } => Some(bottleneck),
-            _ => None,
-        }
+        self.0.bottleneck()
     }
 
-    /// Training / prefill output `[B, H, n, hd]` of the model's heads.
     pub fn forward(&self, h: &Heads) -> Tensor {
-        let (k, v) = (repeat_kv(&h.k, &h.q), repeat_kv(&h.v, &h.q));
-        match self {
-            Layer::Vanilla { imp } => kernels::scope("attn.op", || vanilla::forward(&h.q, &k, &v, h.seg, *imp)),
-            Layer::Window { window, imp } => window::forward(&h.q, &k, &v, *window, h.seg, *imp),
-            Layer::Dar { bottleneck, window, imp } => {
-                // Named scopes: `attnlab bench --profile` files the kernels under them.
-                let (kg, vg) = kernels::scope("dar.distant_kv", || bottleneck.distant(h.input, h.kv, Positions::Forward));
-                let (kg, vg) = (repeat_kv(&kg, &h.q), repeat_kv(&vg, &h.q));
-                kernels::scope("attn.op", || dar::forward(&h.q, &k, &v, &kg, &vg, *window, h.seg, *imp))
-            }
-            Layer::Still(s) => {
-                assert!(h.seg.is_none(), "STILL layers take no packed rows");
-                s.forward(&h.q, &k, &v, s.gate_for(h.input, h.train).as_ref())
-            }
-            Layer::Lolcats(l) => {
-                assert!(h.seg.is_none(), "LoLCATs layers take no packed rows");
-                l.forward(&h.q, &k, &v)
-            }
-        }
+        self.0.forward(h)
     }
 
-    /// An empty decode cache for this layer (`shape`: the model's batch, KV heads, head dim, dtype).
     pub fn new_cache(&self, shape: &CacheShape) -> LayerCache {
-        match self {
-            Layer::Vanilla { .. } => LayerCache::Recent(Recent::new(shape, None)),
-            Layer::Window { window, .. } => LayerCache::Recent(window::new_cache(shape, *window)),
-            Layer::Dar { bottleneck, window, .. } => LayerCache::Dar(DarCache::new(shape, *window, bottleneck.d_down())),
-            Layer::Still(s) => LayerCache::Linearized(s.new_cache(shape.batch, shape.kind, shape.device)),
-            Layer::Lolcats(l) => LayerCache::Linearized(l.new_cache(shape.batch, shape.kind, shape.device)),
-        }
+        self.0.new_cache(shape)
     }
 
-    /// Outputs `[B, H, n, hd]` of the new tokens at positions p0.. after the cached ones; extends
-    /// `cache` (made by [`Layer::new_cache`]). Equals [`Layer::forward`] on the whole sequence. The
-    /// softmax variants prefill (p0 = 0) with the training forward's kernels and fill the cache from
-    /// its keys, values and latents; `h.seg` there marks the filler of left-padded rows
-    /// (`cache::Padding`).
     pub fn decode(&self, cache: &mut LayerCache, h: &Heads, p0: i64) -> Tensor {
-        match (self, cache) {
-            (Layer::Vanilla { .. } | Layer::Window { .. }, LayerCache::Recent(c)) if p0 == 0 => {
-                let out = self.forward(h);
-                c.push(&h.k, &h.v);
-                out
-            }
-            (Layer::Vanilla { .. } | Layer::Window { .. }, LayerCache::Recent(c)) => c.attend(&h.q, &h.k, &h.v, p0),
-            (Layer::Dar { bottleneck, window, imp }, LayerCache::Dar(c)) => {
-                let latent = bottleneck.latent(h.input);
-                if p0 == 0 {
-                    let (kg, vg) = h.kv.kv(bottleneck.up(), &latent, Positions::Forward);
-                    let r = |x: &Tensor| repeat_kv(x, &h.q);
-                    let out = dar::forward(&h.q, &r(&h.k), &r(&h.v), &r(&kg), &r(&vg), *window, h.seg, *imp);
-                    c.push(&h.k, &h.v, &latent);
-                    return out;
-                }
-                // Distant keys of positions 0..g, rebuilt from the latents through the model's own map.
-                let kv = |latent: &Tensor| h.kv.kv(bottleneck.up(), latent, Positions::From(0));
-                c.attend(&h.q, &h.k, &h.v, p0, Distant { latent, kv: &kv })
-            }
-            (Layer::Still(s), LayerCache::Linearized(c)) => {
-                let (k, v) = (repeat_kv(&h.k, &h.q), repeat_kv(&h.v, &h.q));
-                s.extend(c, &h.q, &k, &v, s.gate_for(h.input, false).as_ref())
-            }
-            (Layer::Lolcats(l), LayerCache::Linearized(c)) => l.extend(c, &h.q, &repeat_kv(&h.k, &h.q), &repeat_kv(&h.v, &h.q)),
-            _ => panic!("decode: the cache was made for another attention variant"),
-        }
+        self.0.decode(cache, h, p0)
     }
 
-    /// The STILL operator of this layer, if it is one (probes and oracle routing).
     pub fn still(&self) -> Option<&Still> {
-        match self {
-            Layer::Still(s) => Some(s),
-            _ => None,
-        }
+        self.0.still()
+    }
+
+    pub fn still_mut(&mut self) -> Option<&mut Still> {
+        self.0.still_mut()
+    }
+
+    /// The variant's own layer type, if it is `T` (tests, probes).
+    pub fn get<T: LayerOp>(&self) -> Option<&T> {
+        (self.0.as_ref() as &dyn std::any::Any).downcast_ref()
+    }
+}
+
+impl Heads<'_> {
+    /// Keys and values with grouped-query heads expanded to the query heads.
+    pub fn expanded_kv(&self) -> (Tensor, Tensor) {
+        (repeat_kv(&self.k, &self.q), repeat_kv(&self.v, &self.q))
     }
 }
 

@@ -174,6 +174,29 @@ impl Lolcats {
     }
 }
 
+/// A LoLCATs layer behind the model interface. Packed rows are refused: chunks count from position 0.
+impl super::LayerOp for Lolcats {
+    fn forward(&self, h: &super::Heads) -> Tensor {
+        assert!(h.seg.is_none(), "LoLCATs layers take no packed rows");
+        let (k, v) = h.expanded_kv();
+        Lolcats::forward(self, &h.q, &k, &v)
+    }
+
+    fn new_cache(&self, shape: &super::cache::CacheShape) -> super::cache::LayerCache {
+        super::cache::LayerCache::new(Lolcats::new_cache(self, shape.batch, shape.kind, shape.device))
+    }
+
+    fn decode(&self, cache: &mut super::cache::LayerCache, h: &super::Heads, _p0: i64) -> Tensor {
+        let (k, v) = h.expanded_kv();
+        self.extend(cache.state::<HybridCache>(), &h.q, &k, &v)
+    }
+
+    /// A linearized layer is not switched in place.
+    fn reconfigured(&self, _a: &super::AttentionSpec) -> Option<Box<dyn super::LayerOp>> {
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

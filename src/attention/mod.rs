@@ -1,25 +1,34 @@
 //! Attention variants, one file each, behind one interface (`layer.rs`: [`Layer`], [`Heads`],
 //! [`Attention`]): `vanilla` (causal softmax), `dar` (DAR and uniform = DAR with window 0), `window`
 //! (sliding window only), `still` and `lolcats` (linearized operators; feature maps in
-//! `feature_maps.rs`). A model hands each layer its rotated heads; the variant computes the rest. This
+//! `feature_maps.rs`). The softmax kinds are registered in `kinds.rs` (their options are the spec's
+//! `attention:`). A model hands each layer its rotated heads; the variant computes the rest. This
 //! file holds what the variants share: masks, packed-document segments and the explicit masked
 //! softmax every fast path is tested against. Decode caches: `cache.rs`.
+#[macro_use]
+pub mod kinds;
 pub mod cache;
 #[cfg(test)]
 mod conformance;
-pub mod dar;
 pub mod feature_maps;
 pub mod layer;
 pub mod lolcats;
 pub mod still;
-pub mod vanilla;
-pub mod window;
 
-pub use dar::{dar, dar_sdpa, split_merge_supported};
-pub use layer::{is_added_param, is_bottleneck_param, is_linearized_param, Attention, DarConfig, Heads, KvMap, Layer, LayerDims, Positions, Variant};
+// The softmax attention kinds, registered once: each line is a module (its file) and the kinds it
+// defines (`SoftmaxKind` types), in the order of tables, plot legends and `bench`; the first is the
+// default. A new kind is its file plus one line here (kinds.rs says what it must answer).
+softmax_kinds! {
+    vanilla: Vanilla;
+    dar: Dar, Uniform;
+    window: Window;
+    sink: Sink;
+}
+
+pub use dar::{dar, dar_sdpa, split_merge_supported, AttentionInit, DarAct};
+pub use kinds::{AttentionImpl, LineStyle, Settings, SoftmaxKind};
+pub use layer::{is_added_param, is_bottleneck_param, is_linearized_param, Attention, Heads, KvMap, Layer, LayerDims, LayerOp, Positions, Variant};
 pub use vanilla::causal;
-
-use crate::spec::AttentionImpl;
 use tch::{Device, Kind, Tensor};
 
 /// Boolean masks `[T, T]` for query i, key j: local = (0 ≤ i−j < w), global = (i−j ≥ w).

@@ -184,6 +184,37 @@ impl Still {
     }
 }
 
+/// A STILL layer behind the model interface. Packed rows are refused: chunks count from position 0.
+impl crate::attention::LayerOp for Still {
+    fn forward(&self, h: &crate::attention::Heads) -> Tensor {
+        assert!(h.seg.is_none(), "STILL layers take no packed rows");
+        let (k, v) = h.expanded_kv();
+        Still::forward(self, &h.q, &k, &v, self.gate_for(h.input, h.train).as_ref())
+    }
+
+    fn new_cache(&self, shape: &crate::attention::cache::CacheShape) -> crate::attention::cache::LayerCache {
+        crate::attention::cache::LayerCache::new(Still::new_cache(self, shape.batch, shape.kind, shape.device))
+    }
+
+    fn decode(&self, cache: &mut crate::attention::cache::LayerCache, h: &crate::attention::Heads, _p0: i64) -> Tensor {
+        let (k, v) = h.expanded_kv();
+        self.extend(cache.state::<HybridCache>(), &h.q, &k, &v, self.gate_for(h.input, false).as_ref())
+    }
+
+    /// A linearized layer is not switched in place.
+    fn reconfigured(&self, _a: &crate::attention::AttentionSpec) -> Option<Box<dyn crate::attention::LayerOp>> {
+        None
+    }
+
+    fn still(&self) -> Option<&Still> {
+        Some(self)
+    }
+
+    fn still_mut(&mut self) -> Option<&mut Still> {
+        Some(self)
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Small helpers
 // ---------------------------------------------------------------------------------------------

@@ -4,10 +4,123 @@
 //! band as a boolean mask (on CPU and CUDA alike: the kernel shim's windowed flash call lives inside
 //! DAR's split-merge and is not exposed on its own); W ≥ T is plain causal attention (flash on CUDA).
 //! Decode keeps the last W tokens' keys and values (`cache::Recent`): at most 2·W·d_kv per layer.
-use super::cache::{CacheShape, Recent};
+use super::cache::{decode_recent, CacheShape, LayerCache, Recent};
+use super::dar::DarAct;
+use super::kinds::{drop_legacy, AttentionImpl, AttentionSpec, BenchInputs, LineStyle, Settings, SoftmaxKind};
+use super::layer::{rebuilt_without_parameters, Heads, LayerDims, LayerOp};
 use super::{causal, dar_masks, doc_dar_masks, masked};
-use crate::spec::AttentionImpl;
-use tch::Tensor;
+use crate::error::Invalid;
+use crate::{kernels, Result};
+use serde::{Deserialize, Serialize};
+use tch::{nn, Tensor};
+
+/// `attention: {kind: window, window: W}`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Window {
+    /// Keys at distance < window (the current token included); default 128.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<i64>,
+    /// Not an option of this kind: older versions recorded the spec's `dar_act` for every kind, and
+    /// config.yaml still writes it so that existing run directories keep their config hash (names).
+    #[serde(default)]
+    pub dar_act: DarAct,
+    #[serde(default, rename = "impl")]
+    pub implementation: AttentionImpl,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+impl SoftmaxKind for Window {
+    const NAME: &'static str = "window";
+    const TABLE_NAME: &'static str = "Window-only";
+    const LINE_STYLE: LineStyle = LineStyle::Dotted;
+    const DECODE_BENCH: &'static str = "GPT-NeoX, sliding-window attention only (the spec's window, default 128): K/V of the last w tokens";
+    const HAS_BOTTLENECK: bool = false;
+    const LOCAL_ONLY: bool = true;
+
+    /// DAR's or a window's local window is kept (the control of that DAR run); others start at 128.
+    fn adopt(other: &AttentionSpec) -> Self {
+        let s = other.settings();
+        let window = s.window.filter(|&w| w > 0).map(|w| w as i64);
+        Window { window, dar_act: s.dar_act, implementation: s.implementation, note: None }
+    }
+
+    fn resolve(&mut self, _d_model: usize) -> std::result::Result<(), Invalid> {
+        let w = *self.window.get_or_insert(128);
+        if w < 1 {
+            return Err(("window".into(), format!("{w}: kind: window needs window ≥ 1 (the current token)")));
+        }
+        self.note = Some(format!("window: keys at distance < {w} (the current token included), nothing farther"));
+        Ok(())
+    }
+
+    fn resolve_finetune(&mut self) -> std::result::Result<(), Invalid> {
+        Err(("kind".into(), "finetune keeps vanilla or changes the attention to dar, not to window".into()))
+    }
+
+    fn comparable(&self) -> AttentionSpec {
+        AttentionSpec::Window(Window { window: self.window.filter(|&w| w >= 0), ..Window::default() })
+    }
+
+    fn label(&self) -> String {
+        match self.window.filter(|&w| w >= 0) {
+            Some(w) => format!("window-only (w {w})"),
+            None => "window".into(),
+        }
+    }
+
+    fn settings(&self) -> Settings {
+        Settings { window: self.window.filter(|&w| w >= 0).map(|w| w as usize), dar_act: self.dar_act, implementation: self.implementation, ..Settings::default() }
+    }
+
+    fn set_implementation(&mut self, imp: AttentionImpl) {
+        self.implementation = imp;
+    }
+
+    fn note(&self) -> Option<&str> {
+        self.note.as_deref()
+    }
+
+    fn layer(&self, _p: &nn::Path, _dims: LayerDims) -> Result<Box<dyn LayerOp>> {
+        Ok(Box::new(WindowLayer { window: self.window.unwrap_or(128), imp: self.implementation }))
+    }
+
+    fn bench_op(x: &BenchInputs) -> Tensor {
+        forward(x.q, x.k, x.v, x.window, None, x.imp)
+    }
+
+    /// Model configs before issue 25 wrote `d_down: 0`; `compare` carried a DAR spec's `init` over.
+    fn upgrade_legacy(map: &mut serde_yaml::Mapping) {
+        drop_legacy(map, "d_down", Some(0.into()));
+        drop_legacy(map, "init", None);
+    }
+}
+
+/// A window-only layer: no parameters; decode keeps the last W tokens.
+pub struct WindowLayer {
+    window: i64,
+    imp: AttentionImpl,
+}
+
+impl LayerOp for WindowLayer {
+    fn forward(&self, h: &Heads) -> Tensor {
+        let (k, v) = h.expanded_kv();
+        kernels::scope("attn.op", || forward(&h.q, &k, &v, self.window, h.seg, self.imp))
+    }
+
+    fn new_cache(&self, shape: &CacheShape) -> LayerCache {
+        LayerCache::new(new_cache(shape, self.window))
+    }
+
+    fn decode(&self, cache: &mut LayerCache, h: &Heads, p0: i64) -> Tensor {
+        decode_recent(|| self.forward(h), cache, h, p0)
+    }
+
+    fn reconfigured(&self, a: &AttentionSpec) -> Option<Box<dyn LayerOp>> {
+        rebuilt_without_parameters(a)
+    }
+}
 
 /// Attention over heads `[B, H, T, hd]`; `seg`: the document segments of packed rows
 /// (`super::doc_segments`), so that no key is read across a document boundary.
@@ -30,7 +143,7 @@ pub fn new_cache(shape: &CacheShape, window: i64) -> Recent {
 mod tests {
     use super::*;
     use crate::attention::tests::{max_diff, rand};
-    use crate::spec::AttentionKind;
+    use crate::attention::AttentionKind;
     use tch::{Device, Kind};
 
     /// Independent of every mask helper: for each query, a softmax over the slice of keys in its window.
@@ -111,16 +224,15 @@ mod tests {
     fn spec_resolves_and_rejects_bad_keys() {
         let spec = |sets: &[&str]| crate::spec::from_str(crate::spec::BUILTIN_TINY, "tiny.yaml", &sets.iter().map(|s| s.to_string()).collect::<Vec<_>>());
         let s = spec(&["attention={kind: window, window: 16}"]).unwrap();
-        assert_eq!((s.attention.kind, s.window(), s.attention.d_down), (AttentionKind::Window, 16, None));
+        assert_eq!((s.attention.kind(), s.window(), s.attention.d_down_width()), (AttentionKind::Window, 16, None));
         assert_eq!(spec(&["attention={kind: window}"]).unwrap().window(), 128);
-        for (sets, key) in [(&["attention={kind: window, d_down: 8}"][..], "attention.d_down"), (&["attention={kind: window, window: 0}"][..], "attention.window")] {
-            match spec(sets) {
-                Err(crate::Error::Spec { key: k, .. }) => assert_eq!(k, key),
-                other => panic!("{sets:?}: {:?}", other.map(|s| s.attention)),
-            }
+        // A key of another kind is refused by the kind's serde, a bad value by its resolve.
+        for (sets, key) in [(&["attention={kind: window, d_down: 8}"][..], "unknown field `d_down`"), (&["attention={kind: window, window: 0}"][..], "`attention.window`")] {
+            let e = spec(sets).unwrap_err().to_string();
+            assert!(e.contains(key), "{sets:?}: {e}");
         }
         let dar = spec(&["attention.window=8"]).unwrap();
         let w = dar.with_attention(AttentionKind::Window).unwrap();
-        assert_eq!((w.attention.kind, w.window(), w.attention.d_down), (AttentionKind::Window, 8, None));
+        assert_eq!((w.attention.kind(), w.window(), w.attention.d_down_width()), (AttentionKind::Window, 8, None));
     }
 }

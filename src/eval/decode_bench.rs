@@ -237,10 +237,10 @@ mod tests {
         let (Model::Llama(h), Model::Neox(x)) = (&m, &n) else { panic!("wrong families") };
         let c = &h.cfg;
         assert_eq!((c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.vocab_size), (x.cfg.d_model, x.cfg.layers, x.cfg.heads, x.cfg.vocab));
-        let crate::attention::Layer::Still(s) = &h.layers[0].attn else { panic!("still") };
+        let s = h.layers[0].attn.still().expect("still");
         assert_eq!(s.selection.kappa, 4, "λ = ⌊(384 − 128)/⌈4096/64⌉⌋");
         let custom = bench_model(&base, "mine={kind: lolcats, window: 32}", 128, Device::Cpu).unwrap().1;
-        assert!(matches!(custom, Model::Llama(ref h) if matches!(h.layers[0].attn, crate::attention::Layer::Lolcats(ref l) if l.cfg.window == 32)));
+        assert!(matches!(custom, Model::Llama(ref h) if h.layers[0].attn.get::<crate::attention::lolcats::Lolcats>().is_some_and(|l| l.cfg.window == 32)));
         assert_eq!(split_names("vanilla, mine={kind: still, budget: {m: 200, max_len: 64}},dar"), ["vanilla", "mine={kind: still, budget: {m: 200, max_len: 64}}", "dar"]);
         let err = bench_model(&base, "flash", 128, Device::Cpu).err().unwrap().to_string();
         assert!(err.contains("still-budget"), "{err}");

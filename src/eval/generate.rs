@@ -383,7 +383,7 @@ mod tests {
     fn tiny(kind: AttentionKind, d_down: usize, window: usize) -> (VarStore, Model) {
         tch::manual_seed(5);
         let mut vs = VarStore::new(Device::Cpu);
-        let attention = crate::attention::DarConfig { kind, d_down, window, ..Default::default() };
+        let attention = crate::testutil::softmax(kind, d_down, window);
         let cfg = NeoxConfig { vocab: 61, d_model: 32, layers: 2, heads: 4, ffn: 64, rotary_pct: 0.25, rotary_base: 10000.0, ln_eps: 1e-5, gelu: Gelu::Erf, attention };
         let m = GptNeox::new(&vs.root(), cfg);
         vs.double();

@@ -116,7 +116,7 @@ pub fn score(items: &[Item], gap: usize, mut predict: impl FnMut(&Item) -> Resul
 /// window-only attention, None for kinds with a path to every earlier token.
 pub fn window_reach(spec: &Spec) -> Option<usize> {
     let a = spec.attention.comparable();
-    a.kind.is_local_only().then(|| spec.shape().layers * a.window_len().unwrap_or(0).saturating_sub(1))
+    a.kind().is_local_only().then(|| spec.shape().layers * a.window_len().unwrap_or(0).saturating_sub(1))
 }
 
 /// Score `model` on `n` recall documents per gap.
@@ -232,7 +232,7 @@ mod tests {
     fn window_reach_is_layers_times_window_minus_one() {
         let mut spec = crate::spec::from_str(crate::spec::BUILTIN_TINY, "tiny", &[]).unwrap();
         assert_eq!(window_reach(&spec), None);
-        spec.attention = crate::spec::AttentionSpec { kind: crate::spec::AttentionKind::Window, window: Some(16), ..Default::default() };
+        spec.attention = serde_yaml::from_str("{kind: window, window: 16}").unwrap();
         assert_eq!(window_reach(&spec), Some(spec.shape().layers * 15));
     }
 }

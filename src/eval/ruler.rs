@@ -270,13 +270,13 @@ mod tests {
     /// vanilla, DAR and window.
     #[test]
     fn batched_evaluation_equals_batch_one() {
-        use crate::attention::{Attention, DarConfig};
+        use crate::attention::Attention;
         use crate::spec::AttentionKind;
         let tok = crate::data::Tok::load(&crate::spec::TokenizerSpec::Path("builtin".into())).unwrap();
         for (kind, d_down, window) in [(AttentionKind::Vanilla, 0, 0), (AttentionKind::Dar, 8, 16), (AttentionKind::Window, 0, 24)] {
             tch::manual_seed(3);
             let mut cfg = crate::testutil::tiny_llama(tok.padded_vocab(), crate::model::Family::Llama);
-            cfg.attention = Attention::Softmax(DarConfig { kind, d_down, window, ..DarConfig::default() });
+            cfg.attention = Attention::Softmax(crate::testutil::softmax(kind, d_down, window));
             let mut vs = tch::nn::VarStore::new(tch::Device::Cpu);
             let m = crate::model::Model::Llama(crate::model::Llama::new(&vs.root(), cfg));
             vs.double();

@@ -64,12 +64,12 @@ impl Llama {
         for (i, b) in self.layers.iter_mut().enumerate() {
             for t in &lora.targets {
                 let p = root / "model" / "layers" / i / "self_attn" / t.as_str();
-                match (t.as_str(), &mut b.attn) {
+                match (t.as_str(), b.attn.still_mut()) {
                     ("q_proj", _) => b.q_proj.add_lora(&p, lora),
                     ("k_proj", _) => b.k_proj.add_lora(&p, lora),
                     ("v_proj", _) => b.v_proj.add_lora(&p, lora),
                     ("o_proj", _) => b.o_proj.add_lora(&p, lora),
-                    ("g_proj", Layer::Still(s)) => {
+                    ("g_proj", Some(s)) => {
                         if let Some(w) = &s.g_proj {
                             let (o, inp) = (w.size()[0], w.size()[1]);
                             s.g_lora = Some(Lora::new(&p, inp, o, lora));
@@ -132,7 +132,7 @@ impl Llama {
                     out.insert(attn_param(i, t), a);
                 }
             }
-            if let Layer::Still(s) = &b.attn {
+            if let Some(s) = b.attn.still() {
                 if let Some(a) = &s.g_lora {
                     out.insert(attn_param(i, "g_proj"), a);
                 }

@@ -16,7 +16,7 @@
 //! in place (`crate::linearize::student`). Packed rows: `hidden_docs` takes per-token document ids
 //! (block-diagonal mask, positions restarting at every document).
 use crate::attention::cache::{CacheShape, DecodeCache};
-use crate::attention::{self, Attention, DarConfig, Heads, KvMap, Layer, LayerDims, Positions};
+use crate::attention::{self, Attention, AttentionSpec, Heads, KvMap, Layer, LayerDims, Positions};
 use crate::lora::Linear;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -296,14 +296,13 @@ impl Llama {
     /// Change the softmax attention's options in place, keeping the weights: the implementation, the
     /// window, vanilla ↔ window, DAR ↔ uniform (the bottleneck kept). A change that would need a
     /// bottleneck the model lacks, or drop one it has, is an error (use `add_dar`).
-    pub fn set_attention(&mut self, attention: DarConfig) -> Result<()> {
+    pub fn set_attention(&mut self, attention: AttentionSpec) -> Result<()> {
         // Checked for the whole model first, so that a refused change leaves it as it was.
         if !self.layers.iter().all(|b| b.attn.reconfigurable(&attention)) {
-            return Err(Error::Other(format!("set_attention: cannot switch {} to {:?} in place", self.cfg.attention.label(), attention.kind)));
+            return Err(Error::Other(format!("set_attention: cannot switch {} to {} in place", self.cfg.attention.label(), attention.label())));
         }
         for b in &mut self.layers {
-            let layer = std::mem::replace(&mut b.attn, Layer::Vanilla { imp: attention.implementation });
-            b.attn = layer.reconfigured(&attention)?;
+            b.attn = b.attn.reconfigured(&attention)?;
         }
         self.cfg.attention = Attention::Softmax(attention);
         Ok(())

@@ -4,7 +4,7 @@
 //! hands it the rotated heads, LN1(x) and its k / v map (`KvMap`: the k/v rows and bias of
 //! `query_key_value`, then RoPE), through which DAR's distant keys are built.
 use super::rope::Rope;
-use crate::attention::{Attention, DarConfig, Heads, KvMap, Layer as AttentionLayer, LayerDims, Positions};
+use crate::attention::{Attention, AttentionSpec, Heads, KvMap, Layer as AttentionLayer, LayerDims, Positions};
 use crate::spec::{Gelu, Spec};
 use tch::nn::{self, Init, Module};
 use tch::Tensor;
@@ -21,8 +21,8 @@ pub struct NeoxConfig {
     pub rotary_base: f64,
     pub ln_eps: f64,
     pub gelu: Gelu,
-    /// The layers' attention (vanilla, DAR, uniform or window) with the bottleneck's start.
-    pub attention: DarConfig,
+    /// The layers' attention (a softmax kind) with the seed of its own parameters' start.
+    pub attention: AttentionSpec,
 }
 
 impl NeoxConfig {
@@ -39,7 +39,7 @@ impl NeoxConfig {
             rotary_base: spec.model.rotary_base.unwrap_or(10000.0),
             ln_eps: 1e-5,
             gelu: spec.model.gelu,
-            attention: DarConfig::from_spec(spec),
+            attention: spec.model_attention(),
         }
     }
 
@@ -105,7 +105,7 @@ impl GptNeox {
                 let a = &p / "attention";
                 // DAR's bottleneck draws from its own stream, not the global generator.
                 let dims = LayerDims { heads: cfg.heads as i64, head_dim: cfg.head_dim() as i64, d_model: d as i64, layer: i as i64 };
-                let attn = AttentionLayer::new(&a, &Attention::Softmax(cfg.attention), dims).expect("softmax attention builds");
+                let attn = AttentionLayer::new(&a, &Attention::Softmax(cfg.attention.clone()), dims).expect("softmax attention builds");
                 Layer {
                     input_layernorm: layer_norm(&p / "input_layernorm", d, cfg.ln_eps),
                     post_attention_layernorm: layer_norm(&p / "post_attention_layernorm", d, cfg.ln_eps),

@@ -174,7 +174,7 @@ pub fn write(i: &Inputs) -> String {
     let _ = writeln!(o, "| run | scale | attention | recipe | seed | logged step / steps | DONE | tables |\n|---|---|---|---|---|---|---|---|");
     for r in i.runs {
         let mut attention = r.spec.attention.comparable().label();
-        if r.spec.attention.dar_act != crate::spec::DarAct::Linear && r.spec.attention.has_bottleneck() {
+        if r.spec.attention.dar_act() != crate::spec::DarAct::Linear && r.spec.attention.has_bottleneck() {
             attention += ", sigmoid bottleneck (not tabulated: the paper's tables use the linear one)";
         }
         let tables = in_tables.get(r.rel.as_str()).map_or("none".to_string(), |v| v.join(", "));

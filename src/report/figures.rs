@@ -91,12 +91,12 @@ struct Series<'a> {
 }
 
 fn is_sigmoid(r: &Run) -> bool {
-    !r.spec.attention.is_vanilla() && r.spec.attention.dar_act == DarAct::Sigmoid
+    !r.spec.attention.is_vanilla() && r.spec.attention.dar_act() == DarAct::Sigmoid
 }
 
-/// The dash of a kind: vanilla and DAR solid, uniform dashed, window-only dotted.
+/// The dash of a kind: its registered line style (vanilla and DAR solid, uniform dashed, …).
 fn dash_of(c: &AttentionSpec) -> Dash {
-    c.kind.line_style()
+    c.kind().line_style()
 }
 
 /// A sweep's runs as series, in table order (vanilla, DAR by d_down and window, wide first,
@@ -111,7 +111,7 @@ fn series<'a>(runs: &[&'a Run]) -> Vec<Series<'a>> {
             None => out.push(Series { dash: dash_of(&config), config, sigmoid, runs: vec![r], label: String::new(), color: None }),
         }
     }
-    out.sort_by_key(|s| (s.config.kind.order(), std::cmp::Reverse(s.config.d_down), std::cmp::Reverse(s.config.window), s.config.init.map(|i| i as u8), s.sigmoid));
+    out.sort_by_key(|s| (s.config.kind().order(), std::cmp::Reverse(s.config.d_down_width()), std::cmp::Reverse(s.config.window_len()), s.config.init().map(|i| i as u8), s.sigmoid));
     // Colour by window only in a window ablation: one d_down, several DAR windows (uniform's 0
     // alone does not make one).
     let bottleneck: Vec<&AttentionSpec> = out.iter().map(|s| &s.config).filter(|c| c.has_bottleneck()).collect();
@@ -120,8 +120,8 @@ fn series<'a>(runs: &[&'a Run]) -> Vec<Series<'a>> {
     let by_window = d_downs.len() <= 1 && windows.len() > 1;
     let key = |c: &AttentionSpec| -> String {
         match (c.has_bottleneck(), by_window) {
-            (true, false) => format!("d{}", c.d_down.unwrap_or(0)),
-            _ => format!("w{}", c.window.unwrap_or(0)),
+            (true, false) => format!("d{}", c.d_down_width().unwrap_or(0)),
+            _ => format!("w{}", c.window_len().unwrap_or(0)),
         }
     };
     let mut colors: BTreeMap<String, usize> = BTreeMap::new();

@@ -138,9 +138,24 @@ fn source_words(src: &SourceSpec) -> String {
     }
 }
 
+/// Which arm comes first in a paired difference: DAR (with a window), then the window-only control,
+/// then the other kinds in table order, vanilla last; so the headline reads DAR − window-only.
+pub fn arm_rank(c: &AttentionSpec) -> usize {
+    let kind = c.kind();
+    if c.dar_window().is_some() {
+        0
+    } else if kind.is_local_only() {
+        1
+    } else if kind.is_vanilla() {
+        usize::MAX
+    } else {
+        2 + kind.order()
+    }
+}
+
 /// Runs with the variant the paper uses (linear bottleneck): sigmoid runs are listed, not tabulated.
 pub fn tabulated(run: &Run) -> bool {
-    run.spec.attention.dar_act == DarAct::Linear || run.spec.attention.is_vanilla()
+    run.spec.attention.dar_act() == DarAct::Linear || run.spec.attention.is_vanilla()
 }
 
 /// Runs grouped by recipe key (same scale and recipe), in order of first appearance.

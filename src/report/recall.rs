@@ -17,15 +17,6 @@ pub fn read(run: &Run) -> Vec<RecallScore> {
     serde_json::from_str::<serde_json::Value>(&text).ok().and_then(|v| serde_json::from_value(v["gaps"].clone()).ok()).unwrap_or_default()
 }
 
-/// Which arm comes first in a difference: DAR, window-only, uniform, vanilla.
-fn rank(c: &AttentionSpec) -> usize {
-    match c.kind.name() {
-        "dar" => 0,
-        "window" => 1,
-        "uniform" => 2,
-        _ => 3,
-    }
-}
 
 /// Per recipe with recall scores: the pooled table and the paired differences.
 pub fn build(runs: &[Run]) -> Vec<Grid> {
@@ -53,7 +44,7 @@ pub fn build(runs: &[Run]) -> Vec<Grid> {
         if arms.is_empty() {
             continue;
         }
-        arms.sort_by_key(|(c, _)| (rank(c), std::cmp::Reverse(c.d_down_width()), std::cmp::Reverse(c.window_len())));
+        arms.sort_by_key(|(c, _)| (super::groups::arm_rank(c), std::cmp::Reverse(c.d_down_width()), std::cmp::Reverse(c.window_len())));
         let gaps: BTreeSet<usize> = arms.iter().flat_map(|(_, s)| s.values().flat_map(|g| g.keys().copied())).collect();
         let id = format!("recall-{scale}-{}", groups::key_id(&key));
         let stat = |v: Vec<f64>| Stat::of(&v).map_or(Cell::Empty, Cell::Stat);

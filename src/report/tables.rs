@@ -152,21 +152,11 @@ impl PairedDiff {
     }
 }
 
-/// Which arm comes first in a difference: DAR before window-only before uniform (so the headline
-/// reads DAR − window-only), then table order.
-fn pair_rank(c: &AttentionSpec) -> usize {
-    match c.kind.name() {
-        "dar" => 0,
-        "window" => 1,
-        "uniform" => 2,
-        _ => 3,
-    }
-}
 
 /// Every pair of non-vanilla rows of one scale with paired seeds in common, `a − b` per seed.
 pub fn paired_differences(rows: &[Row]) -> Vec<PairedDiff> {
     let mut arms: Vec<&Row> = rows.iter().filter(|r| !r.config.is_vanilla() && !r.rel_by_seed.is_empty()).collect();
-    arms.sort_by_key(|r| pair_rank(&r.config));
+    arms.sort_by_key(|r| super::groups::arm_rank(&r.config));
     let mut out = Vec::new();
     for (i, a) in arms.iter().enumerate() {
         for b in arms[i + 1..].iter().filter(|b| b.scale == a.scale) {
@@ -316,7 +306,7 @@ fn within_scale(number: u8, sec: &Section, prows: &[&PaperRow], all: &[&Run], un
         let d_downs: BTreeSet<usize> = slots.iter().filter_map(|(c, _)| c.d_down_width()).collect();
         for r in &sec.runs {
             let c = r.spec.attention.comparable();
-            let default_init = c.init == Some(AttentionInit::SmallInit);
+            let default_init = c.init() == Some(AttentionInit::SmallInit);
             if c.dar_window().is_some() && default_init && c.d_down_width().is_some_and(|x| d_downs.contains(&x)) && !slots.iter().any(|(s, _)| *s == c) {
                 slots.push((c, None));
             }
@@ -328,14 +318,14 @@ fn within_scale(number: u8, sec: &Section, prows: &[&PaperRow], all: &[&Run], un
         }
         slots.extend(controls.into_iter().map(|c| (c, None)));
         // Vanilla first, then windows from wide to none (uniform last), DAR before window-only.
-        slots.sort_by_key(|(c, _)| (!c.is_vanilla(), std::cmp::Reverse(c.window_len()), c.kind.order()));
+        slots.sort_by_key(|(c, _)| (!c.is_vanilla(), std::cmp::Reverse(c.window_len()), c.kind().order()));
     } else {
         // Configurations the paper's table lacks (another bottleneck start, window-only attention)
         // get rows of their own, so that every arm of an experiment is compared with vanilla.
         let mut extra: Vec<AttentionSpec> = Vec::new();
         for r in &sec.runs {
             let c = r.spec.attention.comparable();
-            let other_start = c.has_bottleneck() && c.init != Some(AttentionInit::SmallInit);
+            let other_start = c.has_bottleneck() && c.init() != Some(AttentionInit::SmallInit);
             if !c.is_vanilla() && (other_start || !c.has_bottleneck()) && !slots.iter().any(|(s, _)| *s == c) && !extra.contains(&c) {
                 extra.push(c);
             }
@@ -343,7 +333,7 @@ fn within_scale(number: u8, sec: &Section, prows: &[&PaperRow], all: &[&Run], un
         if !extra.is_empty() {
             notes.push(format!("Rows without a paper value ({}): configurations of this recipe the paper's table has no row for.", extra.iter().map(|c| c.label()).collect::<Vec<_>>().join("; ")));
         }
-        if extra.iter().any(|c| c.kind.is_local_only()) {
+        if extra.iter().any(|c| c.kind().is_local_only()) {
             notes.push(WINDOW_ONLY_NOTE.to_string());
         }
         slots.extend(extra.into_iter().map(|c| (c, None)));
@@ -378,7 +368,7 @@ fn window_only(sec: &Section, slots: &[(AttentionSpec, Option<&PaperRow>)]) -> V
     let mut out: Vec<AttentionSpec> = Vec::new();
     for r in &sec.runs {
         let c = r.spec.attention.comparable();
-        if c.kind.is_local_only() && !slots.iter().any(|(s, _)| *s == c) && !out.contains(&c) {
+        if c.kind().is_local_only() && !slots.iter().any(|(s, _)| *s == c) && !out.contains(&c) {
             out.push(c);
         }
     }

@@ -200,7 +200,7 @@ fn rel_matches_hand_computation_and_rows_are_matched_by_config() {
     // Table 3: uniform is the w = 0 row; Table 2 expects the paper's three scales.
     let t3 = table(&tables, 3);
     assert_eq!(row(t3, AttentionSpec::bottleneck(128, 0)).run.as_deref(), Some("t/c"));
-    assert_eq!(t3.rows.last().unwrap().config.window, Some(0));
+    assert_eq!(t3.rows.last().unwrap().config.window_len(), Some(0));
     let t2 = table(&tables, 2);
     let scales: Vec<&str> = t2.rows.iter().map(|r| r.scale.as_str()).collect();
     assert_eq!(scales, ["pythia-70m", "pythia-70m", "pythia-160m", "pythia-160m", "pythia-410m", "pythia-410m"]);
@@ -278,7 +278,7 @@ fn reduced_scale_sweep_gets_its_own_tables() {
     assert!(row(t1, AttentionSpec::bottleneck(16, 16)).paper.is_some(), "paper 70M row matched by d_down / d_model");
     assert!(row(t1, AttentionSpec::bottleneck(8, 16)).missing.is_some());
     let t3 = table(&tables, 3);
-    assert!(t3.rows.iter().all(|r| r.config.window.is_none_or(|w| w < 128)), "w ≥ T rows left out");
+    assert!(t3.rows.iter().all(|r| r.config.window_len().is_none_or(|w| w < 128)), "w ≥ T rows left out");
     let t2 = table(&tables, 2);
     assert!(t2.rows.iter().all(|r| r.scale == "tiny"), "no paper scales expected for a tiny-only sweep");
 }
@@ -546,10 +546,10 @@ fn window_only_rows_and_paired_differences_by_seed() {
     let tables = tables::build(&runs, &paper::dar().unwrap(), Unit::Token);
     for t in &tables {
         // Every DAR table of this recipe shows the control.
-        assert!(t.rows.iter().any(|r| r.config.kind == AttentionKind::Window && r.n() == 3), "{}: no window-only row", t.title);
+        assert!(t.rows.iter().any(|r| r.config.kind() == AttentionKind::Window && r.n() == 3), "{}: no window-only row", t.title);
     }
     let t1 = table(&tables, 1);
-    let w = row(t1, AttentionSpec { kind: AttentionKind::Window, window: Some(16), ..AttentionSpec::default() });
+    let w = row(t1, serde_yaml::from_str::<AttentionSpec>("{kind: window, window: 16}").unwrap());
     assert!(close(w.rel.unwrap(), (96.70 + 97.40 + 98.04) / 3.0));
     let pair = t1.pairs.iter().find(|p| p.a.starts_with("DAR") && p.b.starts_with("window-only")).unwrap_or_else(|| panic!("{:?}", t1.pairs));
     let want = [95.35 - 96.70, 95.09 - 97.40, 97.26 - 98.04];

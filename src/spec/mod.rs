@@ -10,7 +10,7 @@ mod megatron;
 mod overrides;
 mod schema;
 
-pub use attention::LineStyle;
+pub use crate::attention::LineStyle;
 pub use attention::finetune_form as finetune_attention;
 pub use megatron::MegatronSource;
 pub use overrides::apply_override;

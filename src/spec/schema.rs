@@ -4,8 +4,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-/// A validation failure: (dotted key path, message).
-pub type Invalid = (String, String);
+pub use crate::attention::{AttentionImpl, AttentionInit, AttentionKind, AttentionSpec, DarAct};
+pub use crate::error::Invalid;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -156,111 +156,6 @@ pub struct ModelSpec {
     /// Llama: tie lm_head to embed_tokens (default true for llama flavors).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tie_embeddings: Option<bool>,
-}
-
-/// The softmax attention kinds, listed once: the enum and `AttentionKind::ALL` (the order of tables,
-/// plots and `bench`) both come from this list, so a new kind cannot be left out of ALL; every match
-/// on the kind (src/spec/attention.rs, resolve, bench, the layers) then names itself to the compiler.
-macro_rules! attention_kinds {
-    ($($(#[$meta:meta])* $kind:ident,)*) => {
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-        #[serde(rename_all = "lowercase")]
-        pub enum AttentionKind {
-            $($(#[$meta])* $kind,)*
-        }
-
-        impl AttentionKind {
-            /// Every kind, in the order tables, plots and `bench` list them.
-            pub const ALL: [AttentionKind; 0 $(+ { let _ = stringify!($kind); 1 })*] = [$(AttentionKind::$kind,)*];
-        }
-    };
-}
-
-attention_kinds! {
-    #[default]
-    Vanilla,
-    Dar,
-    Uniform,
-    /// Sliding-window attention only: keys at distance < window, nothing farther (DAR without its distant keys).
-    Window,
-}
-
-impl AttentionKind {
-    /// DAR and uniform add a d_down bottleneck per layer; vanilla and window do not.
-    pub fn has_bottleneck(self) -> bool {
-        matches!(self, AttentionKind::Dar | AttentionKind::Uniform)
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum DarAct {
-    #[default]
-    Linear,
-    Sigmoid,
-}
-
-/// Which implementation computes DAR attention (all compute the same function).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "kebab-case")]
-pub enum AttentionImpl {
-    /// Fastest available: split-merge with cuDNN on CUDA (bf16/fp16, head dim a multiple of 8, ≤ 256),
-    /// masked SDPA otherwise.
-    #[default]
-    Auto,
-    /// Explicit masked scores (slow, O(T²) memory): the oracle.
-    Reference,
-    /// SDPA over concatenated local + global keys with a boolean mask (dar-kernels.md §2).
-    Sdpa,
-    /// Sliding-window flash call (local) + causal flash call over the bottleneck keys (global),
-    /// merged by log-sum-exp, exact custom backward (dar-kernels.md §3; CUDA only).
-    SplitMerge,
-    /// As split-merge, with cuDNN attention for the global part.
-    SplitMergeCudnn,
-    /// Experimental (issue 28): split-merge with cuDNN, the merge in one pass in place (bf16 out,
-    /// log-sum-exp kept) and a backward without copies of dO, O, dK_g, dV_g. Never chosen by `auto`.
-    SplitMergeFused,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub struct AttentionSpec {
-    #[serde(default)]
-    pub kind: AttentionKind,
-    /// Bottleneck width for distant keys (default d_model/4).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub d_down: Option<i64>,
-    /// Keys at distance < window use full width (default 128; `uniform` forces 0).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub window: Option<i64>,
-    #[serde(default)]
-    pub dar_act: DarAct,
-    #[serde(default, rename = "impl")]
-    pub implementation: AttentionImpl,
-    /// How pretraining starts the bottleneck (DAR / uniform; resolved to small_init).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub init: Option<AttentionInit>,
-    /// Set in the resolved config to explain how the kind was interpreted.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub note: Option<String>,
-}
-
-/// The start of a pretraining run's DAR bottleneck (dar.md §7.4), drawn from its own seeded stream
-/// so that every other weight equals the vanilla run's of the same seed (model::init).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum AttentionInit {
-    /// W_down and W_up each N(0, 2/(5d)), GPT-NeoX's small_init: the distant path starts at about
-    /// 0.4·√(d_down/d) of the local path's norm.
-    #[default]
-    SmallInit,
-    /// W_down with orthonormal rows, W_up = W_downᵀ: the distant path starts as the orthogonal
-    /// projection onto a random d_down-dimensional subspace (norm-preserving on its span).
-    Orthogonal,
-    /// Fine-tuning only (`attnlab finetune`): W_down = Uᵀ, W_up = U with U the top-d_down principal
-    /// directions of each layer's K/V input over calibration rows (attention::dar::init). A pretraining
-    /// spec refuses it: a model being trained from scratch has no activations to read.
-    Pca,
 }
 
 /// Where a tokenizer comes from.
@@ -644,52 +539,8 @@ impl Spec {
             return bad("model.vocab", "must be > 0".into());
         }
 
-        // Attention.
-        let a = &mut self.attention;
-        match a.kind {
-            AttentionKind::Vanilla => {
-                if a.d_down.is_some() || a.window.is_some() {
-                    let k = if a.d_down.is_some() { "attention.d_down" } else { "attention.window" };
-                    return bad(k, "is meaningless for kind: vanilla (use dar or uniform)".into());
-                }
-                if a.init.is_some() {
-                    return bad("attention.init", "is meaningless for kind: vanilla (it starts the DAR bottleneck)".into());
-                }
-            }
-            AttentionKind::Dar | AttentionKind::Uniform => {
-                if a.init == Some(AttentionInit::Pca) {
-                    return bad("attention.init", "pca starts a pretrained model's bottleneck from its own activations (attnlab finetune); pretraining starts it with small_init or orthogonal".into());
-                }
-                a.init.get_or_insert_default();
-                let d_down = *a.d_down.get_or_insert((shape.d_model / 4) as i64);
-                if d_down <= 0 || d_down as usize > shape.d_model {
-                    return bad("attention.d_down", format!("{d_down} is not in 1..={} (d_model)", shape.d_model));
-                }
-                if a.kind == AttentionKind::Uniform {
-                    if let Some(w) = a.window.filter(|&w| w != 0) {
-                        return bad("attention.window", format!("kind: uniform is DAR with window 0; got window {w}"));
-                    }
-                    a.window = Some(0);
-                    a.note = Some("uniform = DAR with window 0: every key, the current token's included, uses the d_down bottleneck".into());
-                } else {
-                    let w = *a.window.get_or_insert(128);
-                    if w < 0 {
-                        return bad("attention.window", format!("{w} is negative"));
-                    }
-                    a.note = Some(format!("dar: keys at distance < {w} (the current token included) full width, farther keys through the d_down bottleneck"));
-                }
-            }
-            AttentionKind::Window => {
-                if a.d_down.is_some() {
-                    return bad("attention.d_down", "is meaningless for kind: window (it has no distant keys; use dar)".into());
-                }
-                let w = *a.window.get_or_insert(128);
-                if w < 1 {
-                    return bad("attention.window", format!("{w}: kind: window needs window ≥ 1 (the current token)"));
-                }
-                a.note = Some(format!("window: keys at distance < {w} (the current token included), nothing farther"));
-            }
-        }
+        // Attention: the kind's own options resolve themselves.
+        self.attention.resolve(shape.d_model)?;
 
         // Data.
         let seq_len = *self.data.seq_len.get_or_insert(if tiny { 128 } else { 2048 });
@@ -837,10 +688,15 @@ impl Spec {
         if w < 1.0 { (w * decay).round() as u64 } else { w as u64 }
     }
     pub fn window(&self) -> usize {
-        self.attention.window.unwrap_or(0) as usize
+        self.attention.window_len().unwrap_or(0)
     }
     pub fn d_down(&self) -> usize {
-        self.attention.d_down.unwrap_or(0) as usize
+        self.attention.d_down_width().unwrap_or(0)
+    }
+    /// The attention a model built from this spec runs: the spec's, with the run's seed for the
+    /// kind's own parameter stream.
+    pub fn model_attention(&self) -> AttentionSpec {
+        self.attention.clone().with_init_seed(self.train.seed.unwrap_or(1234))
     }
     /// The spec as YAML (what config.yaml holds).
     pub fn to_yaml(&self) -> String {
@@ -849,31 +705,12 @@ impl Spec {
 }
 
 impl Spec {
-    /// The same experiment with another attention kind (for side-by-side comparisons): vanilla drops
-    /// the bottleneck keys, uniform forces window 0, dar keeps d_down and window (default 128).
+    /// The same experiment with another attention kind (for side-by-side comparisons): each kind
+    /// keeps what applies to it (`SoftmaxKind::adopt`: vanilla nothing but the implementation, uniform
+    /// the bottleneck, DAR also its window, window-only DAR's window), then resolves.
     pub fn with_attention(&self, kind: AttentionKind) -> Result<Spec, Invalid> {
         let mut s = self.clone();
-        s.attention.kind = kind;
-        s.attention.note = None;
-        match kind {
-            AttentionKind::Vanilla => {
-                s.attention.d_down = None;
-                s.attention.window = None;
-                s.attention.init = None;
-            }
-            AttentionKind::Uniform => s.attention.window = None,
-            AttentionKind::Dar => {
-                if self.attention.kind != AttentionKind::Dar {
-                    s.attention.window = None;
-                }
-            }
-            AttentionKind::Window => {
-                s.attention.d_down = None;
-                if !matches!(self.attention.kind, AttentionKind::Dar | AttentionKind::Window) {
-                    s.attention.window = None;
-                }
-            }
-        }
+        s.attention = self.attention.to_kind(kind);
         s.resolve()
     }
 }

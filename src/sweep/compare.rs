@@ -29,7 +29,7 @@ pub fn compare(src: &SpecSource, kinds: &[String], quiet: bool) -> Result<Vec<(S
         s.output = Some(root.join(k));
         s.name = Some(k.clone());
         if !quiet {
-            eprintln!("== {k}: {}", s.attention.note.clone().unwrap_or_else(|| "full-width keys everywhere".into()));
+            eprintln!("== {k}: {}", s.attention.note().unwrap_or("full-width keys everywhere"));
         }
         let o = train::train(s, &TrainOptions { quiet, ..Default::default() })?;
         rows.push((k.clone(), o.eval));

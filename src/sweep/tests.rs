@@ -80,7 +80,7 @@ fn grid_zip_and_runs_expand_in_order_with_names_dirs_and_values() {
     assert_eq!(first.overrides, "attention.d_down=32 train.seed=1 train.lr=0.001 attention.kind=dar");
     assert_eq!((first.spec.as_train().unwrap().d_down(), first.spec.as_train().unwrap().window()), (32, 16));
     let uniform = p.runs.iter().find(|r| r.name == "uniform-d8-s2").unwrap();
-    assert_eq!((uniform.spec.as_train().unwrap().attention.kind, uniform.spec.as_train().unwrap().window(), uniform.spec.as_train().unwrap().d_down()), (crate::spec::AttentionKind::Uniform, 0, 8));
+    assert_eq!((uniform.spec.as_train().unwrap().attention.kind(), uniform.spec.as_train().unwrap().window(), uniform.spec.as_train().unwrap().d_down()), (crate::spec::AttentionKind::Uniform, 0, 8));
 }
 
 #[test]
@@ -147,7 +147,7 @@ fn null_deletes_a_key_and_other_values_override() {
     let (_tmp, file) = setup("base: base.yaml\noutput: OUT\nname: v\nset: {attention.kind: vanilla, attention.d_down: null}\n");
     let p = plan(&file, &["attention.window=null".into()], None).unwrap();
     assert_eq!(p.runs.len(), 1);
-    assert_eq!((p.runs[0].spec.as_train().unwrap().attention.d_down, p.runs[0].spec.as_train().unwrap().attention.window), (None, None));
+    assert_eq!((p.runs[0].spec.as_train().unwrap().attention.d_down_width(), p.runs[0].spec.as_train().unwrap().attention.window_len()), (None, None));
 }
 
 #[test]

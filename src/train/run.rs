@@ -2,7 +2,6 @@
 use super::checkpoint;
 use crate::data::Tok;
 use crate::perplexity::CorpusResult;
-use crate::attention::DarConfig;
 use crate::model::{Family, GptNeox, LlamaConfig, Model, NeoxConfig};
 use crate::run_kind::RunKind;
 use crate::spec::{Arch, Spec};
@@ -42,7 +41,7 @@ pub fn llama_config(spec: &Spec) -> LlamaConfig {
         tie_word_embeddings: spec.model.tie_embeddings.unwrap_or(true),
         max_position_embeddings: spec.seq_len(),
         family: if spec.model.arch == Some(Arch::Olmo2) { Family::Olmo2 } else { Family::Llama },
-        attention: crate::attention::Attention::Softmax(DarConfig::from_spec(spec)),
+        attention: crate::attention::Attention::Softmax(spec.model_attention()),
     }
 }
 

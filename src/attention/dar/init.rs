@@ -5,10 +5,9 @@
 //! The bottleneck has no bias, so the directions are those of the uncentred second moment
 //! `C = hᵀh / N`: the projection minimising the mean squared reconstruction error, which then equals
 //! the sum of the discarded eigenvalues of C.
-use crate::attention::dar::Bottleneck;
-use crate::attention::{Attention, DarConfig, Layer};
+use crate::attention::dar::{AttentionInit, Bottleneck, DarAct, DarLayer};
+use crate::attention::{Attention, AttentionSpec, Layer};
 use crate::model::Llama;
-use crate::spec::{AttentionInit, AttentionKind, DarAct};
 use rand::{Rng, SeedableRng};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -47,10 +46,11 @@ pub fn calibrate_pca(model: &Llama, calib_ids: &Tensor, doc_ids: Option<&Tensor>
     if !cfg.attention.has_bottleneck() {
         return Err(Error::Other("calibrate_pca: the model has no DAR bottleneck (add_dar first)".into()));
     }
-    if cfg.attention.softmax().dar_act != DarAct::Linear {
+    let a = cfg.attention.softmax().expect("a bottleneck is a softmax kind's");
+    if a.dar_act() != DarAct::Linear {
         return Err(Error::Other("calibrate_pca: PCA initialisation needs dar_act: linear (a sigmoid latent is not a projection)".into()));
     }
-    let (d, k) = (cfg.hidden_size as i64, cfg.attention.softmax().d_down);
+    let (d, k) = (cfg.hidden_size as i64, a.d_down_width().unwrap_or(0));
     let tokens = calib_ids.numel() as f64;
     tch::no_grad(|| {
         let (seg, cos, sin) = model.doc_tables(calib_ids, doc_ids);
@@ -80,7 +80,7 @@ pub fn calibrate_pca(model: &Llama, calib_ids: &Tensor, doc_ids: Option<&Tensor>
 /// Give a pretrained vanilla model (loaded under `root`, e.g. by `hf::load_llama`) DAR with
 /// `attention`, bottlenecks initialised by `init` (`pca` needs `calib_ids` `[B, T]`, optionally with
 /// `doc_ids` for packed rows). Returns the per-layer discarded fraction for `pca` (empty for small_init).
-pub fn add_dar_to_pretrained(model: &mut Llama, root: &nn::Path, attention: DarConfig, init: BottleneckInit, calib_ids: Option<&Tensor>, doc_ids: Option<&Tensor>) -> Result<Vec<f64>> {
+pub fn add_dar_to_pretrained(model: &mut Llama, root: &nn::Path, attention: AttentionSpec, init: BottleneckInit, calib_ids: Option<&Tensor>, doc_ids: Option<&Tensor>) -> Result<Vec<f64>> {
     model.add_dar(root, attention)?;
     match (init, calib_ids) {
         (BottleneckInit::SmallInit, _) => Ok(Vec::new()),
@@ -96,25 +96,28 @@ impl Llama {
     /// one: adds `self_attn.bottleneck_{down,up}.weight` to every layer, small_init N(0, 2/(5d)) from
     /// the global generator (calibrate them afterwards with `attention::dar::init::calibrate_pca` for
     /// the PCA start).
-    pub fn add_dar(&mut self, root: &nn::Path, attention: DarConfig) -> Result<()> {
+    pub fn add_dar(&mut self, root: &nn::Path, attention: AttentionSpec) -> Result<()> {
         let d = self.cfg.hidden_size;
         if !attention.has_bottleneck() {
-            return Err(Error::Other(format!("add_dar: attention kind {:?} has no bottleneck", attention.kind)));
+            return Err(Error::Other(format!("add_dar: attention kind {} has no bottleneck", attention.kind().name())));
         }
-        if !matches!(self.cfg.attention, Attention::Softmax(c) if c.kind == AttentionKind::Vanilla) {
+        if !self.cfg.attention.is_vanilla() {
             return Err(Error::Other(format!("add_dar: the model's attention is already {}", self.cfg.attention.label())));
         }
-        if attention.d_down == 0 || attention.d_down > d {
-            return Err(Error::Other(format!("add_dar: d_down {} is not in 1..={d}", attention.d_down)));
+        let s = attention.settings();
+        let d_down = s.d_down.unwrap_or(0);
+        if d_down == 0 || d_down > d {
+            return Err(Error::Other(format!("add_dar: d_down {d_down} is not in 1..={d}")));
         }
-        if attention.kind == AttentionKind::Uniform && attention.window != 0 {
-            return Err(Error::Other(format!("add_dar: uniform is DAR with window 0, got window {}", attention.window)));
+        let window = s.window.unwrap_or(0);
+        if attention.kind() == crate::attention::AttentionKind::Uniform && window != 0 {
+            return Err(Error::Other(format!("add_dar: uniform is DAR with window 0, got window {window}")));
         }
         let m = root / "model";
         let small = nn::Init::Randn { mean: 0.0, stdev: (2.0 / (5.0 * d as f64)).sqrt() };
         for (i, b) in self.layers.iter_mut().enumerate() {
-            let bottleneck = Bottleneck::new(&(&m / "layers" / i / "self_attn"), d as i64, attention.d_down as i64, attention.dar_act, small);
-            b.attn = Layer::Dar { bottleneck, window: attention.window as i64, imp: attention.implementation };
+            let bottleneck = Bottleneck::new(&(&m / "layers" / i / "self_attn"), d as i64, d_down as i64, s.dar_act, small);
+            b.attn = Layer::from_op(Box::new(DarLayer::new(bottleneck, window as i64, s.implementation)));
         }
         self.cfg.attention = Attention::Softmax(attention);
         Ok(())

@@ -22,6 +22,17 @@ pub struct HybridCache {
     pub z: Tensor,
 }
 
+impl crate::attention::cache::KindCache for HybridCache {
+    fn bytes(&self) -> i64 {
+        HybridCache::bytes(self)
+    }
+    /// STILL's / LoLCATs' chunks are counted from position 0, so a shifted row would be routed
+    /// differently: one prompt per batch row, without padding.
+    fn set_padding(&mut self, _pad: &crate::attention::cache::Padding) {
+        panic!("STILL / LoLCATs caches take one prompt per batch row without padding")
+    }
+}
+
 impl HybridCache {
     pub(crate) fn empty(b: i64, h: i64, d: i64, f: i64, kv_kind: Kind, dev: Device) -> Self {
         let state = if kv_kind == Kind::Double { Kind::Double } else { Kind::Float };

@@ -391,10 +391,10 @@ impl ModelInfo {
         ModelInfo {
             step,
             arch: format!("{:?}", spec.model.arch.unwrap_or_default()).to_lowercase(),
-            attention: a.kind.name().into(),
+            attention: a.kind().name().into(),
             d_model: spec.shape().d_model,
-            d_down: if vanilla { None } else { a.d_down.map(|x| x as usize) },
-            window: if vanilla { None } else { a.window.map(|x| x as usize) },
+            d_down: if vanilla { None } else { a.d_down_width() },
+            window: if vanilla { None } else { a.window_len() },
         }
     }
 }

@@ -1,6 +1,5 @@
 use super::*;
 use crate::attention::is_linearized_param;
-use crate::attention::DarConfig;
 use crate::model::hf;
 use crate::spec::{AttentionImpl, AttentionKind};
 use crate::train::optim::{AdamW, Hyper};
@@ -16,7 +15,7 @@ fn teacher(name: &str, dar: bool) -> (nn::VarStore, Llama) {
     let (vs, mut m) = hf::load_llama(&fixture(name), Device::Cpu).unwrap();
     if dar {
         tch::manual_seed(11);
-        let c = DarConfig { kind: AttentionKind::Dar, d_down: 16, window: 5, implementation: AttentionImpl::Reference, ..DarConfig::default() };
+        let c = crate::testutil::softmax(AttentionKind::Dar, 16, 5).with_implementation(AttentionImpl::Reference);
         m.add_dar(&vs.root(), c).unwrap();
     }
     (vs, m)
@@ -202,7 +201,7 @@ fn export_round_trip() {
     s.save_export(&vs, dir.path()).unwrap();
     let (_vs2, back) = Llama::load_export_with(dir.path(), Device::Cpu, &[]).unwrap();
     assert!(max_diff(&logits(&back, &x, Pass::Eval), &logits(&s, &x, Pass::Eval)) < 1e-4);
-    let Layer::Lolcats(l) = &back.layers[0].attn else { panic!("variant lost") };
+    let l = back.layers[0].attn.get::<crate::attention::lolcats::Lolcats>().expect("variant lost");
     assert!((l.gamma() - 0.7f64.exp() / (1.0 + 0.7f64.exp())).abs().max().double_value(&[]) < 1e-6, "trained γ kept");
     // --set on the operator's options, and a clear error for anything else.
     let (_vs3, k16) = Llama::load_export_with(dir.path(), Device::Cpu, &["attention.window=8".into()]).unwrap();
@@ -259,9 +258,10 @@ fn cache_bytes_follow_the_bounded_formula() {
         tch::manual_seed(n as i64);
         let (_vs, s) = student(&t, &variant(yaml), &no_lora());
         let (heads, d) = (cfg.num_attention_heads as i64, cfg.head_dim() as i64);
-        let (c, f, per_chunk, cap) = match &s.layers[0].attn {
-            Layer::Still(s) => (s.cfg.chunk, s.feature_map_k.dim(), s.selection.kappa, s.selection.max_chunks.saturating_mul(s.selection.kappa)),
-            Layer::Lolcats(l) => (l.cfg.window, l.feature_map_k.dim(), 0, 0),
+        let attn = &s.layers[0].attn;
+        let (c, f, per_chunk, cap) = match (attn.still(), attn.get::<crate::attention::lolcats::Lolcats>()) {
+            (Some(s), _) => (s.cfg.chunk, s.feature_map_k.dim(), s.selection.kappa, s.selection.max_chunks.saturating_mul(s.selection.kappa)),
+            (_, Some(l)) => (l.cfg.window, l.feature_map_k.dim(), 0, 0),
             _ => panic!("not linearized"),
         };
         let formula = |p: i64| {
@@ -310,7 +310,7 @@ fn linearize_runs_on_olmo2_and_dar_teachers() {
         let vs = nn::VarStore::new(Device::Cpu);
         let mut m = Llama::new(&vs.root(), cfg);
         if dar {
-            m.add_dar(&vs.root(), DarConfig { kind: AttentionKind::Dar, d_down: 8, window: 4, ..DarConfig::default() }).unwrap();
+            m.add_dar(&vs.root(), crate::testutil::softmax(AttentionKind::Dar, 8, 4)).unwrap();
         }
         let teacher = tmp.path().join(format!("teacher-{name}"));
         hf::save_llama(&vs, &m.cfg, &teacher).unwrap();

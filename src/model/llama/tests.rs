@@ -90,7 +90,7 @@ fn cached_decoding_equals_full_forward() {
     assert_eq!(cache.bytes(), 2 * 2 * (2 * 2 * 12 * 16) * 4);
 }
 
-use crate::spec::{AttentionImpl, AttentionKind, DarAct};
+use crate::spec::{AttentionImpl, AttentionKind, AttentionSpec, DarAct};
 
 fn load(name: &str) -> (tch::nn::VarStore, Llama) {
     hf::load_llama(&fixture(name), Device::Cpu).unwrap()
@@ -100,8 +100,13 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
 
-fn dar(kind: AttentionKind, d_down: usize, window: usize, implementation: AttentionImpl) -> DarConfig {
-    DarConfig { kind, d_down, window, dar_act: DarAct::Linear, implementation, ..DarConfig::default() }
+fn dar(kind: AttentionKind, d_down: usize, window: usize, implementation: AttentionImpl) -> AttentionSpec {
+    crate::testutil::softmax(kind, d_down, window).with_implementation(implementation)
+}
+
+/// The model's softmax options computed by `imp`.
+fn with_imp(m: &Llama, imp: AttentionImpl) -> AttentionSpec {
+    m.cfg.attention.softmax().expect("a softmax kind").clone().with_implementation(imp)
 }
 
 /// OLMo 2 (QK-norm over the whole projections, norms on sublayer outputs, no input norm, GQA,
@@ -217,7 +222,7 @@ fn packed_documents_equal_separate_runs() {
             // Row 1 is one document: it must equal the plain forward.
             let docs = Tensor::stack(&[Tensor::from_slice(&ids), Tensor::full([16], 4i64, (Kind::Int64, Device::Cpu))], 0);
             for imp in [AttentionImpl::Reference, AttentionImpl::Sdpa] {
-                m.set_attention(DarConfig { implementation: imp, ..m.cfg.attention.softmax() }).unwrap();
+                m.set_attention(with_imp(&m, imp)).unwrap();
                 let packed = tch::no_grad(|| m.logits(&m.hidden_docs(&x, Some(&docs))));
                 let mut at = 0;
                 for &n in &lens {
@@ -266,7 +271,9 @@ fn dar_latent_cache_equals_full_forward_on_every_prefix() {
         for (kind, w, act) in [(AttentionKind::Uniform, 0, DarAct::Linear), (AttentionKind::Dar, 1, DarAct::Linear), (AttentionKind::Dar, 3, DarAct::Sigmoid), (AttentionKind::Dar, 40, DarAct::Linear)] {
             let (mut vs, mut m) = load(name);
             tch::manual_seed(11);
-            m.add_dar(&vs.root(), DarConfig { kind, d_down: 12, window: w, dar_act: act, implementation: AttentionImpl::Reference, ..DarConfig::default() }).unwrap();
+            let act = serde_yaml::to_value(act).unwrap();
+            let a: AttentionSpec = serde_yaml::from_str(&format!("{{kind: {}, d_down: 12, window: {w}, dar_act: {}, impl: reference}}", kind.name(), act.as_str().unwrap())).unwrap();
+            m.add_dar(&vs.root(), a).unwrap();
             vs.double();
             let (kvh, hd) = (m.cfg.num_key_value_heads as i64, m.cfg.head_dim() as i64);
             assert!(kvh < m.cfg.num_attention_heads as i64, "the fixture has GQA");
@@ -319,7 +326,7 @@ fn window_attention_decodes_packs_and_matches_reference() {
     for name in ["llama_tiny", "olmo2_tiny"] {
         let (_vs, mut m) = load(name);
         let vanilla = tch::no_grad(|| m.logits(&m.hidden(&x)));
-        m.set_attention(DarConfig { kind: AttentionKind::Window, d_down: 0, window: 3, dar_act: DarAct::Linear, implementation: AttentionImpl::Reference, ..DarConfig::default() }).unwrap();
+        m.set_attention(dar(AttentionKind::Window, 0, 3, AttentionImpl::Reference)).unwrap();
         let full = tch::no_grad(|| m.logits(&m.hidden(&x)));
         assert!(max_diff(&full, &vanilla) > 1e-3, "{name}: window 3 of 12 must differ from vanilla");
         let mut cache = m.new_cache(2, Kind::Float, Device::Cpu);
@@ -331,7 +338,7 @@ fn window_attention_decodes_packs_and_matches_reference() {
         assert!(max_diff(&Tensor::cat(&got, 1), &full) < 1e-5, "{name} decode");
         let docs = Tensor::from_slice(&[1i64, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2]).view([1, 12]);
         for imp in [AttentionImpl::Reference, AttentionImpl::Sdpa] {
-            m.set_attention(DarConfig { implementation: imp, ..m.cfg.attention.softmax() }).unwrap();
+            m.set_attention(with_imp(&m, imp)).unwrap();
             let fwd = tch::no_grad(|| m.logits(&m.hidden(&x)));
             assert!(max_diff(&fwd, &full) < 1e-5, "{name} {imp:?} vs reference");
             let packed = tch::no_grad(|| m.logits(&m.hidden_docs(&x.narrow(0, 0, 1), Some(&docs))));

@@ -50,7 +50,8 @@ impl GptNeox {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{build, cfg, ids};
-    use crate::attention::cache::LayerCache;
+    use crate::attention::cache::Recent;
+    use crate::attention::dar::DarCache;
     use crate::spec::AttentionKind;
     use tch::Tensor;
 
@@ -136,13 +137,13 @@ mod tests {
         cache
             .layers
             .iter()
-            .flat_map(|l| match l {
-                LayerCache::Recent(r) => vec![ptr(r.storage().0), ptr(r.storage().1)],
-                LayerCache::Dar(d) => {
+            .flat_map(|l| match (l.get::<Recent>(), l.get::<DarCache>()) {
+                (Some(r), _) => vec![ptr(r.storage().0), ptr(r.storage().1)],
+                (_, Some(d)) => {
                     let (r, latent) = d.parts();
                     vec![ptr(r.storage().0), ptr(r.storage().1), ptr(latent.storage())]
                 }
-                LayerCache::Linearized(_) => panic!("no linearized layers in GPT-NeoX"),
+                _ => panic!("GPT-NeoX's kinds here keep a Recent or a DarCache"),
             })
             .collect()
     }

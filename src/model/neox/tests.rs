@@ -15,7 +15,7 @@ pub(super) fn cfg(kind: AttentionKind, d_down: usize, window: usize) -> NeoxConf
         rotary_base: 10000.0,
         ln_eps: 1e-5,
         gelu: Gelu::Erf,
-        attention: DarConfig { kind, d_down, window, ..DarConfig::default() },
+        attention: crate::testutil::softmax(kind, d_down, window),
     }
 }
 
@@ -182,7 +182,7 @@ fn uniform_is_dar_with_window_zero() {
     assert!(max_diff(&uni.forward(&x), &dar0.forward(&x)) < 1e-12);
     // The reference path agrees with the fast path for the whole model too.
     let mut c = cfg(AttentionKind::Dar, 8, 0);
-    c.attention.implementation = AttentionImpl::Reference;
+    c.attention = c.attention.with_implementation(AttentionImpl::Reference);
     let (vs_r, reference) = build(c, 8);
     copy_shared(&vs_u, &vs_r);
     assert!(max_diff(&uni.forward(&x), &reference.forward(&x)) < 1e-10);
@@ -193,7 +193,8 @@ fn uniform_is_dar_with_window_zero() {
 fn absorbed_bottleneck_equals_direct_form() {
     for act in [DarAct::Linear, DarAct::Sigmoid] {
         let mut c = cfg(AttentionKind::Dar, 8, 4);
-        c.attention.dar_act = act;
+        let crate::attention::AttentionSpec::Dar(d) = &mut c.attention else { unreachable!() };
+        d.dar_act = act;
         let (_vs, m) = build(c, 9);
         let a = Tensor::randn([2, 7, 32], (Kind::Double, Device::Cpu));
         let layer = &m.layers[1];

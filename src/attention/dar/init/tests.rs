@@ -1,6 +1,6 @@
 use super::*;
 use crate::model::hf;
-use crate::attention::DarConfig;
+use crate::attention::AttentionSpec;
 use crate::model::llama::{Family, Llama, LlamaConfig, RopeScaling};
 use crate::spec::{AttentionImpl, AttentionKind};
 use std::path::Path;
@@ -11,8 +11,8 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
 
-fn dar(d_down: usize, window: usize) -> DarConfig {
-    DarConfig { kind: AttentionKind::Dar, d_down, window, dar_act: DarAct::Linear, implementation: AttentionImpl::Reference, ..DarConfig::default() }
+fn dar(d_down: usize, window: usize) -> AttentionSpec {
+    crate::testutil::softmax(AttentionKind::Dar, d_down, window).with_implementation(AttentionImpl::Reference)
 }
 
 /// By hand: rows ±2·e1, ±1·e2 have C = diag(2, 0.5); the top direction is e1 and projecting onto it
@@ -214,7 +214,7 @@ fn orthogonal_start_has_orthonormal_rows_and_up_is_down_transposed() {
     let up = &w["gpt_neox.layers.0.attention.bottleneck_up.weight"];
     assert!(up.equal(&down.tr()));
     let plain = pretrain_spec("neox", "{kind: dar, d_down: 16, window: 8}", 1);
-    assert_eq!(plain.attention.init, Some(AttentionInit::SmallInit));
+    assert_eq!(plain.attention.init(), Some(AttentionInit::SmallInit));
     assert!(plain.to_yaml().contains("init: small_init"));
     let (down, up) = pretraining_start(AttentionInit::SmallInit, 1, 0, 256, 64);
     for m in [down, up] {
