@@ -299,7 +299,7 @@ pub fn held_out_loss(model: &Llama, rows: &[PackedRow], device: Device, autocast
 
 /// The chat template a spec asks for (see `FinetuneSpec::chat_template`).
 pub fn chat_template(spec: &FinetuneSpec, tok: &Tok) -> Result<ChatTemplate> {
-    let eos = tok.inner.id_to_token(crate::linearize::eos_id(tok)).unwrap_or_default();
+    let eos = tok.inner.id_to_token(crate::data::tokenizer::eos_id(tok)).unwrap_or_default();
     match spec.chat_template.as_deref() {
         Some("builtin") => Ok(ChatTemplate::builtin(&eos)),
         Some(p) if p.ends_with(".json") => {
@@ -437,7 +437,7 @@ pub fn finetune(spec: FinetuneSpec, opts: &FinetuneOptions) -> Result<FinetuneOu
     let params = [Params::parse(spec.stage1.params.as_deref().expect("resolved"), "stage1.params")?, Params::parse(spec.stage2.params.as_deref().expect("resolved"), "stage2.params")?];
     let (base_vs, cfg, tok) = crate::linearize::load_teacher(&spec.base, spec.tokenizer.as_ref(), device)?;
     let template = chat_template(&spec, &tok)?;
-    let eos = tok.inner.token_to_id(&template.eos_token).unwrap_or_else(|| crate::linearize::eos_id(&tok));
+    let eos = tok.inner.token_to_id(&template.eos_token).unwrap_or_else(|| crate::data::tokenizer::eos_id(&tok));
 
     // Data: packed rows, a held-out part, and the updates per stage.
     let (mut rows, stats) = rows_of(&spec.data.train, spec.data.max_examples, &template, &tok, eos, spec.data.seq_len)?;

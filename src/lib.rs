@@ -15,12 +15,16 @@ pub mod kernels;
 pub mod linearize;
 pub mod lora;
 pub mod model;
+pub mod perplexity;
+#[cfg(feature = "analysis")]
+pub mod plots;
 pub mod progress;
 pub mod run_kind;
 #[cfg(feature = "analysis")]
 pub mod report;
 pub mod runs;
 pub mod spec;
+pub mod student_export;
 pub mod sweep;
 pub mod tensorboard;
 pub mod train;

@@ -21,11 +21,13 @@ pub mod student;
 
 use crate::attention::{is_linearized_param, Variant};
 pub use crate::data::chat::read_alpaca;
+use crate::data::tokenizer::{bos_id, eos_id};
 use crate::data::Tok;
 use crate::model::llama::Pass;
 use crate::model::{Llama, LlamaConfig};
 use crate::spec::{SourceSpec, TokenizerSpec};
 use crate::lora::LoraConfig;
+use crate::student_export::{teacher_tokenizer, EXPORT_DIR};
 use crate::train::optim::Hyper;
 use crate::train::schedule::Schedule;
 use crate::train::stage_spec::StageDefaults;
@@ -256,20 +258,6 @@ pub fn pack(examples: &[(Vec<i64>, Vec<i64>)], seq_len: usize) -> Vec<Row> {
         .collect()
 }
 
-fn special(tok: &Tok, names: &[&str]) -> Option<u32> {
-    names.iter().find_map(|n| tok.inner.token_to_id(n))
-}
-
-/// EOS of the tokenizer (`</s>`, `<|end_of_text|>`, `<|endoftext|>`, `<|eot_id|>`; else id 0).
-pub fn eos_id(tok: &Tok) -> u32 {
-    special(tok, &["</s>", "<|end_of_text|>", "<|endoftext|>", "<|eot_id|>"]).unwrap_or(crate::data::EOD)
-}
-
-/// BOS of the tokenizer if it has one.
-pub fn bos_id(tok: &Tok) -> Option<u32> {
-    special(tok, &["<s>", "<|begin_of_text|>"])
-}
-
 /// The local file of an Alpaca source: the path itself, or a hub dataset file for `hf:owner/name[:file]`.
 pub fn alpaca_file(path: &Path) -> Result<PathBuf> {
     let text = path.to_string_lossy();
@@ -353,32 +341,6 @@ pub fn load_teacher(teacher: &str, tokenizer: Option<&TokenizerSpec>, device: De
     Ok((vs, cfg, teacher_tokenizer(teacher, tokenizer)?))
 }
 
-/// The spec's `tokenizer`, else the teacher's: its run directory's, or its folder's tokenizer.json.
-pub fn teacher_tokenizer(teacher: &str, tokenizer: Option<&TokenizerSpec>) -> Result<Tok> {
-    if let Some(spec) = tokenizer {
-        return Tok::load(spec);
-    }
-    let local = Path::new(teacher);
-    let cfg = local.join("config.yaml");
-    let export = local.join("export").join("tokenizer.json");
-    if cfg.is_file() && crate::run_kind::RunKind::of(local)? == crate::run_kind::RunKind::Finetune && export.is_file() {
-        // A finetune run: the tokenizer its export carries.
-        return Tok::load(&TokenizerSpec::Path(export.display().to_string()));
-    }
-    if cfg.is_file() {
-        let spec = crate::spec::from_str(&std::fs::read_to_string(&cfg).at(&cfg)?, &cfg.display().to_string(), &[])?;
-        return Tok::load(spec.data.tokenizer.as_ref().expect("resolved"));
-    }
-    if crate::model::gguf::is_gguf(teacher) {
-        return crate::model::gguf::load_tok(teacher);
-    }
-    let tj = crate::model::hf::resolve(teacher)?.join("tokenizer.json");
-    if !tj.is_file() {
-        return Err(Error::Other(format!("{teacher}: no tokenizer.json; set `tokenizer:` in the spec")));
-    }
-    Tok::load(&TokenizerSpec::Path(tj.display().to_string()))
-}
-
 /// The teacher's tokenizer_config.json (chat template, special tokens) when it has one: a GGUF's
 /// metadata, or the file beside a Hugging Face folder's weights or a finetune run's export.
 fn teacher_tokenizer_config(teacher: &str) -> Result<Option<Value>> {
@@ -391,35 +353,6 @@ fn teacher_tokenizer_config(teacher: &str) -> Result<Option<Value>> {
     let Some(path) = candidates.into_iter().find(|p| p.is_file()) else { return Ok(None) };
     let text = std::fs::read_to_string(&path).at(&path)?;
     serde_json::from_str(&text).map(Some).map_err(|e| Error::Data(format!("{}: {e}", path.display())))
-}
-
-/// Where a finished run keeps its merged model ([`Llama::save_export`] plus `tokenizer.json`).
-pub const EXPORT_DIR: &str = "export";
-
-/// A finished linearization loaded for inference, from its run directory or its export folder: the
-/// student (LoRA merged) and its tokenizer (the folder's tokenizer.json; for exports written before it
-/// was saved there, the run spec's tokenizer or the teacher's).
-pub fn load_exported(path: &Path, device: Device) -> Result<(VarStore, Llama, Tok)> {
-    load_exported_with(path, device, &[])
-}
-
-/// [`load_exported`] with the operator's options overridden (`attention.KEY=VALUE`, see
-/// [`Llama::load_export_with`]): evaluate the same weights at another κ, routing or normalizer.
-pub fn load_exported_with(path: &Path, device: Device, overrides: &[String]) -> Result<(VarStore, Llama, Tok)> {
-    let in_export = path.join(student::EXPORT_VARIANT).is_file();
-    let (run, export) = if in_export { (path.parent().unwrap_or(Path::new(".")).to_path_buf(), path.to_path_buf()) } else { (path.to_path_buf(), path.join(EXPORT_DIR)) };
-    if !export.join(student::EXPORT_VARIANT).is_file() {
-        return Err(Error::Run { dir: path.into(), msg: format!("has no {EXPORT_DIR}/{} (is the linearize run finished?)", student::EXPORT_VARIANT) });
-    }
-    let (vs, hybrid) = Llama::load_export_with(&export, device, overrides)?;
-    let tj = export.join("tokenizer.json");
-    let tok = if tj.is_file() {
-        Tok::load(&TokenizerSpec::Path(tj.display().to_string()))?
-    } else {
-        let spec = LinearizeSpec::from_file(&run.join("config.yaml")).map_err(|e| Error::Other(format!("{}: no tokenizer.json, and no linearize spec beside it to find one: {e}", export.display())))?;
-        teacher_tokenizer(&spec.teacher, spec.tokenizer.as_ref())?
-    };
-    Ok((vs, hybrid, tok))
 }
 
 // ---------------------------------------------------------------------------------------------

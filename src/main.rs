@@ -541,7 +541,7 @@ fn run(cli: Cli) -> Result<()> {
             };
             bench::bench_command(&spec.source().load()?, mode, json, |line| println!("{line}"))?;
         }
-        Cmd::Config { spec } => print!("{}", spec.source().config_yaml()?),
+        Cmd::Config { spec } => print!("{}", attnlab::runs::config_yaml(&spec.source())?),
         Cmd::Runs { results } => print!("{}", attnlab::runs::listing(&results)?),
         Cmd::Tensorboard { dirs } => attnlab::tensorboard::regenerate_below(&dirs, |path, s| println!("{}: {} tags, {} points", path.display(), s.tags.len(), s.points()))?,
         Cmd::Sweep { file, dry_run, gpus, max_parallel, emit, sets, out, gpus_per_run, nodes } => {

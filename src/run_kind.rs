@@ -1,7 +1,7 @@
 //! Which command made a run directory: config.yaml's top-level `command: train | finetune |
 //! linearize`, or — for run directories written before that key existed — which spec the config
-//! parses as. Every command that opens a run directory asks `RunKind::of` instead of guessing.
-use crate::finetune::FinetuneSpec;
+//! has the keys of. Every command that opens a run directory asks `RunKind::of` instead of guessing.
+//! It reads YAML only (no spec type), so that every layer may ask it (ARCHITECTURE.md, imports).
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -33,27 +33,34 @@ impl RunKind {
         RunKind::of_config(&text).map_err(|msg| Error::Run { dir: dir.into(), msg: format!("config.yaml: {msg}") })
     }
 
-    /// The kind of a config or spec text: its `command:` when present; otherwise (older run
-    /// directories, spec files) a spec naming a `teacher:` is linearize (as sweeps always decided),
-    /// one that parses as a finetune spec is finetune, anything else train.
+    /// The kind of a config or spec text: its `command:` when present (one naming no kind is an
+    /// error); otherwise (older run directories, spec files) [`RunKind::of_keys`].
     pub fn of_config(text: &str) -> std::result::Result<RunKind, String> {
         let v: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
         if let Some(c) = v.get(KEY) {
             return serde_yaml::from_value(c.clone()).map_err(|e| format!("`{KEY}`: {e} (train, finetune or linearize)"));
         }
-        // A spec file (a sweep's base) may leave `output` to the command line: stand one in.
-        let mut with_output = v.clone();
-        if let Some(m) = with_output.as_mapping_mut() {
-            m.entry("output".into()).or_insert_with(|| ".".into());
-        }
-        let finetune = serde_yaml::from_value::<FinetuneSpec>(with_output).is_ok();
-        Ok(if v.get("teacher").is_some() {
+        Ok(RunKind::of_keys(&v))
+    }
+
+    /// The kind of a config.yaml tree: its `command:` when it names a kind; otherwise (older run
+    /// directories, spec files) [`RunKind::of_keys`].
+    pub fn of_value(v: &serde_yaml::Value) -> RunKind {
+        v.get(KEY).and_then(|c| c.as_str()).and_then(RunKind::named).unwrap_or_else(|| RunKind::of_keys(v))
+    }
+
+    /// The kind of a spec without `command:`, by the keys that only one spec has: a `teacher:` is
+    /// linearize (as sweeps always decided); a `base:` model (required of a finetune spec, unknown to
+    /// a train spec, whose own `base: other.yaml` is merged away before this is asked) is finetune;
+    /// anything else train.
+    pub fn of_keys(v: &serde_yaml::Value) -> RunKind {
+        if v.get("teacher").is_some() {
             RunKind::Linearize
-        } else if finetune {
+        } else if v.get("base").is_some() {
             RunKind::Finetune
         } else {
             RunKind::Train
-        })
+        }
     }
 
     /// A spec's YAML as config.yaml records it: `command: <kind>` first.

@@ -5,24 +5,32 @@
 //! A run directory is a folder with `config.yaml` (train, linearize and finetune all write one).
 //! Its status: `done` (a DONE marker), `partial` (metrics or checkpoints, no DONE) or `new`
 //! (config only).
-use crate::{IoContext, Result};
+use crate::spec::{read_with_overrides, SpecSource};
+use crate::{Error, IoContext, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
 /// Which command made a run directory.
 pub use crate::run_kind::RunKind as Command;
 
-/// The command of a run's config.yaml tree: its `command:` key; else (older run directories)
-/// linearize specs name a `teacher`, finetune specs a `base` model; everything else is train.
+/// The command of a run's config.yaml tree (`RunKind::of_value`).
 pub fn command_of(cfg: &serde_yaml::Value) -> Command {
-    if let Some(c) = cfg.get(crate::run_kind::KEY).and_then(|c| c.as_str()).and_then(Command::named) {
-        c
-    } else if cfg.get("teacher").is_some() {
-        Command::Linearize
-    } else if cfg.get("base").is_some() {
-        Command::Finetune
-    } else {
-        Command::Train
+    Command::of_value(cfg)
+}
+
+/// `attnlab config`: the spec with every default filled in, as its run directory records it: a train
+/// spec loaded, overridden, resolved and validated (`SpecSource::load`); a linearize spec
+/// (`teacher:`) or a finetune spec (a `base:` model) merged, overridden and resolved as that command
+/// records it in config.yaml.
+pub fn config_yaml(src: &SpecSource) -> Result<String> {
+    fn yaml<T: serde::Serialize>(path: &Path, v: &T) -> Result<String> {
+        serde_yaml::to_string(v).map_err(|e| Error::Other(format!("{}: {e}", path.display())))
+    }
+    let Some(path) = src.path.as_deref() else { return Ok(src.load()?.to_yaml()) };
+    match command_of(&crate::spec::base::read_tree(path)?.value) {
+        Command::Train => Ok(src.load()?.to_yaml()),
+        Command::Linearize => yaml(path, &read_with_overrides::<crate::linearize::LinearizeSpec>(path, &src.sets)?.resolved()),
+        Command::Finetune => yaml(path, &read_with_overrides::<crate::finetune::FinetuneSpec>(path, &src.sets)?.resolved()),
     }
 }
 
@@ -270,6 +278,26 @@ fn two_model_summary(dir: &Path, eval: &Value, (a, a_name): (&str, &str), (b, b_
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `attnlab config`: each command's spec resolved as its run directory records it (the kind told
+    /// by the spec's keys).
+    #[test]
+    fn config_yaml_resolves_each_command_spec() {
+        assert!(config_yaml(&SpecSource::default()).unwrap().contains("steps:"));
+        let tmp = tempfile::tempdir().unwrap();
+        let file = |name: &str, text: &str| {
+            let p = tmp.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let ft = file("ft.yaml", "base: some/llama\ndata: {train: {path: chat.jsonl}}\noutput: o\n");
+        let text = config_yaml(&SpecSource { path: Some(ft), sets: vec!["stage1.lr=0.001".into()], out: None }).unwrap();
+        let back = crate::finetune::FinetuneSpec::from_yaml(&text).unwrap();
+        assert_eq!((back.stage1.lr, back.stage2.lr), (Some(0.001), Some(3e-5)), "{text}");
+        let lin = file("lin.yaml", "teacher: t\nattention: {kind: still}\ndata: {train: {alpaca: a.jsonl}}\noutput: o\n");
+        let text = config_yaml(&SpecSource { path: Some(lin.clone()), ..Default::default() }).unwrap();
+        assert_eq!(crate::linearize::LinearizeSpec::from_yaml(&text).unwrap(), crate::linearize::LinearizeSpec::from_file(&lin).unwrap().resolved());
+    }
 
     #[test]
     fn aligned_pads_columns_and_right_aligns_numbers() {

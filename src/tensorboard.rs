@@ -179,7 +179,7 @@ pub fn collect(dir: &Path, up_to: Option<i64>) -> Result<Scalars> {
     if let Some(v) = read_json(&ep)? {
         if let (Some(step), Some(corpora)) = (v["step"].as_i64(), v.get("corpora")) {
             if keep(step) {
-                let corpora: BTreeMap<String, crate::eval::perplexity::CorpusResult> = serde_json::from_value(corpora.clone()).map_err(|e| Error::Data(format!("{}: {e}", ep.display())))?;
+                let corpora: BTreeMap<String, crate::perplexity::CorpusResult> = serde_json::from_value(corpora.clone()).map_err(|e| Error::Data(format!("{}: {e}", ep.display())))?;
                 for (name, r) in corpora {
                     for (tag, x) in r.metrics(&name) {
                         s.insert(step, tag, x);
@@ -320,13 +320,15 @@ static LIVE: Mutex<BTreeMap<PathBuf, BTreeMap<String, i64>>> = Mutex::new(BTreeM
 
 /// The metrics.jsonl hook (called before the row is appended; only rank 0 logs). Tracker output
 /// never stops a run: a failure is a warning, and `attnlab tensorboard` can rebuild the file.
-pub fn log_row(dir: &Path, row: &Map<String, Value>) {
-    if let Err(e) = try_log_row(dir, row) {
+/// `newest_checkpoint` is the step of the run's newest checkpoint (`train::checkpoint::list`), asked
+/// once per run directory and process.
+pub fn log_row(dir: &Path, row: &Map<String, Value>, newest_checkpoint: impl FnOnce() -> Option<u64>) {
+    if let Err(e) = try_log_row(dir, row, newest_checkpoint) {
         eprintln!("warning: TensorBoard event file in {}: {e}", dir.display());
     }
 }
 
-fn try_log_row(dir: &Path, row: &Map<String, Value>) -> Result<()> {
+fn try_log_row(dir: &Path, row: &Map<String, Value>, newest_checkpoint: impl FnOnce() -> Option<u64>) -> Result<()> {
     let Some(step) = row.get("step").and_then(Value::as_i64) else { return Ok(()) };
     let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
     let last = match live.entry(dir.to_path_buf()) {
@@ -334,7 +336,7 @@ fn try_log_row(dir: &Path, row: &Map<String, Value>) -> Result<()> {
         std::collections::btree_map::Entry::Vacant(v) => {
             // First row of this process: what survives of earlier sessions is what the newest
             // checkpoint covers (-1: none, the run starts over).
-            let up_to = crate::train::checkpoint::list(dir).last().map_or(-1, |c| c.0 as i64);
+            let up_to = newest_checkpoint().map_or(-1, |s| s as i64);
             let s = collect(dir, Some(up_to))?;
             write(dir, &s)?;
             v.insert(s.tags.iter().filter_map(|(t, p)| Some((t.clone(), *p.keys().next_back()?))).collect())
@@ -448,7 +450,7 @@ mod tests {
         let row = |v: Value| v.as_object().unwrap().clone();
         let log = |v: Value| {
             let r = row(v);
-            log_row(dir, &r);
+            log_row(dir, &r, || crate::train::checkpoint::list(dir).last().map(|c| c.0));
             let mut f = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("metrics.jsonl")).unwrap();
             writeln!(f, "{}", Value::Object(r)).unwrap();
         };

@@ -5,6 +5,20 @@ use crate::{Error, Result};
 use sha2::{Digest, Sha256};
 use tokenizers::Tokenizer;
 
+fn special(tok: &Tok, names: &[&str]) -> Option<u32> {
+    names.iter().find_map(|n| tok.inner.token_to_id(n))
+}
+
+/// EOS of the tokenizer (`</s>`, `<|end_of_text|>`, `<|endoftext|>`, `<|eot_id|>`; else id 0).
+pub fn eos_id(tok: &Tok) -> u32 {
+    special(tok, &["</s>", "<|end_of_text|>", "<|endoftext|>", "<|eot_id|>"]).unwrap_or(super::EOD)
+}
+
+/// BOS of the tokenizer if it has one.
+pub fn bos_id(tok: &Tok) -> Option<u32> {
+    special(tok, &["<s>", "<|begin_of_text|>"])
+}
+
 pub struct Tok {
     pub inner: Tokenizer,
     /// Where it came from, e.g. `builtin` or a path (recorded in shard indexes).

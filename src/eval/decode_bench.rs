@@ -171,7 +171,7 @@ pub fn read_rows(text: &str) -> Result<Vec<DecodeBench>> {
 /// per attention; writes `STEM-{cache,decode,prefill}.{png,svg}`.
 #[cfg(feature = "analysis")]
 pub fn plot(rows: &[DecodeBench], stem: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
-    use crate::report::plots::{save, Chart, Line};
+    use crate::plots::{save, Chart, Dash, Line};
     let mut names: Vec<&str> = Vec::new();
     for r in rows {
         if !names.contains(&r.attention.as_str()) {
@@ -188,7 +188,7 @@ pub fn plot(rows: &[DecodeBench], stem: &std::path::Path) -> Result<Vec<std::pat
                 band: Vec::new(),
                 // Vanilla black, as in the report's charts.
                 color: (*n != "vanilla").then_some(i),
-                dash: crate::report::plots::Dash::Solid,
+                dash: Dash::Solid,
                 reference: false,
             })
             .collect();

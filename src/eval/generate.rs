@@ -4,8 +4,8 @@
 //! the variant's fast forward, the cache is sized for the whole request, tokens are chosen on the
 //! device; prompts of several lengths decode together in left-padded batches (`generate_batch`).
 use crate::data::Tok;
-use crate::linearize;
-use crate::linearize::student::EXPORT_VARIANT;
+use crate::data::tokenizer::eos_id;
+use crate::student_export::{self, EXPORT_DIR, EXPORT_VARIANT};
 use crate::model::llama::LlamaCache;
 use crate::model::neox::decode::NeoxCache;
 use crate::model::Model;
@@ -115,11 +115,11 @@ pub fn load_with(path: &Path, step: Option<u64>, device: Option<&str>, overrides
     if crate::model::gguf::is_gguf(&path.to_string_lossy()) {
         return load_gguf(path, step, device, overrides);
     }
-    let exported = path.join(EXPORT_VARIANT).is_file() || path.join(linearize::EXPORT_DIR).join(EXPORT_VARIANT).is_file();
+    let exported = path.join(EXPORT_VARIANT).is_file() || path.join(EXPORT_DIR).join(EXPORT_VARIANT).is_file();
     let kind = crate::run_kind::RunKind::of(path).ok();
     if !exported {
         if kind == Some(crate::run_kind::RunKind::Linearize) {
-            return Err(Error::Run { dir: path.into(), msg: format!("is a linearize run without {}/ (not finished yet)", linearize::EXPORT_DIR) });
+            return Err(Error::Run { dir: path.into(), msg: format!("is a linearize run without {}/ (not finished yet)", EXPORT_DIR) });
         }
         if let Some(o) = overrides.first() {
             return Err(Error::Run { dir: path.into(), msg: format!("--set {o}: overrides apply to linearized (STILL / LoLCATs) models only") });
@@ -128,20 +128,20 @@ pub fn load_with(path: &Path, step: Option<u64>, device: Option<&str>, overrides
             return load_finetuned(path, step, device);
         }
         let l = crate::train::run::load(path, step, device)?;
-        return Ok(Loaded { eos: linearize::eos_id(&l.tok), model: l.model, tok: l.tok, device: l.device, step: l.step, chat: None, vs: l.vs });
+        return Ok(Loaded { eos: eos_id(&l.tok), model: l.model, tok: l.tok, device: l.device, step: l.step, chat: None, vs: l.vs });
     }
     if let Some(s) = step {
         return Err(Error::Run { dir: path.into(), msg: format!("--step {s}: a linearize run is loaded from its final export, not from a checkpoint") });
     }
     let device = crate::device::parse_device(device.unwrap_or("auto"))?;
-    let (vs, hybrid, tok) = linearize::load_exported_with(path, device, overrides)?;
+    let (vs, hybrid, tok) = student_export::load_exported_with(path, device, overrides)?;
     let run = if path.join(EXPORT_VARIANT).is_file() { path.parent().unwrap_or(path) } else { path };
     let step = crate::train::checkpoint::list(run).last().map_or(0, |c| c.0);
     // The teacher's chat template and EOS, when the export carries them (linearize writes them).
-    let export = if path.join(EXPORT_VARIANT).is_file() { path.to_path_buf() } else { path.join(linearize::EXPORT_DIR) };
+    let export = if path.join(EXPORT_VARIANT).is_file() { path.to_path_buf() } else { path.join(EXPORT_DIR) };
     let config = export.join("tokenizer_config.json");
     let chat = if config.is_file() { crate::data::chat::ChatTemplate::from_tokenizer_config(&config)? } else { None };
-    let eos = chat.as_ref().and_then(|c| tok.inner.token_to_id(&c.eos_token)).unwrap_or_else(|| linearize::eos_id(&tok));
+    let eos = chat.as_ref().and_then(|c| tok.inner.token_to_id(&c.eos_token)).unwrap_or_else(|| eos_id(&tok));
     Ok(Loaded { eos, model: Model::Llama(hybrid), tok, device, step, chat, vs })
 }
 
@@ -161,7 +161,7 @@ fn load_finetuned(path: &Path, step: Option<u64>, device: Option<&str>) -> Resul
     let tok = Tok::load(&crate::spec::TokenizerSpec::Path(export.join("tokenizer.json").display().to_string()))?;
     let step = crate::train::checkpoint::list(path).last().map_or(0, |c| c.0);
     let chat = crate::data::chat::ChatTemplate::from_tokenizer_config(&export.join("tokenizer_config.json")).ok().flatten();
-    Ok(Loaded { eos: linearize::eos_id(&tok), model: Model::Llama(m), tok, device, step, chat, vs })
+    Ok(Loaded { eos: eos_id(&tok), model: Model::Llama(m), tok, device, step, chat, vs })
 }
 
 /// A pretrained llama GGUF: fp32 weights, its tokenizer, EOS and chat template from the metadata.
@@ -179,7 +179,7 @@ fn load_gguf(path: &Path, step: Option<u64>, device: Option<&str>, overrides: &[
     let g = crate::model::gguf::Gguf::open(&file)?;
     let (vs, m) = crate::model::gguf::load_llama(&file.to_string_lossy(), device)?;
     let tok = crate::model::gguf::load_tok(&file.to_string_lossy())?;
-    let eos = crate::model::gguf::tokenizer::eos_id(&g).unwrap_or_else(|| linearize::eos_id(&tok));
+    let eos = crate::model::gguf::tokenizer::eos_id(&g).unwrap_or_else(|| eos_id(&tok));
     let chat = crate::model::gguf::tokenizer::chat_template(&g)?;
     Ok(Loaded { eos, model: Model::Llama(m), tok, device, step: 0, chat, vs })
 }

@@ -51,7 +51,7 @@ pub fn continue_prompt(run: &Path, prompt: &str, chat: bool, max_new_tokens: usi
     } else {
         prompt.to_string()
     };
-    let mut ids: Vec<u32> = crate::linearize::bos_id(&loaded.tok).into_iter().collect();
+    let mut ids: Vec<u32> = crate::data::tokenizer::bos_id(&loaded.tok).into_iter().collect();
     ids.extend(loaded.tok.encode(&prompt)?);
     if ids.is_empty() {
         return Err(Error::Other("the prompt encodes to no tokens".into()));

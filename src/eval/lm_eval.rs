@@ -11,7 +11,7 @@
 //!
 //! `versions` says `attnlab-<version>`: the prompts are ours (data/tasks/README.md lists where they
 //! differ from lm-eval's), so numbers must not be mistaken for lm-eval's own.
-use super::perplexity::{self, CorpusResult, EvalCorpus};
+use super::perplexity::{CorpusResult, EvalCorpus};
 use super::ruler;
 use super::tasks::{self, MetricDef, OutputType, Sample, TaskDef, TaskResult};
 use crate::{IoContext, Result};
@@ -114,18 +114,6 @@ pub fn mean_stderr(xs: &[f64]) -> Option<f64> {
     }
     let mu = xs.iter().sum::<f64>() / n as f64;
     Some((xs.iter().map(|x| (x - mu).powi(2)).sum::<f64>() / (n - 1) as f64).sqrt() / (n as f64).sqrt())
-}
-
-/// Rolling perplexity of each corpus with every document's NLL (the spec's batch, context length,
-/// token budget and protocol, as `train::evaluate_all`).
-pub fn evaluate_perplexity(model: &crate::model::Model, corpora: &[EvalCorpus], spec: &crate::spec::Spec, device: tch::Device) -> BTreeMap<String, (CorpusResult, Vec<f64>)> {
-    corpora
-        .iter()
-        .map(|c| {
-            let batch = spec.eval.batch_size.unwrap_or(8) as usize;
-            (c.name.clone(), perplexity::evaluate_docs(model, c, spec.seq_len(), batch, spec.eval.max_tokens, spec.eval.protocol, device))
-        })
-        .collect()
 }
 
 /// A perplexity corpus as lm-eval's `wikitext` task (loglikelihood_rolling): word_perplexity,

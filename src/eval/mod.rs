@@ -5,11 +5,12 @@ pub mod decode_bench;
 pub mod generate;
 pub mod infer;
 pub mod lm_eval;
-pub mod perplexity;
 pub mod recall;
 pub mod ruler;
 pub mod tasks;
 /// The WikiText rules live with the text sources (`data::wikitext`); this path stays for callers.
 pub use crate::data::wikitext;
+/// Perplexity lives below train, which evaluates with it (`src/perplexity.rs`); this path stays for callers.
+pub use crate::perplexity;
 
 pub use perplexity::{CorpusResult, EvalCorpus};

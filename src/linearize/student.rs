@@ -6,20 +6,14 @@
 //! projections without LoRA). LoRA adapters sit on the attention projections (`lora::Linear`)
 //! and on STILL's gate. Exported students hold the merged weights, `config.json` (the attention in
 //! `attnlab_attention`) and `hybrid.yaml` (the operator, what `--set attention.KEY=V` edits).
-use crate::attention::cache::repeat_kv;
-use crate::attention::still::Probe;
 use crate::attention::{is_bottleneck_param, Attention, Layer, LayerDims, Variant};
-use crate::model::hf;
 use crate::model::llama::{Llama, LlamaConfig, Pass};
 use crate::lora::{Lora, LoraConfig};
+use crate::student_export::{EXPORT_VARIANT, EXPORT_WEIGHTS};
 use crate::{Error, IoContext, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
 use tch::{nn, Kind, Tensor};
-
-/// File names of an export folder (besides `config.json`).
-pub const EXPORT_WEIGHTS: &str = "model.safetensors";
-pub const EXPORT_VARIANT: &str = "hybrid.yaml";
 
 /// The name of a layer's attention parameter, e.g. `model.layers.3.self_attn.q_proj.weight`.
 pub fn attn_param(layer: usize, proj: &str) -> String {
@@ -88,14 +82,6 @@ impl Llama {
             }
         }
         Ok(())
-    }
-
-    /// The linearized operator, if this model has one.
-    pub fn variant(&self) -> Option<&Variant> {
-        match &self.cfg.attention {
-            Attention::Linearized(v) => Some(v),
-            Attention::Softmax(_) => None,
-        }
     }
 
     /// Stage 1 (§8): teacher-forced attention transfer. Every layer gets the teacher's hidden state;
@@ -200,63 +186,6 @@ impl Llama {
         let hp = dir.join(EXPORT_VARIANT);
         std::fs::write(&hp, serde_yaml::to_string(variant).expect("serializes")).at(&hp)
     }
-
-    /// Load an export folder ([`Llama::save_export`], or one written before the students were Llamas)
-    /// onto `device`, with the operator's options changed by `overrides` (`attention.KEY=VALUE`, YAML
-    /// values) without retraining: e.g. `attention.tokens_per_chunk=16`, `attention.routing=oracle`,
-    /// `attention.linear_branch=false`, `attention.normalizer=max_compensated`. LoRA merged, no adapters.
-    pub fn load_export_with(dir: &Path, device: tch::Device, overrides: &[String]) -> Result<(nn::VarStore, Llama)> {
-        let read = |name: &str| std::fs::read_to_string(dir.join(name)).at(dir.join(name));
-        let mut cfg = LlamaConfig::from_hf_json(&read("config.json")?)?;
-        cfg.attention = Attention::Linearized(variant_with_overrides(&read(EXPORT_VARIANT)?, overrides, &dir.join(EXPORT_VARIANT))?);
-        let vs = nn::VarStore::new(device);
-        let m = Llama::build(&vs.root(), cfg)?;
-        let file = dir.join(EXPORT_WEIGHTS);
-        let tensors = Tensor::read_safetensors(&file).map_err(|e| Error::Data(format!("{}: {e}", file.display())))?;
-        hf::copy_into(&vs, tensors.into_iter().collect(), &file)?;
-        Ok((vs, m))
-    }
-
-    /// Per layer, what the last token's attention reads (`Still::probe`: its Sel and Win sets and the
-    /// shares of its normalizer); `None` for other layers. Inference mode, LoRA applied.
-    pub fn probe(&self, ids: &Tensor) -> Vec<Option<Probe>> {
-        let _guard = tch::no_grad_guard();
-        let (cos, sin) = self.rope_tables(ids.size()[1], ids.device());
-        let mut x = self.embed(ids);
-        let mut out = Vec::new();
-        for (i, b) in self.layers.iter().enumerate() {
-            let a = self.kv_input(i, &x);
-            let (q, k, v) = self.layer_qkv(i, &a, &cos, &sin, Pass::Eval);
-            out.push(b.attn.still().map(|s| s.probe(&q, &repeat_kv(&k, &q))));
-            let o = self.layer_attention(i, &b.attn, &a, (q, k, v), &cos, &sin, false);
-            x = self.layer_finish(i, &x, &o, Pass::Eval);
-        }
-        out
-    }
-
-    /// The positions every STILL layer with `routing: oracle` selects from now on (see `Still::set_oracle`).
-    pub fn set_oracle(&self, positions: Option<Vec<i64>>) {
-        for b in &self.layers {
-            if let Some(s) = b.attn.still() {
-                s.set_oracle(positions.clone());
-            }
-        }
-    }
-}
-
-/// The operator of an export's `hybrid.yaml` text with `attention.KEY=VALUE` overrides applied.
-pub fn variant_with_overrides(yaml: &str, overrides: &[String], file: &Path) -> Result<Variant> {
-    let bad = |msg: String| Error::Data(format!("{}: {msg}", file.display()));
-    let mut map = serde_yaml::Mapping::new();
-    map.insert("attention".into(), serde_yaml::from_str(yaml).map_err(|e| bad(e.to_string()))?);
-    let mut root = serde_yaml::Value::Mapping(map);
-    for o in overrides {
-        if !o.starts_with("attention.") {
-            return Err(bad(format!("--set {o}: a linearized model takes only attention.KEY=VALUE overrides (its operator's options)")));
-        }
-        crate::spec::apply_override(&mut root, o).map_err(|e| bad(format!("--set {o}: {e}")))?;
-    }
-    serde_yaml::from_value(root["attention"].clone()).map_err(|e| bad(format!("with {}: {e}", if overrides.is_empty() { "no overrides".to_string() } else { overrides.join(" ") })))
 }
 
 #[cfg(test)]

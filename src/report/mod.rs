@@ -13,7 +13,8 @@ pub mod groups;
 pub mod load;
 pub mod longctx;
 pub mod paper;
-pub mod plots;
+/// The line charts (`src/plots.rs`, below eval: `bench-decode` draws with them too).
+pub use crate::plots;
 pub mod recall;
 pub mod render;
 pub mod stats;

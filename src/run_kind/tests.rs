@@ -1,4 +1,5 @@
 use super::*;
+use crate::finetune::FinetuneSpec;
 use crate::linearize::LinearizeSpec;
 use crate::train::stages::prepare_dir;
 

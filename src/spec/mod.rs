@@ -49,21 +49,6 @@ pub fn load(path: &Path, sets: &[String]) -> Result<Spec> {
     from_str(&text, &tree.origin(), sets).map_err(|e| tree.relocate(e))
 }
 
-/// `attnlab config` for the staged commands: a linearize spec (`teacher:`) or a finetune spec (a
-/// `base:` model) merged, overridden and resolved as that command records it in config.yaml;
-/// `None` for a train spec.
-pub fn staged_config_yaml(path: &Path, sets: &[String]) -> Result<Option<String>> {
-    fn yaml<T: serde::Serialize>(path: &Path, v: &T) -> Result<String> {
-        serde_yaml::to_string(v).map_err(|e| Error::Other(format!("{}: {e}", path.display())))
-    }
-    use crate::runs::Command;
-    Ok(match crate::runs::command_of(&base::read_tree(path)?.value) {
-        Command::Train => None,
-        Command::Linearize => Some(yaml(path, &read_with_overrides::<crate::linearize::LinearizeSpec>(path, sets)?.resolved())?),
-        Command::Finetune => Some(yaml(path, &read_with_overrides::<crate::finetune::FinetuneSpec>(path, sets)?.resolved())?),
-    })
-}
-
 /// The built-in default experiment: a tiny model on the synthetic corpus (what the Quick start runs).
 pub const BUILTIN_TINY: &str = include_str!("../../experiments/tiny-synthetic.yaml");
 
@@ -116,15 +101,6 @@ impl SpecSource {
         }
         Ok(spec)
     }
-
-    /// `attnlab config`: the spec with every default filled in, as its run directory records it
-    /// (a linearize or finetune spec file as that command records it).
-    pub fn config_yaml(&self) -> Result<String> {
-        match self.path.as_deref().map(|p| staged_config_yaml(p, &self.sets)).transpose()?.flatten() {
-            Some(staged) => Ok(staged),
-            None => Ok(self.load()?.to_yaml()),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -140,6 +116,5 @@ mod source_tests {
         assert_eq!(s.name, resolved_name.or(Some("my-run".into())));
         let named = SpecSource { sets: vec!["name=kept".into()], ..src }.load().unwrap();
         assert_eq!(named.name.as_deref(), Some("kept"));
-        assert!(SpecSource::default().config_yaml().unwrap().contains("steps:"));
     }
 }

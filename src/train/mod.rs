@@ -17,7 +17,7 @@ pub mod stages;
 pub mod workers;
 
 use crate::data::Batcher;
-use crate::eval::perplexity::{CorpusResult, EvalCorpus};
+use crate::perplexity::{CorpusResult, EvalCorpus};
 use crate::model::Model;
 use crate::spec::{Precision, Spec};
 use crate::{Error, Result};
@@ -72,7 +72,7 @@ pub fn load_eval_corpora(spec: &Spec, tok: &crate::data::Tok) -> Result<Vec<Eval
 }
 
 pub fn evaluate_all(model: &Model, corpora: &[EvalCorpus], spec: &Spec, device: Device) -> BTreeMap<String, CorpusResult> {
-    crate::eval::lm_eval::evaluate_perplexity(model, corpora, spec, device).into_iter().map(|(name, (result, _))| (name, result)).collect()
+    crate::perplexity::evaluate_perplexity(model, corpora, spec, device).into_iter().map(|(name, (result, _))| (name, result)).collect()
 }
 
 /// Train the run a spec describes (or resume it, or report it finished): one stage of the
@@ -284,7 +284,7 @@ impl RunDir {
     /// scalars to the run's TensorBoard event file (crate::tensorboard; before the line, so that a
     /// resumed process rebuilds the file from the rows of earlier sessions only).
     pub fn append_metrics(&self, row: &Map<String, Value>) -> Result<()> {
-        crate::tensorboard::log_row(&self.path, row);
+        crate::tensorboard::log_row(&self.path, row, || checkpoint::list(&self.path).last().map(|c| c.0));
         metrics::append(&self.metrics_path(), row)
     }
 }

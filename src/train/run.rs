@@ -1,7 +1,7 @@
 //! A run directory and what can be rebuilt from it (spec, tokenizer, model at a checkpoint).
 use super::checkpoint;
 use crate::data::Tok;
-use crate::eval::perplexity::CorpusResult;
+use crate::perplexity::CorpusResult;
 use crate::model::{Family, GptNeox, LlamaConfig, Model, NeoxConfig};
 use crate::run_kind::RunKind;
 use crate::spec::{Arch, Spec};

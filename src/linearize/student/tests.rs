@@ -1,5 +1,6 @@
 use super::*;
 use crate::attention::is_linearized_param;
+use crate::model::hf;
 use crate::spec::{AttentionImpl, AttentionKind};
 use crate::train::optim::{AdamW, Hyper};
 use tch::{Device, Kind};
@@ -326,7 +327,7 @@ fn linearize_runs_on_olmo2_and_dar_teachers() {
         assert!(out.join("DONE").is_file(), "{name}");
         let (lt, ls) = (o.eval["teacher"]["loss"].as_f64().unwrap(), o.eval["student"]["loss"].as_f64().unwrap());
         assert!(lt.is_finite() && ls.is_finite() && lt != ls, "{name}: teacher {lt}, student {ls}");
-        let (_vs, s, _tok) = crate::linearize::load_exported(&out, Device::Cpu).unwrap();
+        let (_vs, s, _tok) = crate::student_export::load_exported(&out, Device::Cpu).unwrap();
         assert_eq!(s.cfg.family, family, "{name}");
         assert!(matches!(s.variant(), Some(Variant::Still(_))), "{name}");
         assert!(s.layers.iter().all(|b| b.attn.bottleneck().is_none() && b.teacher.is_none()), "{name}");

@@ -3,7 +3,9 @@
 //! token scored exactly once; the last partial window is given the T tokens before its last target
 //! as context. Convention B ("stream PPL", fast tracking only): documents joined with EOD, blocks of
 //! T+1 tokens with stride T. Token-level PPL, word-level PPL and bits/byte come from the same summed NLL.
-use super::super::data::{sources::Doc, Tok, EOD};
+//!
+//! Below train (the trainer evaluates with it) and eval (`eval::perplexity` is this module).
+use crate::data::{sources::Doc, Tok, EOD};
 use crate::model::Model;
 use crate::spec::{EvalProtocol, SourceSpec};
 use crate::Result;
@@ -330,6 +332,18 @@ pub fn table(rows: &[(String, std::collections::BTreeMap<String, CorpusResult>)]
         out.push('\n');
     }
     out
+}
+
+/// Rolling perplexity of each corpus with every document's NLL (the spec's batch, context length,
+/// token budget and protocol, as `train::evaluate_all`).
+pub fn evaluate_perplexity(model: &Model, corpora: &[EvalCorpus], spec: &crate::spec::Spec, device: tch::Device) -> std::collections::BTreeMap<String, (CorpusResult, Vec<f64>)> {
+    corpora
+        .iter()
+        .map(|c| {
+            let batch = spec.eval.batch_size.unwrap_or(8) as usize;
+            (c.name.clone(), evaluate_docs(model, c, spec.seq_len(), batch, spec.eval.max_tokens, spec.eval.protocol, device))
+        })
+        .collect()
 }
 
 #[cfg(test)]

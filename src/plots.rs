@@ -1,4 +1,5 @@
-//! Line charts as PNG and SVG (plotters): title, labelled axes, legend, optional log y axis.
+//! Line charts as PNG and SVG (plotters): title, labelled axes, legend, optional log y axis. The
+//! report's figures and `bench-decode --plot` draw with it (`report::plots` is this module).
 //! plotters is built without system-font support, so the text font (DejaVu Sans, see
 //! assets/fonts/LICENSE-DejaVu.txt) is embedded and registered once as "sans-serif".
 use crate::{Error, Result};
@@ -8,7 +9,7 @@ use plotters::prelude::*;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-static FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans.ttf");
+static FONT: &[u8] = include_bytes!("../assets/fonts/DejaVuSans.ttf");
 const FAMILY: &str = "sans-serif";
 const SIZE: (u32, u32) = (960, 600);
 
