@@ -33,8 +33,6 @@ LAYERS = [
 
 # Upward edges that exist today (issue 25), to be removed; a fixed one must leave this list.
 KNOWN = {
-    ("attention", "model"): "dar::init adds DAR to a loaded Llama (Llama::add_dar)",
-    ("spec", "data"): "validation names data's Megatron dtypes and RULER tasks",
 }
 ROOT_REEXPORTS = {"Error": "error", "IoContext": "error", "Result": "error"}
 SKIP = {"lib", "main", "testutil"}  # the crate root, the binary, test helpers

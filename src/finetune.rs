@@ -12,9 +12,11 @@
 //! each stage, rows with `at`), atomic checkpoints, exact resume, DONE. At the end: `eval.json` (base
 //! vs fine-tuned held-out loss / perplexity on assistant tokens) and `export/` (an HF folder with
 //! the tokenizer and the chat template).
+pub mod dar_start;
+
+use dar_start::BottleneckInit;
 use crate::data::chat::{self, ChatSource, ChatTemplate, PackedRow, IGNORE};
 use crate::data::Tok;
-use crate::attention::dar::init::BottleneckInit;
 use crate::model::{Llama, LlamaConfig};
 use crate::spec::{AttentionInit, AttentionSpec, Precision, TokenizerSpec};
 use crate::train::optim::Hyper;
@@ -241,7 +243,7 @@ fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, attention: &At
         };
         let device = vs.device();
         let calib = (!calibration.is_empty()).then(|| batch(calibration, device));
-        let discarded = crate::attention::dar::init::add_dar_to_pretrained(&mut m, &vs.root(), attention.clone(), init, calib.as_ref().map(|c| &c[0]), calib.as_ref().map(|c| &c[2]))?;
+        let discarded = dar_start::add_dar_to_pretrained(&mut m, &vs.root(), attention.clone(), init, calib.as_ref().map(|c| &c[0]), calib.as_ref().map(|c| &c[2]))?;
         if !discarded.is_empty() {
             eprintln!("pca: discarded second-moment fraction per layer {discarded:?}");
         }

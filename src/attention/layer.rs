@@ -185,7 +185,7 @@ impl Layer {
         }))
     }
 
-    /// A layer of a variant's own type (`dar::init` gives a pretrained model bottlenecks).
+    /// A layer of a variant's own type (`finetune::dar_start` gives a pretrained model bottlenecks).
     pub fn from_op(op: Box<dyn LayerOp>) -> Layer {
         Layer(op)
     }

@@ -26,72 +26,17 @@ pub const MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
 /// Bytes before the sizes array.
 const HEADER: usize = 9 + 8 + 1 + 8 + 8;
 
-/// Token types of the format (the float codes 6 and 7 exist in the format but hold no token ids).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DType {
-    U8,
-    I8,
-    I16,
-    I32,
-    I64,
-    U16,
-}
+pub use crate::spec::MegatronDType as DType;
 
-impl DType {
-    pub fn from_code(code: u8) -> std::result::Result<DType, String> {
-        Ok(match code {
-            1 => DType::U8,
-            2 => DType::I8,
-            3 => DType::I16,
-            4 => DType::I32,
-            5 => DType::I64,
-            8 => DType::U16,
-            6 | 7 => return Err(format!("dtype code {code} ({}) holds no token ids", if code == 6 { "float64" } else { "float32" })),
-            c => return Err(format!("unknown dtype code {c} (megatron-core knows 1–8)")),
-        })
-    }
-
-    pub fn code(self) -> u8 {
-        match self {
-            DType::U8 => 1,
-            DType::I8 => 2,
-            DType::I16 => 3,
-            DType::I32 => 4,
-            DType::I64 => 5,
-            DType::U16 => 8,
-        }
-    }
-
-    pub fn from_name(name: &str) -> Option<DType> {
-        Some(match name {
-            "u8" | "uint8" => DType::U8,
-            "i8" | "int8" => DType::I8,
-            "i16" | "int16" => DType::I16,
-            "u16" | "uint16" => DType::U16,
-            "i32" | "int32" => DType::I32,
-            "i64" | "int64" => DType::I64,
-            _ => return None,
-        })
-    }
-
-    pub fn size(self) -> usize {
-        match self {
-            DType::U8 | DType::I8 => 1,
-            DType::I16 | DType::U16 => 2,
-            DType::I32 => 4,
-            DType::I64 => 8,
-        }
-    }
-
-    fn decode(self, b: &[u8]) -> i64 {
-        match self {
-            DType::U8 => b[0] as i64,
-            DType::I8 => b[0] as i8 as i64,
-            DType::I16 => i16::from_le_bytes([b[0], b[1]]) as i64,
-            DType::U16 => u16::from_le_bytes([b[0], b[1]]) as i64,
-            DType::I32 => i32::from_le_bytes(b[..4].try_into().expect("4 bytes")) as i64,
-            DType::I64 => i64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
-        }
+/// One token id of `dtype` from its little-endian bytes.
+fn decode(dtype: DType, b: &[u8]) -> i64 {
+    match dtype {
+        DType::U8 => b[0] as i64,
+        DType::I8 => b[0] as i8 as i64,
+        DType::I16 => i16::from_le_bytes([b[0], b[1]]) as i64,
+        DType::U16 => u16::from_le_bytes([b[0], b[1]]) as i64,
+        DType::I32 => i32::from_le_bytes(b[..4].try_into().expect("4 bytes")) as i64,
+        DType::I64 => i64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
     }
 }
 
@@ -289,12 +234,12 @@ impl MegatronData {
                 carry.extend_from_slice(&b[..take]);
                 b = &b[take..];
                 if carry.len() == size {
-                    out.push(self.dtype.decode(&carry));
+                    out.push(decode(self.dtype, &carry));
                     carry.clear();
                 }
             }
             let whole = b.len() / size * size;
-            out.extend(b[..whole].chunks_exact(size).map(|c| self.dtype.decode(c)));
+            out.extend(b[..whole].chunks_exact(size).map(|c| decode(self.dtype, c)));
             carry.extend_from_slice(&b[whole..]);
         });
     }

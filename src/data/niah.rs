@@ -16,49 +16,7 @@ const NOISE: &str = "The grass is green. The sky is blue. The sun is yellow. Her
 const NEEDLE: &str = "One of the special magic {type_needle_v} for {key} is: {value}.";
 const TEMPLATE: &str = "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} for {query} mentioned in the provided text?";
 const ANSWER_PREFIX: &str = " The special magic {type_needle_v} for {query} mentioned in the provided text are";
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Haystack {
-    Noise,
-    Needle,
-    Essay,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    Words,
-    Numbers,
-    Uuids,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct NiahTask {
-    pub haystack: Haystack,
-    pub key: Kind,
-    pub value: Kind,
-    pub num_keys: usize,
-    pub num_values: usize,
-    pub num_queries: usize,
-}
-
-/// The RULER task of that name (evaluation.md §3.2's table).
-pub fn task(name: &str) -> Option<NiahTask> {
-    use Haystack::*;
-    use Kind::*;
-    let t = |haystack, key, value, num_keys, num_values, num_queries| NiahTask { haystack, key, value, num_keys, num_values, num_queries };
-    Some(match name {
-        "niah_single_1" => t(Noise, Words, Numbers, 1, 1, 1),
-        "niah_single_2" => t(Essay, Words, Numbers, 1, 1, 1),
-        "niah_single_3" => t(Essay, Words, Uuids, 1, 1, 1),
-        "niah_multikey_1" => t(Essay, Words, Numbers, 4, 1, 1),
-        "niah_multikey_2" => t(Needle, Words, Numbers, 1, 1, 1),
-        "niah_multikey_3" => t(Needle, Uuids, Uuids, 1, 1, 1),
-        "niah_multivalue" => t(Essay, Words, Numbers, 1, 4, 1),
-        "niah_multiquery" => t(Essay, Words, Numbers, 4, 1, 4),
-        _ => return None,
-    })
-}
-
-pub const TASKS: [&str; 8] = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery"];
+pub use crate::spec::ruler_tasks::{task, Haystack, Kind, NiahTask, TASKS};
 
 /// One generated sample: the model is fed `input + answer_prefix`.
 #[derive(Debug, Clone, PartialEq)]

@@ -54,10 +54,68 @@ impl MegatronSource {
             return Err((".megatron.bin".into(), "lists no .bin file".into()));
         }
         if let Some(d) = &self.dtype {
-            if crate::data::megatron::DType::from_name(d).is_none() {
+            if DType::from_name(d).is_none() {
                 return Err((".megatron.dtype".into(), format!("`{d}` is not one of u8, i8, i16, u16, i32, i64")));
             }
         }
         Ok(())
+    }
+}
+
+/// Token types of the format (the float codes 6 and 7 exist in the format but hold no token ids).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    U8,
+    I8,
+    I16,
+    I32,
+    I64,
+    U16,
+}
+
+impl DType {
+    pub fn from_code(code: u8) -> std::result::Result<DType, String> {
+        Ok(match code {
+            1 => DType::U8,
+            2 => DType::I8,
+            3 => DType::I16,
+            4 => DType::I32,
+            5 => DType::I64,
+            8 => DType::U16,
+            6 | 7 => return Err(format!("dtype code {code} ({}) holds no token ids", if code == 6 { "float64" } else { "float32" })),
+            c => return Err(format!("unknown dtype code {c} (megatron-core knows 1–8)")),
+        })
+    }
+
+    pub fn code(self) -> u8 {
+        match self {
+            DType::U8 => 1,
+            DType::I8 => 2,
+            DType::I16 => 3,
+            DType::I32 => 4,
+            DType::I64 => 5,
+            DType::U16 => 8,
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<DType> {
+        Some(match name {
+            "u8" | "uint8" => DType::U8,
+            "i8" | "int8" => DType::I8,
+            "i16" | "int16" => DType::I16,
+            "u16" | "uint16" => DType::U16,
+            "i32" | "int32" => DType::I32,
+            "i64" | "int64" => DType::I64,
+            _ => return None,
+        })
+    }
+
+    pub fn size(self) -> usize {
+        match self {
+            DType::U8 | DType::I8 => 1,
+            DType::I16 | DType::U16 => 2,
+            DType::I32 => 4,
+            DType::I64 => 8,
+        }
     }
 }

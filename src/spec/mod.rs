@@ -8,11 +8,12 @@ pub mod base;
 mod lines;
 mod megatron;
 mod overrides;
+pub mod ruler_tasks;
 mod schema;
 
 pub use crate::attention::LineStyle;
 pub use attention::finetune_form as finetune_attention;
-pub use megatron::MegatronSource;
+pub use megatron::{DType as MegatronDType, MegatronSource};
 pub use overrides::apply_override;
 pub use schema::*;
 

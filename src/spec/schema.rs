@@ -200,10 +200,10 @@ impl SourceSpec {
                     return Err((".needles.tasks".into(), "lists no task".into()));
                 }
                 for (i, t) in n.tasks.iter().enumerate() {
-                    let Some(task) = crate::data::niah::task(t) else {
-                        return Err((format!(".needles.tasks[{i}]"), format!("unknown RULER task `{t}` (one of {})", crate::data::niah::TASKS.join(", "))));
+                    let Some(task) = super::ruler_tasks::task(t) else {
+                        return Err((format!(".needles.tasks[{i}]"), format!("unknown RULER task `{t}` (one of {})", super::ruler_tasks::TASKS.join(", "))));
                     };
-                    if task.haystack == crate::data::niah::Haystack::Essay && n.essay.is_none() {
+                    if task.haystack == super::ruler_tasks::Haystack::Essay && n.essay.is_none() {
                         return Err((".needles.essay".into(), format!("task `{t}` has an essay haystack: give the essay file")));
                     }
                 }

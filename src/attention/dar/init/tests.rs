@@ -1,5 +1,6 @@
 use super::*;
 use crate::model::hf;
+use crate::finetune::dar_start::{add_dar_to_pretrained, BottleneckInit};
 use crate::attention::AttentionSpec;
 use crate::model::llama::{Family, Llama, LlamaConfig, RopeScaling};
 use crate::spec::{AttentionImpl, AttentionKind};
@@ -164,7 +165,7 @@ fn pretrain_spec(arch: &str, attention: &str, seed: u64) -> crate::spec::Spec {
 /// Every variable of a model built from `spec`, the global generator seeded with `global`.
 fn weights(spec: &crate::spec::Spec, global: i64) -> std::collections::BTreeMap<String, Tensor> {
     tch::manual_seed(global);
-    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let _m = crate::train::run::build_model(spec, &vs);
     vs.variables().into_iter().collect()
 }
