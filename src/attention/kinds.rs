@@ -77,6 +77,8 @@ pub trait SoftmaxKind: Sized + Clone + std::fmt::Debug + PartialEq + Default + S
     /// The spec's spelling (`attention.kind: NAME`); `compare`, `bench`, bench-decode and the
     /// report's `kind` column write it.
     const NAME: &'static str;
+    /// Other names a spec or `--kinds` may use for the kind (read, never written).
+    const ALIASES: &'static [&'static str] = &[];
     /// The report tables' Model column.
     const TABLE_NAME: &'static str;
     /// How plots stroke the kind's lines.
@@ -154,6 +156,10 @@ macro_rules! softmax_kinds {
             /// Every kind, in the order tables, plots and `bench` list them.
             pub const ALL: [AttentionKind; 0 $($(+ { let _ = stringify!($kind); 1 })+)*] = [$($(AttentionKind::$kind,)+)*];
 
+            /// Other names the kind is read by.
+            pub fn aliases(self) -> &'static [&'static str] {
+                match self { $($(AttentionKind::$kind => <$module::$kind as $crate::attention::kinds::SoftmaxKind>::ALIASES,)+)* }
+            }
             pub fn name(self) -> &'static str {
                 match self { $($(AttentionKind::$kind => <$module::$kind as $crate::attention::kinds::SoftmaxKind>::NAME,)+)* }
             }
@@ -260,9 +266,9 @@ impl Default for AttentionKind {
 }
 
 impl AttentionKind {
-    /// The kind the spec spells `name`.
+    /// The kind the spec spells `name` (or one of its aliases).
     pub fn from_name(name: &str) -> Option<AttentionKind> {
-        AttentionKind::ALL.into_iter().find(|k| k.name() == name)
+        AttentionKind::ALL.into_iter().find(|k| k.name() == name || k.aliases().contains(&name))
     }
 
     /// The names of every kind, for error messages ("vanilla, dar, uniform, window").

@@ -36,6 +36,7 @@ const DEFAULT_SINKS: i64 = 4;
 
 impl SoftmaxKind for Sink {
     const NAME: &'static str = "sink";
+    const ALIASES: &'static [&'static str] = &["sinks", "streaming"];
     const TABLE_NAME: &'static str = "Sinks + window";
     const LINE_STYLE: LineStyle = LineStyle::Dotted;
     const DECODE_BENCH: &'static str = "GPT-NeoX, attention sinks: K/V of the first 4 tokens and of the last w (the spec's window, default 128)";

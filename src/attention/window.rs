@@ -33,6 +33,7 @@ pub struct Window {
 
 impl SoftmaxKind for Window {
     const NAME: &'static str = "window";
+    const ALIASES: &'static [&'static str] = &["window-only", "swa"];
     const TABLE_NAME: &'static str = "Window-only";
     const LINE_STYLE: LineStyle = LineStyle::Dotted;
     const DECODE_BENCH: &'static str = "GPT-NeoX, sliding-window attention only (the spec's window, default 128): K/V of the last w tokens";

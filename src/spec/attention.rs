@@ -41,6 +41,16 @@ mod tests {
             assert_eq!(serde_json::to_value(i).unwrap(), serde_json::Value::String(i.name().into()));
         }
         assert_eq!(AttentionKind::from_name("DAR"), None);
+        // Aliases read as the kind and are written as its name; no alias is another kind's name.
+        for k in AttentionKind::ALL {
+            for a in k.aliases() {
+                assert_eq!(AttentionKind::from_name(a), Some(k), "{a}");
+                let spec: AttentionSpec = serde_yaml::from_str(&format!("{{kind: {a}}}")).unwrap();
+                assert_eq!(spec.kind(), k);
+                assert!(serde_yaml::to_string(&spec).unwrap().starts_with(&format!("kind: {}\n", k.name())));
+                assert!(AttentionKind::ALL.iter().all(|o| o.name() != *a), "alias {a} is a kind's name");
+            }
+        }
         assert_eq!(AttentionKind::default(), AttentionKind::Vanilla);
         assert_eq!(serde_yaml::from_str::<AttentionSpec>("{}").unwrap(), AttentionSpec::vanilla());
         let names = AttentionKind::names();
