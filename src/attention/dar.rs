@@ -13,7 +13,7 @@
 pub mod init;
 
 use super::cache::{attend_newest, distances, masked_parts, repeat_kv, tensor_bytes, CacheShape, KindCache, LayerCache, Padding, Recent, Slots};
-use super::kinds::{AttentionImpl, AttentionSpec, BenchInputs, LineStyle, Settings, SoftmaxKind};
+use super::kinds::{AttentionImpl, AttentionSpec, BenchInputs, LineStyle, Settings, SoftmaxKind, DEFAULT_WINDOW};
 use super::layer::{Heads, KvMap, LayerDims, LayerOp, Positions};
 use super::masked_softmax_attention;
 use super::vanilla::causal;
@@ -139,8 +139,13 @@ impl Dar {
         Ok(Box::new(DarLayer { bottleneck, window, imp: self.implementation }))
     }
 
-    fn op(x: &BenchInputs, window: i64) -> Tensor {
-        dar(x.q, x.k, x.v, x.kg, x.vg, window, x.imp)
+    /// The local window, default 128 (0 is uniform's), resolved.
+    fn resolve_window(&mut self) -> std::result::Result<i64, Invalid> {
+        let w = *self.window.get_or_insert(DEFAULT_WINDOW);
+        if w < 0 {
+            return Err(("window".into(), format!("{w} is negative")));
+        }
+        Ok(w)
     }
 }
 
@@ -161,10 +166,7 @@ impl SoftmaxKind for Dar {
 
     fn resolve(&mut self, d_model: usize) -> std::result::Result<(), Invalid> {
         self.resolve_bottleneck(d_model)?;
-        let w = *self.window.get_or_insert(128);
-        if w < 0 {
-            return Err(("window".into(), format!("{w} is negative")));
-        }
+        let w = self.resolve_window()?;
         self.note = Some(format!("dar: keys at distance < {w} (the current token included) full width, farther keys through the d_down bottleneck"));
         Ok(())
     }
@@ -177,10 +179,7 @@ impl SoftmaxKind for Dar {
             Some(d) if d <= 0 => return Err(("d_down".into(), format!("{d} must be > 0"))),
             Some(_) => {}
         }
-        let w = *self.window.get_or_insert(128);
-        if w < 0 {
-            return Err(("window".into(), format!("{w} is negative")));
-        }
+        self.resolve_window()?;
         match *self.init.get_or_insert_default() {
             AttentionInit::SmallInit | AttentionInit::Pca => {}
             AttentionInit::Orthogonal => return Err(("init".into(), "orthogonal is a pretraining start; finetune starts the bottleneck with small_init or pca".into())),
@@ -224,11 +223,11 @@ impl SoftmaxKind for Dar {
     }
 
     fn layer(&self, p: &nn::Path, dims: LayerDims) -> Result<Box<dyn LayerOp>> {
-        self.dar_layer(p, dims, self.window.unwrap_or(128))
+        self.dar_layer(p, dims, self.window.unwrap_or(DEFAULT_WINDOW))
     }
 
     fn bench_op(x: &BenchInputs) -> Tensor {
-        Dar::op(x, x.window)
+        dar(x.q, x.k, x.v, x.kg, x.vg, x.window, x.imp)
     }
 }
 
@@ -295,8 +294,9 @@ impl SoftmaxKind for Uniform {
         self.0.dar_layer(p, dims, 0)
     }
 
+    /// DAR's op at `op_window`'s window 0.
     fn bench_op(x: &BenchInputs) -> Tensor {
-        Dar::op(x, 0)
+        Dar::bench_op(x)
     }
 
     /// Uniform's op is DAR's with window 0, whatever window the bench asks for.
@@ -343,6 +343,10 @@ impl DarLayer {
     pub fn new(bottleneck: Bottleneck, window: i64, imp: AttentionImpl) -> Self {
         DarLayer { bottleneck, window, imp }
     }
+
+    pub fn bottleneck(&self) -> &Bottleneck {
+        &self.bottleneck
+    }
 }
 
 impl LayerOp for DarLayer {
@@ -383,9 +387,6 @@ impl LayerOp for DarLayer {
         Some(Box::new(DarLayer { bottleneck, window: s.window.unwrap_or(0) as i64, imp: s.implementation }))
     }
 
-    fn bottleneck(&self) -> Option<&Bottleneck> {
-        Some(&self.bottleneck)
-    }
 }
 
 /// DAR attention. `window ≥ T` is vanilla over (k_l, v_l); `window = 0` is causal attention over (k_g, v_g).

@@ -123,6 +123,19 @@ pub trait SoftmaxKind: Sized + Clone + std::fmt::Debug + PartialEq + Default + S
     fn upgrade_legacy(_map: &mut Mapping) {}
 }
 
+/// The local window a kind with one starts with (`window: 128`, dar.md §4.1).
+pub const DEFAULT_WINDOW: i64 = 128;
+
+/// A local window that holds at least the current token, default [`DEFAULT_WINDOW`], resolved
+/// (window-only and sinks; `kind` names the kind in the refusal).
+pub(crate) fn resolve_local_window(window: &mut Option<i64>, kind: &str) -> std::result::Result<i64, Invalid> {
+    let w = *window.get_or_insert(DEFAULT_WINDOW);
+    if w < 1 {
+        return Err(("window".into(), format!("{w}: kind: {kind} needs window ≥ 1 (the current token)")));
+    }
+    Ok(w)
+}
+
 /// Remove `key` from an old config where it holds a value the kind ignores (any value when `neutral`
 /// is None).
 pub(crate) fn drop_legacy(map: &mut Mapping, key: &str, neutral: Option<Value>) {

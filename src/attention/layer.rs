@@ -6,7 +6,7 @@
 //! configs and checkpoints record it: a softmax kind's [`AttentionSpec`] (`kinds.rs`: one type from
 //! the spec to the model config) or a linearized operator's [`Variant`].
 use super::cache::{repeat_kv, CacheShape, LayerCache};
-use super::dar::Bottleneck;
+use super::dar::{Bottleneck, DarLayer};
 use super::kinds::AttentionSpec;
 use super::lolcats::{Lolcats, LolcatsConfig};
 use super::still::{Still, StillConfig};
@@ -147,18 +147,6 @@ pub trait LayerOp: std::any::Any + Send {
     /// vanilla ↔ window, DAR ↔ uniform); None when `a` needs parameters the layer lacks or would
     /// drop ones it has.
     fn reconfigured(&self, a: &AttentionSpec) -> Option<Box<dyn LayerOp>>;
-    /// The bottleneck of a DAR layer (PCA calibration reads and sets it).
-    fn bottleneck(&self) -> Option<&Bottleneck> {
-        None
-    }
-    /// The STILL operator of this layer (probes and oracle routing).
-    fn still(&self) -> Option<&Still> {
-        None
-    }
-    /// The same, to add its gate's LoRA adapter (`linearize`).
-    fn still_mut(&mut self) -> Option<&mut Still> {
-        None
-    }
 }
 
 /// `LayerOp::reconfigured` of a layer without parameters: any kind without parameters, built anew.
@@ -195,13 +183,9 @@ impl Layer {
         self.0.reconfigured(a).map(Layer).ok_or_else(|| Error::Other(format!("cannot switch this layer to {} in place (a bottleneck would be needed or dropped)", a.label())))
     }
 
-    /// Whether [`Layer::reconfigured`] can switch this layer to `a` in place.
-    pub fn reconfigurable(&self, a: &AttentionSpec) -> bool {
-        self.0.reconfigured(a).is_some()
-    }
-
+    /// The bottleneck of a DAR layer (PCA calibration reads and sets it).
     pub fn bottleneck(&self) -> Option<&Bottleneck> {
-        self.0.bottleneck()
+        self.get::<DarLayer>().map(DarLayer::bottleneck)
     }
 
     pub fn forward(&self, h: &Heads) -> Tensor {
@@ -216,12 +200,14 @@ impl Layer {
         self.0.decode(cache, h, p0)
     }
 
+    /// The STILL operator of this layer (probes and oracle routing).
     pub fn still(&self) -> Option<&Still> {
-        self.0.still()
+        self.get::<Still>()
     }
 
+    /// The same, to add its gate's LoRA adapter (`linearize`).
     pub fn still_mut(&mut self) -> Option<&mut Still> {
-        self.0.still_mut()
+        (self.0.as_mut() as &mut dyn std::any::Any).downcast_mut()
     }
 
     /// The variant's own layer type, if it is `T` (tests, probes).

@@ -8,9 +8,9 @@
 //! left padding) and a ring of the last `window`: at most 2·(sinks + padding + window)·d_kv elements
 //! per layer and sequence, whatever the length.
 use super::cache::{attend_newest, distances, masked_parts, CacheShape, KindCache, LayerCache, Padding, Recent};
-use super::kinds::{AttentionImpl, AttentionSpec, BenchInputs, LineStyle, Settings, SoftmaxKind};
+use super::kinds::{resolve_local_window, AttentionImpl, AttentionSpec, DEFAULT_WINDOW, BenchInputs, LineStyle, Settings, SoftmaxKind};
 use super::layer::{rebuilt_without_parameters, Heads, LayerDims, LayerOp};
-use super::{dar_masks, doc_segments, masked};
+use super::{dar_masks, doc_dar_masks, doc_segments, masked};
 use crate::error::Invalid;
 use crate::{kernels, Result};
 use serde::{Deserialize, Serialize};
@@ -50,10 +50,7 @@ impl SoftmaxKind for Sink {
     }
 
     fn resolve(&mut self, _d_model: usize) -> std::result::Result<(), Invalid> {
-        let w = *self.window.get_or_insert(128);
-        if w < 1 {
-            return Err(("window".into(), format!("{w}: kind: sink needs window ≥ 1 (the current token)")));
-        }
+        let w = resolve_local_window(&mut self.window, Self::NAME)?;
         let n = *self.sinks.get_or_insert(DEFAULT_SINKS);
         if n < 1 {
             return Err(("sinks".into(), format!("{n}: kind: sink needs at least one sink (none is kind: window)")));
@@ -90,7 +87,7 @@ impl SoftmaxKind for Sink {
     }
 
     fn layer(&self, _p: &nn::Path, _dims: LayerDims) -> Result<Box<dyn LayerOp>> {
-        Ok(Box::new(SinkLayer { window: self.window.unwrap_or(128), sinks: self.sinks.unwrap_or(DEFAULT_SINKS), imp: self.implementation }))
+        Ok(Box::new(SinkLayer { window: self.window.unwrap_or(DEFAULT_WINDOW), sinks: self.sinks.unwrap_or(DEFAULT_SINKS), imp: self.implementation }))
     }
 
     fn bench_op(x: &BenchInputs) -> Tensor {
@@ -98,18 +95,14 @@ impl SoftmaxKind for Sink {
     }
 }
 
-/// The mask `[T, T]` (packed rows: `[B, 1, T, T]`) of the keys each query reads.
+/// The mask `[T, T]` (packed rows: `[B, 1, T, T]`) of the keys each query reads: DAR's local band,
+/// and of its distant keys only the sinks (a key's position in its document < sinks).
 fn mask(t: i64, window: i64, sinks: i64, seg: Option<&Tensor>, device: Device) -> Tensor {
-    let (local, far) = dar_masks(t, window, device);
-    match seg {
-        None => local.logical_or(&far.logical_and(&Tensor::arange(t, (Kind::Int64, device)).lt(sinks).unsqueeze(0))),
-        Some(seg) => {
-            let (_, pos) = doc_segments(seg);
-            let same = seg.unsqueeze(2).eq_tensor(&seg.unsqueeze(1)).unsqueeze(1);
-            let sink_keys = pos.lt(sinks).view([pos.size()[0], 1, 1, t]);
-            local.logical_or(&far.logical_and(&sink_keys)).logical_and(&same)
-        }
-    }
+    let ((local, far), sink_keys) = match seg {
+        None => (dar_masks(t, window, device), Tensor::arange(t, (Kind::Int64, device)).lt(sinks).unsqueeze(0)),
+        Some(seg) => (doc_dar_masks(seg, window), doc_segments(seg).1.lt(sinks).view([seg.size()[0], 1, 1, t])),
+    };
+    local.logical_or(&far.logical_and(&sink_keys))
 }
 
 /// Attention sinks over heads `[B, H, T, hd]`; `seg`: document segments of packed rows.

@@ -205,14 +205,6 @@ impl crate::attention::LayerOp for Still {
     fn reconfigured(&self, _a: &crate::attention::AttentionSpec) -> Option<Box<dyn crate::attention::LayerOp>> {
         None
     }
-
-    fn still(&self) -> Option<&Still> {
-        Some(self)
-    }
-
-    fn still_mut(&mut self) -> Option<&mut Still> {
-        Some(self)
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
 //! Decode keeps the last W tokens' keys and values (`cache::Recent`): at most 2·W·d_kv per layer.
 use super::cache::{decode_recent, CacheShape, LayerCache, Recent};
 use super::dar::DarAct;
-use super::kinds::{drop_legacy, AttentionImpl, AttentionSpec, BenchInputs, LineStyle, Settings, SoftmaxKind};
+use super::kinds::{drop_legacy, resolve_local_window, AttentionImpl, DEFAULT_WINDOW, AttentionSpec, BenchInputs, LineStyle, Settings, SoftmaxKind};
 use super::layer::{rebuilt_without_parameters, Heads, LayerDims, LayerOp};
 use super::{causal, dar_masks, doc_dar_masks, masked};
 use crate::error::Invalid;
@@ -48,10 +48,7 @@ impl SoftmaxKind for Window {
     }
 
     fn resolve(&mut self, _d_model: usize) -> std::result::Result<(), Invalid> {
-        let w = *self.window.get_or_insert(128);
-        if w < 1 {
-            return Err(("window".into(), format!("{w}: kind: window needs window ≥ 1 (the current token)")));
-        }
+        let w = resolve_local_window(&mut self.window, Self::NAME)?;
         self.note = Some(format!("window: keys at distance < {w} (the current token included), nothing farther"));
         Ok(())
     }
@@ -84,7 +81,7 @@ impl SoftmaxKind for Window {
     }
 
     fn layer(&self, _p: &nn::Path, _dims: LayerDims) -> Result<Box<dyn LayerOp>> {
-        Ok(Box::new(WindowLayer { window: self.window.unwrap_or(128), imp: self.implementation }))
+        Ok(Box::new(WindowLayer { window: self.window.unwrap_or(DEFAULT_WINDOW), imp: self.implementation }))
     }
 
     fn bench_op(x: &BenchInputs) -> Tensor {

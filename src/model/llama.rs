@@ -297,12 +297,11 @@ impl Llama {
     /// window, vanilla ↔ window, DAR ↔ uniform (the bottleneck kept). A change that would need a
     /// bottleneck the model lacks, or drop one it has, is an error (use `add_dar`).
     pub fn set_attention(&mut self, attention: AttentionSpec) -> Result<()> {
-        // Checked for the whole model first, so that a refused change leaves it as it was.
-        if !self.layers.iter().all(|b| b.attn.reconfigurable(&attention)) {
-            return Err(Error::Other(format!("set_attention: cannot switch {} to {} in place", self.cfg.attention.label(), attention.label())));
-        }
-        for b in &mut self.layers {
-            b.attn = b.attn.reconfigured(&attention)?;
+        // Every layer switched before any is replaced, so that a refused change leaves the model as it was.
+        let switched = self.layers.iter().map(|b| b.attn.reconfigured(&attention)).collect::<Result<Vec<Layer>>>();
+        let switched = switched.map_err(|e| Error::Other(format!("set_attention: cannot switch {} to {} in place: {e}", self.cfg.attention.label(), attention.label())))?;
+        for (b, attn) in self.layers.iter_mut().zip(switched) {
+            b.attn = attn;
         }
         self.cfg.attention = Attention::Softmax(attention);
         Ok(())
