@@ -1,6 +1,6 @@
 # attnlab set-up and everyday commands. Everything builds in release mode (GPU.md §8: one cold
 # release build is ~32 min on 2 cores, measured from a fresh clone; tests reuse it).
-.PHONY: demo test setup build gpu-bin fixture clean-results notebook smollm2 gguf-venv
+.PHONY: demo test setup build gpu-bin gpu-kernels fixture clean-results notebook smollm2 gguf-venv
 
 setup:
 	@./scripts/setup-libtorch.sh
@@ -19,12 +19,28 @@ test: setup smollm2
 	cargo test --release --test cli
 	$(MAKE) notebook
 
-# Lean training binary for the GPU host (no polars/plotters/hf-hub), stripped, in .gpu/.
-gpu-bin: setup
+# Lean training binary for the GPU host (no polars/plotters/hf-hub), stripped, in .gpu/, with our
+# CUDA kernels beside it (gpu-kernels).
+gpu-bin: setup gpu-kernels
 	cargo build --release --no-default-features
 	mkdir -p .gpu && cp target/release/attnlab .gpu/attnlab && strip .gpu/attnlab
 	cargo build --release
-	@ls -la .gpu/attnlab
+	@ls -la .gpu/attnlab .gpu/libattnlab_kernels.so
+
+# csrc/cuda/*.cu → .gpu/libattnlab_kernels.so (sm_90), with nvcc from PyPI in .cudatk/ (GPU.md §7.2
+# route 1; 104 MB, once). The binary dlopens it at run time (src/kernels/cuda.rs); CPU builds never need it.
+CUDATK := .cudatk/nvidia/cu13
+CUDA_PINS := nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85
+gpu-kernels: .gpu/libattnlab_kernels.so
+$(CUDATK)/bin/nvcc:
+	python3 -m pip install --quiet --disable-pip-version-check --no-deps --no-compile --target .cudatk $(CUDA_PINS)
+	ln -sfn lib $(CUDATK)/lib64
+	ln -sf libcudart.so.13 $(CUDATK)/lib/libcudart.so
+.gpu/libattnlab_kernels.so: csrc/cuda/*.cu $(CUDATK)/bin/nvcc | setup
+	mkdir -p .gpu
+	$(CUDATK)/bin/nvcc -O3 -std=c++17 -arch=sm_90 -cudart shared -shared -Xcompiler -fPIC -D_GLIBCXX_USE_CXX11_ABI=1 \
+		-I.libtorch/torch/include -I.libtorch/torch/include/torch/csrc/api/include csrc/cuda/*.cu \
+		-L.libtorch/torch/lib -lc10 -lc10_cuda -ltorch_cpu -ltorch_cuda -o $@
 
 # Regenerate the Hugging Face parity fixture (needs torch + transformers in .venv-fixture).
 fixture:

@@ -1,4 +1,4 @@
-//! Compiles the small C++ layer (csrc/: aten ops tch lacks, DAR split-merge autograd function, c10d's TCPStore, the profiler) against libtorch's headers and sets a RUNPATH to
+//! Compiles the small C++ layer (csrc/: aten ops tch lacks, DAR split-merge autograd function, the fused projection's heads, c10d's TCPStore, the profiler) against libtorch's headers and sets a RUNPATH to
 //! the build machine's libtorch, so binaries and tests run without environment variables
 //! (../shared/GPU.md §3). On the GPU host, LD_LIBRARY_PATH points at the host's own libtorch instead.
 use std::{env, path::PathBuf};
@@ -20,11 +20,15 @@ fn main() {
         .file("csrc/dar_attention.cpp")
         .file("csrc/distributed.cpp")
         .file("csrc/profile.cpp")
+        .file("csrc/heads.cpp")
+        .file("csrc/flash.cpp")
         .compile("attn_ops");
     println!("cargo:rerun-if-changed=csrc/attn_ops.cpp");
     println!("cargo:rerun-if-changed=csrc/dar_attention.cpp");
     println!("cargo:rerun-if-changed=csrc/distributed.cpp");
     println!("cargo:rerun-if-changed=csrc/profile.cpp");
+    println!("cargo:rerun-if-changed=csrc/heads.cpp");
+    println!("cargo:rerun-if-changed=csrc/flash.cpp");
     println!("cargo:rustc-link-arg=-Wl,--enable-new-dtags");
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
 }

@@ -7,7 +7,8 @@
 // bf16/fp16; 2 = "math": both parts by explicit matmuls in the inputs' dtype on any device, with the
 // kernels' conventions, so that the glue (merge, seeds, scatter) is tested exactly in fp64 on CPU.
 // `fused` (experimental, off by default; issue 28): the merge in one pass in place into the local
-// part's output (no fp32 copies) and a backward without the copies of dO / O / dK_g / dV_g.
+// part's output (no fp32 copies) and a backward without the copies of the distant part's dO / O
+// and of dK_g / dV_g.
 #include <ATen/TensorOperators.h>
 #include <ATen/record_function.h>
 #include <ATen/core/Tensor.h>
@@ -23,6 +24,7 @@
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/logaddexp.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <cmath>
@@ -90,6 +92,9 @@ Part math_fwd(const Tensor& q, const Tensor& k, const Tensor& v, double scale, i
 std::tuple<Tensor, Tensor, Tensor> math_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
                                             const Tensor& v, const Tensor& out, const Tensor& lse,
                                             double scale, int64_t wl) {
+  // The CUDA kernels' contract, held on CPU too so that a glue breaking it fails its tests.
+  TORCH_CHECK(dout.strides() == out.strides(), "split-merge backward: dO strides ", dout.strides(),
+              " differ from O's ", out.strides(), " (the kernels read both with one layout)");
   auto bh = [](const Tensor& x) { return x.transpose(1, 2); };
   Tensor qh = bh(q), kh = bh(k), doh = bh(dout);
   Tensor p = at::exp(math_scores(qh, kh, scale, wl) - lse.unsqueeze(-1));
@@ -158,7 +163,14 @@ struct DarSplitMerge : public torch::autograd::Function<DarSplitMerge> {
     Tensor dout;
     {
       RECORD_USER_SCOPE("dar.bwd_copies");
-      dout = fused ? grads[0] : grads[0].contiguous();
+      // dO in O's layout: the backward kernels read the two with one layout. The fused path once
+      // passed the gradient of a transposed view through as it came, and dq / dk_g came out wrong
+      // on the GPU (issue 33). In a model the two agree and this is no copy.
+      dout = grads[0];
+      if (dout.strides() != out.strides()) {
+        dout = at::empty_like(out);
+        dout.copy_(grads[0]);
+      }
     }
     Tensor undef;
     std::tuple<Tensor, Tensor, Tensor> loc;
@@ -172,7 +184,8 @@ struct DarSplitMerge : public torch::autograd::Function<DarSplitMerge> {
     Tensor do2 = dout.narrow(1, w, L), o2 = out.narrow(1, w, L), lse2 = lse.narrow(2, w, L);
     {
       RECORD_USER_SCOPE("dar.bwd_copies");
-      // cuDNN and the math path read strided dO / O; flash (and the unfused path) copy them.
+      // cuDNN and the math path read strided dO / O (narrowed alike); flash (and the unfused path)
+      // copy them.
       if (!fused || backend == 0) {
         do2 = do2.contiguous();
         o2 = o2.contiguous();

@@ -8,9 +8,9 @@
 # (and a vanilla, and a split-merge-fused DAR) Pythia-70M training step goes, by kernel under libtorch's profiler
 # (`attnlab bench --profile`), summarised by scripts/profile_table.py into $OUT/profile.md,
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
-# Expects: .gpu/attnlab (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
+# Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|decode|peers|profile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|decode|prefill|peers|profile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -21,7 +21,7 @@ run() { echo "+ $*" | tee -a "$OUT/log.txt"; "$@" 2>&1 | tee -a "$OUT/log.txt"; 
 for what in "${@:-all}"; do
   case $what in
     check|all)
-      run $A bench --check --set model.flavor=pythia-70m --set data.train.synthetic.docs=1 --set train.batch_size=2 --set data.seq_len=2048 ;;&
+      run $A bench --check --set model.flavor=pythia-70m --set data.train.synthetic.docs=1 --set train.batch_size=2 --set data.seq_len=2048 | tee "$OUT/check.txt" ;;&
     attn|all)
       for T in 2048 4096; do
         run $A bench --attention-only --json --steps 50 --set model.flavor=pythia-70m --set train.batch_size=16 --set data.seq_len=$T --set attention.window=128 | grep '^{' >> "$OUT/attn.jsonl"
@@ -58,6 +58,13 @@ for what in "${@:-all}"; do
         (cd .gpu/bench && PYTHONUNBUFFERED=1 run timeout $((left > 30 ? left : 30)) $PY hf_decode.py --lengths $DL --new 64) \
           | grep '^{' | sed "s/^{/{\"repeat\":$r,/" >> "$OUT/decode_peer.jsonl"
       done ;;&
+    prefill)
+      # Issue 34 item 1: the fixed prefill cost. Two repeats in one process (the second finds every
+      # per-shape plan already built) for vanilla / DAR / window, then hf_decode.py once.
+      PL=${PREFILL_LENGTHS:-1024,4096,16384,65536}
+      run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $PL --attention vanilla,dar,window --new-tokens 16 --repeats 2 \
+        | grep '^{' >> "$OUT/prefill.jsonl"
+      (cd .gpu/bench && PYTHONUNBUFFERED=1 run $PY hf_decode.py --lengths $PL --new 16) | grep '^{' >> "$OUT/prefill_peer.jsonl" ;;
     smprobe)
       # Where split-merge spends its time: w = 1 (global part + merge only) vs w = 128, with and
       # without contiguous cuDNN inputs.

@@ -1,12 +1,13 @@
 //! `attnlab bench`: time training steps (or the attention op alone) on synthetic tokens, and report
 //! tokens/s, MFU (PaLM convention, pythia.md §6) and peak GPU memory. Speed goals live here, never
 //! in unit tests.
-use crate::attention;
 use crate::attention::kinds::BenchInputs;
 use crate::spec::{AttentionImpl, AttentionKind, Spec};
 use crate::train::{self, optim};
 use crate::Result;
 use crate::kernels;
+
+pub mod check;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -213,99 +214,6 @@ pub fn profile(spec: &Spec, dir: &Path, attention_only: bool, vocab: usize, warm
     Ok(lines)
 }
 
-#[derive(Debug, Serialize)]
-pub struct CheckRow {
-    pub implementation: String,
-    pub shape: [i64; 4],
-    pub window: i64,
-    /// Per-row relative error (`row_rel_err`) of the output and of each input gradient
-    /// (q, k_l, v_l, k_g, v_g).
-    pub rel_err: [f64; 6],
-    /// Sequence position of the worst row of each (where an off-by-one boundary shows).
-    pub worst_pos: [i64; 6],
-    pub pass: bool,
-}
-
-/// Per-row relative error of `fast` against `reference` (same shape; a row is the last axis: one
-/// query's output or gradient, one key's gradient): ‖fast_r − ref_r‖₂ / max(‖ref_r‖₂, floor), and the
-/// index of the worst row. One global max would let a large row hide a wrong small one; the floor
-/// (1e-3 × the mean row norm) keeps rows the reference leaves at zero held to (near) zero.
-pub fn row_rel_err(fast: &Tensor, reference: &Tensor) -> (f64, i64) {
-    let last = reference.size().last().copied().unwrap_or(1);
-    let rows = |t: &Tensor| t.to_kind(Kind::Double).reshape([-1, last]);
-    let (a, b) = (rows(fast), rows(reference));
-    let norm = |t: &Tensor| t.square().sum_dim_intlist([-1i64].as_slice(), false, Kind::Double).sqrt();
-    let ref_norm = norm(&b);
-    let floor = (1e-3 * ref_norm.mean(Kind::Double).double_value(&[])).max(f64::MIN_POSITIVE);
-    let err = norm(&(a - &b)) / ref_norm.clamp_min(floor);
-    // NaN anywhere is the worst row.
-    let err = err.nan_to_num(f64::INFINITY, f64::INFINITY, f64::INFINITY);
-    let worst = err.argmax(0, false).int64_value(&[]);
-    (err.double_value(&[worst]), worst)
-}
-
-/// Compare a fast DAR implementation with the reference on the same (device-dtype) inputs.
-pub fn attention_check(imp: AttentionImpl, shape: [i64; 4], window: i64, device: Device, tol: f64) -> CheckRow {
-    let fast = |xs: &[Tensor]| attention::dar(&xs[0], &xs[1], &xs[2], &xs[3], &xs[4], window, imp);
-    attention_check_with(&format!("{imp:?}").to_lowercase(), &fast, shape, window, device, tol)
-}
-
-/// `attention_check` of any function of (q, k_l, v_l, k_g, v_g) against the fp32 reference (fp64 on
-/// CPU) at `window`: output and the gradients of all five inputs for one random upstream gradient.
-/// Pass if every per-row relative error < `tol`. Tests hand it planted wrong implementations.
-pub fn attention_check_with(name: &str, fast: &dyn Fn(&[Tensor]) -> Tensor, shape: [i64; 4], window: i64, device: Device, tol: f64) -> CheckRow {
-    let kind = if device.is_cuda() { Kind::BFloat16 } else { Kind::Double };
-    tch::manual_seed(window + 17 * shape[2]);
-    let inputs: Vec<Tensor> = (0..5).map(|_| Tensor::randn(shape, (kind, device)).set_requires_grad(true)).collect();
-    let go = Tensor::randn(shape, (kind, device));
-    // bf16 kernels are checked against an fp32 reference, fp64 ones against fp64; errors in fp64.
-    let exact = if kind == Kind::Double { Kind::Double } else { Kind::Float };
-    let run = |f: &dyn Fn(&[Tensor]) -> Tensor, xs: &[Tensor]| {
-        let o = f(xs);
-        let g = Tensor::run_backward(&[(&o.to_kind(exact) * go.to_kind(exact)).sum(exact)], &xs.iter().collect::<Vec<_>>(), false, false);
-        let g = g.into_iter().zip(xs).map(|(g, x)| if g.defined() { g } else { x.zeros_like() });
-        std::iter::once(o.detach()).chain(g).map(|t| t.to_kind(Kind::Double)).collect::<Vec<_>>()
-    };
-    let got = run(fast, &inputs);
-    // The reference computes from the very same values.
-    let ref_inputs: Vec<Tensor> = inputs.iter().map(|t| t.detach().to_kind(exact).set_requires_grad(true)).collect();
-    let reference = run(&|xs: &[Tensor]| attention::dar(&xs[0], &xs[1], &xs[2], &xs[3], &xs[4], window, AttentionImpl::Reference), &ref_inputs);
-    let (mut rel_err, mut worst_pos) = ([0.0; 6], [0; 6]);
-    for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
-        let (e, row) = row_rel_err(a, b);
-        rel_err[i] = e;
-        worst_pos[i] = row % shape[2];
-    }
-    CheckRow { implementation: name.to_string(), shape, window, pass: rel_err.iter().all(|e| e.is_finite() && *e < tol), rel_err, worst_pos }
-}
-
-/// Every fast path against the reference at the spec's shape and a ragged one, over windows inside,
-/// at and beyond the sequence (per-row relative error; bf16 kernels vs fp32 on CUDA: 3e-2; fp64 on CPU: 1e-9).
-/// Calls `each` per row; returns how many failed.
-pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> {
-    let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
-    let s = spec.shape();
-    let (t, hd) = (spec.seq_len() as i64, (s.d_model / s.heads) as i64);
-    let shapes = [[spec.batch_size() as i64, s.heads as i64, t, hd], [1, 3, t / 2 + 3, hd]];
-    let imps: &[AttentionImpl] = if device.is_cuda() {
-        &[AttentionImpl::Sdpa, AttentionImpl::SplitMerge, AttentionImpl::SplitMergeCudnn, AttentionImpl::SplitMergeFused]
-    } else {
-        &[AttentionImpl::Sdpa]
-    };
-    let tol = if device.is_cuda() { 3e-2 } else { 1e-9 };
-    let mut failed = 0;
-    for shape in shapes {
-        for w in [0, 1, 4, 64, 128, 256, shape[2], shape[2] + 5] {
-            for &imp in imps {
-                let r = attention_check(imp, shape, w, device, tol);
-                failed += usize::from(!r.pass);
-                each(&r);
-            }
-        }
-    }
-    Ok(failed)
-}
-
 /// `attention_bench` for every attention kind and implementation at the spec's shape; `each` gets
 /// every row and the first row's (vanilla's) time.
 pub fn bench_all(spec: &Spec, reps: usize, mut each: impl FnMut(&OpBench, f64)) -> Result<()> {
@@ -344,7 +252,7 @@ pub enum BenchMode {
     Steps { vocab: usize, warmup: usize, steps: usize },
     /// The attention op alone, `reps` timed repetitions per kind and implementation (`bench_all`).
     AttentionOnly { reps: usize },
-    /// Every fast DAR path against the reference (`check_all`).
+    /// The correctness gate: every fast attention path and the loss head (`check::check_all`).
     Check,
 }
 
@@ -371,15 +279,6 @@ impl OpBench {
     }
 }
 
-impl CheckRow {
-    pub fn line(&self) -> String {
-        let e = self.rel_err.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ");
-        // A failure names the sequence position of each tensor's worst row.
-        let status = if self.pass { "ok".to_string() } else { format!("(worst rows at t {:?})  FAIL", self.worst_pos) };
-        format!("{:18} {:?} w {:5}: per-row rel err out/dq/dkl/dvl/dkg/dvg {e}  {status}", self.implementation, self.shape, self.window)
-    }
-}
-
 /// `attnlab bench`: measure `mode`, handing `line` every result as it comes (a JSON line with
 /// `json`, else a table line). `Check` is an error when any check failed, after all were shown.
 pub fn bench_command(spec: &Spec, mode: BenchMode, json: bool, mut line: impl FnMut(String)) -> Result<()> {
@@ -388,9 +287,9 @@ pub fn bench_command(spec: &Spec, mode: BenchMode, json: bool, mut line: impl Fn
     }
     match mode {
         BenchMode::Check => {
-            let failed = check_all(spec, |r| line(pick(json, r, || r.line())))?;
+            let failed = check::check_all(spec, |r| line(pick(json, r, || r.line())))?;
             if failed > 0 {
-                return Err(crate::Error::Other(format!("{failed} attention checks failed")));
+                return Err(crate::Error::Other(format!("{failed} checks failed")));
             }
         }
         BenchMode::Profile { dir, attention_only, vocab, warmup, steps } => {
@@ -441,104 +340,13 @@ pub fn decode_line(r: &crate::eval::generate::DecodeBench) -> String {
 }
 
 #[cfg(test)]
-mod line_tests {
+mod tests {
     use super::*;
 
     #[test]
-    fn check_lines_say_ok_or_fail_and_json_lines_parse() {
-        let mut r = CheckRow { implementation: "sdpa".into(), shape: [1, 2, 8, 4], window: 4, rel_err: [1e-10; 6], worst_pos: [0; 6], pass: true };
-        assert!(r.line().starts_with("sdpa               [1, 2, 8, 4] w     4: per-row rel err") && r.line().ends_with("  ok"), "{}", r.line());
-        r.pass = false;
-        assert!(r.line().ends_with("FAIL"));
-        let v: serde_json::Value = serde_json::from_str(&json_line(&r)).unwrap();
-        assert_eq!(v["pass"], false);
+    fn op_lines_compare_with_vanilla() {
         let op = OpBench { attention: "dar".into(), implementation: "auto".into(), batch_heads: 8, seq_len: 64, head_dim: 16, window: 4, fwd_bwd_ms: 3.0 };
         assert!(op.line(2.0).ends_with("(1.50× vanilla)"), "{}", op.line(2.0));
-    }
-
-    #[test]
-    fn check_mode_shows_every_window_and_fails_with_the_count_of_failures() {
-        let spec = crate::spec::SpecSource { sets: vec!["train.device=cpu".into(), "data.seq_len=16".into()], ..Default::default() }.load().unwrap();
-        let mut lines = Vec::new();
-        let r = bench_command(&spec, BenchMode::Check, false, |l| lines.push(l));
-        // 2 shapes × 8 windows × 1 CPU implementation.
-        assert_eq!(lines.len(), 16, "{lines:?}");
-        let failed = lines.iter().filter(|l| l.ends_with("FAIL")).count();
-        assert_eq!(failed + lines.iter().filter(|l| l.ends_with("  ok")).count(), 16, "{lines:?}");
-        // On CPU the fast path (SDPA, fp64) must equal the fp64 reference within 1e-9.
-        assert_eq!(failed, 0, "{lines:?}");
-        match r {
-            Ok(()) => assert_eq!(failed, 0),
-            Err(e) => assert_eq!(e.to_string(), format!("{failed} attention checks failed")),
-        }
-    }
-}
-
-#[cfg(test)]
-mod check_tests {
-    use super::*;
-    use crate::attention::{dar_masks, masked_softmax_attention};
-
-    fn rows(v: &[f64], n: i64) -> Tensor {
-        Tensor::from_slice(v).view([-1, n])
-    }
-
-    /// A wrong small row next to a large one: 0.5 off in a row of norm √2 is 35% per row, while one
-    /// global max (0.5 / 1000) would call it 5e-4.
-    #[test]
-    fn per_row_error_sees_a_small_row_that_a_global_max_hides() {
-        let reference = rows(&[1000.0, 0.0, 1.0, 1.0], 2);
-        let fast = rows(&[1000.0, 0.0, 1.5, 1.0], 2);
-        let (e, row) = row_rel_err(&fast, &reference);
-        assert!((e - 0.5 / 2f64.sqrt()).abs() < 1e-12 && row == 1, "{e} at row {row}");
-        assert_eq!(row_rel_err(&reference, &reference), (0.0, 0));
-    }
-
-    /// Rows the reference leaves at zero are judged against 1e-3 of the mean row norm, not 0/0; an
-    /// all-zero reference (k_l's gradient at w = 0) passes only exact zeros; NaN is the worst.
-    #[test]
-    fn zero_rows_are_held_to_zero_and_nan_fails() {
-        let reference = rows(&[3.0, 4.0, 0.0, 0.0], 2); // row norms 5 and 0: floor 1e-3 · 2.5
-        let (e, row) = row_rel_err(&rows(&[3.0, 4.0, 0.0, 1e-6], 2), &reference);
-        assert!((e - 1e-6 / 2.5e-3).abs() < 1e-12 && row == 1, "{e} at row {row}");
-        let zeros = Tensor::zeros([3, 2], (Kind::Double, Device::Cpu));
-        assert_eq!(row_rel_err(&zeros, &zeros).0, 0.0);
-        assert!(row_rel_err(&rows(&[0.0, 0.0, 0.0, 1e-30, 0.0, 0.0], 2), &zeros).0 > 1.0);
-        let (e, row) = row_rel_err(&rows(&[3.0, 4.0, f64::NAN, 0.0], 2), &reference);
-        assert!(e.is_infinite() && row == 1, "{e} at row {row}");
-    }
-
-    /// Planted wrong implementations fail `attention_check_with` wherever they compute another
-    /// function, and the fast path passes, at windows 0, 1, inside, T − 1, T and T + 5:
-    /// `wide` (the reference at w + 1), `narrow` (at w − 1), `peek` (the local band one key into the
-    /// future: distance −1 counts as local). w ± 1 is the same function once both are ≥ T (and at w = 0
-    /// for `narrow`); there the check must pass, and `peek` must still fail.
-    #[test]
-    fn planted_off_by_one_window_boundaries_fail_the_check() {
-        let (t, dev) = (12i64, Device::Cpu);
-        let shape = [1, 2, t, 8];
-        let reference_at = |w: i64| move |xs: &[Tensor]| crate::attention::dar(&xs[0], &xs[1], &xs[2], &xs[3], &xs[4], w, AttentionImpl::Reference);
-        for w in [0, 1, 4, t - 1, t, t + 5] {
-            let fast = attention_check(AttentionImpl::Sdpa, shape, w, dev, 1e-9);
-            assert!(fast.pass, "sdpa: {}", fast.line());
-            let wide = attention_check_with("wide", &reference_at(w + 1), shape, w, dev, 1e-9);
-            assert_eq!(wide.pass, w >= t, "{}", wide.line());
-            let narrow = attention_check_with("narrow", &reference_at((w - 1).max(0)), shape, w, dev, 1e-9);
-            assert_eq!(narrow.pass, w == 0 || w > t, "{}", narrow.line());
-            let peek = move |xs: &[Tensor]| {
-                let (_, global) = dar_masks(t, w, dev);
-                let i = Tensor::arange(t, (Kind::Int64, dev)).unsqueeze(1);
-                let dist = i - Tensor::arange(t, (Kind::Int64, dev)).unsqueeze(0);
-                let local = dist.ge(-1).logical_and(&dist.lt(w));
-                masked_softmax_attention(&xs[0], &[(&xs[1], &xs[2], &local), (&xs[3], &xs[4], &global)])
-            };
-            let peek = attention_check_with("peek", &peek, shape, w, dev, 1e-9);
-            assert!(!peek.pass, "{}", peek.line());
-            // The failing rows are real errors, far above fp64 rounding.
-            for r in [&wide, &narrow, &peek].into_iter().filter(|r| !r.pass) {
-                assert!(r.rel_err.iter().cloned().fold(0.0, f64::max) > 1e-3, "{}", r.line());
-            }
-        }
     }
 
     /// `bench --profile` on CPU: one trace per measurement with the bench's and the model's named
@@ -569,31 +377,5 @@ mod check_tests {
         let layers = spec.shape().layers;
         assert_eq!(count(&step, "dar.distant_kv"), 2 * layers, "{step:?}");
         assert_eq!(count(&step, "attn.op"), 2 * layers);
-    }
-
-    /// Split-merge on heads `[B, H, T, hd]` through the C++ op with the kernels' math (CPU, fp64).
-    fn split_merge_math(xs: &[Tensor], w: i64, fused: bool) -> Tensor {
-        let bthd = |x: &Tensor| x.transpose(1, 2);
-        kernels::dar_split_merge(&bthd(&xs[0]), &bthd(&xs[1]), &bthd(&xs[2]), &bthd(&xs[3]), &bthd(&xs[4]), w, kernels::GlobalBackend::Math, fused).unwrap().transpose(1, 2)
-    }
-
-    /// The split-merge glue of csrc/dar_attention.cpp (log-sum-exp merge, each part's backward fed
-    /// the merged O and lse, dQ summed, dK_g / dV_g scattered), unfused and fused (issue 28), with
-    /// the kernels' math on CPU in fp64: output and all five input gradients equal the reference per
-    /// row to 1e-9, for w at both ends of 0 < w < T and between, with B > 1 (strided narrows).
-    #[test]
-    fn split_merge_glue_is_exact_in_fp64() {
-        let (t, shape) = (11i64, [2, 3, 11, 8]);
-        for w in [1, 4, t - 1] {
-            for fused in [false, true] {
-                let f = move |xs: &[Tensor]| split_merge_math(xs, w, fused);
-                let r = attention_check_with(if fused { "fused" } else { "unfused" }, &f, shape, w, Device::Cpu, 1e-9);
-                assert!(r.pass, "{}", r.line());
-            }
-        }
-        // The same check fails the op run one key off (w − 1 against the reference at w).
-        let f = |xs: &[Tensor]| split_merge_math(xs, 3, true);
-        let r = attention_check_with("fused at w 3", &f, shape, 4, Device::Cpu, 1e-9);
-        assert!(!r.pass, "{}", r.line());
     }
 }

@@ -1,5 +1,7 @@
 //! Rust side of csrc/attn_ops.cpp: aten ops that tch 0.24 does not wrap. Each call returns the C++
 //! exception text as an error instead of aborting.
+pub mod cuda;
+
 use crate::{Error, Result};
 use tch::{Device, Tensor};
 use torch_sys::C_tensor;
@@ -29,6 +31,8 @@ extern "C" {
     fn attnlab_scope_push(name: *const libc::c_char) -> *mut libc::c_char;
     fn attnlab_scope_pop() -> *mut libc::c_char;
     fn attnlab_cuda_free_memory(device: i64, out: *mut i64) -> *mut libc::c_char;
+    fn attnlab_flash_attention(q: *mut C_tensor, k: *mut C_tensor, v: *mut C_tensor, window_left: i64, out: *mut *mut C_tensor) -> *mut libc::c_char;
+    fn attnlab_split_rotate(x: *mut C_tensor, heads: i64, n: i64, rotated: i64, cos: *mut C_tensor, sin: *mut C_tensor, outs: *mut *mut C_tensor) -> *mut libc::c_char;
 }
 
 fn check(err: *mut libc::c_char) -> Result<()> {
@@ -112,6 +116,31 @@ pub fn dar_split_merge(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &T
     let mut out: *mut C_tensor = std::ptr::null_mut();
     check(unsafe { attnlab_dar_split_merge(p(q), p(kl), p(vl), p(kg), p(vg), window, backend as i64, fused as i32, &mut out) })?;
     Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// Whether the flash kernels take these inputs: CUDA, fp16 / bf16, head dim a multiple of 8, ≤ 256.
+pub fn flash_supported(q: &Tensor) -> bool {
+    let hd = q.size().last().copied().unwrap_or(0);
+    q.device().is_cuda() && matches!(q.kind(), tch::Kind::BFloat16 | tch::Kind::Half) && hd % 8 == 0 && hd <= 256
+}
+
+/// Causal flash attention (csrc/flash.cpp) over `[B, T, H, D]` inputs with a left window
+/// (`window_left < 0`: unbounded; else query i reads keys `i − window_left ..= i`), with its backward.
+pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, window_left: i64) -> Result<Tensor> {
+    let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    check(unsafe { attnlab_flash_attention(p(q), p(k), p(v), window_left, &mut out) })?;
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// The `n` pieces `[B, T, H, hd]` of a head-major fused projection `x` `[B, T, H·n·hd]`, the first
+/// `rotated` rotated by RoPE (half-split over the first `2·cos.size(1)` dims; `cos`, `sin` `[T, r/2]`)
+/// (csrc/heads.cpp): each piece written once, and one gradient of `x` written once in the backward.
+pub fn split_rotate(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, sin: &Tensor) -> Result<Vec<Tensor>> {
+    let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
+    let mut outs: Vec<*mut C_tensor> = vec![std::ptr::null_mut(); n.max(0) as usize];
+    check(unsafe { attnlab_split_rotate(p(x), heads, n, rotated, p(cos), p(sin), outs.as_mut_ptr()) })?;
+    Ok(outs.into_iter().map(|o| unsafe { Tensor::from_ptr(o) }).collect())
 }
 
 /// Peak bytes allocated by the CUDA caching allocator (torch.cuda.max_memory_allocated); `None` on CPU.

@@ -23,7 +23,7 @@ use crate::kernels::{self, GlobalBackend};
 use crate::Result;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
-use tch::{nn, Kind};
+use tch::nn;
 
 /// The activation of DAR's latent h^D = a·W_down.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -393,7 +393,9 @@ impl LayerOp for DarLayer {
 pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64, imp: AttentionImpl) -> Tensor {
     let t = q.size()[2];
     let imp = match imp {
-        AttentionImpl::Auto if split_merge_supported(q) => AttentionImpl::SplitMergeCudnn,
+        // cuDNN's global part trains fastest; without a gradient, flash needs no plan per shape.
+        AttentionImpl::Auto if split_merge_supported(q) && super::needs_grad(&[q, kl, vl, kg, vg]) => AttentionImpl::SplitMergeCudnn,
+        AttentionImpl::Auto if split_merge_supported(q) => AttentionImpl::SplitMerge,
         AttentionImpl::Auto => AttentionImpl::Sdpa,
         AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn | AttentionImpl::SplitMergeFused if !split_merge_supported(q) => AttentionImpl::Sdpa,
         other => other,
@@ -433,8 +435,7 @@ fn split_merge(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, w
 /// Whether the CUDA split-merge path can take these inputs (flash kernels: fp16/bf16, head dim a
 /// multiple of 8 and at most 256).
 pub fn split_merge_supported(q: &Tensor) -> bool {
-    let hd = q.size()[3];
-    q.device().is_cuda() && matches!(q.kind(), Kind::BFloat16 | Kind::Half) && hd % 8 == 0 && hd <= 256
+    kernels::flash_supported(q)
 }
 
 /// dar-kernels.md §2: SDPA over the concatenated keys `[K_l; K_g]` with a `[T, 2T]` boolean mask.

@@ -31,6 +31,18 @@ pub use layer::{is_added_param, is_bottleneck_param, is_linearized_param, Attent
 pub use vanilla::causal;
 use tch::{Device, Kind, Tensor};
 
+/// Whether autograd will ask for a gradient through any of `ts` (false at inference, under no_grad).
+pub fn needs_grad(ts: &[&Tensor]) -> bool {
+    ts.iter().any(|t| t.requires_grad())
+}
+
+/// `kernels::flash_attention` on heads `[B, H, T, hd]` (the kernel's `[B, T, H, hd]` by transposed
+/// views), causal with a left window (`< 0`: unbounded).
+pub fn flash_heads(q: &Tensor, k: &Tensor, v: &Tensor, window_left: i64) -> Tensor {
+    let bthd = |x: &Tensor| x.transpose(1, 2);
+    crate::kernels::flash_attention(&bthd(q), &bthd(k), &bthd(v), window_left).unwrap_or_else(|e| panic!("flash attention failed: {e}")).transpose(1, 2)
+}
+
 /// Boolean masks `[T, T]` for query i, key j: local = (0 ≤ i−j < w), global = (i−j ≥ w).
 pub fn dar_masks(t: i64, window: i64, device: Device) -> (Tensor, Tensor) {
     let i = Tensor::arange(t, (Kind::Int64, device)).unsqueeze(1);
@@ -87,9 +99,15 @@ pub fn doc_dar_masks(seg: &Tensor, window: i64) -> (Tensor, Tensor) {
 /// keys). Statistics in fp32 (fp64 inputs stay fp64). No (query, key position) pair may be visible in
 /// two parts, and every query must see at least one key.
 pub fn masked_softmax_attention(q: &Tensor, parts: &[(&Tensor, &Tensor, &Tensor)]) -> Tensor {
+    let kind = if q.kind() == Kind::Double { Kind::Double } else { Kind::Float };
+    masked_softmax_attention_in(q, parts, kind)
+}
+
+/// `masked_softmax_attention` with every product and the softmax in `kind` (the inputs' own dtype:
+/// PyTorch's bf16 math path, the yardstick of `bench --check`).
+pub fn masked_softmax_attention_in(q: &Tensor, parts: &[(&Tensor, &Tensor, &Tensor)], kind: Kind) -> Tensor {
     let hd = q.size()[3];
     let scale = 1.0 / (hd as f64).sqrt();
-    let kind = if q.kind() == Kind::Double { Kind::Double } else { Kind::Float };
     let qf = q.to_kind(kind);
     let scores: Vec<Tensor> = parts
         .iter()

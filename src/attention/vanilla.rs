@@ -109,7 +109,8 @@ impl LayerOp for VanillaLayer {
 }
 
 /// Plain causal attention. `Reference` is the explicit masked softmax; everything else uses SDPA
-/// (flash / cuDNN kernels on CUDA).
+/// (cuDNN on CUDA when training), except where no gradient is asked for on CUDA: there the flash
+/// kernel, which needs no execution plan per new shape as cuDNN does (a prefill's fixed cost).
 pub fn causal(q: &Tensor, k: &Tensor, v: &Tensor, imp: AttentionImpl) -> Tensor {
     match imp {
         AttentionImpl::Reference => {
@@ -117,6 +118,8 @@ pub fn causal(q: &Tensor, k: &Tensor, v: &Tensor, imp: AttentionImpl) -> Tensor 
             let (local, _) = dar_masks(t, t, q.device());
             masked_softmax_attention(q, &[(k, v, &local)])
         }
+        AttentionImpl::Sdpa => Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, true, None, false),
+        _ if kernels::flash_supported(q) && !super::needs_grad(&[q, k, v]) => super::flash_heads(q, k, v, -1),
         _ => Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, true, None, false),
     }
 }

@@ -126,6 +126,8 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, window: i64, seg: Option<&Ten
     let t = q.size()[2];
     let band = match seg {
         None if window >= t && imp != AttentionImpl::Reference => return causal(q, k, v, imp),
+        // The flash kernel's own window: O(T·w) work, no [T, T] mask (the 64K prefill's 0.5 s).
+        None if !matches!(imp, AttentionImpl::Reference | AttentionImpl::Sdpa) && crate::kernels::flash_supported(q) => return super::flash_heads(q, k, v, window - 1),
         None => dar_masks(t, window, q.device()).0,
         Some(seg) => doc_dar_masks(seg, window).0,
     };

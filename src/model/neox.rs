@@ -5,6 +5,7 @@
 //! `query_key_value`, then RoPE), through which DAR's distant keys are built.
 use super::rope::Rope;
 use crate::attention::{Attention, AttentionSpec, Heads, KvMap, Layer as AttentionLayer, LayerDims, Positions};
+use crate::kernels;
 use crate::spec::{Gelu, Spec};
 use tch::nn::{self, Init, Module};
 use tch::Tensor;
@@ -167,7 +168,9 @@ impl GptNeox {
         layer.dense_4h_to_h.forward(&h)
     }
 
-    /// Split a `[B, T, H·n·hd]` head-major projection into n tensors `[B, H, T, hd]`.
+    /// Split a `[B, T, H·n·hd]` head-major projection into n tensors `[B, H, T, hd]` by views: the
+    /// explicit form `heads_of` is tested against.
+    #[cfg(test)]
     fn split_heads(&self, x: &Tensor, n: i64) -> Vec<Tensor> {
         let (b, t) = (x.size()[0], x.size()[1]);
         let (h, hd) = (self.cfg.heads as i64, self.cfg.head_dim() as i64);
@@ -175,11 +178,21 @@ impl GptNeox {
         (0..n).map(|s| x.select(3, s).transpose(1, 2)).collect()
     }
 
+    /// The n pieces `[B, H, T, hd]` of a `[B, T, H·n·hd]` head-major projection, the first `rotated`
+    /// by RoPE at the positions of (cos, sin): one op whose backward writes the projection's gradient
+    /// once (`kernels::split_rotate`), not a zero-filled gradient per piece and per rotated half.
+    fn heads_of(&self, x: &Tensor, n: i64, rotated: i64, cos: &Tensor, sin: &Tensor) -> Vec<Tensor> {
+        kernels::split_rotate(x, self.cfg.heads as i64, n, rotated, cos, sin)
+            .unwrap_or_else(|e| panic!("GPT-NeoX heads: {e}"))
+            .into_iter()
+            .map(|p| p.transpose(1, 2))
+            .collect()
+    }
+
     /// Rotated q, k and v `[B, H, T, hd]` of LN1(x) `a` at the positions of (cos, sin).
     fn qkv(&self, layer: &Layer, a: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
-        let mut qkv = self.split_heads(&layer.query_key_value.forward(a), 3).into_iter();
-        let (q, k, v) = (qkv.next().unwrap(), qkv.next().unwrap(), qkv.next().unwrap());
-        (self.rope.apply(&q, cos, sin), self.rope.apply(&k, cos, sin), v)
+        let mut qkv = self.heads_of(&layer.query_key_value.forward(a), 3, 2, cos, sin).into_iter();
+        (qkv.next().unwrap(), qkv.next().unwrap(), qkv.next().unwrap())
     }
 
     fn attention(&self, layer: &Layer, a: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
@@ -195,14 +208,19 @@ impl GptNeox {
         layer.dense.forward(&o.transpose(1, 2).reshape([b, n, self.cfg.d_model as i64]))
     }
 
-    /// Keys and values (before RoPE) of `x` `[B, n, r]` through the k/v rows of query_key_value
-    /// composed with `w` `[d, r]`: `x·(W_kv·w)ᵀ + b_kv` (head-major).
-    fn kv_through(&self, layer: &Layer, w: &Tensor, x: &Tensor) -> (Tensor, Tensor) {
+    /// The k / v projection `[B, n, 2·d]` (head-major) of `x` `[B, n, r]` through the k/v rows of
+    /// query_key_value composed with `w` `[d, r]`: `x·(W_kv·w)ᵀ + b_kv`.
+    fn kv_projection(&self, layer: &Layer, w: &Tensor, x: &Tensor) -> Tensor {
         let (h, hd, d) = (self.cfg.heads as i64, self.cfg.head_dim() as i64, self.cfg.d_model as i64);
         let wkv = layer.query_key_value.ws.view([h, 3, hd, d]).narrow(1, 1, 2).reshape([2 * d, d]);
         let bias = layer.query_key_value.bs.as_ref().expect("qkv has a bias").view([h, 3, hd]).narrow(1, 1, 2).reshape([2 * d]);
-        let kv = x.linear(&wkv.matmul(w), Some(&bias));
-        let mut parts = self.split_heads(&kv, 2).into_iter();
+        x.linear(&wkv.matmul(w), Some(&bias))
+    }
+
+    /// Keys and values (before RoPE) of `x` through `kv_projection`.
+    #[cfg(test)]
+    fn kv_through(&self, layer: &Layer, w: &Tensor, x: &Tensor) -> (Tensor, Tensor) {
+        let mut parts = self.split_heads(&self.kv_projection(layer, w, x), 2).into_iter();
         (parts.next().unwrap(), parts.next().unwrap())
     }
 }
@@ -218,15 +236,13 @@ struct LayerKv<'a> {
 
 impl KvMap for LayerKv<'_> {
     fn kv(&self, w: &Tensor, x: &Tensor, pos: Positions) -> (Tensor, Tensor) {
-        let (k, v) = self.model.kv_through(self.layer, w, x);
-        let k = match pos {
-            Positions::Forward => self.model.rope.apply(&k, self.cos, self.sin),
-            Positions::From(start) => {
-                let (c, s) = self.model.rope.tables(start, x.size()[1], x.device());
-                self.model.rope.apply(&k, &c, &s)
-            }
+        let kv = self.model.kv_projection(self.layer, w, x);
+        let (cos, sin) = match pos {
+            Positions::Forward => (self.cos.shallow_clone(), self.sin.shallow_clone()),
+            Positions::From(start) => self.model.rope.tables(start, x.size()[1], x.device()),
         };
-        (k, v)
+        let mut parts = self.model.heads_of(&kv, 2, 1, &cos, &sin).into_iter();
+        (parts.next().unwrap(), parts.next().unwrap())
     }
 }
 

@@ -26,7 +26,9 @@ impl Rope {
     }
 
     /// Rotate `x` (`[B, H, T, hd]`) with tables for its T positions; dims ≥ r pass through.
-    /// The tables are computed in fp32 and applied in x's dtype, as Hugging Face does.
+    /// The tables are computed in fp32 and applied in x's dtype, as Hugging Face does. The explicit
+    /// form: the model applies RoPE inside `kernels::split_rotate`, tested against this.
+    #[cfg(test)]
     pub fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
         if self.dims == 0 {
             return x.shallow_clone();

@@ -213,6 +213,37 @@ fn absorbed_bottleneck_equals_direct_form() {
     }
 }
 
+/// The fused heads op (`heads_of`: one write of each piece, one write of the projection's gradient)
+/// equals the explicit views + RoPE, outputs and the gradient of the projection, for q / k / v
+/// (two rotated) and DAR's k / v (one), at partial and full rotary dims and a position offset.
+#[test]
+fn fused_heads_equal_views_and_rope_with_gradients() {
+    for pct in [0.25, 1.0] {
+        let mut c = cfg(AttentionKind::Vanilla, 0, 0);
+        c.rotary_pct = pct;
+        let (_vs, m) = build(c, 11);
+        let (t, start) = (6i64, 3i64);
+        let (cos, sin) = m.rope.tables(start, t, Device::Cpu);
+        for (n, rotated) in [(3i64, 2i64), (2, 1)] {
+            tch::manual_seed(5 + n);
+            let x = Tensor::randn([2, t, 32 * n], (Kind::Double, Device::Cpu)).set_requires_grad(true);
+            let go: Vec<Tensor> = (0..n).map(|_| Tensor::randn([2, 4, t, 8], (Kind::Double, Device::Cpu))).collect();
+            let grad = |parts: Vec<Tensor>| {
+                let loss = parts.iter().zip(&go).map(|(p, g)| (p * g).sum(Kind::Double)).fold(Tensor::zeros([], (Kind::Double, Device::Cpu)), |a, b| a + b);
+                (parts.iter().map(|p| p.detach()).collect::<Vec<_>>(), Tensor::run_backward(&[loss], &[&x], false, false)[0].shallow_clone())
+            };
+            let (fused, dx1) = grad(m.heads_of(&x, n, rotated, &cos, &sin));
+            let views = m.split_heads(&x, n).into_iter().enumerate().map(|(i, p)| if (i as i64) < rotated { m.rope.apply(&p, &cos, &sin) } else { p }).collect();
+            let (explicit, dx2) = grad(views);
+            for (a, b) in fused.iter().zip(&explicit) {
+                assert_eq!(a.size(), b.size());
+                assert!(max_diff(a, b) < 1e-12, "pct {pct} n {n}: outputs differ by {}", max_diff(a, b));
+            }
+            assert!(max_diff(&dx1, &dx2) < 1e-12, "pct {pct} n {n}: gradients differ by {}", max_diff(&dx1, &dx2));
+        }
+    }
+}
+
 /// Head-major QKV: feature f = h·3·hd + s·hd + e (pythia.md §1.3), checked on a hand-built weight.
 #[test]
 fn qkv_split_is_head_major() {

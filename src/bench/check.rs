@@ -1,0 +1,369 @@
+//! `attnlab bench --check`: the correctness gate every fast path passes before it is timed.
+//!
+//! The criterion is FlashAttention's own tests': a fast path's largest error against an exact
+//! reference (fp32 on the GPU, fp64 on CPU) on the very same inputs may be at most [`FACTOR`] times
+//! the largest error of PyTorch's math path *in the inputs' dtype* (bf16 on the GPU) against that
+//! reference, plus a tiny floor relative to the reference's size. So a bf16 kernel is held to what
+//! bf16 allows, row by row of nothing: a tiny early row whose relative error bf16 rounding of its
+//! inputs already breaks no longer fails, while a wrong function (an off-by-one window, a key from
+//! the future) is tens of times the bf16 error and fails. In fp64 both errors are ~1e-16 and the
+//! floor (1e-9 of the reference) is the bound. Planted wrong implementations run in the same gate
+//! and must fail it: the gate checks itself on the device it runs on.
+use crate::attention::{self, dar_masks, masked_softmax_attention, masked_softmax_attention_in};
+use crate::model::loss;
+use crate::spec::{AttentionImpl, Spec};
+use crate::Result;
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+
+/// A fast path may be this many times as far from the exact reference as the math path in its dtype.
+pub const FACTOR: f64 = 3.0;
+
+/// The floor of the bound, relative to the reference's largest entry.
+fn floor(kind: Kind) -> f64 {
+    if kind == Kind::Double {
+        1e-9
+    } else {
+        1e-4
+    }
+}
+
+/// One tensor of a check: its largest error, the math path's, the bound, and where the worst entry is.
+#[derive(Debug, Clone, Serialize)]
+pub struct TensorErr {
+    pub name: &'static str,
+    /// max |fast − exact|.
+    pub err: f64,
+    /// max |math in the inputs' dtype − exact|.
+    pub baseline: f64,
+    /// FACTOR · baseline + floor · max |exact|.
+    pub bound: f64,
+    /// The sequence position (or row) of the worst entry: where an off-by-one boundary shows.
+    pub worst_at: i64,
+}
+
+impl TensorErr {
+    pub fn within(&self) -> bool {
+        self.err.is_finite() && self.err <= self.bound
+    }
+}
+
+/// Compare `fast` and the in-dtype `baseline` with the `exact` reference (all promoted to fp64).
+/// `positions`: the length of the axis `worst_at` reports (T for `[B, H, T, D]` heads).
+pub fn compare(name: &'static str, fast: &Tensor, baseline: &Tensor, exact: &Tensor, kind: Kind, positions: i64) -> TensorErr {
+    let d = |t: &Tensor| t.to_kind(Kind::Double);
+    let exact = d(exact);
+    let diff = (d(fast) - &exact).abs().nan_to_num(f64::INFINITY, f64::INFINITY, f64::INFINITY).reshape([-1]);
+    let worst = diff.argmax(0, false).int64_value(&[]);
+    let last = exact.size().last().copied().unwrap_or(1).max(1);
+    let err = diff.double_value(&[worst]);
+    let baseline = (d(baseline) - &exact).abs().max().double_value(&[]);
+    let bound = FACTOR * baseline + floor(kind) * exact.abs().max().double_value(&[]);
+    let row = if exact.dim() == 1 { worst } else { worst / last };
+    TensorErr { name, err, baseline, bound, worst_at: row % positions.max(1) }
+}
+
+/// One row of the gate: an implementation at one shape (and window), its tensors, and the verdict.
+#[derive(Debug, Serialize)]
+pub struct CheckRow {
+    pub implementation: String,
+    pub shape: Vec<i64>,
+    pub window: Option<i64>,
+    pub dtype: String,
+    pub tensors: Vec<TensorErr>,
+    /// A deliberately wrong implementation: the row is right when it fails the bound.
+    pub planted: bool,
+    /// Every tensor within its bound.
+    pub within: bool,
+    /// The row came out as it should (`within`, or not `within` for a planted row).
+    pub ok: bool,
+}
+
+impl CheckRow {
+    fn new(implementation: &str, shape: &[i64], window: Option<i64>, kind: Kind, tensors: Vec<TensorErr>, planted: bool) -> Self {
+        let within = tensors.iter().all(TensorErr::within);
+        CheckRow { implementation: implementation.into(), shape: shape.to_vec(), window, dtype: format!("{kind:?}"), tensors, planted, within, ok: within != planted }
+    }
+
+    pub fn line(&self) -> String {
+        let ratios = self.tensors.iter().map(|t| format!("{} {:.1e}/{:.1e}", t.name, t.err, t.bound)).collect::<Vec<_>>().join(" ");
+        let w = self.window.map(|w| format!(" w {w:5}")).unwrap_or_default();
+        let status = match (self.ok, self.planted) {
+            (true, false) => "ok".to_string(),
+            (true, true) => "ok (planted: fails as it must)".to_string(),
+            (false, true) => "FAIL (planted wrong implementation passed: the gate cannot see it)".to_string(),
+            (false, false) => {
+                let at: Vec<String> = self.tensors.iter().filter(|t| !t.within()).map(|t| format!("{} at {}", t.name, t.worst_at)).collect();
+                format!("(worst: {})  FAIL", at.join(", "))
+            }
+        };
+        format!("{:20} {:?}{w} {}: err/bound {ratios}  {status}", self.implementation, self.shape, self.dtype)
+    }
+}
+
+const DAR_TENSORS: [&str; 6] = ["out", "dq", "dkl", "dvl", "dkg", "dvg"];
+
+/// Output and the gradients of all inputs of `f` for the upstream gradient `go`, in fp64.
+fn run(f: &dyn Fn(&[Tensor]) -> Tensor, xs: &[Tensor], go: &Tensor) -> Vec<Tensor> {
+    let o = f(xs);
+    let g = Tensor::run_backward(&[(&o * go.to_kind(o.kind())).sum(o.kind())], &xs.iter().collect::<Vec<_>>(), false, false);
+    let g = g.into_iter().zip(xs).map(|(g, x)| if g.defined() { g } else { x.zeros_like() });
+    std::iter::once(o.detach()).chain(g).map(|t| t.to_kind(Kind::Double)).collect()
+}
+
+fn dar_reference(xs: &[Tensor], window: i64, kind: Option<Kind>) -> Tensor {
+    let t = xs[0].size()[2];
+    let (local, global) = dar_masks(t, window, xs[0].device());
+    let parts = [(&xs[1], &xs[2], &local), (&xs[3], &xs[4], &global)];
+    match kind {
+        Some(k) => masked_softmax_attention_in(&xs[0], &parts, k),
+        None => masked_softmax_attention(&xs[0], &parts),
+    }
+}
+
+/// A fast DAR implementation at `window` in the gate, inputs of dtype `kind` on `device`.
+pub fn attention_check(imp: AttentionImpl, shape: [i64; 4], window: i64, device: Device, kind: Kind) -> CheckRow {
+    let fast = |xs: &[Tensor]| attention::dar(&xs[0], &xs[1], &xs[2], &xs[3], &xs[4], window, imp);
+    attention_check_with(&format!("{imp:?}").to_lowercase(), &fast, shape, window, device, kind, false)
+}
+
+/// Any function of (q, k_l, v_l, k_g, v_g) `[B, H, T, hd]` in the gate against DAR at `window`: the
+/// output and the gradients of all five inputs for one random upstream gradient. `planted`: a wrong
+/// implementation, the row being right when it fails.
+pub fn attention_check_with(name: &str, fast: &dyn Fn(&[Tensor]) -> Tensor, shape: [i64; 4], window: i64, device: Device, kind: Kind, planted: bool) -> CheckRow {
+    let reference = move |xs: &[Tensor], k: Option<Kind>| dar_reference(xs, window, k);
+    heads_check(name, fast, &reference, &DAR_TENSORS, shape, window, device, kind, planted)
+}
+
+/// The gate for a function of `names.len() − 1` inputs `[B, H, T, hd]` against `reference` (computed
+/// in fp32 / fp64 with `None`, in the inputs' dtype with `Some(kind)`).
+#[allow(clippy::too_many_arguments)]
+fn heads_check(name: &str, fast: &dyn Fn(&[Tensor]) -> Tensor, reference: &dyn Fn(&[Tensor], Option<Kind>) -> Tensor, names: &[&'static str], shape: [i64; 4], window: i64, device: Device, kind: Kind, planted: bool) -> CheckRow {
+    tch::manual_seed(window + 17 * shape[2]);
+    let inputs: Vec<Tensor> = (1..names.len()).map(|_| Tensor::randn(shape, (kind, device)).set_requires_grad(true)).collect();
+    let go = Tensor::randn(shape, (kind, device));
+    let exact_kind = if kind == Kind::Double { Kind::Double } else { Kind::Float };
+    let fresh = |k: Kind| inputs.iter().map(|t| t.detach().to_kind(k).set_requires_grad(true)).collect::<Vec<_>>();
+    let got = run(fast, &inputs, &go);
+    let exact = run(&|xs: &[Tensor]| reference(xs, None), &fresh(exact_kind), &go.to_kind(exact_kind));
+    let baseline = run(&|xs: &[Tensor]| reference(xs, Some(kind)), &fresh(kind), &go);
+    let tensors = (0..names.len()).map(|i| compare(names[i], &got[i], &baseline[i], &exact[i], kind, shape[2])).collect();
+    CheckRow::new(name, &shape, Some(window), kind, tensors, planted)
+}
+
+/// The sliding-window kind (`kind: window`, keys at distance < w) and causal attention (w ≥ T)
+/// through the flash kernel, against the explicit masked softmax.
+pub fn flash_window_check(shape: [i64; 4], window: i64, device: Device, kind: Kind) -> CheckRow {
+    let t = shape[2];
+    let reference = move |xs: &[Tensor], k: Option<Kind>| {
+        let band = dar_masks(t, window, xs[0].device()).0;
+        masked_softmax_attention_in(&xs[0], &[(&xs[1], &xs[2], &band)], k.unwrap_or(if xs[0].kind() == Kind::Double { Kind::Double } else { Kind::Float }))
+    };
+    let fast = move |xs: &[Tensor]| attention::flash_heads(&xs[0], &xs[1], &xs[2], if window >= t { -1 } else { window - 1 });
+    heads_check("flash-window", &fast, &reference, &["out", "dq", "dk", "dv"], shape, window, device, kind, false)
+}
+
+/// DAR one key off at the window boundary (`w + 1`: the key at distance w is read full-width): the
+/// gate's own test on the device it runs on.
+fn planted_wide(window: i64) -> impl Fn(&[Tensor]) -> Tensor {
+    move |xs: &[Tensor]| dar_reference(xs, window + 1, Some(xs[0].kind()))
+}
+
+/// The loss head (`loss::cross_entropy_grad_in_place`: the CUDA kernel where it is loaded) against
+/// full-logits autograd in fp32 / fp64: per-row losses and the logits' gradient at `[n, v]`, logits
+/// of dtype `kind`, `planted`: the gradient of the wrong targets (one class off).
+pub fn loss_head_check(n: i64, v: i64, device: Device, kind: Kind, planted: bool) -> CheckRow {
+    tch::manual_seed(n + 31 * v);
+    let logits = Tensor::randn([n, v], (kind, device)) * 3.0;
+    let targets = Tensor::randint(v, [n], (Kind::Int64, device));
+    let scale = 1.0 / n as f64;
+    let exact_kind = if kind == Kind::Double { Kind::Double } else { Kind::Float };
+    // Autograd of the summed per-row loss, scaled: the gradient the head must write.
+    let autograd = |k: Kind| {
+        let x = logits.to_kind(k).set_requires_grad(true);
+        let nll = x.log_softmax(1, k).gather(1, &targets.unsqueeze(1), false).squeeze_dim(1).neg();
+        let g = Tensor::run_backward(&[nll.sum(k) * scale], &[&x], false, false);
+        (nll.detach(), g[0].shallow_clone())
+    };
+    let (nll_exact, g_exact) = autograd(exact_kind);
+    let (nll_base, g_base) = autograd(kind);
+    let used = if planted { (&targets + 1).remainder(v) } else { targets.shallow_clone() };
+    let mut g = logits.copy();
+    let nll = loss::cross_entropy_grad_in_place(&mut g, &used, scale);
+    let tensors = vec![compare("nll", &nll, &nll_base, &nll_exact, kind, n), compare("dlogits", &g, &g_base, &g_exact, kind, n)];
+    let name = if device.is_cuda() && crate::kernels::cuda::available() { "loss-head-kernel" } else { "loss-head-aten" };
+    CheckRow::new(if planted { "loss-head-planted" } else { name }, &[n, v], None, kind, tensors, planted)
+}
+
+/// Every fast path in the gate at the spec's shape and a ragged one, over windows inside, at and
+/// beyond the sequence (bf16 on CUDA, fp64 on CPU), the planted wrong windows, and the loss head.
+/// Calls `each` per row; returns how many rows did not come out as they should.
+pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> {
+    let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
+    let kind = if device.is_cuda() { Kind::BFloat16 } else { Kind::Double };
+    let s = spec.shape();
+    let (t, hd) = (spec.seq_len() as i64, (s.d_model / s.heads) as i64);
+    let shapes = [[spec.batch_size() as i64, s.heads as i64, t, hd], [1, 3, t / 2 + 3, hd]];
+    let imps: &[AttentionImpl] = if device.is_cuda() {
+        &[AttentionImpl::Sdpa, AttentionImpl::SplitMerge, AttentionImpl::SplitMergeCudnn, AttentionImpl::SplitMergeFused]
+    } else {
+        &[AttentionImpl::Sdpa]
+    };
+    let mut failed = 0;
+    let mut note = |r: CheckRow| {
+        failed += usize::from(!r.ok);
+        each(&r);
+    };
+    for shape in shapes {
+        for w in [0, 1, 4, 64, 128, 256, shape[2], shape[2] + 5] {
+            for &imp in imps {
+                note(attention_check(imp, shape, w, device, kind));
+            }
+        }
+        if device.is_cuda() {
+            for w in [1, 4, 128, shape[2]] {
+                note(flash_window_check(shape, w, device, kind));
+            }
+        }
+        for w in [4, (shape[2] / 2).min(64)] {
+            note(attention_check_with("planted-wide", &planted_wide(w), shape, w, device, kind, true));
+        }
+    }
+    let (n, v) = if device.is_cuda() { (4096, spec.model.vocab.unwrap_or(50304) as i64) } else { (64, 97) };
+    for planted in [false, true] {
+        note(loss_head_check(n, v, device, kind, planted));
+    }
+    Ok(failed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::{bench_command, json_line, BenchMode};
+    use crate::kernels;
+
+    #[test]
+    fn check_lines_say_ok_or_fail_and_json_lines_parse() {
+        let t = |err: f64| TensorErr { name: "dq", err, baseline: 1e-3, bound: 3e-3, worst_at: 7 };
+        let r = CheckRow::new("sdpa", &[1, 2, 8, 4], Some(4), Kind::BFloat16, vec![t(1e-3)], false);
+        assert!(r.line().starts_with("sdpa                 [1, 2, 8, 4] w     4 BFloat16: err/bound dq 1.0e-3/3.0e-3") && r.line().ends_with("  ok"), "{}", r.line());
+        let bad = CheckRow::new("sdpa", &[1, 2, 8, 4], Some(4), Kind::BFloat16, vec![t(1e-2)], false);
+        assert!(bad.line().ends_with("(worst: dq at 7)  FAIL"), "{}", bad.line());
+        let planted = CheckRow::new("wide", &[1, 2, 8, 4], Some(4), Kind::BFloat16, vec![t(1e-2)], true);
+        assert!(planted.ok && planted.line().contains("planted: fails as it must"));
+        let v: serde_json::Value = serde_json::from_str(&json_line(&bad)).unwrap();
+        assert_eq!((v["ok"].clone(), v["tensors"][0]["bound"].clone()), (false.into(), 3e-3.into()));
+        // NaN is never within a bound.
+        assert!(!t(f64::NAN).within());
+    }
+
+    #[test]
+    fn check_mode_shows_every_window_and_fails_with_the_count_of_failures() {
+        let spec = crate::spec::SpecSource { sets: vec!["train.device=cpu".into(), "data.seq_len=16".into()], ..Default::default() }.load().unwrap();
+        let mut lines = Vec::new();
+        let r = bench_command(&spec, BenchMode::Check, false, |l| lines.push(l));
+        // 2 shapes × (8 windows × 1 CPU implementation + 2 planted) + 2 loss-head rows.
+        assert_eq!(lines.len(), 22, "{lines:?}");
+        let failed = lines.iter().filter(|l| l.contains("FAIL")).count();
+        assert_eq!(failed, 0, "{lines:?}");
+        assert_eq!(lines.iter().filter(|l| l.ends_with("planted: fails as it must)")).count(), 5, "{lines:?}");
+        assert!(r.is_ok());
+    }
+
+    /// The gate's calibration in bf16 (on CPU): SDPA, whose early rows broke the old per-row relative
+    /// bound, passes at every window; DAR one key off (w ± 1) and a key from the future fail.
+    #[test]
+    fn bf16_gate_passes_sdpa_and_fails_planted_off_by_one_windows() {
+        let (t, dev) = (40i64, Device::Cpu);
+        let shape = [2, 3, t, 16];
+        for w in [1, 4, 17, t - 1] {
+            let fast = attention_check(AttentionImpl::Sdpa, shape, w, dev, Kind::BFloat16);
+            assert!(fast.ok, "{}", fast.line());
+            let wide = attention_check_with("wide", &planted_wide(w), shape, w, dev, Kind::BFloat16, true);
+            assert!(wide.ok, "{}", wide.line());
+            let narrow = move |xs: &[Tensor]| dar_reference(xs, w - 1, Some(Kind::BFloat16));
+            let narrow = attention_check_with("narrow", &narrow, shape, w, dev, Kind::BFloat16, true);
+            assert!(narrow.ok, "{}", narrow.line());
+            let peek = attention_check_with("peek", &peek(t, w), shape, w, dev, Kind::BFloat16, true);
+            assert!(peek.ok, "{}", peek.line());
+        }
+    }
+
+    /// The local band one key into the future (distance −1 counts as local).
+    fn peek(t: i64, w: i64) -> impl Fn(&[Tensor]) -> Tensor {
+        move |xs: &[Tensor]| {
+            let dev = xs[0].device();
+            let (_, global) = dar_masks(t, w, dev);
+            let i = Tensor::arange(t, (Kind::Int64, dev)).unsqueeze(1);
+            let dist = i - Tensor::arange(t, (Kind::Int64, dev)).unsqueeze(0);
+            let local = dist.ge(-1).logical_and(&dist.lt(w));
+            masked_softmax_attention_in(&xs[0], &[(&xs[1], &xs[2], &local), (&xs[3], &xs[4], &global)], xs[0].kind())
+        }
+    }
+
+    /// In fp64 the bound is the floor: planted wrong implementations fail wherever they compute another
+    /// function, and the fast path passes, at windows 0, 1, inside, T − 1, T and T + 5:
+    /// `wide` (w + 1), `narrow` (w − 1), `peek`. w ± 1 is the same function once both are ≥ T (and at
+    /// w = 0 for `narrow`); there the planted row must pass the bound (and so is not ok as planted).
+    #[test]
+    fn planted_off_by_one_window_boundaries_fail_the_check() {
+        let (t, dev) = (12i64, Device::Cpu);
+        let shape = [1, 2, t, 8];
+        for w in [0, 1, 4, t - 1, t, t + 5] {
+            let fast = attention_check(AttentionImpl::Sdpa, shape, w, dev, Kind::Double);
+            assert!(fast.ok, "sdpa: {}", fast.line());
+            let wide = attention_check_with("wide", &planted_wide(w), shape, w, dev, Kind::Double, true);
+            assert_eq!(wide.within, w >= t, "{}", wide.line());
+            let narrow = move |xs: &[Tensor]| dar_reference(xs, (w - 1).max(0), None);
+            let narrow = attention_check_with("narrow", &narrow, shape, w, dev, Kind::Double, true);
+            assert_eq!(narrow.within, w == 0 || w > t, "{}", narrow.line());
+            let peek = attention_check_with("peek", &peek(t, w), shape, w, dev, Kind::Double, true);
+            assert!(peek.ok, "{}", peek.line());
+            // The failing rows are real errors, far above fp64 rounding.
+            for r in [&wide, &narrow, &peek].into_iter().filter(|r| !r.within) {
+                assert!(r.tensors.iter().map(|t| t.err).fold(0.0, f64::max) > 1e-3, "{}", r.line());
+            }
+        }
+    }
+
+    /// The loss head's aten path in the gate: within the bound in fp64 and in bf16 on CPU, and the
+    /// planted wrong targets fail it in both.
+    #[test]
+    fn loss_head_passes_the_gate_and_wrong_targets_fail_it() {
+        for kind in [Kind::Double, Kind::BFloat16] {
+            let r = loss_head_check(33, 50, Device::Cpu, kind, false);
+            assert!(r.ok, "{}", r.line());
+            let p = loss_head_check(33, 50, Device::Cpu, kind, true);
+            assert!(p.ok && !p.within, "{}", p.line());
+        }
+    }
+
+    /// Split-merge on heads `[B, H, T, hd]` through the C++ op with the kernels' math (CPU, fp64).
+    fn split_merge_math(xs: &[Tensor], w: i64, fused: bool) -> Tensor {
+        let bthd = |x: &Tensor| x.transpose(1, 2);
+        kernels::dar_split_merge(&bthd(&xs[0]), &bthd(&xs[1]), &bthd(&xs[2]), &bthd(&xs[3]), &bthd(&xs[4]), w, kernels::GlobalBackend::Math, fused).unwrap().transpose(1, 2)
+    }
+
+    /// The split-merge glue of csrc/dar_attention.cpp (log-sum-exp merge, each part's backward fed
+    /// the merged O and lse, dQ summed, dK_g / dV_g scattered), unfused and fused, with the kernels'
+    /// math on CPU in fp64: output and all five input gradients equal the reference, for w at both
+    /// ends of 0 < w < T and between, with B > 1 (strided narrows). The math backend holds its
+    /// backward to the CUDA kernels' input contract (dO and O of one layout; the fused path once
+    /// handed cuDNN a dO transposed against O and got dq / dk_g wrong on the GPU only), so a glue
+    /// that breaks it fails here.
+    #[test]
+    fn split_merge_glue_is_exact_in_fp64() {
+        let (t, shape) = (11i64, [2, 3, 11, 8]);
+        for w in [1, 4, t - 1] {
+            for fused in [false, true] {
+                let f = move |xs: &[Tensor]| split_merge_math(xs, w, fused);
+                let r = attention_check_with(if fused { "fused" } else { "unfused" }, &f, shape, w, Device::Cpu, Kind::Double, false);
+                assert!(r.ok, "{}", r.line());
+            }
+        }
+        // The same check fails the op run one key off (w − 1 against the reference at w).
+        let f = |xs: &[Tensor]| split_merge_math(xs, 3, true);
+        let r = attention_check_with("fused at w 3", &f, shape, 4, Device::Cpu, Kind::Double, false);
+        assert!(!r.ok, "{}", r.line());
+    }
+}
