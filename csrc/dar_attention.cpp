@@ -7,8 +7,7 @@
 // bf16/fp16; 2 = "math": both parts by explicit matmuls in the inputs' dtype on any device, with the
 // kernels' conventions, so that the glue (merge, seeds, scatter) is tested exactly in fp64 on CPU.
 // `fused` (experimental, off by default; issue 28): the merge in one pass in place into the local
-// part's output (no fp32 copies) and a backward without the copies of the distant part's dO / O
-// and of dK_g / dV_g.
+// part's output (no fp32 copies) and dK_g / dV_g by one padded write in the backward.
 #include <ATen/TensorOperators.h>
 #include <ATen/record_function.h>
 #include <ATen/core/Tensor.h>
@@ -92,9 +91,10 @@ Part math_fwd(const Tensor& q, const Tensor& k, const Tensor& v, double scale, i
 std::tuple<Tensor, Tensor, Tensor> math_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
                                             const Tensor& v, const Tensor& out, const Tensor& lse,
                                             double scale, int64_t wl) {
-  // The CUDA kernels' contract, held on CPU too so that a glue breaking it fails its tests.
-  TORCH_CHECK(dout.strides() == out.strides(), "split-merge backward: dO strides ", dout.strides(),
-              " differ from O's ", out.strides(), " (the kernels read both with one layout)");
+  // The contract the CUDA backward kernels are known right under (issue 33's GPU gate): dO and O
+  // contiguous. Held on CPU too, so that a glue breaking it fails its tests there.
+  TORCH_CHECK(dout.is_contiguous() && out.is_contiguous(), "split-merge backward: dO (strides ", dout.strides(),
+              ") and O (strides ", out.strides(), ") must be contiguous");
   auto bh = [](const Tensor& x) { return x.transpose(1, 2); };
   Tensor qh = bh(q), kh = bh(k), doh = bh(dout);
   Tensor p = at::exp(math_scores(qh, kh, scale, wl) - lse.unsqueeze(-1));
@@ -184,12 +184,11 @@ struct DarSplitMerge : public torch::autograd::Function<DarSplitMerge> {
     Tensor do2 = dout.narrow(1, w, L), o2 = out.narrow(1, w, L), lse2 = lse.narrow(2, w, L);
     {
       RECORD_USER_SCOPE("dar.bwd_copies");
-      // cuDNN and the math path read strided dO / O (narrowed alike); flash (and the unfused path)
-      // copy them.
-      if (!fused || backend == 0) {
-        do2 = do2.contiguous();
-        o2 = o2.contiguous();
-      }
+      // The distant part's dO / O as contiguous copies, fused or not: cuDNN handed narrowed views
+      // (a layout other than Q's) computed dq / dk_g / dv_g wrong at every window (issue 33's GPU
+      // gate), and flash needs them contiguous anyway.
+      do2 = do2.contiguous();
+      o2 = o2.contiguous();
       lse2 = lse2.contiguous();
     }
     Tensor dq2, dk2, dv2;

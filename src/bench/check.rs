@@ -36,7 +36,7 @@ pub struct TensorErr {
     pub err: f64,
     /// max |math in the inputs' dtype − exact|.
     pub baseline: f64,
-    /// FACTOR · baseline + floor · max |exact|.
+    /// FACTOR · baseline + floor · max |exact| (or the problem's scale, when larger).
     pub bound: f64,
     /// The sequence position (or row) of the worst entry: where an off-by-one boundary shows.
     pub worst_at: i64,
@@ -49,8 +49,10 @@ impl TensorErr {
 }
 
 /// Compare `fast` and the in-dtype `baseline` with the `exact` reference (all promoted to fp64).
-/// `positions`: the length of the axis `worst_at` reports (T for `[B, H, T, D]` heads).
-pub fn compare(name: &'static str, fast: &Tensor, baseline: &Tensor, exact: &Tensor, kind: Kind, positions: i64) -> TensorErr {
+/// `positions`: the length of the axis `worst_at` reports (T for `[B, H, T, D]` heads); `scale`: the
+/// problem's size the floor is relative to where the reference itself is ~0 (an exactly zero
+/// gradient: dq when every query sees one key), else 0.
+pub fn compare(name: &'static str, fast: &Tensor, baseline: &Tensor, exact: &Tensor, kind: Kind, positions: i64, scale: f64) -> TensorErr {
     let d = |t: &Tensor| t.to_kind(Kind::Double);
     let exact = d(exact);
     let diff = (d(fast) - &exact).abs().nan_to_num(f64::INFINITY, f64::INFINITY, f64::INFINITY).reshape([-1]);
@@ -58,7 +60,7 @@ pub fn compare(name: &'static str, fast: &Tensor, baseline: &Tensor, exact: &Ten
     let last = exact.size().last().copied().unwrap_or(1).max(1);
     let err = diff.double_value(&[worst]);
     let baseline = (d(baseline) - &exact).abs().max().double_value(&[]);
-    let bound = FACTOR * baseline + floor(kind) * exact.abs().max().double_value(&[]);
+    let bound = FACTOR * baseline + floor(kind) * exact.abs().max().double_value(&[]).max(scale);
     let row = if exact.dim() == 1 { worst } else { worst / last };
     TensorErr { name, err, baseline, bound, worst_at: row % positions.max(1) }
 }
@@ -147,7 +149,9 @@ fn heads_check(name: &str, fast: &dyn Fn(&[Tensor]) -> Tensor, reference: &dyn F
     let got = run(fast, &inputs, &go);
     let exact = run(&|xs: &[Tensor]| reference(xs, None), &fresh(exact_kind), &go.to_kind(exact_kind));
     let baseline = run(&|xs: &[Tensor]| reference(xs, Some(kind)), &fresh(kind), &go);
-    let tensors = (0..names.len()).map(|i| compare(names[i], &got[i], &baseline[i], &exact[i], kind, shape[2])).collect();
+    // The output's size is the scale of every tensor's floor.
+    let scale = exact[0].abs().max().double_value(&[]);
+    let tensors = (0..names.len()).map(|i| compare(names[i], &got[i], &baseline[i], &exact[i], kind, shape[2], scale)).collect();
     CheckRow::new(name, &shape, Some(window), kind, tensors, planted)
 }
 
@@ -190,7 +194,7 @@ pub fn loss_head_check(n: i64, v: i64, device: Device, kind: Kind, planted: bool
     let used = if planted { (&targets + 1).remainder(v) } else { targets.shallow_clone() };
     let mut g = logits.copy();
     let nll = loss::cross_entropy_grad_in_place(&mut g, &used, scale);
-    let tensors = vec![compare("nll", &nll, &nll_base, &nll_exact, kind, n), compare("dlogits", &g, &g_base, &g_exact, kind, n)];
+    let tensors = vec![compare("nll", &nll, &nll_base, &nll_exact, kind, n, 0.0), compare("dlogits", &g, &g_base, &g_exact, kind, n, 0.0)];
     let name = if device.is_cuda() && crate::kernels::cuda::available() { "loss-head-kernel" } else { "loss-head-aten" };
     CheckRow::new(if planted { "loss-head-planted" } else { name }, &[n, v], None, kind, tensors, planted)
 }
