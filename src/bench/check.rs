@@ -199,6 +199,57 @@ pub fn loss_head_check(n: i64, v: i64, device: Device, kind: Kind, planted: bool
     CheckRow::new(if planted { "loss-head-planted" } else { name }, &[n, v], None, kind, tensors, planted)
 }
 
+/// The explicit form of `kernels::split_rotate` by views and aten ops in `x`'s dtype: pieces
+/// `[B, T, H, hd]` of `x` `[B, T, H·n·hd]`, the first `rotated` rotated half-split over `2·cos.size(1)`.
+fn split_rotate_explicit(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, sin: &Tensor) -> Vec<Tensor> {
+    let (b, t, hd) = (x.size()[0], x.size()[1], x.size()[2] / (heads * n));
+    let half = cos.size()[1];
+    let (c, s) = (cos.to_kind(x.kind()).view([1, t, 1, half]), sin.to_kind(x.kind()).view([1, t, 1, half]));
+    let xv = x.view([b, t, heads, n, hd]);
+    (0..n)
+        .map(|i| {
+            let p = xv.select(3, i);
+            if i >= rotated || half == 0 {
+                return p;
+            }
+            let (x1, x2) = (p.narrow(3, 0, half), p.narrow(3, half, half));
+            let mut parts = vec![&x1 * &c - &x2 * &s, &x2 * &c + &x1 * &s];
+            if 2 * half < hd {
+                parts.push(p.narrow(3, 2 * half, hd - 2 * half));
+            }
+            Tensor::cat(&parts, 3)
+        })
+        .collect()
+}
+
+/// GPT-NeoX's heads op (`kernels::split_rotate`: the device kernel where the library is loaded) in
+/// the gate: q / k / v pieces of a `[B, T, H·3·hd]` projection with RoPE on q and k (rotary dims
+/// `rot` of `hd`), and the projection's gradient, against the explicit form in fp64 on CPU.
+pub fn heads_op_check(b: i64, t: i64, heads: i64, hd: i64, rot: i64, device: Device, kind: Kind) -> CheckRow {
+    tch::manual_seed(b + 7 * t);
+    let rope = crate::model::rope::Rope { dims: rot, base: 10000.0 };
+    let (cos, sin) = rope.tables(0, t, device);
+    let x = Tensor::randn([b, t, heads * 3 * hd], (kind, device));
+    let go: Vec<Tensor> = (0..3).map(|_| Tensor::randn([b, t, heads, hd], (kind, device))).collect();
+    let run = |f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Vec<Tensor>, x: &Tensor, dev: Device, k: Kind| {
+        let x = x.to_device(dev).to_kind(k).set_requires_grad(true);
+        let parts = f(&x, &cos.to_device(dev), &sin.to_device(dev));
+        let loss = parts.iter().zip(&go).map(|(p, g)| (p * g.to_device(dev).to_kind(k)).sum(k)).fold(Tensor::zeros([], (k, dev)), |a, l| a + l);
+        let dx = Tensor::run_backward(&[loss], &[&x], false, false)[0].to_kind(Kind::Double).to_device(Device::Cpu);
+        let out = Tensor::cat(&parts.iter().map(|p| p.detach().to_kind(Kind::Double).to_device(Device::Cpu)).collect::<Vec<_>>(), 3);
+        (out, dx)
+    };
+    let fast = |x: &Tensor, c: &Tensor, s: &Tensor| crate::kernels::split_rotate(x, heads, 3, 2, c, s).expect("split_rotate");
+    let explicit = |x: &Tensor, c: &Tensor, s: &Tensor| split_rotate_explicit(x, heads, 3, 2, c, s);
+    let (o, dx) = run(&fast, &x, device, kind);
+    let (ob, dxb) = run(&explicit, &x, device, kind);
+    let (oe, dxe) = run(&explicit, &x, Device::Cpu, Kind::Double);
+    let scale = oe.abs().max().double_value(&[]);
+    let tensors = vec![compare("qkv", &o, &ob, &oe, kind, t, scale), compare("dx", &dx, &dxb, &dxe, kind, t, scale)];
+    let name = "heads-op";
+    CheckRow::new(name, &[b, t, heads, hd], None, kind, tensors, false)
+}
+
 /// Every fast path in the gate at the spec's shape and a ragged one, over windows inside, at and
 /// beyond the sequence (bf16 on CUDA, fp64 on CPU), the planted wrong windows, and the loss head.
 /// Calls `each` per row; returns how many rows did not come out as they should.
@@ -237,6 +288,10 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     for planted in [false, true] {
         note(loss_head_check(n, v, device, kind, planted));
     }
+    let (b, tt) = if device.is_cuda() { (4, 2048) } else { (2, 9) };
+    for rot in [hd / 4, hd] {
+        note(heads_op_check(b, tt, s.heads as i64, hd, rot, device, kind));
+    }
     Ok(failed)
 }
 
@@ -266,8 +321,8 @@ mod tests {
         let spec = crate::spec::SpecSource { sets: vec!["train.device=cpu".into(), "data.seq_len=16".into()], ..Default::default() }.load().unwrap();
         let mut lines = Vec::new();
         let r = bench_command(&spec, BenchMode::Check, false, |l| lines.push(l));
-        // 2 shapes × (8 windows × 1 CPU implementation + 2 planted) + 2 loss-head rows.
-        assert_eq!(lines.len(), 22, "{lines:?}");
+        // 2 shapes × (8 windows × 1 CPU implementation + 2 planted) + 2 loss-head rows + 2 heads rows.
+        assert_eq!(lines.len(), 24, "{lines:?}");
         let failed = lines.iter().filter(|l| l.contains("FAIL")).count();
         assert_eq!(failed, 0, "{lines:?}");
         assert_eq!(lines.iter().filter(|l| l.ends_with("planted: fails as it must)")).count(), 5, "{lines:?}");
