@@ -27,8 +27,8 @@ pub enum LineStyle {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum AttentionImpl {
-    /// Fastest available: split-merge with cuDNN on CUDA (bf16/fp16, head dim a multiple of 8, ≤ 256),
-    /// masked SDPA otherwise.
+    /// Fastest available: on CUDA (bf16/fp16, head dim a multiple of 8, ≤ 256) split-merge-fused when
+    /// training, split-merge (flash) at inference; masked SDPA otherwise.
     #[default]
     Auto,
     /// Explicit masked scores (slow, O(T²) memory): the oracle.
@@ -40,8 +40,9 @@ pub enum AttentionImpl {
     SplitMerge,
     /// As split-merge, with cuDNN attention for the global part.
     SplitMergeCudnn,
-    /// Experimental (issue 28): split-merge with cuDNN, the merge in one pass in place (bf16 out,
-    /// log-sum-exp kept) and a backward without copies of dO, O, dK_g, dV_g. Never chosen by `auto`.
+    /// Split-merge with cuDNN, the merge in one pass in place (bf16 out, log-sum-exp kept) and
+    /// dK_g / dV_g by one padded write (issue 28); `auto`'s choice for training since it passes
+    /// `bench --check` on the GPU (issue 33).
     SplitMergeFused,
 }
 
