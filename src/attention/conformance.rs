@@ -60,7 +60,7 @@ fn fixture_config(name: &str) -> LlamaConfig {
 /// The model of `family` with `a`, weights drawn from `seed`, in fp64; None when the family cannot
 /// hold the kind (a linearized operator in GPT-NeoX).
 fn build(family: &Family, a: &Attention, seed: i64) -> Option<(VarStore, Model)> {
-    tch::manual_seed(seed);
+    let _rng = crate::testutil::seeded(seed);
     let mut vs = VarStore::new(Device::Cpu);
     let model = match family {
         Family::Neox => {
@@ -78,7 +78,7 @@ fn build(family: &Family, a: &Attention, seed: i64) -> Option<(VarStore, Model)>
 }
 
 fn ids(model: &Model) -> Tensor {
-    tch::manual_seed(3);
+    let _rng = crate::testutil::seeded(3);
     Tensor::randint(model.vocab() as i64, [2, T], (Kind::Int64, Device::Cpu))
 }
 
@@ -123,7 +123,7 @@ fn decode_gap(model: &Model, x: &Tensor, prompt: i64) -> f64 {
 /// Logits and the gradient of ⟨logits, g⟩ for every parameter, by name.
 fn outputs_and_grads(vs: &VarStore, model: &Model, x: &Tensor) -> (Tensor, Vec<(String, Tensor)>) {
     let logits = model.forward(x);
-    tch::manual_seed(4);
+    let _rng = crate::testutil::seeded(4);
     let g = Tensor::randn(logits.size(), (Kind::Double, Device::Cpu));
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
@@ -134,6 +134,7 @@ fn outputs_and_grads(vs: &VarStore, model: &Model, x: &Tensor) -> (Tensor, Vec<(
 
 #[test]
 fn every_kind_on_every_family() {
+    let _rng = crate::testutil::rng();
     let families = [Family::Neox, Family::Llama("llama_tiny"), Family::Llama("olmo2_tiny")];
     let mut checked = 0;
     for family in &families {
@@ -224,6 +225,7 @@ fn every_registered_kind_is_checked() {
 /// versions before the per-kind options wrote them still read, as the same options as today's form.
 #[test]
 fn configs_written_before_the_per_kind_options_still_load() {
+    let _rng = crate::testutil::rng();
     // (as written then, as written now): DarConfig's config.json wrote d_down and window for every kind.
     let model_configs = [
         (r#"{"kind":"vanilla","d_down":0,"window":0,"dar_act":"linear","impl":"auto"}"#, "{kind: vanilla}"),

@@ -164,7 +164,7 @@ mod tests {
     /// The vectorised map equals the per-head loop with explicit Householder matrices.
     #[test]
     fn feature_maps_match_per_head_loop() {
-        tch::manual_seed(1);
+        let _rng = crate::testutil::seeded(1);
         let mut vs = nn::VarStore::new(Device::Cpu);
         let fms = maps(&vs);
         vs.double();
@@ -180,7 +180,7 @@ mod tests {
     /// φ ≥ 1e-12; φ is unchanged when W_h is scaled; the reflection is orthogonal and an involution.
     #[test]
     fn np_map_keeps_the_norm_as_temperature() {
-        tch::manual_seed(2);
+        let _rng = crate::testutil::seeded(2);
         let mut vs = nn::VarStore::new(Device::Cpu);
         let fm = FeatureMap::still(&vs.root(), FeatureMapKind::NpMap, 4, 16, ParamInit::Normal);
         vs.double();

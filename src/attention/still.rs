@@ -250,6 +250,7 @@ mod tests {
 
     #[test]
     fn parameter_names_and_shapes() {
+        let _rng = crate::testutil::rng();
         let (vs, _) = layer(&StillConfig::default(), 4, 16, 0);
         let mut names: Vec<(String, Vec<i64>)> = vs.variables().into_iter().map(|(k, v)| (k, v.size())).collect();
         names.sort();

@@ -214,6 +214,7 @@ mod tests {
     /// line of medians; rows survive a JSON round trip.
     #[test]
     fn table_ratios_and_json_rows() {
+        let _rng = crate::testutil::rng();
         let rows = vec![row("vanilla", 2048, 4 << 20), row("still", 1024, 1 << 20), row("vanilla", 1024, 2 << 20), row("still", 2048, 1 << 20)];
         let t = table(&rows);
         assert!(t.contains("| 1024 | still | 1.00 | 1024.0 | 0.500 | 0.500 | 100.0 | 1 |"), "{t}");
@@ -231,6 +232,7 @@ mod tests {
     /// Hybrids are Llamas at the spec's size; unknown names are refused with the known ones listed.
     #[test]
     fn models_at_the_spec_size() {
+        let _rng = crate::testutil::rng();
         let base = crate::spec::from_str("model: {flavor: tiny}\nattention: {kind: dar, d_down: 16, window: 8}\ndata: {train: {synthetic: {seed: 1, docs: 10}}}\ntrain: {steps: 1}\n", "test", &[]).unwrap();
         let (_vs, m) = bench_model(&base, "still-budget", 128, Device::Cpu).unwrap();
         let (_vs2, n) = bench_model(&base, "vanilla", 128, Device::Cpu).unwrap();

@@ -480,6 +480,7 @@ fn linearize_sweeps_launch_linearize() {
 /// The smoke sweep's specs really train (in-process, 2 steps), and the run then reads as done.
 #[test]
 fn a_smoke_sweep_spec_trains() {
+    let _rng = crate::testutil::rng();
     let tmp = tempfile::tempdir().unwrap();
     let sets = ["train.steps=2".to_string(), format!("data.cache={}", tmp.path().join("cache").display())];
     let p = plan(&sweep_file("table1-smoke.yaml"), &sets, Some(&tmp.path().join("out"))).unwrap();

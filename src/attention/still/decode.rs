@@ -196,6 +196,7 @@ mod tests {
     /// for every L0 < L (L0 = 0: decoding from an empty cache).
     #[test]
     fn prefill_then_decode_matches_prefill() {
+        let _rng = crate::testutil::rng();
         let lens = [0i64, 1, 7, 8, 9, 15, 16, 17, 30, 45];
         for y in [
             "{chunk: 8, tokens_per_chunk: 2}",
@@ -238,6 +239,7 @@ mod tests {
     /// gives prefill(L)'s outputs and cache whatever the block sizes, blocks crossing chunk boundaries included.
     #[test]
     fn extend_in_blocks_matches_prefill() {
+        let _rng = crate::testutil::rng();
         for y in ["{chunk: 8, tokens_per_chunk: 2}", "{chunk: 8, budget: {m: 20, max_len: 24}, routing: self_saliency_reference_code}", "{chunk: 8, tokens_per_chunk: 3, routing: random, gate: false}"] {
             let (_, st) = layer(&cfg(y), 2, 8, 5);
             let x: Vec<Tensor> = inputs(2, 2, 45, 8, 6).iter().map(|t| t.detach()).collect();
@@ -262,6 +264,7 @@ mod tests {
     /// The C6 compat keys exist only in prefill (as in the reference), so decode must disagree on chunk 0.
     #[test]
     fn phantom_keys_break_prefill_decode_agreement() {
+        let _rng = crate::testutil::rng();
         let (_, st) = layer(&cfg("{chunk: 8, tokens_per_chunk: 2, compat: {phantom_chunk0_keys: true}}"), 2, 8, 5);
         let x: Vec<Tensor> = inputs(1, 2, 12, 8, 6).iter().map(|t| t.detach()).collect();
         let g = st.gate(&x[3]);
@@ -276,6 +279,7 @@ mod tests {
     /// m − 2C with one, so with a budget its size stops growing.
     #[test]
     fn decode_cache_is_bounded() {
+        let _rng = crate::testutil::rng();
         for (y, cap) in [("{chunk: 8, tokens_per_chunk: 2}", None), ("{chunk: 8, budget: {m: 22, max_len: 32}}", Some(6))] {
             let (_, st) = layer(&cfg(y), 2, 8, 1);
             let x: Vec<Tensor> = inputs(1, 2, 200, 8, 2).iter().map(|t| t.detach()).collect();

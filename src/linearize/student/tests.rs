@@ -14,7 +14,7 @@ fn fixture(name: &str) -> std::path::PathBuf {
 fn teacher(name: &str, dar: bool) -> (nn::VarStore, Llama) {
     let (vs, mut m) = hf::load_llama(&fixture(name), Device::Cpu).unwrap();
     if dar {
-        tch::manual_seed(11);
+        let _rng = crate::testutil::seeded(11);
         let c = crate::testutil::softmax(AttentionKind::Dar, 16, 5).with_implementation(AttentionImpl::Reference);
         m.add_dar(&vs.root(), c).unwrap();
     }
@@ -59,9 +59,10 @@ fn student(t: &(nn::VarStore, Llama), v: &Variant, lora: &LoraConfig) -> (nn::Va
 /// student.
 #[test]
 fn llama_olmo2_and_dar_teachers_linearize() {
+    let _rng = crate::testutil::rng();
     for (name, dar) in [("llama_tiny", false), ("olmo2_tiny", false), ("llama_tiny", true), ("olmo2_tiny", true)] {
         let t = teacher(name, dar);
-        tch::manual_seed(1);
+        let _rng = crate::testutil::seeded(1);
         let x = ids(32);
         let want = logits(&t.1, &x, Pass::Eval);
         let (vs, s) = student(&t, &still("chunk: 16"), &LoraConfig::default());
@@ -104,7 +105,7 @@ fn assert_transfer_trains(vs: &nn::VarStore, s: &Llama, what: &str) {
     let params = crate::train::named_parameters(vs);
     assert!(!params.is_empty() && params.iter().all(|(n, _)| is_linearized_param(n)));
     let mut opt = AdamW::new(params, Hyper { betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0 });
-    tch::manual_seed(2);
+    let _rng = crate::testutil::seeded(2);
     let x = ids(32);
     let mut losses = Vec::new();
     for _ in 0..15 {
@@ -133,6 +134,7 @@ fn assert_transfer_trains(vs: &nn::VarStore, s: &Llama, what: &str) {
 /// Stage 1 trains only the operators' parameters, for STILL and LoLCATs.
 #[test]
 fn stage1_loss_decreases_and_only_new_params_change() {
+    let _rng = crate::testutil::rng();
     let t = teacher("llama_tiny", false);
     for v in [still("chunk: 4, tokens_per_chunk: 1"), variant("{kind: lolcats, window: 4, feature_dim: 8}")] {
         let (vs, s) = student(&t, &v, &LoraConfig::default());
@@ -142,7 +144,7 @@ fn stage1_loss_decreases_and_only_new_params_change() {
 
 /// The llama_tiny teacher, 24 random tokens and its `v` student with LoRA on `targets` (seeded by `seed`).
 fn adapted(seed: i64, v: &Variant, targets: &[&str]) -> ((nn::VarStore, Llama), Tensor, (nn::VarStore, Llama)) {
-    tch::manual_seed(seed);
+    let _rng = crate::testutil::seeded(seed);
     let t = teacher("llama_tiny", false);
     let x = ids(24);
     let lora = LoraConfig { targets: targets.iter().map(|s| s.to_string()).collect(), ..LoraConfig::default() };
@@ -162,6 +164,7 @@ fn perturb_adapters(s: &Llama) {
 /// LoRA with B = 0 leaves the student unchanged; with B ≠ 0 the merged export gives the same logits.
 #[test]
 fn lora_identity_at_init_and_merge_matches() {
+    let _rng = crate::testutil::rng();
     let v = still("chunk: 4, tokens_per_chunk: 1");
     let (t, x, (vs, s)) = adapted(3, &v, &["q_proj", "k_proj", "v_proj", "o_proj", "g_proj"]);
     assert_eq!(s.adapters().len(), 2 * 5);
@@ -191,6 +194,7 @@ fn lora_identity_at_init_and_merge_matches() {
 /// LoLCATs student (B ≠ 0, so merging matters) gives the same logits after the round trip.
 #[test]
 fn export_round_trip() {
+    let _rng = crate::testutil::rng();
     let v = variant("{kind: lolcats, window: 4, feature_dim: 8}");
     let (_t, x, (vs, s)) = adapted(4, &v, &["q_proj", "v_proj"]);
     perturb_adapters(&s);
@@ -222,12 +226,13 @@ const VARIANTS: [&str; 3] = [
 /// the linear state matter at T = 30).
 #[test]
 fn cached_decoding_matches_the_full_forward() {
+    let _rng = crate::testutil::rng();
     for name in ["llama_tiny", "olmo2_tiny"] {
         let t = teacher(name, false);
         for (n, yaml) in VARIANTS.iter().enumerate() {
-            tch::manual_seed(n as i64);
+            let _rng = crate::testutil::seeded(n as i64);
             let (_vs, s) = student(&t, &variant(yaml), &no_lora());
-            tch::manual_seed(10 + n as i64);
+            let _rng = crate::testutil::seeded(10 + n as i64);
             let ids = Tensor::randint(128, [2, 30], (Kind::Int64, Device::Cpu));
             let full = logits(&s, &ids, Pass::Eval);
             assert!(max_diff(&full, &logits(&s, &ids, Pass::Teacher)) > 1e-3, "{yaml}: the student equals its teacher; the test would prove nothing");
@@ -252,10 +257,11 @@ fn cached_decoding_matches_the_full_forward() {
 /// cache matches it after every decoded token, and with a budget (or κ = 0) it stops growing.
 #[test]
 fn cache_bytes_follow_the_bounded_formula() {
+    let _rng = crate::testutil::rng();
     let t = teacher("llama_tiny", false);
     let cfg = t.1.cfg.clone();
     for (n, yaml) in VARIANTS.iter().enumerate() {
-        tch::manual_seed(n as i64);
+        let _rng = crate::testutil::seeded(n as i64);
         let (_vs, s) = student(&t, &variant(yaml), &no_lora());
         let (heads, d) = (cfg.num_attention_heads as i64, cfg.head_dim() as i64);
         let attn = &s.layers[0].attn;
@@ -271,7 +277,7 @@ fn cache_bytes_follow_the_bounded_formula() {
             assert!(n_win <= 2 * c);
             cfg.num_hidden_layers as i64 * heads * (2 * (n_sel + n_win) * d * 4 + (f * d + f) * 4 + n_win * 4)
         };
-        tch::manual_seed(20);
+        let _rng = crate::testutil::seeded(20);
         let ids = Tensor::randint(128, [1, 60], (Kind::Int64, Device::Cpu));
         let mut cache = s.new_cache(1, Kind::Float, Device::Cpu);
         let mut bytes = vec![];
@@ -297,6 +303,7 @@ fn cache_bytes_follow_the_bounded_formula() {
 /// compares it with the teacher's own loss.
 #[test]
 fn linearize_runs_on_olmo2_and_dar_teachers() {
+    let _rng = crate::testutil::rng();
     use crate::data::Tok;
     use crate::linearize::{linearize, LinearizeOptions, LinearizeSpec};
     use crate::model::Family;
@@ -306,7 +313,7 @@ fn linearize_runs_on_olmo2_and_dar_teachers() {
     for (family, dar) in [(Family::Olmo2, false), (Family::Llama, true), (Family::Olmo2, true)] {
         let name = format!("{family:?}-{dar}");
         let cfg = crate::testutil::tiny_llama(tok.padded_vocab(), family);
-        tch::manual_seed(7);
+        let _rng = crate::testutil::seeded(7);
         let vs = nn::VarStore::new(Device::Cpu);
         let mut m = Llama::new(&vs.root(), cfg);
         if dar {
