@@ -10,8 +10,9 @@
 //! - reference = fast path, outputs and gradients of every parameter (softmax kinds: `impl: reference`
 //!   against the default; a linearized operator holds its chunked path to its explicit reference in
 //!   its own file, `still/reference.rs`, `lolcats.rs`);
+//! - the parameters its layers declare (`LayerOp::parameters`) = the variables it adds (Llama family);
 //! - config → config.json → reload (Llama family): the same config and the same logits.
-use super::{Attention, AttentionKind};
+use super::{Attention, AttentionKind, Variant};
 use crate::model::llama::LlamaConfig;
 use crate::model::{hf, GptNeox, Llama, Model, NeoxConfig};
 use crate::spec::{AttentionImpl, Gelu};
@@ -192,6 +193,14 @@ fn every_kind_on_every_family() {
                 }
             }
 
+            // The parameters the layers declare (`LayerOp::parameters`: what linearize's stage 1
+            // trains) are exactly the variables the kind adds to a vanilla model of the family.
+            if let Model::Llama(m) = &model {
+                let (plain, _) = build(family, &Attention::default(), 1).unwrap();
+                let added: std::collections::BTreeSet<String> = vs.variables().into_keys().filter(|n| !plain.variables().contains_key(n)).collect();
+                assert_eq!(m.operator_params(&vs), added, "{what}: the parameters its layers declare");
+            }
+
             // Config → config.json → reload.
             if let Model::Llama(m) = &model {
                 let dir = tempfile::tempdir().unwrap();
@@ -211,13 +220,22 @@ fn every_kind_on_every_family() {
     assert_eq!(checked, want);
 }
 
-/// Every registered softmax kind has a line in `KINDS` (a kind registered without one would go
-/// unchecked).
+/// Every registered kind, softmax and hybrid, has a line in `KINDS` (a kind registered without one
+/// would go unchecked).
 #[test]
 fn every_registered_kind_is_checked() {
     for kind in AttentionKind::ALL {
         let listed = KINDS.iter().any(|(_, yaml, _)| matches!(attention(yaml), Attention::Softmax(a) if a.kind() == kind));
         assert!(listed, "kind {} has no line in conformance::KINDS", kind.name());
+    }
+    for &name in Variant::NAMES {
+        let listed = KINDS.iter().any(|(_, yaml, _)| matches!(attention(yaml), Attention::Linearized(v) if v.name() == name));
+        assert!(listed, "hybrid {name} has no line in conformance::KINDS");
+    }
+    // Every bench-decode model of a hybrid is that hybrid.
+    for (name, yaml, _) in Variant::decode_bench_models() {
+        let v: Variant = serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("bench-decode model {name}: {e}"));
+        assert!(name.starts_with(v.name()), "bench-decode model {name} builds {}", v.name());
     }
 }
 
@@ -276,7 +294,12 @@ fn a_key_of_one_kind_is_refused_by_the_others() {
         let e = crate::spec::from_str(&train, "t.yaml", &[]).unwrap_err().to_string();
         assert!(e.contains(&format!("unknown field `{key}`")), "train spec {yaml}: {e}");
     }
-    // The linearized operators' options are their own too.
-    let e = serde_yaml::from_str::<Attention>("{kind: still, window: 8}").unwrap_err().to_string();
-    assert!(e.contains("unknown field `window`"), "{e}");
+    // The hybrids' options are their own too, and a refusal says how a spec that changed the kind
+    // (a child of another kind's spec) drops what it inherited.
+    for (yaml, key) in [("{kind: still, window: 8}", "window"), ("{kind: lolcats, feature_map: np_map}", "feature_map"), ("{kind: lolcats, chunk: 64}", "chunk")] {
+        let e = serde_yaml::from_str::<Attention>(yaml).unwrap_err().to_string();
+        assert!(e.contains(&format!("unknown field `{key}`")) && e.contains(&format!("`{key}: null`")), "{yaml}: {e}");
+    }
+    // Null keys are unset: `{kind: lolcats, feature_map: null}` is LoLCATs' defaults.
+    assert_eq!(attention("{kind: lolcats, feature_map: null, routing: null}"), attention("{kind: lolcats}"));
 }

@@ -59,6 +59,11 @@ impl FeatureMap {
         FeatureMap { householder, layer, norm_reinject: kind == FeatureMapKind::NpMap }
     }
 
+    /// Its variables: W_h, and the Householder vectors when it has them.
+    pub fn parameters(&self) -> Vec<Tensor> {
+        self.householder.iter().chain([&self.layer]).map(Tensor::shallow_clone).collect()
+    }
+
     /// LoLCATs' Hedgehog map with `feature_dim` F (φ has 2F features).
     pub fn hedgehog(p: &nn::Path, heads: i64, head_dim: i64, feature_dim: i64, init: ParamInit) -> Self {
         let bound = (6.0 / (head_dim * feature_dim) as f64).sqrt();

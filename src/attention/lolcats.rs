@@ -126,7 +126,7 @@ impl Lolcats {
     }
 
     pub fn new_cache(&self, batch: i64, kind: Kind, device: Device) -> HybridCache {
-        HybridCache::empty(batch, self.heads, self.head_dim, self.feature_map_k.dim(), kind, device)
+        HybridCache::empty(batch, self.heads, self.head_dim, self.feature_map_k.dim(), kind, device, self.cfg.window, Selection::NONE)
     }
 
     /// Decode one token (`[B, H, 1, hd]` each); returns `[B, H, 1, hd]`.
@@ -174,6 +174,20 @@ impl Lolcats {
     }
 }
 
+/// LoLCATs as a registered hybrid (`hybrid_kinds!` in `attention/mod.rs`).
+impl super::HybridKind for LolcatsConfig {
+    const NAME: &'static str = "lolcats";
+    const TABLE_NAME: &'static str = "LoLCATs";
+    const LINE_STYLE: super::LineStyle = super::LineStyle::Dashed;
+    const DECODE_BENCH: &'static [(&'static str, &'static str, &'static str)] = &[("lolcats", "{kind: lolcats}", "terrace window of 64, Hedgehog linear attention")];
+    const WEIGHT_DECAY: f64 = 0.0;
+    const EVAL_EVERY: u64 = 100;
+
+    fn layer(&self, p: &nn::Path, dims: super::LayerDims) -> Result<Box<dyn super::LayerOp>> {
+        Ok(Box::new(Lolcats::new(p, self, dims.heads, dims.head_dim)?))
+    }
+}
+
 /// A LoLCATs layer behind the model interface. Packed rows are refused: chunks count from position 0.
 impl super::LayerOp for Lolcats {
     fn forward(&self, h: &super::Heads) -> Tensor {
@@ -194,6 +208,14 @@ impl super::LayerOp for Lolcats {
     /// A linearized layer is not switched in place.
     fn reconfigured(&self, _a: &super::AttentionSpec) -> Option<Box<dyn super::LayerOp>> {
         None
+    }
+
+    /// The feature maps and the window factors θ.
+    fn parameters(&self) -> Vec<Tensor> {
+        let mut out = self.feature_map_q.parameters();
+        out.extend(self.feature_map_k.parameters());
+        out.push(self.window_factors.shallow_clone());
+        out
     }
 }
 

@@ -141,6 +141,10 @@ impl LayerOp for SinkLayer {
     fn reconfigured(&self, a: &AttentionSpec) -> Option<Box<dyn LayerOp>> {
         rebuilt_without_parameters(a)
     }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
 }
 
 /// The first tokens (every row's sinks, after its left padding) and a ring of the last `window`.

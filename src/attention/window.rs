@@ -118,6 +118,10 @@ impl LayerOp for WindowLayer {
     fn reconfigured(&self, a: &AttentionSpec) -> Option<Box<dyn LayerOp>> {
         rebuilt_without_parameters(a)
     }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
 }
 
 /// Attention over heads `[B, H, T, hd]`; `seg`: the document segments of packed rows

@@ -139,7 +139,7 @@ fn stage2_freezes_all_but_lora() {
     let vs = VarStore::new(Device::Cpu);
     let variant: Variant = serde_yaml::from_str("{kind: lolcats, window: 4, feature_dim: 4}").unwrap();
     let h = Llama::linearized(&vs, &tvs, cfg, &variant, &LoraConfig::default()).unwrap();
-    let mut opt = optimizer_for(&vs, 2, 0.0);
+    let mut opt = optimizer_for(&vs, &h, 2, 0.0);
     assert!(!opt.slots.is_empty() && opt.slots.iter().all(|s| is_lora(&s.name)));
     let before: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
     let x = Tensor::randint(100, [2, 16], (Kind::Int64, Device::Cpu));

@@ -459,10 +459,7 @@ fn linearize_sweeps_launch_linearize() {
     write_specs(&p).unwrap();
     let r = &p.runs[4];
     let crate::sweep::RunSpec::Linearize(spec) = &r.spec else { panic!("{} is not a linearize run", r.name) };
-    let still = |s: &crate::linearize::LinearizeSpec| match &s.attention {
-        crate::attention::Variant::Still(c) => c.routing,
-        _ => panic!("not still"),
-    };
+    let still = |s: &crate::linearize::LinearizeSpec| s.attention.options::<crate::attention::still::StillConfig>().expect("a STILL run").routing;
     assert_eq!(still(spec), crate::attention::still::Routing::KeyNorm);
     assert_eq!((spec.stage1.steps, spec.output.as_path()), (Some(10), r.dir.as_path()));
     let written = crate::linearize::LinearizeSpec::from_file(&r.spec_path).unwrap();

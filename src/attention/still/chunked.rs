@@ -107,7 +107,7 @@ impl Hybrid<'_> {
         let cache = tch::no_grad(|| {
             let last = (t - 1) / c;
             let (w0, kvk) = ((last - 1).max(0) * c, k.kind());
-            let mut cache = HybridCache::empty(b, h, d, self.fk.dim(), kvk, dev);
+            let mut cache = HybridCache::empty(b, h, d, self.fk.dim(), kvk, dev, self.chunk, self.selection);
             cache.pos = t;
             if self.sliding_decode {
                 // LoLCATs' decode: the last `chunk` tokens in the window, everything before folded.
