@@ -31,6 +31,7 @@ const KINDS: &[(&str, &str, bool)] = &[
     ("sink", "{kind: sink, window: 3, sinks: 2}", true),
     ("still", "{kind: still, chunk: 4, tokens_per_chunk: 1}", false),
     ("lolcats", "{kind: lolcats, window: 4, feature_dim: 8}", false),
+    ("liger-gla", "{kind: liger-gla, window: 3, gate_temperature: 1.0}", false),
 ];
 
 const T: i64 = 13;

@@ -31,6 +31,7 @@ softmax_kinds! {
 hybrid_kinds! {
     still: Still(StillConfig);
     lolcats: Lolcats(LolcatsConfig);
+    liger_gla: LigerGla(LigerGlaConfig);
 }
 
 pub use dar::{dar, dar_sdpa, split_merge_supported, AttentionInit, DarAct};
