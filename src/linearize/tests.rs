@@ -41,6 +41,16 @@ fn spec_defaults_and_unknown_keys() {
     let l = LinearizeSpec::from_yaml("{teacher: t, attention: {kind: lolcats, window: 8}, data: {train: {path: x.txt}}, output: o}").unwrap().resolved();
     assert!(matches!(l.data.train, TrainData::Text(_)));
     assert_eq!(l.stage1.weight_decay, Some(0.0));
+    // A child of a STILL spec that changes the kind drops the inherited STILL keys with null (the
+    // committed Liger-GLA experiment), and is told to when it does not.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments");
+    let liger = LinearizeSpec::from_file(&root.join("liger-gla-smollm2.yaml")).unwrap();
+    assert_eq!(liger.attention.name(), "liger-gla");
+    let tmp = tempfile::tempdir().unwrap();
+    let child = tmp.path().join("child.yaml");
+    std::fs::write(&child, format!("base: {}\nattention: {{kind: liger-gla}}\n", root.join("still-smollm2.yaml").display())).unwrap();
+    let e = LinearizeSpec::from_file(&child).unwrap_err().to_string();
+    assert!(e.contains("unknown field `chunk`") && e.contains("`chunk: null`"), "{e}");
 }
 
 /// A tiny random Llama saved as an HF folder with the builtin tokenizer's vocabulary.
