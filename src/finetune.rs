@@ -545,6 +545,7 @@ mod tests {
     /// config.yaml keep their form) and is accepted by prepare_dir for the same spec written anew.
     #[test]
     fn old_finetune_configs_still_parse_and_reopen() {
+        let _rng = crate::testutil::rng();
         let old = FinetuneSpec::from_yaml(OLD_CONFIG).unwrap();
         let a = &old.attention;
         assert_eq!((a.kind(), a.d_down_width(), a.window_len(), a.init()), (AttentionKind::Dar, Some(16), Some(8), Some(AttentionInit::Pca)));
@@ -578,6 +579,7 @@ mod tests {
     /// Values that do not apply to fine-tuning are refused, naming the key.
     #[test]
     fn finetune_attention_errors_name_the_key() {
+        let _rng = crate::testutil::rng();
         let cases = [
             ("{kind: uniform, d_down: 8}", "attention.kind"),
             ("{kind: window, window: 8}", "attention.kind"),
@@ -621,6 +623,7 @@ mod tests {
 
     #[test]
     fn spec_defaults_are_dar_md_4_2() {
+        let _rng = crate::testutil::rng();
         let s = FinetuneSpec::from_yaml("base: b\nattention: {kind: dar, d_down: 64}\ndata: {train: {path: x.jsonl}}\noutput: o\n").unwrap().resolved();
         let a = &s.attention;
         assert_eq!((a.kind(), a.d_down_width(), a.window_len(), a.init()), (AttentionKind::Dar, Some(64), Some(128), Some(AttentionInit::SmallInit)));

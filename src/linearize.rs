@@ -19,7 +19,7 @@
 //! rolling windows; no grad clipping (as the reference code).
 pub mod student;
 
-use crate::attention::{is_linearized_param, Variant};
+use crate::attention::Variant;
 pub use crate::data::chat::read_alpaca;
 use crate::data::tokenizer::{bos_id, eos_id};
 use crate::data::Tok;
@@ -35,6 +35,7 @@ use crate::train::stages::{self, StagedTask};
 use crate::{Error, IoContext, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use tch::{nn::VarStore, Device, Kind, Tensor};
 
@@ -51,7 +52,7 @@ pub struct LinearizeSpec {
     /// Default: the teacher folder's tokenizer.json, or the run directory's tokenizer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<TokenizerSpec>,
-    /// `{kind: still, chunk: 64, …}` (StillConfig) or `{kind: lolcats, window: 64, …}` (LolcatsConfig).
+    /// A registered hybrid with its options: `{kind: still, chunk: 64, …}`, `{kind: lolcats, window: 64, …}`, …
     pub attention: Variant,
     pub data: LinData,
     #[serde(default = "stage1_default")]
@@ -190,18 +191,12 @@ impl LinearizeSpec {
 
     /// Fill in the per-stage defaults that depend on the stage / variant (lr, weight decay).
     pub fn resolved(mut self) -> LinearizeSpec {
-        let wd = match self.attention {
-            Variant::Still(_) => 0.01,
-            Variant::Lolcats(_) => 0.0,
-        };
+        let wd = self.attention.weight_decay();
         self.stage1.lr.get_or_insert(1e-2);
         self.stage2.lr.get_or_insert(1e-4);
         self.stage1.weight_decay.get_or_insert(wd);
         self.stage2.weight_decay.get_or_insert(wd);
-        let every = match self.attention {
-            Variant::Still(_) => 200,
-            Variant::Lolcats(_) => 100,
-        };
+        let every = self.attention.eval_every();
         self.stage1.eval_every.get_or_insert(every);
         self.stage2.eval_every.get_or_insert(every);
         self
@@ -385,17 +380,18 @@ fn is_lora(name: &str) -> bool {
 // parameters each stage trains, the loss of an update, the held-out losses).
 // ---------------------------------------------------------------------------------------------
 
-/// Whether parameter `name` trains in `stage`: the new attention parameters in stage 1, the LoRA
-/// adapters in stage 2.
-fn trains(stage: u64, name: &str) -> bool {
-    if stage == 1 { is_linearized_param(name) } else { is_lora(name) }
+/// Whether parameter `name` trains in `stage`: the operators' own parameters in stage 1 (`added`:
+/// what each layer's operator declares, `Llama::operator_params`), the LoRA adapters in stage 2.
+fn trains(stage: u64, name: &str, added: &BTreeSet<String>) -> bool {
+    if stage == 1 { added.contains(name) } else { is_lora(name) }
 }
 
 /// Make exactly the parameters of `stage` trainable; an optimizer over them (sorted by name).
 #[cfg(test)]
-fn optimizer_for(vs: &VarStore, stage: u64, wd: f64) -> crate::train::optim::AdamW {
+fn optimizer_for(vs: &VarStore, student: &Llama, stage: u64, wd: f64) -> crate::train::optim::AdamW {
     let hyper = || Hyper { betas: (0.9, 0.999), eps: 1e-8, weight_decay: wd };
-    stages::optimizer_over(vs, |n| trains(stage, n), hyper()).unwrap_or_else(|| crate::train::optim::AdamW::new(Vec::new(), hyper()))
+    let added = student.operator_params(vs);
+    stages::optimizer_over(vs, |n| trains(stage, n, &added), hyper()).unwrap_or_else(|| crate::train::optim::AdamW::new(Vec::new(), hyper()))
 }
 
 /// Mean loss of teacher and student over rows (no grad): (teacher, student).
@@ -433,6 +429,8 @@ fn stage_loss(h: &Llama, rows: &[Row], stage: u64, device: Device) -> f64 {
 struct LinearizeTask<'a> {
     spec: &'a LinearizeSpec,
     hybrid: &'a Llama,
+    /// The names of the operators' parameters (stage 1's).
+    added: BTreeSet<String>,
     rows: &'a [Row],
     val_rows: &'a [Row],
     device: Device,
@@ -440,7 +438,7 @@ struct LinearizeTask<'a> {
 
 impl StagedTask for LinearizeTask<'_> {
     fn trains(&self, stage: usize, name: &str) -> bool {
-        trains(stage as u64, name)
+        trains(stage as u64, name, &self.added)
     }
 
     fn hyper(&self, stage: usize) -> Hyper {
@@ -532,7 +530,7 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
         stop_after: opts.stop_after,
         rows: stages::Rows::Staged,
     };
-    let mut task = LinearizeTask { spec: &spec, hybrid: &hybrid, rows: &rows, val_rows, device };
+    let mut task = LinearizeTask { spec: &spec, added: hybrid.operator_params(&vs), hybrid: &hybrid, rows: &rows, val_rows, device };
     let resume = crate::train::checkpoint::resume_point(&dir.path)?;
     let end = stages::run(&dir, &vs, &plan, &mut task, resume, None)?.end;
     if end < total {

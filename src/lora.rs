@@ -110,7 +110,7 @@ mod tests {
 
     #[test]
     fn zero_b_is_identity_and_merge_matches() {
-        tch::manual_seed(0);
+        let _rng = crate::testutil::seeded(0);
         let vs = nn::VarStore::new(Device::Cpu);
         let cfg = LoraConfig { rank: 4, alpha: 8.0, dropout: 0.0, targets: vec![] };
         let l = Lora::new(&(vs.root() / "q_proj"), 16, 12, &cfg);

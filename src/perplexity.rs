@@ -366,9 +366,10 @@ mod tests {
     /// alone, and add up to the corpus total.
     #[test]
     fn per_document_nll_matches_each_document_alone() {
+        let _rng = crate::testutil::rng();
         let mut spec = crate::spec::from_str(crate::spec::BUILTIN_TINY, "tiny", &[]).unwrap();
         spec.model.vocab = Some(128);
-        tch::manual_seed(3);
+        let _rng = crate::testutil::seeded(3);
         let vs = tch::nn::VarStore::new(Device::Cpu);
         let model = Model::Neox(crate::model::GptNeox::new(&vs.root(), crate::train::run::model_config(&spec)));
         let doc = |n: usize, k: u32| ((0..n as u32).map(|i| (i * 7 + k) % 120 + 1).collect::<Vec<u32>>(), Doc { text: String::new(), words: n, bytes: n });
@@ -418,9 +419,10 @@ mod tests {
     /// positions 5–7, so positions 5–7 average two tokens; the bins add up to the corpus NLL.
     #[test]
     fn loss_by_position_matches_the_logits() {
+        let _rng = crate::testutil::rng();
         let mut spec = crate::spec::from_str(crate::spec::BUILTIN_TINY, "tiny", &[]).unwrap();
         spec.model.vocab = Some(128);
-        tch::manual_seed(5);
+        let _rng = crate::testutil::seeded(5);
         let vs = tch::nn::VarStore::new(Device::Cpu);
         let model = Model::Neox(crate::model::GptNeox::new(&vs.root(), crate::train::run::model_config(&spec)));
         let ids: Vec<u32> = (0..11u32).map(|i| (i * 13 + 5) % 120 + 1).collect();
@@ -452,6 +454,7 @@ mod tests {
     /// one token before their first target, and partial windows end just before their last target.
     #[test]
     fn rolling_windows_score_every_token_once() {
+        let _rng = crate::testutil::rng();
         for t in [1usize, 2, 3, 7, 16] {
             for n in 0..60 {
                 let mut count = vec![0u32; n + 1];

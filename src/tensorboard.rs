@@ -413,6 +413,7 @@ mod tests {
     /// the scalars the script wrote (listed in expected.json), simple values and v2 tensors alike.
     #[test]
     fn decodes_tensorboards_own_event_file() {
+        let _rng = crate::testutil::rng();
         let expected: BTreeMap<String, Vec<(i64, f64)>> = serde_json::from_str(&std::fs::read_to_string(fixture().join("expected.json")).unwrap()).unwrap();
         let events = read_events(&fixture().join("events.out.tfevents.fixture")).unwrap();
         assert!(matches!(&events[0].what, Some(proto::What::FileVersion(v)) if v == "brain.Event:2"));
@@ -445,6 +446,7 @@ mod tests {
 
     #[test]
     fn written_file_reads_back_and_a_resume_keeps_one_curve() {
+        let _rng = crate::testutil::rng();
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
         let row = |v: Value| v.as_object().unwrap().clone();
@@ -486,6 +488,7 @@ mod tests {
 
     #[test]
     fn tag_names_and_corrupt_files() {
+        let _rng = crate::testutil::rng();
         let r = json!({"step": 3, "stage": 1, "loss": 1.0, "val_loss": 2.0, "eval_loss": 3.0, "teacher_ppl": 4.0, "at": "start", "attn_mse_per_layer": [0.5, 0.25], "eval/x/ppl": 5.0});
         let tags: BTreeMap<String, f64> = row_scalars(r.as_object().unwrap()).into_iter().collect();
         let want: BTreeMap<String, f64> = [("train/stage", 1.0), ("train/loss", 1.0), ("eval/val/loss", 2.0), ("eval/held_out/loss", 3.0), ("eval/teacher/ppl", 4.0), ("train/attn_mse_per_layer/0", 0.5), ("train/attn_mse_per_layer/1", 0.25), ("eval/x/ppl", 5.0)]

@@ -58,3 +58,40 @@ pub fn softmax(kind: crate::attention::AttentionKind, d_down: usize, window: usi
     }
     serde_yaml::from_value(serde_yaml::Value::Mapping(m)).unwrap_or_else(|e| panic!("{kind:?}: {e}"))
 }
+
+/// libtorch's random generator is process-wide and cargo runs tests in parallel threads: a test that
+/// draws from it (random tensors, a model's initial weights, a training run, sampling) holds this
+/// guard from its first draw to its last, so that seeding it gives the same stream whatever runs
+/// beside it. The lock is re-entrant on the thread that holds it (a helper that seeds may take it
+/// again inside a test that holds it) and survives a test that panicked while holding it.
+pub struct RngGuard {
+    _lock: Option<std::sync::MutexGuard<'static, ()>>,
+}
+
+static RNG_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+thread_local! {
+    /// How many guards this thread holds (the lock is taken by the first, released with it).
+    static RNG_DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The generator to this test alone until the guard drops (no seed set: for a test whose draws
+/// only must not disturb a seeded test beside it, or that seeds through the code it runs).
+pub fn rng() -> RngGuard {
+    let depth = RNG_DEPTH.with(|d| d.replace(d.get() + 1));
+    let lock = (depth == 0).then(|| RNG_LOCK.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+    RngGuard { _lock: lock }
+}
+
+/// [`rng`], then `tch::manual_seed(seed)`: the same draws follow as in any other run.
+pub fn seeded(seed: i64) -> RngGuard {
+    let g = rng();
+    tch::manual_seed(seed);
+    g
+}
+
+impl Drop for RngGuard {
+    fn drop(&mut self) {
+        RNG_DEPTH.with(|d| d.set(d.get() - 1));
+    }
+}

@@ -10,8 +10,9 @@
 //! - reference = fast path, outputs and gradients of every parameter (softmax kinds: `impl: reference`
 //!   against the default; a linearized operator holds its chunked path to its explicit reference in
 //!   its own file, `still/reference.rs`, `lolcats.rs`);
+//! - the parameters its layers declare (`LayerOp::parameters`) = the variables it adds (Llama family);
 //! - config → config.json → reload (Llama family): the same config and the same logits.
-use super::{Attention, AttentionKind};
+use super::{Attention, AttentionKind, Variant};
 use crate::model::llama::LlamaConfig;
 use crate::model::{hf, GptNeox, Llama, Model, NeoxConfig};
 use crate::spec::{AttentionImpl, Gelu};
@@ -30,6 +31,7 @@ const KINDS: &[(&str, &str, bool)] = &[
     ("sink", "{kind: sink, window: 3, sinks: 2}", true),
     ("still", "{kind: still, chunk: 4, tokens_per_chunk: 1}", false),
     ("lolcats", "{kind: lolcats, window: 4, feature_dim: 8}", false),
+    ("liger-gla", "{kind: liger-gla, window: 3, gate_temperature: 1.0}", false),
 ];
 
 const T: i64 = 13;
@@ -60,7 +62,7 @@ fn fixture_config(name: &str) -> LlamaConfig {
 /// The model of `family` with `a`, weights drawn from `seed`, in fp64; None when the family cannot
 /// hold the kind (a linearized operator in GPT-NeoX).
 fn build(family: &Family, a: &Attention, seed: i64) -> Option<(VarStore, Model)> {
-    tch::manual_seed(seed);
+    let _rng = crate::testutil::seeded(seed);
     let mut vs = VarStore::new(Device::Cpu);
     let model = match family {
         Family::Neox => {
@@ -78,7 +80,7 @@ fn build(family: &Family, a: &Attention, seed: i64) -> Option<(VarStore, Model)>
 }
 
 fn ids(model: &Model) -> Tensor {
-    tch::manual_seed(3);
+    let _rng = crate::testutil::seeded(3);
     Tensor::randint(model.vocab() as i64, [2, T], (Kind::Int64, Device::Cpu))
 }
 
@@ -123,7 +125,7 @@ fn decode_gap(model: &Model, x: &Tensor, prompt: i64) -> f64 {
 /// Logits and the gradient of ⟨logits, g⟩ for every parameter, by name.
 fn outputs_and_grads(vs: &VarStore, model: &Model, x: &Tensor) -> (Tensor, Vec<(String, Tensor)>) {
     let logits = model.forward(x);
-    tch::manual_seed(4);
+    let _rng = crate::testutil::seeded(4);
     let g = Tensor::randn(logits.size(), (Kind::Double, Device::Cpu));
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
@@ -134,6 +136,7 @@ fn outputs_and_grads(vs: &VarStore, model: &Model, x: &Tensor) -> (Tensor, Vec<(
 
 #[test]
 fn every_kind_on_every_family() {
+    let _rng = crate::testutil::rng();
     let families = [Family::Neox, Family::Llama("llama_tiny"), Family::Llama("olmo2_tiny")];
     let mut checked = 0;
     for family in &families {
@@ -191,6 +194,14 @@ fn every_kind_on_every_family() {
                 }
             }
 
+            // The parameters the layers declare (`LayerOp::parameters`: what linearize's stage 1
+            // trains) are exactly the variables the kind adds to a vanilla model of the family.
+            if let Model::Llama(m) = &model {
+                let (plain, _) = build(family, &Attention::default(), 1).unwrap();
+                let added: std::collections::BTreeSet<String> = vs.variables().into_keys().filter(|n| !plain.variables().contains_key(n)).collect();
+                assert_eq!(m.operator_params(&vs), added, "{what}: the parameters its layers declare");
+            }
+
             // Config → config.json → reload.
             if let Model::Llama(m) = &model {
                 let dir = tempfile::tempdir().unwrap();
@@ -210,13 +221,22 @@ fn every_kind_on_every_family() {
     assert_eq!(checked, want);
 }
 
-/// Every registered softmax kind has a line in `KINDS` (a kind registered without one would go
-/// unchecked).
+/// Every registered kind, softmax and hybrid, has a line in `KINDS` (a kind registered without one
+/// would go unchecked).
 #[test]
 fn every_registered_kind_is_checked() {
     for kind in AttentionKind::ALL {
         let listed = KINDS.iter().any(|(_, yaml, _)| matches!(attention(yaml), Attention::Softmax(a) if a.kind() == kind));
         assert!(listed, "kind {} has no line in conformance::KINDS", kind.name());
+    }
+    for &name in Variant::NAMES {
+        let listed = KINDS.iter().any(|(_, yaml, _)| matches!(attention(yaml), Attention::Linearized(v) if v.name() == name));
+        assert!(listed, "hybrid {name} has no line in conformance::KINDS");
+    }
+    // Every bench-decode model of a hybrid is that hybrid.
+    for (name, yaml, _) in Variant::decode_bench_models() {
+        let v: Variant = serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("bench-decode model {name}: {e}"));
+        assert!(name.starts_with(v.name()), "bench-decode model {name} builds {}", v.name());
     }
 }
 
@@ -224,6 +244,7 @@ fn every_registered_kind_is_checked() {
 /// versions before the per-kind options wrote them still read, as the same options as today's form.
 #[test]
 fn configs_written_before_the_per_kind_options_still_load() {
+    let _rng = crate::testutil::rng();
     // (as written then, as written now): DarConfig's config.json wrote d_down and window for every kind.
     let model_configs = [
         (r#"{"kind":"vanilla","d_down":0,"window":0,"dar_act":"linear","impl":"auto"}"#, "{kind: vanilla}"),
@@ -274,7 +295,12 @@ fn a_key_of_one_kind_is_refused_by_the_others() {
         let e = crate::spec::from_str(&train, "t.yaml", &[]).unwrap_err().to_string();
         assert!(e.contains(&format!("unknown field `{key}`")), "train spec {yaml}: {e}");
     }
-    // The linearized operators' options are their own too.
-    let e = serde_yaml::from_str::<Attention>("{kind: still, window: 8}").unwrap_err().to_string();
-    assert!(e.contains("unknown field `window`"), "{e}");
+    // The hybrids' options are their own too, and a refusal says how a spec that changed the kind
+    // (a child of another kind's spec) drops what it inherited.
+    for (yaml, key) in [("{kind: still, window: 8}", "window"), ("{kind: lolcats, feature_map: np_map}", "feature_map"), ("{kind: lolcats, chunk: 64}", "chunk")] {
+        let e = serde_yaml::from_str::<Attention>(yaml).unwrap_err().to_string();
+        assert!(e.contains(&format!("unknown field `{key}`")) && e.contains(&format!("`{key}: null`")), "{yaml}: {e}");
+    }
+    // Null keys are unset: `{kind: lolcats, feature_map: null}` is LoLCATs' defaults.
+    assert_eq!(attention("{kind: lolcats, feature_map: null, routing: null}"), attention("{kind: lolcats}"));
 }

@@ -387,6 +387,11 @@ impl LayerOp for DarLayer {
         Some(Box::new(DarLayer { bottleneck, window: s.window.unwrap_or(0) as i64, imp: s.implementation }))
     }
 
+    /// The bottleneck's two matrices.
+    fn parameters(&self) -> Vec<Tensor> {
+        vec![self.bottleneck.down.shallow_clone(), self.bottleneck.up.shallow_clone()]
+    }
+
 }
 
 /// DAR attention. `window ≥ T` is vanilla over (k_l, v_l); `window = 0` is causal attention over (k_g, v_g).

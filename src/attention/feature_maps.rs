@@ -59,6 +59,11 @@ impl FeatureMap {
         FeatureMap { householder, layer, norm_reinject: kind == FeatureMapKind::NpMap }
     }
 
+    /// Its variables: W_h, and the Householder vectors when it has them.
+    pub fn parameters(&self) -> Vec<Tensor> {
+        self.householder.iter().chain([&self.layer]).map(Tensor::shallow_clone).collect()
+    }
+
     /// LoLCATs' Hedgehog map with `feature_dim` F (φ has 2F features).
     pub fn hedgehog(p: &nn::Path, heads: i64, head_dim: i64, feature_dim: i64, init: ParamInit) -> Self {
         let bound = (6.0 / (head_dim * feature_dim) as f64).sqrt();
@@ -164,7 +169,7 @@ mod tests {
     /// The vectorised map equals the per-head loop with explicit Householder matrices.
     #[test]
     fn feature_maps_match_per_head_loop() {
-        tch::manual_seed(1);
+        let _rng = crate::testutil::seeded(1);
         let mut vs = nn::VarStore::new(Device::Cpu);
         let fms = maps(&vs);
         vs.double();
@@ -180,7 +185,7 @@ mod tests {
     /// φ ≥ 1e-12; φ is unchanged when W_h is scaled; the reflection is orthogonal and an involution.
     #[test]
     fn np_map_keeps_the_norm_as_temperature() {
-        tch::manual_seed(2);
+        let _rng = crate::testutil::seeded(2);
         let mut vs = nn::VarStore::new(Device::Cpu);
         let fm = FeatureMap::still(&vs.root(), FeatureMapKind::NpMap, 4, 16, ParamInit::Normal);
         vs.double();

@@ -8,31 +8,11 @@
 use super::cache::{repeat_kv, CacheShape, LayerCache};
 use super::dar::{Bottleneck, DarLayer};
 use super::kinds::AttentionSpec;
-use super::lolcats::{Lolcats, LolcatsConfig};
-use super::still::{Still, StillConfig};
+use super::still::Still;
+use super::Variant;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
-
-/// A linearized operator that replaces softmax attention (`attnlab linearize`), with its options.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
-pub enum Variant {
-    Still(StillConfig),
-    Lolcats(LolcatsConfig),
-}
-
-impl Variant {
-    /// The names `kind:` takes for a linearized operator.
-    pub const NAMES: [&'static str; 2] = ["still", "lolcats"];
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            Variant::Still(_) => "still",
-            Variant::Lolcats(_) => "lolcats",
-        }
-    }
-}
 
 /// Every attention variant with its options: what a model's layers run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -48,14 +28,15 @@ impl Default for Attention {
     }
 }
 
-/// `kind: still | lolcats` reads a [`Variant`], any other kind an [`AttentionSpec`], so that errors
-/// name the fields of the variant written (an untagged enum would only say that nothing matched).
+/// A `kind:` that names a registered hybrid reads a [`Variant`], any other kind an [`AttentionSpec`],
+/// so that errors name the fields of the variant written (an untagged enum would only say that
+/// nothing matched).
 impl<'de> Deserialize<'de> for Attention {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::Error as _;
         let v = serde_yaml::Value::deserialize(d)?;
         match v.get("kind").and_then(|k| k.as_str()) {
-            Some(k) if Variant::NAMES.contains(&k) => serde_yaml::from_value(v).map(Attention::Linearized).map_err(D::Error::custom),
+            Some(k) if Variant::is_name(k) => serde_yaml::from_value(v).map(Attention::Linearized).map_err(D::Error::custom),
             _ => serde_yaml::from_value(v).map(Attention::Softmax).map_err(D::Error::custom),
         }
     }
@@ -79,7 +60,7 @@ impl Attention {
         self.softmax().is_some_and(AttentionSpec::is_vanilla)
     }
 
-    /// The name a report or bench line shows: vanilla, dar, uniform, window, …, still, lolcats.
+    /// The name a report or bench line shows: a softmax kind's or a hybrid's (`kind:`).
     pub fn label(&self) -> &'static str {
         match self {
             Attention::Softmax(a) => a.kind().name(),
@@ -147,6 +128,9 @@ pub trait LayerOp: std::any::Any + Send {
     /// vanilla ↔ window, DAR ↔ uniform); None when `a` needs parameters the layer lacks or would
     /// drop ones it has.
     fn reconfigured(&self, a: &AttentionSpec) -> Option<Box<dyn LayerOp>>;
+    /// The parameters the variant adds to the layer (handles on its variables; none for a softmax
+    /// kind without parameters): what linearize's stage 1 trains in a hybrid's layers.
+    fn parameters(&self) -> Vec<Tensor>;
 }
 
 /// `LayerOp::reconfigured` of a layer without parameters: any kind without parameters, built anew.
@@ -168,8 +152,7 @@ impl Layer {
     pub fn new(p: &nn::Path, attention: &Attention, dims: LayerDims) -> Result<Layer> {
         Ok(Layer(match attention {
             Attention::Softmax(a) => a.layer(p, dims)?,
-            Attention::Linearized(Variant::Still(sc)) => Box::new(Still::new(p, sc, dims)?),
-            Attention::Linearized(Variant::Lolcats(lc)) => Box::new(Lolcats::new(p, lc, dims.heads, dims.head_dim)?),
+            Attention::Linearized(v) => v.layer(p, dims)?,
         }))
     }
 
@@ -200,6 +183,11 @@ impl Layer {
         self.0.decode(cache, h, p0)
     }
 
+    /// The parameters the variant adds to the layer (`LayerOp::parameters`).
+    pub fn parameters(&self) -> Vec<Tensor> {
+        self.0.parameters()
+    }
+
     /// The STILL operator of this layer (probes and oracle routing).
     pub fn still(&self) -> Option<&Still> {
         self.get::<Still>()
@@ -221,18 +209,6 @@ impl Heads<'_> {
     pub fn expanded_kv(&self) -> (Tensor, Tensor) {
         (repeat_kv(&self.k, &self.q), repeat_kv(&self.v, &self.q))
     }
-}
-
-/// Whether a parameter is one a variant adds to a pretrained model's layer: STILL's / LoLCATs'
-/// feature maps, gate and window factors (linearize's stage 1 trains these) or DAR's bottleneck
-/// (finetune's stage 1). Names as in `Layer::new`'s parameters under the layer's attention path.
-pub fn is_added_param(name: &str) -> bool {
-    is_linearized_param(name) || is_bottleneck_param(name)
-}
-
-/// STILL's / LoLCATs' own parameters (`…self_attn.feature_map_*`, `g_proj`, `window_factors`).
-pub fn is_linearized_param(name: &str) -> bool {
-    name.contains(".self_attn.feature_map_") || name.contains(".self_attn.g_proj.") || name.ends_with(".self_attn.window_factors")
 }
 
 /// DAR's bottleneck matrices (`….bottleneck_down.weight` / `….bottleneck_up.weight`, GPT-NeoX

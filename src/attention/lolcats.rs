@@ -126,7 +126,7 @@ impl Lolcats {
     }
 
     pub fn new_cache(&self, batch: i64, kind: Kind, device: Device) -> HybridCache {
-        HybridCache::empty(batch, self.heads, self.head_dim, self.feature_map_k.dim(), kind, device)
+        HybridCache::empty(batch, self.heads, self.head_dim, self.feature_map_k.dim(), kind, device, self.cfg.window, Selection::NONE)
     }
 
     /// Decode one token (`[B, H, 1, hd]` each); returns `[B, H, 1, hd]`.
@@ -174,6 +174,20 @@ impl Lolcats {
     }
 }
 
+/// LoLCATs as a registered hybrid (`hybrid_kinds!` in `attention/mod.rs`).
+impl super::HybridKind for LolcatsConfig {
+    const NAME: &'static str = "lolcats";
+    const TABLE_NAME: &'static str = "LoLCATs";
+    const LINE_STYLE: super::LineStyle = super::LineStyle::Dashed;
+    const DECODE_BENCH: &'static [(&'static str, &'static str, &'static str)] = &[("lolcats", "{kind: lolcats}", "terrace window of 64, Hedgehog linear attention")];
+    const WEIGHT_DECAY: f64 = 0.0;
+    const EVAL_EVERY: u64 = 100;
+
+    fn layer(&self, p: &nn::Path, dims: super::LayerDims) -> Result<Box<dyn super::LayerOp>> {
+        Ok(Box::new(Lolcats::new(p, self, dims.heads, dims.head_dim)?))
+    }
+}
+
 /// A LoLCATs layer behind the model interface. Packed rows are refused: chunks count from position 0.
 impl super::LayerOp for Lolcats {
     fn forward(&self, h: &super::Heads) -> Tensor {
@@ -195,6 +209,14 @@ impl super::LayerOp for Lolcats {
     fn reconfigured(&self, _a: &super::AttentionSpec) -> Option<Box<dyn super::LayerOp>> {
         None
     }
+
+    /// The feature maps and the window factors θ.
+    fn parameters(&self) -> Vec<Tensor> {
+        let mut out = self.feature_map_q.parameters();
+        out.extend(self.feature_map_k.parameters());
+        out.push(self.window_factors.shallow_clone());
+        out
+    }
 }
 
 #[cfg(test)]
@@ -202,7 +224,7 @@ mod tests {
     use super::*;
 
     fn layer(yaml: &str, h: i64, d: i64, seed: i64) -> (nn::VarStore, Lolcats) {
-        tch::manual_seed(seed);
+        let _rng = crate::testutil::seeded(seed);
         let mut vs = nn::VarStore::new(Device::Cpu);
         let l = Lolcats::new(&vs.root(), &serde_yaml::from_str(yaml).unwrap(), h, d).unwrap();
         vs.double();
@@ -210,7 +232,7 @@ mod tests {
     }
 
     fn qkv(b: i64, h: i64, t: i64, d: i64, seed: i64) -> Vec<Tensor> {
-        tch::manual_seed(seed);
+        let _rng = crate::testutil::seeded(seed);
         (0..3).map(|_| Tensor::randn([b, h, t, d], (Kind::Double, Device::Cpu)).set_requires_grad(true)).collect()
     }
 
@@ -224,6 +246,7 @@ mod tests {
 
     #[test]
     fn config_parameters_and_init() {
+        let _rng = crate::testutil::rng();
         let c = LolcatsConfig::default();
         assert_eq!((c.window, c.feature_dim, c.init, c.decode_window), (64, 64, ParamInit::Constructor, DecodeWindow::Terrace));
         assert!(serde_yaml::from_str::<LolcatsConfig>("{window_size: 64}").is_err());
@@ -250,6 +273,7 @@ mod tests {
     /// LoLCATs terrace formula, in outputs and in the gradients of q, k, v, both maps and θ.
     #[test]
     fn fast_matches_reference() {
+        let _rng = crate::testutil::rng();
         let (vs, l) = layer("{window: 8, feature_dim: 4}", 3, 8, 1);
         for t in [1i64, 7, 8, 9, 16, 17, 40] {
             let x = qkv(2, 3, t, 8, t);
@@ -285,6 +309,7 @@ mod tests {
     /// the dense sliding-window formula instead, and so differs from prefill.
     #[test]
     fn decode_matches_prefill_or_the_sliding_formula() {
+        let _rng = crate::testutil::rng();
         let x: Vec<Tensor> = qkv(2, 2, 40, 8, 4).iter().map(|t| t.detach()).collect();
         let cut = |l: i64| -> Vec<Tensor> { x.iter().map(|t| t.narrow(2, 0, l)).collect() };
         for yaml in ["{window: 8, feature_dim: 4}", "{window: 8, feature_dim: 4, decode_window: sliding}"] {

@@ -1,19 +1,19 @@
 //! Attention variants, one file each, behind one interface (`layer.rs`: [`Layer`], [`Heads`],
 //! [`Attention`]): `vanilla` (causal softmax), `dar` (DAR and uniform = DAR with window 0), `window`
-//! (sliding window only), `still` and `lolcats` (linearized operators; feature maps in
-//! `feature_maps.rs`). The softmax kinds are registered in `kinds.rs` (their options are the spec's
-//! `attention:`). A model hands each layer its rotated heads; the variant computes the rest. This
+//! (sliding window only), `still` and `lolcats` (linearized hybrids; feature maps in
+//! `feature_maps.rs`). The softmax kinds are registered below through `kinds.rs` (their options are
+//! the spec's `attention:`), the hybrids through `hybrids.rs` (a linearize spec's `attention:`). A model hands each layer its rotated heads; the variant computes the rest. This
 //! file holds what the variants share: masks, packed-document segments and the explicit masked
 //! softmax every fast path is tested against. Decode caches: `cache.rs`.
 #[macro_use]
 pub mod kinds;
+#[macro_use]
+pub mod hybrids;
 pub mod cache;
 #[cfg(test)]
 mod conformance;
 pub mod feature_maps;
 pub mod layer;
-pub mod lolcats;
-pub mod still;
 
 // The softmax attention kinds, registered once: each line is a module (its file) and the kinds it
 // defines (`SoftmaxKind` types), in the order of tables, plot legends and `bench`; the first is the
@@ -25,9 +25,19 @@ softmax_kinds! {
     sink: Sink;
 }
 
+// The linearized hybrids (`attnlab linearize`), registered once: each line is a module (its file),
+// the `Variant` it is and its options type (`HybridKind`, hybrids.rs says what it must answer). A
+// new hybrid is its file plus one line here.
+hybrid_kinds! {
+    still: Still(StillConfig);
+    lolcats: Lolcats(LolcatsConfig);
+    liger_gla: LigerGla(LigerGlaConfig);
+}
+
 pub use dar::{dar, dar_sdpa, split_merge_supported, AttentionInit, DarAct};
+pub use hybrids::HybridKind;
 pub use kinds::{AttentionImpl, LineStyle, Settings, SoftmaxKind};
-pub use layer::{is_added_param, is_bottleneck_param, is_linearized_param, Attention, Heads, KvMap, Layer, LayerDims, LayerOp, Positions, Variant};
+pub use layer::{is_bottleneck_param, Attention, Heads, KvMap, Layer, LayerDims, LayerOp, Positions};
 pub use vanilla::causal;
 use tch::{Device, Kind, Tensor};
 
@@ -134,7 +144,7 @@ pub(crate) mod tests {
 
     /// f64 normal samples that require grad.
     pub(crate) fn rand(shape: &[i64], seed: i64) -> Tensor {
-        tch::manual_seed(seed);
+        let _rng = crate::testutil::seeded(seed);
         Tensor::randn(shape, (Kind::Double, Device::Cpu)).set_requires_grad(true)
     }
 
@@ -146,6 +156,7 @@ pub(crate) mod tests {
     /// for windows inside, at and beyond the sequence.
     #[test]
     fn sdpa_matches_reference_forward_and_backward() {
+        let _rng = crate::testutil::rng();
         let shape = [2, 3, 13, 8];
         for w in [0i64, 1, 4, 7, 13, 20] {
             let inputs: Vec<Tensor> = (0..5).map(|s| rand(&shape, 10 * w + s)).collect();
@@ -169,6 +180,7 @@ pub(crate) mod tests {
     /// Hand-computed case: T = 2, hd = 1, w = 1. Query 1 sees key 0 through the bottleneck version.
     #[test]
     fn reference_matches_hand_computation() {
+        let _rng = crate::testutil::rng();
         let t = |v: &[f64]| Tensor::from_slice(v).view([1, 1, 2, 1]);
         let (q, kl, vl, kg, vg) = (t(&[1.0, 2.0]), t(&[0.5, 1.0]), t(&[10.0, 20.0]), t(&[-1.0, 3.0]), t(&[100.0, 200.0]));
         let o = dar(&q, &kl, &vl, &kg, &vg, 1, AttentionImpl::Reference);

@@ -141,6 +141,10 @@ impl LayerOp for SinkLayer {
     fn reconfigured(&self, a: &AttentionSpec) -> Option<Box<dyn LayerOp>> {
         rebuilt_without_parameters(a)
     }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
 }
 
 /// The first tokens (every row's sinks, after its left padding) and a ring of the last `window`.
@@ -255,6 +259,7 @@ mod tests {
     /// sink counts inside and beyond the sequence.
     #[test]
     fn fast_and_reference_match_the_loop() {
+        let _rng = crate::testutil::rng();
         let shape = [2, 3, 13, 8];
         for (w, n) in [(1i64, 1i64), (3, 4), (5, 2), (13, 4), (4, 20)] {
             let inputs: Vec<Tensor> = (0..3).map(|s| rand(&shape, 10 * w + n + s)).collect();
@@ -278,6 +283,7 @@ mod tests {
     /// Packed documents: each document has its own sinks (its first tokens), as when run alone.
     #[test]
     fn packed_documents_have_their_own_sinks() {
+        let _rng = crate::testutil::rng();
         let (q, k, v) = (rand(&[1, 2, 11, 4], 1), rand(&[1, 2, 11, 4], 2), rand(&[1, 2, 11, 4], 3));
         let docs = Tensor::from_slice(&[5i64, 5, 5, 5, 2, 2, 2, 2, 2, 2, 2]).view([1, 11]);
         let (seg, _) = doc_segments(&docs);
@@ -294,6 +300,7 @@ mod tests {
     /// and the cache stays at the sinks plus the window: 2·(sinks + min(w, T))·H_kv·hd elements.
     #[test]
     fn decode_equals_forward_with_a_bounded_cache() {
+        let _rng = crate::testutil::rng();
         let (h, t, hd) = (2, 16, 4);
         for (w, n, prompt, piece) in [(3i64, 2i64, 1i64, 6i64), (4, 4, 5, 3), (2, 1, 2, 1)] {
             let (q, k, v) = (rand(&[1, h, t, hd], 4).detach(), rand(&[1, h, t, hd], 5).detach(), rand(&[1, h, t, hd], 6).detach());

@@ -168,7 +168,7 @@ impl Still {
 
     /// An empty decode cache for `batch` sequences whose K/V are stored in `kind` (the model dtype).
     pub fn new_cache(&self, batch: i64, kind: Kind, device: Device) -> HybridCache {
-        HybridCache::empty(batch, self.dims.heads, self.dims.head_dim, self.feature_map_k.dim(), kind, device)
+        HybridCache::empty(batch, self.dims.heads, self.dims.head_dim, self.feature_map_k.dim(), kind, device, self.cfg.chunk, self.selection)
     }
 
     /// Decode one token: q_t, k_t, v_t `[B, H, 1, hd]` (rotated at position `cache.pos`), g_t = gate(x_t).
@@ -181,6 +181,28 @@ impl Still {
     /// cache takes the vectorised prefill).
     pub fn extend(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>) -> Tensor {
         self.hybrid().extend(cache, q, k, v, g)
+    }
+}
+
+/// STILL as a registered hybrid (`hybrid_kinds!` in `attention/mod.rs`).
+impl super::HybridKind for StillConfig {
+    const NAME: &'static str = "still";
+    const TABLE_NAME: &'static str = "STILL";
+    const LINE_STYLE: super::LineStyle = super::LineStyle::Solid;
+    const DECODE_BENCH: &'static [(&'static str, &'static str, &'static str)] = &[
+        ("still", "{kind: still}", "still.md's reference (C = 64, κ = 4 per chunk, uncapped)"),
+        ("still-budget", "{kind: still, budget: {m: 384, max_len: 4096}}", "still.md §6's worked budget, flat memory"),
+    ];
+    const WEIGHT_DECAY: f64 = 0.01;
+    const EVAL_EVERY: u64 = 200;
+
+    fn layer(&self, p: &nn::Path, dims: LayerDims) -> Result<Box<dyn super::LayerOp>> {
+        Ok(Box::new(Still::new(p, self, dims)?))
+    }
+
+    /// The component ablations (routing, gate, feature map, random routing's seed) reset.
+    fn recipe_form(&self) -> Self {
+        StillConfig { routing: Default::default(), gate: true, feature_map: Default::default(), seed: 0, ..self.clone() }
     }
 }
 
@@ -204,6 +226,14 @@ impl crate::attention::LayerOp for Still {
     /// A linearized layer is not switched in place.
     fn reconfigured(&self, _a: &crate::attention::AttentionSpec) -> Option<Box<dyn crate::attention::LayerOp>> {
         None
+    }
+
+    /// The feature maps and the gate (its LoRA adapter is stage 2's).
+    fn parameters(&self) -> Vec<Tensor> {
+        let mut out = self.feature_map_q.parameters();
+        out.extend(self.feature_map_k.parameters());
+        out.extend(self.g_proj.iter().map(Tensor::shallow_clone));
+        out
     }
 }
 
@@ -250,6 +280,7 @@ mod tests {
 
     #[test]
     fn parameter_names_and_shapes() {
+        let _rng = crate::testutil::rng();
         let (vs, _) = layer(&StillConfig::default(), 4, 16, 0);
         let mut names: Vec<(String, Vec<i64>)> = vs.variables().into_iter().map(|(k, v)| (k, v.size())).collect();
         names.sort();

@@ -106,6 +106,10 @@ impl LayerOp for VanillaLayer {
     fn reconfigured(&self, a: &AttentionSpec) -> Option<Box<dyn LayerOp>> {
         rebuilt_without_parameters(a)
     }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
 }
 
 /// Plain causal attention. `Reference` is the explicit masked softmax; everything else uses SDPA

@@ -118,6 +118,10 @@ impl LayerOp for WindowLayer {
     fn reconfigured(&self, a: &AttentionSpec) -> Option<Box<dyn LayerOp>> {
         rebuilt_without_parameters(a)
     }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
 }
 
 /// Attention over heads `[B, H, T, hd]`; `seg`: the document segments of packed rows
@@ -164,6 +168,7 @@ mod tests {
     /// windows inside, at and beyond the sequence.
     #[test]
     fn fast_and_reference_match_the_loop_forward_and_backward() {
+        let _rng = crate::testutil::rng();
         let shape = [2, 3, 11, 8];
         for w in [1i64, 3, 10, 11, 20] {
             let inputs: Vec<Tensor> = (0..3).map(|s| rand(&shape, 10 * w + s)).collect();
@@ -187,6 +192,7 @@ mod tests {
     /// Packed rows: each document's outputs equal the document attended alone, fast and reference.
     #[test]
     fn packed_documents_do_not_see_each_other() {
+        let _rng = crate::testutil::rng();
         let (q, k, v) = (rand(&[1, 2, 10, 4], 1), rand(&[1, 2, 10, 4], 2), rand(&[1, 2, 10, 4], 3));
         let docs = Tensor::from_slice(&[5i64, 5, 5, 5, 2, 2, 2, 2, 2, 2]).view([1, 10]);
         let (seg, _) = crate::attention::doc_segments(&docs);
@@ -204,6 +210,7 @@ mod tests {
     /// holds more than the last w tokens: 2·min(w, T)·H_kv·hd elements.
     #[test]
     fn decode_equals_forward_with_a_bounded_cache() {
+        let _rng = crate::testutil::rng();
         let (h, t, hd, w) = (2, 12, 4, 3);
         let (q, k, v) = (rand(&[1, h, t, hd], 4).detach(), rand(&[1, h, t, hd], 5).detach(), rand(&[1, h, t, hd], 6).detach());
         let full = forward(&q, &k, &v, w, None, AttentionImpl::Reference);

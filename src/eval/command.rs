@@ -263,6 +263,7 @@ mod tests {
 
     #[test]
     fn a_task_refuses_extra_corpora_before_loading_anything() {
+        let _rng = crate::testutil::rng();
         let a = EvalArgs { task: Some("mmlu".into()), corpora: vec!["x=y".into()], ..Default::default() };
         let e = eval(Path::new("/nonexistent-run"), None, None, &a).err().unwrap().to_string();
         assert!(e.contains("--corpus is for perplexity") && e.contains("downstream"), "{e}");
@@ -276,6 +277,7 @@ mod tests {
     /// cells record whether the prompts went through the model's chat template.
     #[test]
     fn a_gguf_model_evaluates_into_its_out_folder() {
+        let _rng = crate::testutil::rng();
         let gguf = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf_tiny/tiny.gguf");
         let tmp = tempfile::tempdir().unwrap();
         let text = tmp.path().join("t.txt");

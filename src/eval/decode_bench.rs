@@ -1,6 +1,6 @@
 //! `attnlab bench-decode`: KV-cache memory and decode speed of every attention variant at one model
 //! size, over context lengths (issue 6). The GPT-NeoX variants (vanilla, DAR, uniform) are built from
-//! the spec (and window: sliding-window only); the STILL / LoLCATs students are Llamas of the same width, depth, heads, MLP width and
+//! the spec (and window: sliding-window only); the linearized hybrids' students (STILL, LoLCATs, …) are Llamas of the same width, depth, heads, MLP width and
 //! vocabulary. Weights and prompt tokens are random: the numbers are speed and memory, not quality.
 use super::generate::{decode_bench, DecodeBench};
 use crate::attention::{Attention, Variant};
@@ -10,25 +10,18 @@ use crate::{Error, Result};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use tch::{nn::VarStore, Device};
 
-/// The linearized operators `--attention` knows by name, with what they build.
-const HYBRID_NAMES: [(&str, &str); 3] = [
-    ("still", "{kind: still}: still.md's reference (C = 64, κ = 4 per chunk, uncapped)"),
-    ("still-budget", "{kind: still, budget: {m: 384, max_len: 4096}}: still.md §6's worked budget, flat memory"),
-    ("lolcats", "{kind: lolcats}: terrace window of 64, Hedgehog linear attention"),
-];
-
-/// The attention names `--attention` knows, with what they build: every softmax kind, then the hybrids.
-pub fn names() -> Vec<(&'static str, &'static str)> {
-    AttentionKind::ALL.iter().map(|k| (k.name(), k.decode_bench_model())).chain(HYBRID_NAMES).collect()
+/// The attention names `--attention` knows, with what they build: every softmax kind, then every
+/// registered hybrid's models (`HybridKind::DECODE_BENCH`).
+pub fn names() -> Vec<(&'static str, String)> {
+    let softmax = AttentionKind::ALL.iter().map(|k| (k.name(), k.decode_bench_model().to_string()));
+    softmax.chain(Variant::decode_bench_models().into_iter().map(|(name, yaml, what)| (name, format!("{yaml}: {what}")))).collect()
 }
 
-/// The hybrid operator of a STILL / LoLCATs name, or of `name={kind: …, …}` (any hybrid.yaml).
+/// The hybrid operator of a hybrid's bench-decode name, or of `name={kind: …, …}` (any hybrid.yaml).
 fn hybrid_variant(name: &str) -> Option<Result<Variant>> {
-    let yaml = match name {
-        "still" => "{kind: still}",
-        "still-budget" => "{kind: still, budget: {m: 384, max_len: 4096}}",
-        "lolcats" => "{kind: lolcats}",
-        _ => name.split_once('=')?.1,
+    let yaml = match Variant::decode_bench_models().into_iter().find(|m| m.0 == name) {
+        Some((_, yaml, _)) => yaml,
+        None => name.split_once('=')?.1,
     };
     Some(serde_yaml::from_str(yaml).map_err(|e| Error::Other(format!("--attention `{name}`: {e}"))))
 }
@@ -77,7 +70,7 @@ pub fn bench_model(base: &Spec, name: &str, vocab: usize, device: Device) -> Res
         }
         (None, None) => {
             let known: Vec<&str> = names().iter().map(|n| n.0).collect();
-            return Err(Error::Other(format!("--attention `{name}`: unknown (known: {}, or NAME={{kind: still|lolcats, …}})", known.join(", "))));
+            return Err(Error::Other(format!("--attention `{name}`: unknown (known: {}, or NAME={{kind: {}, …}})", known.join(", "), Variant::NAMES.join("|"))));
         }
     };
     if device.is_cuda() {
@@ -167,11 +160,22 @@ pub fn read_rows(text: &str) -> Result<Vec<DecodeBench>> {
     text.lines().filter(|l| l.trim_start().starts_with('{')).map(|l| serde_json::from_str(l).map_err(Error::from)).collect()
 }
 
+/// The line style of a row's attention: its kind's, a hybrid's for its bench names and
+/// `NAME={kind: …}` rows, solid when the name is neither.
+#[cfg(feature = "analysis")]
+fn dash_of(name: &str) -> crate::plots::Dash {
+    match (AttentionKind::from_name(name), hybrid_variant(name)) {
+        (Some(kind), _) => kind.line_style(),
+        (None, Some(Ok(v))) => v.line_style(),
+        (None, _) => crate::attention::LineStyle::Solid,
+    }
+}
+
 /// Three charts against log2(context): cache memory, decode tokens/s and prefill seconds, one line
 /// per attention; writes `STEM-{cache,decode,prefill}.{png,svg}`.
 #[cfg(feature = "analysis")]
 pub fn plot(rows: &[DecodeBench], stem: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
-    use crate::plots::{save, Chart, Dash, Line};
+    use crate::plots::{save, Chart, Line};
     let mut names: Vec<&str> = Vec::new();
     for r in rows {
         if !names.contains(&r.attention.as_str()) {
@@ -186,9 +190,9 @@ pub fn plot(rows: &[DecodeBench], stem: &std::path::Path) -> Result<Vec<std::pat
                 label: n.to_string(),
                 points: rows.iter().filter(|r| r.attention == *n).map(|r| ((r.context as f64).log2(), y(r))).collect(),
                 band: Vec::new(),
-                // Vanilla black, as in the report's charts.
+                // Vanilla black, as in the report's charts; each kind's registered line style.
                 color: (*n != "vanilla").then_some(i),
-                dash: Dash::Solid,
+                dash: dash_of(n),
                 reference: false,
             })
             .collect();
@@ -214,6 +218,7 @@ mod tests {
     /// line of medians; rows survive a JSON round trip.
     #[test]
     fn table_ratios_and_json_rows() {
+        let _rng = crate::testutil::rng();
         let rows = vec![row("vanilla", 2048, 4 << 20), row("still", 1024, 1 << 20), row("vanilla", 1024, 2 << 20), row("still", 2048, 1 << 20)];
         let t = table(&rows);
         assert!(t.contains("| 1024 | still | 1.00 | 1024.0 | 0.500 | 0.500 | 100.0 | 1 |"), "{t}");
@@ -231,6 +236,7 @@ mod tests {
     /// Hybrids are Llamas at the spec's size; unknown names are refused with the known ones listed.
     #[test]
     fn models_at_the_spec_size() {
+        let _rng = crate::testutil::rng();
         let base = crate::spec::from_str("model: {flavor: tiny}\nattention: {kind: dar, d_down: 16, window: 8}\ndata: {train: {synthetic: {seed: 1, docs: 10}}}\ntrain: {steps: 1}\n", "test", &[]).unwrap();
         let (_vs, m) = bench_model(&base, "still-budget", 128, Device::Cpu).unwrap();
         let (_vs2, n) = bench_model(&base, "vanilla", 128, Device::Cpu).unwrap();

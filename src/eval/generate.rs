@@ -381,7 +381,7 @@ mod tests {
     use crate::spec::{AttentionKind, Gelu};
 
     fn tiny(kind: AttentionKind, d_down: usize, window: usize) -> (VarStore, Model) {
-        tch::manual_seed(5);
+        let _rng = crate::testutil::seeded(5);
         let mut vs = VarStore::new(Device::Cpu);
         let attention = crate::testutil::softmax(kind, d_down, window);
         let cfg = NeoxConfig { vocab: 61, d_model: 32, layers: 2, heads: 4, ffn: 64, rotary_pct: 0.25, rotary_base: 10000.0, ln_eps: 1e-5, gelu: Gelu::Erf, attention };
@@ -395,6 +395,7 @@ mod tests {
     /// token, the output ends at its first occurrence (read back every STOP_CHECK_EVERY steps).
     #[test]
     fn greedy_generation_equals_the_forward_loop_and_stops_at_the_stop_token() {
+        let _rng = crate::testutil::rng();
         for (kind, d_down, w) in [(AttentionKind::Vanilla, 0, 0), (AttentionKind::Dar, 8, 3), (AttentionKind::Uniform, 8, 0), (AttentionKind::Window, 0, 4)] {
             let (_vs, m) = tiny(kind, d_down, w);
             let prompt: Vec<u32> = vec![3, 17, 42, 8, 8, 29, 1];

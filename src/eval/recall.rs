@@ -213,6 +213,7 @@ mod tests {
     /// ~1,800 uniform digits: within 3 points).
     #[test]
     fn an_oracle_scores_one_and_a_short_reader_scores_chance() {
+        let _rng = crate::testutil::rng();
         let tok = tok();
         let gap = 64;
         let items = items(&tok, 11, 200, gap).unwrap();
@@ -230,6 +231,7 @@ mod tests {
 
     #[test]
     fn window_reach_is_layers_times_window_minus_one() {
+        let _rng = crate::testutil::rng();
         let mut spec = crate::spec::from_str(crate::spec::BUILTIN_TINY, "tiny", &[]).unwrap();
         assert_eq!(window_reach(&spec), None);
         spec.attention = serde_yaml::from_str("{kind: window, window: 16}").unwrap();

@@ -270,11 +270,12 @@ mod tests {
     /// vanilla, DAR and window.
     #[test]
     fn batched_evaluation_equals_batch_one() {
+        let _rng = crate::testutil::rng();
         use crate::attention::Attention;
         use crate::spec::AttentionKind;
         let tok = crate::data::Tok::load(&crate::spec::TokenizerSpec::Path("builtin".into())).unwrap();
         for (kind, d_down, window) in [(AttentionKind::Vanilla, 0, 0), (AttentionKind::Dar, 8, 16), (AttentionKind::Window, 0, 24)] {
-            tch::manual_seed(3);
+            let _rng = crate::testutil::seeded(3);
             let mut cfg = crate::testutil::tiny_llama(tok.padded_vocab(), crate::model::Family::Llama);
             cfg.attention = Attention::Softmax(crate::testutil::softmax(kind, d_down, window));
             let mut vs = tch::nn::VarStore::new(tch::Device::Cpu);
@@ -295,6 +296,7 @@ mod tests {
 
     #[test]
     fn cell_summary_shows_overrides_and_layer_diagnostics() {
+        let _rng = crate::testutil::rng();
         let layer = diagnose::LayerSummary { layer: 3, recall_any_head: Some(0.5), recall_best_head: None, shares_mean: [0.25, 0.5, 0.25] };
         let c = Cell { task: "niah_single_1".into(), length: 512, samples: 2, score: 50.0, mean_prompt_tokens: 480.4, overrides: Some("attention.routing=oracle".into()), chat: false, diagnostics: Some(diagnose::CellDiagnostics { value_outside_window: 0.75, layers: vec![layer] }) };
         let lines: Vec<String> = c.summary().lines().map(String::from).collect();
@@ -322,6 +324,7 @@ mod tests {
     /// assistant's generation prompt; without one, input + answer prefix.
     #[test]
     fn prompts_wrap_in_the_chat_template() {
+        let _rng = crate::testutil::rng();
         let t = ChatTemplate::new("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}", "", "</s>").unwrap();
         assert_eq!(wrap(Some(&t), "Find the key.", " The key is").unwrap(), "<user>Find the key.</s><assistant> The key is");
         assert_eq!(wrap(None, "Find the key.", " The key is").unwrap(), "Find the key. The key is");

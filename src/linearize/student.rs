@@ -1,7 +1,7 @@
 //! The student of `attnlab linearize` (`../shared/specs/still.md` §1, §8): a Llama-family model —
 //! Llama, OLMo 2, a DAR fine-tune: anything `hf::load_llama` or a llama run directory loads — whose
-//! every layer's attention is replaced by a STILL or LoLCATs operator (`attention::Layer::Still` /
-//! `Lolcats`). The layer's original attention is kept beside it (`Block::teacher`) as the target of
+//! every layer's attention is replaced by a registered hybrid's operator (STILL, LoLCATs, …:
+//! `attention::Variant`). The layer's original attention is kept beside it (`Block::teacher`) as the target of
 //! attention transfer and for the teacher's forward (`Pass::Teacher`: the original attention, base
 //! projections without LoRA). LoRA adapters sit on the attention projections (`lora::Linear`)
 //! and on STILL's gate. Exported students hold the merged weights, `config.json` (the attention in
@@ -139,6 +139,14 @@ impl Llama {
             }
         }
         out
+    }
+
+    /// The names in `vs` of the parameters the layers' operators add (each declares its own,
+    /// `LayerOp::parameters`): what stage 1 trains.
+    pub fn operator_params(&self, vs: &nn::VarStore) -> std::collections::BTreeSet<String> {
+        // A parameter's handle and its variable share storage: the same address.
+        let own: std::collections::HashSet<usize> = self.layers.iter().flat_map(|b| b.attn.parameters()).map(|t| t.data_ptr() as usize).collect();
+        vs.variables().into_iter().filter(|(_, t)| own.contains(&(t.data_ptr() as usize))).map(|(n, _)| n).collect()
     }
 
     /// The LoRA tensors alone (`<param>.lora_A` / `.lora_B`), sorted.

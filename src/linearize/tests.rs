@@ -3,6 +3,7 @@ use crate::model::Llama;
 
 #[test]
 fn alpaca_prompt_tokens_are_masked_and_packed() {
+    let _rng = crate::testutil::rng();
     // [BOS=1] prompt(10, 11, 12) answer(20, 21) EOS=2
     let (t, l) = alpaca_example(&[10, 11, 12], &[20, 21], Some(1), 2);
     assert_eq!(t, vec![1, 10, 11, 12, 20, 21, 2]);
@@ -25,6 +26,7 @@ fn alpaca_prompt_tokens_are_masked_and_packed() {
 
 #[test]
 fn spec_defaults_and_unknown_keys() {
+    let _rng = crate::testutil::rng();
     let s = LinearizeSpec::from_yaml("{teacher: t, attention: {kind: still}, data: {train: {alpaca: a.jsonl}}, output: o}").unwrap().resolved();
     assert_eq!(s.data.seq_len, 1024);
     assert_eq!((s.stage1.lr, s.stage2.lr), (Some(1e-2), Some(1e-4)));
@@ -39,13 +41,23 @@ fn spec_defaults_and_unknown_keys() {
     let l = LinearizeSpec::from_yaml("{teacher: t, attention: {kind: lolcats, window: 8}, data: {train: {path: x.txt}}, output: o}").unwrap().resolved();
     assert!(matches!(l.data.train, TrainData::Text(_)));
     assert_eq!(l.stage1.weight_decay, Some(0.0));
+    // A child of a STILL spec that changes the kind drops the inherited STILL keys with null (the
+    // committed Liger-GLA experiment), and is told to when it does not.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments");
+    let liger = LinearizeSpec::from_file(&root.join("liger-gla-smollm2.yaml")).unwrap();
+    assert_eq!(liger.attention.name(), "liger-gla");
+    let tmp = tempfile::tempdir().unwrap();
+    let child = tmp.path().join("child.yaml");
+    std::fs::write(&child, format!("base: {}\nattention: {{kind: liger-gla}}\n", root.join("still-smollm2.yaml").display())).unwrap();
+    let e = LinearizeSpec::from_file(&child).unwrap_err().to_string();
+    assert!(e.contains("unknown field `chunk`") && e.contains("`chunk: null`"), "{e}");
 }
 
 /// A tiny random Llama saved as an HF folder with the builtin tokenizer's vocabulary.
 fn tiny_teacher(dir: &Path) {
     let tok = Tok::load(&TokenizerSpec::Path("builtin".into())).unwrap();
     let cfg = crate::testutil::tiny_llama(tok.padded_vocab(), Default::default());
-    tch::manual_seed(7);
+    let _rng = crate::testutil::seeded(7);
     let vs = VarStore::new(Device::Cpu);
     let _m = Llama::new(&vs.root(), cfg.clone());
     crate::model::hf::save_llama(&vs, &cfg, dir).unwrap();
@@ -67,6 +79,7 @@ fn e2e_spec(teacher: &Path, out: &Path, variant: &str) -> LinearizeSpec {
 /// lora.safetensors, the merged export and the eval.
 #[test]
 fn linearize_end_to_end_with_resume() {
+    let _rng = crate::testutil::rng();
     let tmp = tempfile::tempdir().unwrap();
     let teacher = tmp.path().join("teacher");
     tiny_teacher(&teacher);
@@ -128,6 +141,7 @@ fn linearize_end_to_end_with_resume() {
 /// Stage 2 trains the LoRA adapters and nothing else.
 #[test]
 fn stage2_freezes_all_but_lora() {
+    let _rng = crate::testutil::rng();
     let tmp = tempfile::tempdir().unwrap();
     let teacher = tmp.path().join("teacher");
     tiny_teacher(&teacher);
@@ -135,7 +149,7 @@ fn stage2_freezes_all_but_lora() {
     let vs = VarStore::new(Device::Cpu);
     let variant: Variant = serde_yaml::from_str("{kind: lolcats, window: 4, feature_dim: 4}").unwrap();
     let h = Llama::linearized(&vs, &tvs, cfg, &variant, &LoraConfig::default()).unwrap();
-    let mut opt = optimizer_for(&vs, 2, 0.0);
+    let mut opt = optimizer_for(&vs, &h, 2, 0.0);
     assert!(!opt.slots.is_empty() && opt.slots.iter().all(|s| is_lora(&s.name)));
     let before: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
     let x = Tensor::randint(100, [2, 16], (Kind::Int64, Device::Cpu));
@@ -162,6 +176,7 @@ fn stage2_freezes_all_but_lora() {
 /// expanding into valid runs.
 #[test]
 fn smollm2_experiments_linearize_at_smoke_size() {
+    let _rng = crate::testutil::rng();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     crate::model::gguf::tests_support::smollm2();
     let tmp = tempfile::tempdir().unwrap();

@@ -53,6 +53,7 @@ mod tests {
     /// A one-hot vector at position p rotates only dims k and k + r/2 by angle p·base^(−2k/r).
     #[test]
     fn one_hot_rotates_one_pair_by_the_expected_angle() {
+        let _rng = crate::testutil::rng();
         let (hd, r, p) = (16i64, 4i64, 5i64);
         let rope = Rope::new(hd as usize, 0.25, 10000.0);
         assert_eq!(rope.dims, r);

@@ -10,7 +10,7 @@ use super::paper::StillRow;
 use super::render::{self, Cell};
 use crate::eval::ruler;
 use crate::linearize::LinearizeSpec;
-use crate::attention::Variant;
+use crate::attention::still::StillConfig;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -113,12 +113,7 @@ fn linearize_recipe(spec: &LinearizeSpec) -> String {
     s.name = None;
     s.output = PathBuf::new();
     s.train.device = String::new();
-    if let Variant::Still(c) = &mut s.attention {
-        c.routing = Default::default();
-        c.gate = true;
-        c.feature_map = Default::default();
-        c.seed = 0;
-    }
+    s.attention = s.attention.recipe_form();
     crate::util::short_hash(&s.to_yaml())[..6].to_string()
 }
 
@@ -138,12 +133,13 @@ pub fn discover(root: &Path) -> crate::Result<Vec<LongRun>> {
         let (attention, still, recipe) = match RunKind::of_config(&text) {
             Ok(RunKind::Linearize) => {
                 let Ok(spec) = LinearizeSpec::from_yaml(&text) else { continue };
-                match &spec.attention {
-                    Variant::Still(c) => {
+                // STILL's runs are told apart by its ablated components; every other hybrid by its label.
+                match spec.attention.options::<StillConfig>() {
+                    Some(c) => {
                         let key = StillKey { routing: name(&c.routing), gate: c.gate, feature_map: name(&c.feature_map) };
-                        (format!("STILL ({})", key.label()), Some(key), linearize_recipe(&spec))
+                        (format!("{} ({})", spec.attention.table_name(), key.label()), Some(key), linearize_recipe(&spec))
                     }
-                    Variant::Lolcats(_) => ("LoLCATs".to_string(), None, linearize_recipe(&spec)),
+                    None => (spec.attention.label(), None, linearize_recipe(&spec)),
                 }
             }
             Ok(RunKind::Train) => {

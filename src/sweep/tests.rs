@@ -459,10 +459,7 @@ fn linearize_sweeps_launch_linearize() {
     write_specs(&p).unwrap();
     let r = &p.runs[4];
     let crate::sweep::RunSpec::Linearize(spec) = &r.spec else { panic!("{} is not a linearize run", r.name) };
-    let still = |s: &crate::linearize::LinearizeSpec| match &s.attention {
-        crate::attention::Variant::Still(c) => c.routing,
-        _ => panic!("not still"),
-    };
+    let still = |s: &crate::linearize::LinearizeSpec| s.attention.options::<crate::attention::still::StillConfig>().expect("a STILL run").routing;
     assert_eq!(still(spec), crate::attention::still::Routing::KeyNorm);
     assert_eq!((spec.stage1.steps, spec.output.as_path()), (Some(10), r.dir.as_path()));
     let written = crate::linearize::LinearizeSpec::from_file(&r.spec_path).unwrap();
@@ -480,6 +477,7 @@ fn linearize_sweeps_launch_linearize() {
 /// The smoke sweep's specs really train (in-process, 2 steps), and the run then reads as done.
 #[test]
 fn a_smoke_sweep_spec_trains() {
+    let _rng = crate::testutil::rng();
     let tmp = tempfile::tempdir().unwrap();
     let sets = ["train.steps=2".to_string(), format!("data.cache={}", tmp.path().join("cache").display())];
     let p = plan(&sweep_file("table1-smoke.yaml"), &sets, Some(&tmp.path().join("out"))).unwrap();

@@ -304,6 +304,7 @@ mod tests {
 
     #[test]
     fn state_json_records_the_files_sha256_and_a_checkpoint_round_trips() {
+        let _rng = crate::testutil::rng();
         let tmp = tempfile::tempdir().unwrap();
         let dir = save_at(tmp.path(), 7, 3);
         let stored: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).unwrap()).unwrap();
@@ -319,6 +320,7 @@ mod tests {
 
     #[test]
     fn a_corrupt_newest_checkpoint_is_renamed_and_the_previous_one_used() {
+        let _rng = crate::testutil::rng();
         let tmp = tempfile::tempdir().unwrap();
         let run = tmp.path();
         for s in [4, 8, 12] {
@@ -358,6 +360,7 @@ mod tests {
 
     #[test]
     fn only_corrupt_checkpoints_give_a_clear_error_and_none_is_not_an_error() {
+        let _rng = crate::testutil::rng();
         let tmp = tempfile::tempdir().unwrap();
         assert!(resume_point(tmp.path()).unwrap().is_none());
         let dir = save_at(tmp.path(), 3, 2);
@@ -368,6 +371,7 @@ mod tests {
 
     #[test]
     fn checkpoints_without_hashes_still_load_and_truncated_ones_are_caught() {
+        let _rng = crate::testutil::rng();
         let tmp = tempfile::tempdir().unwrap();
         let dir = save_at(tmp.path(), 5, 2);
         // As written before the hashes existed.
@@ -384,6 +388,7 @@ mod tests {
 
     #[test]
     fn leftovers_are_removed_at_start_and_a_failed_write_leaves_nothing_behind() {
+        let _rng = crate::testutil::rng();
         let tmp = tempfile::tempdir().unwrap();
         let run = tmp.path();
         save_at(run, 2, 2);

@@ -584,6 +584,7 @@ mod tests {
     /// equals the mean computed directly.
     #[test]
     fn store_collectives_on_loopback() {
+        let _rng = crate::testutil::rng();
         let port = {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             l.local_addr().unwrap().port()

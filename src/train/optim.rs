@@ -160,7 +160,7 @@ mod tests {
     /// The fused kernel equals AdamW written out by hand, over three steps, both weight-decay groups.
     #[test]
     fn fused_adamw_matches_the_formula() {
-        tch::manual_seed(0);
+        let _rng = crate::testutil::seeded(0);
         let w = Tensor::randn([5, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
         let b = Tensor::randn([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
         let hyper = Hyper { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1 };

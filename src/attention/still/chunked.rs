@@ -107,7 +107,7 @@ impl Hybrid<'_> {
         let cache = tch::no_grad(|| {
             let last = (t - 1) / c;
             let (w0, kvk) = ((last - 1).max(0) * c, k.kind());
-            let mut cache = HybridCache::empty(b, h, d, self.fk.dim(), kvk, dev);
+            let mut cache = HybridCache::empty(b, h, d, self.fk.dim(), kvk, dev, self.chunk, self.selection);
             cache.pos = t;
             if self.sliding_decode {
                 // LoLCATs' decode: the last `chunk` tokens in the window, everything before folded.
@@ -160,6 +160,7 @@ mod tests {
     /// still.md §12.6: the gate multiplies only the linear numerator: y(g) = y(0) + g ⊙ (y(1) − y(0)).
     #[test]
     fn gate_scales_only_the_linear_numerator() {
+        let _rng = crate::testutil::rng();
         let (_, st) = layer(&cfg("{chunk: 8, tokens_per_chunk: 2}"), 2, 8, 4);
         let x = inputs(2, 2, 40, 8, 4);
         let g = st.gate(&x[3]).unwrap();
@@ -178,6 +179,7 @@ mod tests {
     /// phantom chunk-0 keys it is not.
     #[test]
     fn exact_softmax_limits() {
+        let _rng = crate::testutil::rng();
         let teacher = |x: &[Tensor]| causal(&x[0], &x[1], &x[2], AttentionImpl::Reference);
         for (y, t) in [
             ("{chunk: 8, tokens_per_chunk: 2}", 16i64),
@@ -208,6 +210,7 @@ mod tests {
     /// returns bf16.
     #[test]
     fn low_precision_inputs() {
+        let _rng = crate::testutil::rng();
         let (_, st) = layer(&cfg("{chunk: 8, tokens_per_chunk: 2, routing: key_norm}"), 2, 8, 3);
         let x = inputs(2, 2, 40, 8, 3);
         let g = st.gate(&x[3]).unwrap().detach();
@@ -228,6 +231,7 @@ mod tests {
     /// exactly (an explicit masked softmax from the selected set).
     #[test]
     fn linear_branch_off() {
+        let _rng = crate::testutil::rng();
         let teacher = |x: &[Tensor]| causal(&x[0], &x[1], &x[2], AttentionImpl::Reference);
         let x: Vec<Tensor> = inputs(2, 2, 50, 8, 9).iter().map(|t| t.detach()).collect();
         for y in ["{chunk: 8, tokens_per_chunk: 8, linear_branch: false}", "{chunk: 8, routing: oracle, linear_branch: false}"] {

@@ -1,6 +1,6 @@
 //! Decode with a bounded cache (§6): route chunk c−2 when chunk c starts, append, score, attend.
 use super::routing::top_kappa;
-use super::{dims4, Hybrid};
+use super::{dims4, Hybrid, Selection};
 use tch::{Device, Kind, Tensor};
 
 /// Decode state of one layer, per query head (§6). Its size is bounded by 2C window tokens, the
@@ -20,15 +20,27 @@ pub struct HybridCache {
     /// S `[B, H, F, D]` and z `[B, H, F]` over the folded tokens (fp32).
     pub s: Tensor,
     pub z: Tensor,
+    /// C and κ per routed chunk: what bounds the window and the selected tokens (`bound`).
+    chunk: i64,
+    selection: Selection,
 }
 
 impl crate::attention::cache::KindCache for HybridCache {
     fn bytes(&self) -> i64 {
         HybridCache::bytes(self)
     }
-    /// Bounded by the STILL budget when one is set (still.md §6); its own tests check its size.
-    fn bound(&self, _tokens: i64) -> Option<i64> {
-        None
+    /// still.md §6's memory after `tokens` tokens: H·[2·(n_sel + n_win)·D·b_kv + (F·D + F)·4 + n_win·4]
+    /// per row, n_win ≤ 2C the window of chunks c−1 and c, n_sel ≤ κ per routed chunk, capped by the
+    /// budget (LoLCATs: κ = 0): exact for the terrace window, an upper bound for the sliding one.
+    fn bound(&self, tokens: i64) -> Option<i64> {
+        let c = self.chunk;
+        let routed = ((tokens - 1).div_euclid(c) - 1).max(0);
+        let n_sel = (0..routed).map(|i| self.selection.kappa_for(i)).sum::<i64>();
+        let n_win = (tokens - routed * c).min(2 * c);
+        let (kv, st) = (self.win_k.size(), self.s.size());
+        let (b, h, d, f) = (kv[0], kv[1], kv[3], st[2]);
+        let (b_kv, b_state) = (self.win_k.kind().elt_size_in_bytes() as i64, self.s.kind().elt_size_in_bytes() as i64);
+        Some(b * h * (2 * (n_sel + n_win) * d * b_kv + (f * d + f) * b_state + n_win * b_state))
     }
     /// STILL's / LoLCATs' chunks are counted from position 0, so a shifted row would be routed
     /// differently: one prompt per batch row, without padding.
@@ -38,7 +50,9 @@ impl crate::attention::cache::KindCache for HybridCache {
 }
 
 impl HybridCache {
-    pub(crate) fn empty(b: i64, h: i64, d: i64, f: i64, kv_kind: Kind, dev: Device) -> Self {
+    /// An empty cache for `b` rows of `h` heads of width `d`, φ of `f` features, chunks of `chunk`
+    /// tokens routed by `selection`.
+    pub(crate) fn empty(b: i64, h: i64, d: i64, f: i64, kv_kind: Kind, dev: Device, chunk: i64, selection: Selection) -> Self {
         let state = if kv_kind == Kind::Double { Kind::Double } else { Kind::Float };
         let kv = || Tensor::zeros([b, h, 0, d], (kv_kind, dev));
         HybridCache {
@@ -50,6 +64,8 @@ impl HybridCache {
             win_scores: Tensor::zeros([b, h, 0], (state, dev)),
             s: Tensor::zeros([b, h, f, d], (state, dev)),
             z: Tensor::zeros([b, h, f], (state, dev)),
+            chunk,
+            selection,
         }
     }
 
@@ -196,6 +212,7 @@ mod tests {
     /// for every L0 < L (L0 = 0: decoding from an empty cache).
     #[test]
     fn prefill_then_decode_matches_prefill() {
+        let _rng = crate::testutil::rng();
         let lens = [0i64, 1, 7, 8, 9, 15, 16, 17, 30, 45];
         for y in [
             "{chunk: 8, tokens_per_chunk: 2}",
@@ -238,6 +255,7 @@ mod tests {
     /// gives prefill(L)'s outputs and cache whatever the block sizes, blocks crossing chunk boundaries included.
     #[test]
     fn extend_in_blocks_matches_prefill() {
+        let _rng = crate::testutil::rng();
         for y in ["{chunk: 8, tokens_per_chunk: 2}", "{chunk: 8, budget: {m: 20, max_len: 24}, routing: self_saliency_reference_code}", "{chunk: 8, tokens_per_chunk: 3, routing: random, gate: false}"] {
             let (_, st) = layer(&cfg(y), 2, 8, 5);
             let x: Vec<Tensor> = inputs(2, 2, 45, 8, 6).iter().map(|t| t.detach()).collect();
@@ -262,6 +280,7 @@ mod tests {
     /// The C6 compat keys exist only in prefill (as in the reference), so decode must disagree on chunk 0.
     #[test]
     fn phantom_keys_break_prefill_decode_agreement() {
+        let _rng = crate::testutil::rng();
         let (_, st) = layer(&cfg("{chunk: 8, tokens_per_chunk: 2, compat: {phantom_chunk0_keys: true}}"), 2, 8, 5);
         let x: Vec<Tensor> = inputs(1, 2, 12, 8, 6).iter().map(|t| t.detach()).collect();
         let g = st.gate(&x[3]);
@@ -276,6 +295,7 @@ mod tests {
     /// m − 2C with one, so with a budget its size stops growing.
     #[test]
     fn decode_cache_is_bounded() {
+        let _rng = crate::testutil::rng();
         for (y, cap) in [("{chunk: 8, tokens_per_chunk: 2}", None), ("{chunk: 8, budget: {m: 22, max_len: 32}}", Some(6))] {
             let (_, st) = layer(&cfg(y), 2, 8, 1);
             let x: Vec<Tensor> = inputs(1, 2, 200, 8, 2).iter().map(|t| t.detach()).collect();

@@ -64,6 +64,7 @@ mod tests {
     /// `probe` measures the same shares as the output shows.
     #[test]
     fn planted_pair_when_selected() {
+        let _rng = crate::testutil::rng();
         let (t, d, p) = (1024i64, 64i64, 300i64);
         let x: Vec<Tensor> = inputs(1, 2, t, d, 21).iter().map(|t| t.detach()).collect();
         let (q, k, v) = (x[0].shallow_clone(), x[1].copy(), x[2].copy());

@@ -162,6 +162,7 @@ mod tests {
     /// every routing metric and the lengths around chunk boundaries, C = 64, κ = 4.
     #[test]
     fn fast_matches_reference_every_routing() {
+        let _rng = crate::testutil::rng();
         for routing in ALL_ROUTINGS {
             let c = StillConfig { routing, ..StillConfig::default() };
             let (_, st) = layer(&c, 4, 16, 1);
@@ -186,6 +187,7 @@ mod tests {
     /// also with a budget cap, the Hedgehog map, no gate and the phantom chunk-0 keys.
     #[test]
     fn fast_matches_reference_gradients() {
+        let _rng = crate::testutil::rng();
         let variants = [
             "{chunk: 8, tokens_per_chunk: 2}",
             "{chunk: 8, tokens_per_chunk: 2, routing: self_saliency_reference_code}",

@@ -178,6 +178,7 @@ mod tests {
     /// 0 ≤ Score − S(a_jj) ≤ (|W|−1)·ε·a_jj, so both metrics pick the same tokens.
     #[test]
     fn self_saliency_is_a_function_of_diagonal_attention() {
+        let _rng = crate::testutil::rng();
         let mut checked = 0;
         for (scale, t) in [(0.1f64, 200i64), (1.0, 200), (3.0, 130), (30.0, 100)] {
             let x = inputs(2, 4, t, 16, (scale * 10.0) as i64);
@@ -210,6 +211,7 @@ mod tests {
     /// §5.2's closed forms of the reference code's score (chunks ≥ 1), with a_x = attention to cC−1.
     #[test]
     fn reference_code_score_closed_forms() {
+        let _rng = crate::testutil::rng();
         let c = 64i64;
         let x = inputs(2, 4, 256, 16, 3);
         let mk = |r: Routing| layer(&StillConfig { routing: r, ..StillConfig::default() }, 4, 16, 0).1;
@@ -245,6 +247,7 @@ mod tests {
     /// §12.8: heads of one GQA group (same k, v after expansion) may select different tokens.
     #[test]
     fn heads_of_a_gqa_group_select_independently() {
+        let _rng = crate::testutil::rng();
         let (_, st) = layer(&cfg("{chunk: 8, tokens_per_chunk: 2}"), 2, 8, 1);
         let x = inputs(1, 1, 40, 8, 9);
         let k = x[1].repeat([1, 2, 1, 1]);
@@ -256,6 +259,7 @@ mod tests {
     /// `uniform` picks ⌊r·C/κ⌋; `random` is keyed by (seed, layer, head, chunk).
     #[test]
     fn uniform_and_random_routing() {
+        let _rng = crate::testutil::rng();
         let x = inputs(1, 2, 40, 8, 2);
         let (_, st) = layer(&cfg("{chunk: 8, tokens_per_chunk: 3, routing: uniform}"), 2, 8, 0);
         let sel = to_bools(&st.selected(&x[0], &x[1]));
@@ -278,6 +282,7 @@ mod tests {
     /// the reference and the decode cache; with nothing listed, nothing is selected.
     #[test]
     fn oracle_selects_exactly_the_listed_tokens() {
+        let _rng = crate::testutil::rng();
         let (_, st) = layer(&cfg("{chunk: 8, routing: oracle}"), 2, 8, 2);
         let x: Vec<Tensor> = inputs(2, 2, 50, 8, 2).iter().map(|t| t.detach()).collect();
         assert!(!to_bools(&st.selected(&x[0], &x[1])).contains(&true), "no positions set");
@@ -302,6 +307,7 @@ mod tests {
     /// (a_jj ≈ 1) are what self-saliency selects; the probe of the last query reports them selected.
     #[test]
     fn selection_recall_on_planted_tokens() {
+        let _rng = crate::testutil::rng();
         let (t, d) = (512i64, 16i64);
         let x: Vec<Tensor> = inputs(1, 2, t, d, 31).iter().map(|t| t.detach()).collect();
         let k = x[1].copy();

@@ -19,7 +19,7 @@ pub(super) fn cfg(yaml: &str) -> StillConfig {
 
 /// A STILL layer in fp64 on the CPU (H heads of width D, d_model = H·D).
 pub(super) fn layer(c: &StillConfig, h: i64, d: i64, seed: i64) -> (nn::VarStore, Still) {
-    tch::manual_seed(seed);
+    let _rng = crate::testutil::seeded(seed);
     let mut vs = nn::VarStore::new(Device::Cpu);
     let st = Still::new(&vs.root(), c, LayerDims { heads: h, head_dim: d, d_model: h * d, layer: 3 }).unwrap();
     vs.double();
@@ -28,7 +28,7 @@ pub(super) fn layer(c: &StillConfig, h: i64, d: i64, seed: i64) -> (nn::VarStore
 
 /// q, k, v `[B, H, T, D]` and x `[B, T, H·D]`, fp64, requiring grad.
 pub(super) fn inputs(b: i64, h: i64, t: i64, d: i64, seed: i64) -> Vec<Tensor> {
-    tch::manual_seed(seed);
+    let _rng = crate::testutil::seeded(seed);
     let r = |shape: &[i64]| Tensor::randn(shape, (Kind::Double, Device::Cpu)).set_requires_grad(true);
     vec![r(&[b, h, t, d]), r(&[b, h, t, d]), r(&[b, h, t, d]), r(&[b, t, h * d])]
 }

@@ -188,6 +188,7 @@ mod tests {
     /// and the span covers the sentence; BOS shifts everything by one.
     #[test]
     fn needles_are_located_in_the_tokens() {
+        let _rng = crate::testutil::rng();
         let tok = crate::data::Tok::from_json(&crate::testutil::shared_text("data/tokenizers/gpt-neox-20b.json"), "neox").unwrap();
         let prompt = "Noise. The grass is green.\nOne of the special magic number for brave-lion is: 4821937.\nMore noise. What is the number for brave-lion?";
         let enc = tok.inner.encode(prompt, false).unwrap();
@@ -210,6 +211,7 @@ mod tests {
 
     #[test]
     fn summary_of_layer_reads() {
+        let _rng = crate::testutil::rng();
         let reads = |sel: usize, neither: usize, best: usize| LayerReads {
             layer: 0,
             value_in_window: 1,

@@ -120,7 +120,7 @@ mod tests {
     use crate::model::llama::{Llama, LlamaConfig, RopeScaling};
 
     fn tiny_model() -> (tch::nn::VarStore, Model) {
-        tch::manual_seed(7);
+        let _rng = crate::testutil::seeded(7);
         let vs = tch::nn::VarStore::new(Device::Cpu);
         let cfg = LlamaConfig {
             vocab_size: 50,
@@ -154,6 +154,7 @@ mod tests {
     /// Batched, deduplicated, padded scoring equals the per-request computation, whatever the batch size.
     #[test]
     fn batched_scores_equal_explicit_per_choice_log_probs() {
+        let _rng = crate::testutil::rng();
         let (_vs, model) = tiny_model();
         let reqs = vec![
             // Four single-token choices after one context (share a row).
@@ -180,6 +181,7 @@ mod tests {
     /// Left truncation keeps the last max_len + 1 tokens, as lm-eval.
     #[test]
     fn long_inputs_are_left_truncated() {
+        let _rng = crate::testutil::rng();
         let (_vs, model) = tiny_model();
         let long = Request { context: (1..30).collect(), continuation: vec![40, 41] };
         let cut = Request { context: (20..30).collect(), continuation: vec![40, 41] };

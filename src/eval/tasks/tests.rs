@@ -16,6 +16,7 @@ fn docs(def: &TaskDef, task: &str, split: &SplitDef, eval: bool) -> Vec<Value> {
 
 #[test]
 fn builtin_task_files_parse_and_bad_ones_are_refused() {
+    let _rng = crate::testutil::rng();
     for (name, _) in BUILTIN {
         let t = TaskDef::load(name).unwrap();
         assert_eq!(t.task, name);
@@ -35,6 +36,7 @@ fn builtin_task_files_parse_and_bad_ones_are_refused() {
 /// MMLU: description with the subject, shots from the same subject's dev docs (first n), " A"-style answers.
 #[test]
 fn mmlu_prompt_is_lm_evals() {
+    let _rng = crate::testutil::rng();
     let def = TaskDef::load("mmlu").unwrap();
     let test = docs(&def, "mmlu", &def.dataset.eval, true);
     let dev = docs(&def, "mmlu", def.dataset.fewshot.as_ref().unwrap(), false);
@@ -56,6 +58,7 @@ What is 3 * 3?\nA. 6\nB. 9\nC. 12\nD. 33\nAnswer:";
 /// HellaSwag: lm-eval's process_docs (ctx_b capitalised, [title] → ". ", brackets dropped, double spaces collapsed).
 #[test]
 fn hellaswag_preprocessing() {
+    let _rng = crate::testutil::rng();
     let def = TaskDef::load("hellaswag").unwrap();
     let d = docs(&def, "hellaswag", &def.dataset.eval, true);
     assert_eq!(build_prompt(&def, &d[0], &[]).unwrap(), "Roof shingle removal: A man is sitting on a roof. He");
@@ -66,6 +69,7 @@ fn hellaswag_preprocessing() {
 
 #[test]
 fn commonsense_qa_prompt_and_letter_targets() {
+    let _rng = crate::testutil::rng();
     let def = TaskDef::load("commonsense_qa").unwrap();
     let d = docs(&def, "commonsense_qa", &def.dataset.eval, true);
     assert_eq!(
@@ -80,6 +84,7 @@ fn commonsense_qa_prompt_and_letter_targets() {
 /// distinct, reproducible and vary across documents.
 #[test]
 fn gsm8k_fewshot_prompt() {
+    let _rng = crate::testutil::rng();
     let mut def = TaskDef::load("gsm8k").unwrap();
     let test = docs(&def, "gsm8k", &def.dataset.eval, true);
     let train = docs(&def, "gsm8k", def.dataset.fewshot.as_ref().unwrap(), false);
@@ -105,6 +110,7 @@ Question: A pen costs $3. How much do 4 pens cost?\nAnswer:"
 /// passes its own asserts in the sandbox and a wrong body fails them.
 #[test]
 fn mbpp_prompt_and_reference_programs() {
+    let _rng = crate::testutil::rng();
     let def = TaskDef::load("mbpp").unwrap();
     let d = docs(&def, "mbpp", &def.dataset.eval, true);
     let shots: Vec<&Value> = def.fewshot.docs.iter().collect();
@@ -138,7 +144,7 @@ fn neox_tok() -> Tok {
 }
 
 fn tiny_model(vocab: usize) -> (tch::nn::VarStore, Model) {
-    tch::manual_seed(3);
+    let _rng = crate::testutil::seeded(3);
     let vs = tch::nn::VarStore::new(Device::Cpu);
     let cfg = LlamaConfig {
         vocab_size: vocab,
@@ -163,6 +169,7 @@ fn tiny_model(vocab: usize) -> (tch::nn::VarStore, Model) {
 /// " A"…" D" token after the whole prompt, computed directly; acc follows from those.
 #[test]
 fn mmlu_end_to_end_matches_direct_log_probs() {
+    let _rng = crate::testutil::rng();
     let tok = neox_tok();
     let (_vs, model) = tiny_model(tok.padded_vocab());
     let def = TaskDef::load("mmlu").unwrap();
@@ -194,6 +201,7 @@ fn mmlu_end_to_end_matches_direct_log_probs() {
 /// and GSM8K's metrics are 0/1 per document.
 #[test]
 fn generation_end_to_end() {
+    let _rng = crate::testutil::rng();
     let tok = neox_tok();
     let (_vs, model) = tiny_model(tok.padded_vocab());
     let def = TaskDef::load("gsm8k").unwrap();
@@ -223,6 +231,7 @@ fn generation_end_to_end() {
 /// tokens, samples keep their index in the split, and the result says how many of how many were kept.
 #[test]
 fn min_context_drops_short_inputs_and_reports_the_count() {
+    let _rng = crate::testutil::rng();
     let tok = neox_tok();
     let (_vs, model) = tiny_model(tok.padded_vocab());
     let def = TaskDef::load("mmlu").unwrap();
@@ -246,6 +255,7 @@ fn min_context_drops_short_inputs_and_reports_the_count() {
 /// A task result records the attention's width and window only where the model has them.
 #[test]
 fn model_info_and_min_context_follow_the_attention() {
+    let _rng = crate::testutil::rng();
     let dar = crate::spec::SpecSource::default().load().unwrap();
     let info = ModelInfo::of(&dar, 7);
     assert_eq!((info.step, info.attention.as_str(), info.d_down, info.window, info.d_model), (7, "dar", Some(16), Some(16), dar.shape().d_model));

@@ -1,5 +1,4 @@
 use super::*;
-use crate::attention::is_linearized_param;
 use crate::model::hf;
 use crate::spec::{AttentionImpl, AttentionKind};
 use crate::train::optim::{AdamW, Hyper};
@@ -14,7 +13,7 @@ fn fixture(name: &str) -> std::path::PathBuf {
 fn teacher(name: &str, dar: bool) -> (nn::VarStore, Llama) {
     let (vs, mut m) = hf::load_llama(&fixture(name), Device::Cpu).unwrap();
     if dar {
-        tch::manual_seed(11);
+        let _rng = crate::testutil::seeded(11);
         let c = crate::testutil::softmax(AttentionKind::Dar, 16, 5).with_implementation(AttentionImpl::Reference);
         m.add_dar(&vs.root(), c).unwrap();
     }
@@ -59,9 +58,10 @@ fn student(t: &(nn::VarStore, Llama), v: &Variant, lora: &LoraConfig) -> (nn::Va
 /// student.
 #[test]
 fn llama_olmo2_and_dar_teachers_linearize() {
+    let _rng = crate::testutil::rng();
     for (name, dar) in [("llama_tiny", false), ("olmo2_tiny", false), ("llama_tiny", true), ("olmo2_tiny", true)] {
         let t = teacher(name, dar);
-        tch::manual_seed(1);
+        let _rng = crate::testutil::seeded(1);
         let x = ids(32);
         let want = logits(&t.1, &x, Pass::Eval);
         let (vs, s) = student(&t, &still("chunk: 16"), &LoraConfig::default());
@@ -85,7 +85,7 @@ fn llama_olmo2_and_dar_teachers_linearize() {
     // A DAR teacher's transfer loss decreases under AdamW on the operators alone.
     let t = teacher("olmo2_tiny", true);
     let (vs, s) = student(&t, &still("chunk: 4, tokens_per_chunk: 1"), &no_lora());
-    assert_transfer_trains(&vs, &s, "olmo2 dar");
+    assert_transfer_trains(&vs, &t.0, &s, "olmo2 dar");
 }
 
 fn snapshot(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
@@ -96,15 +96,20 @@ fn snapshot(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
 
 /// Stage 1 on `s`: the loss is 1000 · mean over layers of the per-head MSE, it decreases under AdamW,
 /// and only the new attention parameters change.
-fn assert_transfer_trains(vs: &nn::VarStore, s: &Llama, what: &str) {
+fn assert_transfer_trains(vs: &nn::VarStore, teacher_vs: &nn::VarStore, s: &Llama, what: &str) {
+    // What the operators declare is what replacing the attention added: every variable the teacher
+    // lacks, the LoRA adapters aside.
+    let added = s.operator_params(vs);
+    let new: std::collections::BTreeSet<String> = vs.variables().into_keys().filter(|n| !teacher_vs.variables().contains_key(n) && !n.contains(".lora_")).collect();
+    assert_eq!(added, new, "{what}: the operators' declared parameters");
     for (n, t) in vs.variables() {
-        let _ = t.shallow_clone().set_requires_grad(is_linearized_param(&n));
+        let _ = t.shallow_clone().set_requires_grad(added.contains(&n));
     }
     let before = snapshot(vs);
     let params = crate::train::named_parameters(vs);
-    assert!(!params.is_empty() && params.iter().all(|(n, _)| is_linearized_param(n)));
+    assert!(!params.is_empty() && params.iter().all(|(n, _)| added.contains(n)));
     let mut opt = AdamW::new(params, Hyper { betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0 });
-    tch::manual_seed(2);
+    let _rng = crate::testutil::seeded(2);
     let x = ids(32);
     let mut losses = Vec::new();
     for _ in 0..15 {
@@ -121,7 +126,7 @@ fn assert_transfer_trains(vs: &nn::VarStore, s: &Llama, what: &str) {
     let mut changed = 0;
     for ((n, a), (_, b)) in before.iter().zip(&after) {
         let same = a.equal(b);
-        if is_linearized_param(n) {
+        if added.contains(n) {
             changed += (!same) as usize;
         } else {
             assert!(same, "{what}: {n} changed in stage 1");
@@ -133,16 +138,17 @@ fn assert_transfer_trains(vs: &nn::VarStore, s: &Llama, what: &str) {
 /// Stage 1 trains only the operators' parameters, for STILL and LoLCATs.
 #[test]
 fn stage1_loss_decreases_and_only_new_params_change() {
+    let _rng = crate::testutil::rng();
     let t = teacher("llama_tiny", false);
     for v in [still("chunk: 4, tokens_per_chunk: 1"), variant("{kind: lolcats, window: 4, feature_dim: 8}")] {
         let (vs, s) = student(&t, &v, &LoraConfig::default());
-        assert_transfer_trains(&vs, &s, &format!("{v:?}"));
+        assert_transfer_trains(&vs, &t.0, &s, &format!("{v:?}"));
     }
 }
 
 /// The llama_tiny teacher, 24 random tokens and its `v` student with LoRA on `targets` (seeded by `seed`).
 fn adapted(seed: i64, v: &Variant, targets: &[&str]) -> ((nn::VarStore, Llama), Tensor, (nn::VarStore, Llama)) {
-    tch::manual_seed(seed);
+    let _rng = crate::testutil::seeded(seed);
     let t = teacher("llama_tiny", false);
     let x = ids(24);
     let lora = LoraConfig { targets: targets.iter().map(|s| s.to_string()).collect(), ..LoraConfig::default() };
@@ -162,6 +168,7 @@ fn perturb_adapters(s: &Llama) {
 /// LoRA with B = 0 leaves the student unchanged; with B ≠ 0 the merged export gives the same logits.
 #[test]
 fn lora_identity_at_init_and_merge_matches() {
+    let _rng = crate::testutil::rng();
     let v = still("chunk: 4, tokens_per_chunk: 1");
     let (t, x, (vs, s)) = adapted(3, &v, &["q_proj", "k_proj", "v_proj", "o_proj", "g_proj"]);
     assert_eq!(s.adapters().len(), 2 * 5);
@@ -191,6 +198,7 @@ fn lora_identity_at_init_and_merge_matches() {
 /// LoLCATs student (B ≠ 0, so merging matters) gives the same logits after the round trip.
 #[test]
 fn export_round_trip() {
+    let _rng = crate::testutil::rng();
     let v = variant("{kind: lolcats, window: 4, feature_dim: 8}");
     let (_t, x, (vs, s)) = adapted(4, &v, &["q_proj", "v_proj"]);
     perturb_adapters(&s);
@@ -222,12 +230,13 @@ const VARIANTS: [&str; 3] = [
 /// the linear state matter at T = 30).
 #[test]
 fn cached_decoding_matches_the_full_forward() {
+    let _rng = crate::testutil::rng();
     for name in ["llama_tiny", "olmo2_tiny"] {
         let t = teacher(name, false);
         for (n, yaml) in VARIANTS.iter().enumerate() {
-            tch::manual_seed(n as i64);
+            let _rng = crate::testutil::seeded(n as i64);
             let (_vs, s) = student(&t, &variant(yaml), &no_lora());
-            tch::manual_seed(10 + n as i64);
+            let _rng = crate::testutil::seeded(10 + n as i64);
             let ids = Tensor::randint(128, [2, 30], (Kind::Int64, Device::Cpu));
             let full = logits(&s, &ids, Pass::Eval);
             assert!(max_diff(&full, &logits(&s, &ids, Pass::Teacher)) > 1e-3, "{yaml}: the student equals its teacher; the test would prove nothing");
@@ -247,47 +256,34 @@ fn cached_decoding_matches_the_full_forward() {
     }
 }
 
-/// still.md §6's memory formula, per layer: H·[2·(n_sel + n_win)·D·b_kv + (F·D + F)·4 + n_win·4]
-/// with n_win = tokens of chunks c−1 and c, n_sel = κ per routed chunk (capped by the budget). The
-/// cache matches it after every decoded token, and with a budget (or κ = 0) it stops growing.
+/// still.md §6's memory, per layer H·[2·(n_sel + n_win)·D·b_kv + (F·D + F)·4 + n_win·4] with n_win
+/// = tokens of chunks c−1 and c, n_sel = κ per routed chunk (capped by the budget), is what the
+/// caches declare (`KindCache::bound`); they hold exactly that after every decoded token, and with
+/// a budget (or κ = 0) they stop growing. (VARIANTS use chunks of C = 4 tokens; `growth` is the
+/// tokens a cache keeps per further chunk.)
 #[test]
 fn cache_bytes_follow_the_bounded_formula() {
+    let _rng = crate::testutil::rng();
+    const C: usize = 4;
     let t = teacher("llama_tiny", false);
     let cfg = t.1.cfg.clone();
-    for (n, yaml) in VARIANTS.iter().enumerate() {
-        tch::manual_seed(n as i64);
+    for (n, (yaml, growth)) in VARIANTS.iter().zip([1, 0, 0]).enumerate() {
+        let _rng = crate::testutil::seeded(n as i64);
         let (_vs, s) = student(&t, &variant(yaml), &no_lora());
         let (heads, d) = (cfg.num_attention_heads as i64, cfg.head_dim() as i64);
-        let attn = &s.layers[0].attn;
-        let (c, f, per_chunk, cap) = match (attn.still(), attn.get::<crate::attention::lolcats::Lolcats>()) {
-            (Some(s), _) => (s.cfg.chunk, s.feature_map_k.dim(), s.selection.kappa, s.selection.max_chunks.saturating_mul(s.selection.kappa)),
-            (_, Some(l)) => (l.cfg.window, l.feature_map_k.dim(), 0, 0),
-            _ => panic!("not linearized"),
-        };
-        let formula = |p: i64| {
-            let routed = ((p - 1) / c - 1).max(0); // chunks ≤ c(p−1)−2
-            let n_sel = (routed * per_chunk).min(cap);
-            let n_win = p - routed * c;
-            assert!(n_win <= 2 * c);
-            cfg.num_hidden_layers as i64 * heads * (2 * (n_sel + n_win) * d * 4 + (f * d + f) * 4 + n_win * 4)
-        };
-        tch::manual_seed(20);
+        let _rng = crate::testutil::seeded(20);
         let ids = Tensor::randint(128, [1, 60], (Kind::Int64, Device::Cpu));
         let mut cache = s.new_cache(1, Kind::Float, Device::Cpu);
         let mut bytes = vec![];
         for p in 0..60 {
             let _ = s.extend(&mut cache, &ids.narrow(1, p, 1));
-            assert_eq!(cache.bytes(), formula(p + 1), "{yaml} after {} tokens", p + 1);
+            assert_eq!(Some(cache.bytes()), cache.bound(p + 1), "{yaml} after {} tokens", p + 1);
             bytes.push(cache.bytes());
         }
         // Once the selections stop (budget, κ = 0) the size is periodic in the chunk: no growth with
         // context. Uncapped STILL grows by κ tokens per chunk.
-        let (now, chunk_ago) = (bytes[59], bytes[59 - c as usize]);
-        if per_chunk == 0 || cap < i64::MAX {
-            assert_eq!(now, chunk_ago, "{yaml}: the cache kept growing");
-        } else {
-            assert_eq!(now - chunk_ago, cfg.num_hidden_layers as i64 * heads * 2 * per_chunk * d * 4, "{yaml}");
-        }
+        let (now, chunk_ago) = (bytes[59], bytes[59 - C]);
+        assert_eq!(now - chunk_ago, cfg.num_hidden_layers as i64 * heads * 2 * growth * d * 4, "{yaml}: growth per chunk");
     }
 }
 
@@ -297,6 +293,7 @@ fn cache_bytes_follow_the_bounded_formula() {
 /// compares it with the teacher's own loss.
 #[test]
 fn linearize_runs_on_olmo2_and_dar_teachers() {
+    let _rng = crate::testutil::rng();
     use crate::data::Tok;
     use crate::linearize::{linearize, LinearizeOptions, LinearizeSpec};
     use crate::model::Family;
@@ -306,7 +303,7 @@ fn linearize_runs_on_olmo2_and_dar_teachers() {
     for (family, dar) in [(Family::Olmo2, false), (Family::Llama, true), (Family::Olmo2, true)] {
         let name = format!("{family:?}-{dar}");
         let cfg = crate::testutil::tiny_llama(tok.padded_vocab(), family);
-        tch::manual_seed(7);
+        let _rng = crate::testutil::seeded(7);
         let vs = nn::VarStore::new(Device::Cpu);
         let mut m = Llama::new(&vs.root(), cfg);
         if dar {

@@ -12,6 +12,7 @@ fn expected() -> HashMap<String, Tensor> {
 /// Every tensor of the fixture (Q8_0, Q4_0, Q4_1, F16, BF16, F32) against numpy's dequantization.
 #[test]
 fn every_supported_type_dequantizes_as_numpy_does() {
+    let _rng = crate::testutil::rng();
     let g = Gguf::open(&fixture("tiny.gguf")).unwrap();
     let want = expected();
     let mut types = std::collections::BTreeSet::new();
@@ -41,6 +42,7 @@ fn q4_1_block_by_hand() {
 /// Interleaved rotary rows (pairs 2i, 2i+1) back to rotate-half order (i, i + hd/2), per head.
 #[test]
 fn rotary_rows_unpermute_per_head() {
+    let _rng = crate::testutil::rng();
     // Two heads of head dim 4: stored rows 0..8 (interleaved) → HF rows [0, 2, 1, 3, 4, 6, 5, 7].
     let w = Tensor::arange(8, (Kind::Float, tch::Device::Cpu)).view([8, 1]);
     let got: Vec<f32> = Vec::try_from(unpermute_rotary(&w, 2).view([-1])).unwrap();
@@ -50,6 +52,7 @@ fn rotary_rows_unpermute_per_head() {
 /// The tiny llama of the fixture (q / k permuted, tied head) gives transformers' logits.
 #[test]
 fn tiny_llama_matches_transformers_gguf_loader() {
+    let _rng = crate::testutil::rng();
     let path = fixture("tiny.gguf");
     let (_vs, model) = load_llama(path.to_str().unwrap(), tch::Device::Cpu).unwrap();
     let c = &model.cfg;
@@ -66,6 +69,7 @@ fn tiny_llama_matches_transformers_gguf_loader() {
 /// Tokenizer and chat template from the metadata reproduce transformers' ids.
 #[test]
 fn tokenizer_and_chat_template_from_metadata_match_transformers() {
+    let _rng = crate::testutil::rng();
     let g = Gguf::open(&fixture("tiny.gguf")).unwrap();
     let tok = crate::data::Tok::from_json(&tokenizer::tokenizer_json(&g).unwrap(), "tiny.gguf").unwrap();
     let e = expected();
@@ -82,6 +86,7 @@ fn tokenizer_and_chat_template_from_metadata_match_transformers() {
 /// Every digit is its own pre-token under `smollm` (a merge of two digits never applies).
 #[test]
 fn smollm_pre_tokenizer_splits_digits() {
+    let _rng = crate::testutil::rng();
     let g = Gguf::open(&fixture("tiny.gguf")).unwrap();
     let tok = crate::data::Tok::from_json(&tokenizer::tokenizer_json(&g).unwrap(), "tiny.gguf").unwrap();
     let pre = tok.inner.get_pre_tokenizer().unwrap();
@@ -95,6 +100,7 @@ fn smollm_pre_tokenizer_splits_digits() {
 /// logits of the GGUF, and its tokenizer files carry the same vocabulary and chat template.
 #[test]
 fn export_writes_a_hugging_face_llama_folder() {
+    let _rng = crate::testutil::rng();
     let dir = tempfile::tempdir().unwrap();
     export(fixture("tiny.gguf").to_str().unwrap(), dir.path()).unwrap();
     let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap()).unwrap();
@@ -121,6 +127,7 @@ fn err(path: &Path) -> String {
 
 #[test]
 fn bad_files_are_refused_naming_file_and_field() {
+    let _rng = crate::testutil::rng();
     let dir = tempfile::tempdir().unwrap();
     let bytes = std::fs::read(fixture("tiny.gguf")).unwrap();
     let cut = dir.path().join("cut.gguf");
@@ -144,6 +151,7 @@ fn bad_files_are_refused_naming_file_and_field() {
 
 #[test]
 fn known_names_resolve_or_say_how_to_fetch() {
+    let _rng = crate::testutil::rng();
     let e = resolve("gguf:nope").unwrap_err().to_string();
     assert!(e.contains("unknown GGUF model name") && e.contains("smollm2"), "{e}");
     assert_eq!(resolve("x/y.gguf").unwrap(), PathBuf::from("x/y.gguf"));
@@ -175,6 +183,7 @@ fn paragraph_loss(model: &Llama, ids: &Tensor) -> f64 {
 /// permutation shown to matter (left interleaved, the loss rises by more than half a nat).
 #[test]
 fn smollm2_matches_transformers() {
+    let _rng = crate::testutil::rng();
     let path = smollm2();
     let t0 = std::time::Instant::now();
     let (vs, model) = load_llama(&path, tch::Device::Cpu).unwrap();

@@ -25,12 +25,14 @@ fn check_against_hf(dir: &Path, expected_dir: &Path) {
 /// Tied embeddings, grouped-query attention (4 query / 2 KV heads) and llama3 RoPE scaling.
 #[test]
 fn tied_gqa_llama3_rope_matches_hugging_face() {
+    let _rng = crate::testutil::rng();
     check_against_hf(&fixture("llama_tiny"), &fixture("llama_tiny"));
 }
 
 /// Untied head, default RoPE, loaded from one file and from a sharded index.
 #[test]
 fn untied_and_sharded_checkpoints_match_hugging_face() {
+    let _rng = crate::testutil::rng();
     check_against_hf(&fixture("llama_tiny_untied"), &fixture("llama_tiny_untied"));
     check_against_hf(&fixture("llama_tiny_untied/sharded"), &fixture("llama_tiny_untied"));
 }
@@ -38,6 +40,7 @@ fn untied_and_sharded_checkpoints_match_hugging_face() {
 /// llama3 scaling by hand: high frequencies kept, low ones divided by `factor`, a ramp between.
 #[test]
 fn llama3_inverse_frequencies_follow_the_formula() {
+    let _rng = crate::testutil::rng();
     let cfg = LlamaConfig::from_hf_json(&std::fs::read_to_string(fixture("llama_tiny/config.json")).unwrap()).unwrap();
     let RopeScaling::Llama3 { factor, low_freq_factor: lo, high_freq_factor: hi, original_max_position_embeddings: old } = cfg.rope_scaling.clone() else {
         panic!("fixture has llama3 scaling, got {:?}", cfg.rope_scaling)
@@ -62,6 +65,7 @@ fn llama3_inverse_frequencies_follow_the_formula() {
 /// save → load gives the same tensors and logits; config.json round-trips.
 #[test]
 fn save_and_reload_round_trip() {
+    let _rng = crate::testutil::rng();
     let (vs, model) = hf::load_llama(&fixture("llama_tiny"), Device::Cpu).unwrap();
     let dir = tempfile::tempdir().unwrap();
     hf::save_llama(&vs, &model.cfg, dir.path()).unwrap();
@@ -75,6 +79,7 @@ fn save_and_reload_round_trip() {
 /// Prefill then token-by-token decoding with the KV cache equals the full forward pass.
 #[test]
 fn cached_decoding_equals_full_forward() {
+    let _rng = crate::testutil::rng();
     let (_vs, model) = hf::load_llama(&fixture("llama_tiny"), Device::Cpu).unwrap();
     let x = (Tensor::arange(24, (Kind::Int64, Device::Cpu)).view([2, 12]) * 5).remainder(128);
     let full = tch::no_grad(|| model.logits(&model.hidden(&x)));
@@ -113,6 +118,7 @@ fn with_imp(m: &Llama, imp: AttentionImpl) -> AttentionSpec {
 /// untied head) against transformers' Olmo2ForCausalLM.
 #[test]
 fn olmo2_matches_hugging_face() {
+    let _rng = crate::testutil::rng();
     check_against_hf(&fixture("olmo2_tiny"), &fixture("olmo2_tiny"));
     let (_vs, m) = load("olmo2_tiny");
     assert_eq!(m.cfg.family, Family::Olmo2);
@@ -121,6 +127,7 @@ fn olmo2_matches_hugging_face() {
 /// OLMo 2 save → load: same config (model_type olmo2) and logits; a DAR config survives config.json.
 #[test]
 fn olmo2_and_dar_configs_round_trip() {
+    let _rng = crate::testutil::rng();
     let (vs, model) = load("olmo2_tiny");
     let dir = tempfile::tempdir().unwrap();
     hf::save_llama(&vs, &model.cfg, dir.path()).unwrap();
@@ -153,6 +160,7 @@ fn set_bottlenecks(m: &Llama, down: &Tensor, up: &Tensor) {
 /// must change the logits (the global path is really used).
 #[test]
 fn dar_with_identity_bottleneck_equals_the_original_model() {
+    let _rng = crate::testutil::rng();
     for name in ["llama_tiny", "olmo2_tiny"] {
         let (vs, mut m) = load(name);
         let x = (Tensor::arange(48, (Kind::Int64, Device::Cpu)).view([2, 24]) * 7).remainder(128);
@@ -177,9 +185,10 @@ fn dar_with_identity_bottleneck_equals_the_original_model() {
 /// `h' = a·W_down·W_up` with the layer's own q/k/v path (dar.md §2), GQA and OLMo 2's k_norm included.
 #[test]
 fn bottleneck_keys_equal_the_direct_form() {
+    let _rng = crate::testutil::rng();
     for name in ["llama_tiny", "olmo2_tiny"] {
         let (vs, mut m) = load(name);
-        tch::manual_seed(3);
+        let _rng = crate::testutil::seeded(3);
         m.add_dar(&vs.root(), dar(AttentionKind::Dar, 16, 4, AttentionImpl::Reference)).unwrap();
         let x = (Tensor::arange(20, (Kind::Int64, Device::Cpu)).view([2, 10]) * 11).remainder(128);
         let (cos, sin) = m.rope(0, 10, Device::Cpu);
@@ -198,6 +207,7 @@ fn bottleneck_keys_equal_the_direct_form() {
 /// Document segments and in-document positions by hand.
 #[test]
 fn doc_segments_by_hand() {
+    let _rng = crate::testutil::rng();
     let docs = Tensor::from_slice(&[7i64, 7, 3, 3, 3, 7, 0, 0]).view([1, 8]);
     let (seg, pos) = crate::attention::doc_segments(&docs);
     assert_eq!(Vec::<i64>::try_from(seg.flatten(0, -1)).unwrap(), vec![1, 1, 2, 2, 2, 3, 4, 4]);
@@ -209,10 +219,11 @@ fn doc_segments_by_hand() {
 /// (window 3, random bottleneck, so distant keys go through it), reference and SDPA paths.
 #[test]
 fn packed_documents_equal_separate_runs() {
+    let _rng = crate::testutil::rng();
     for name in ["llama_tiny", "olmo2_tiny"] {
         for dar_on in [false, true] {
             let (vs, mut m) = load(name);
-            tch::manual_seed(5);
+            let _rng = crate::testutil::seeded(5);
             if dar_on {
                 m.add_dar(&vs.root(), dar(AttentionKind::Dar, 16, 3, AttentionImpl::Reference)).unwrap();
             }
@@ -241,9 +252,10 @@ fn packed_documents_equal_separate_runs() {
 /// DAR decoding with the two-set cache (prefill, then one token at a time) equals the full forward.
 #[test]
 fn dar_cached_decoding_equals_full_forward() {
+    let _rng = crate::testutil::rng();
     for name in ["llama_tiny", "olmo2_tiny"] {
         let (vs, mut m) = load(name);
-        tch::manual_seed(9);
+        let _rng = crate::testutil::seeded(9);
         m.add_dar(&vs.root(), dar(AttentionKind::Dar, 16, 3, AttentionImpl::Reference)).unwrap();
         let x = (Tensor::arange(24, (Kind::Int64, Device::Cpu)).view([2, 12]) * 5).remainder(128);
         let full = tch::no_grad(|| m.logits(&m.hidden(&x)));
@@ -265,12 +277,13 @@ fn dar_cached_decoding_equals_full_forward() {
 /// elements per layer and sequence, d_kv = kv_heads·head_dim — not the query heads' width.
 #[test]
 fn dar_latent_cache_equals_full_forward_on_every_prefix() {
+    let _rng = crate::testutil::rng();
     let t_max = 9;
     let x = (Tensor::arange(2 * t_max, (Kind::Int64, Device::Cpu)).view([2, t_max]) * 7).remainder(128);
     for name in ["llama_tiny", "olmo2_tiny"] {
         for (kind, w, act) in [(AttentionKind::Uniform, 0, DarAct::Linear), (AttentionKind::Dar, 1, DarAct::Linear), (AttentionKind::Dar, 3, DarAct::Sigmoid), (AttentionKind::Dar, 40, DarAct::Linear)] {
             let (mut vs, mut m) = load(name);
-            tch::manual_seed(11);
+            let _rng = crate::testutil::seeded(11);
             let act = serde_yaml::to_value(act).unwrap();
             let a: AttentionSpec = serde_yaml::from_str(&format!("{{kind: {}, d_down: 12, window: {w}, dar_act: {}, impl: reference}}", kind.name(), act.as_str().unwrap())).unwrap();
             m.add_dar(&vs.root(), a).unwrap();
@@ -306,8 +319,9 @@ fn dar_latent_cache_equals_full_forward_on_every_prefix() {
 /// the same DAR model.
 #[test]
 fn dar_checkpoint_round_trips() {
+    let _rng = crate::testutil::rng();
     let (vs, mut m) = load("olmo2_tiny");
-    tch::manual_seed(4);
+    let _rng = crate::testutil::seeded(4);
     m.add_dar(&vs.root(), dar(AttentionKind::Dar, 16, 3, AttentionImpl::Sdpa)).unwrap();
     let dir = tempfile::tempdir().unwrap();
     hf::save_llama(&vs, &m.cfg, dir.path()).unwrap();
@@ -322,6 +336,7 @@ fn dar_checkpoint_round_trips() {
 /// cache of only the last w tokens: 2·min(w, T)·d_kv per layer and sequence.
 #[test]
 fn window_attention_decodes_packs_and_matches_reference() {
+    let _rng = crate::testutil::rng();
     let x = (Tensor::arange(24, (Kind::Int64, Device::Cpu)).view([2, 12]) * 5).remainder(128);
     for name in ["llama_tiny", "olmo2_tiny"] {
         let (_vs, mut m) = load(name);
@@ -357,6 +372,7 @@ fn window_attention_decodes_packs_and_matches_reference() {
 /// without a budget, with grouped-query heads.
 #[test]
 fn linearized_prefill_at_once_equals_token_by_token() {
+    let _rng = crate::testutil::rng();
     let (t, prompt) = (40i64, 29i64);
     let x = (Tensor::arange(2 * t, (Kind::Int64, Device::Cpu)).view([2, t]) * 11).remainder(128);
     let routings = ["self_saliency", "self_saliency_reference_code", "diag_attention", "self_logit", "key_norm", "random", "uniform", "none"];
@@ -366,7 +382,7 @@ fn linearized_prefill_at_once_equals_token_by_token() {
         .collect();
     variants.push("{kind: lolcats, window: 8}".into());
     for yaml in &variants {
-        tch::manual_seed(9);
+        let _rng = crate::testutil::seeded(9);
         let mut cfg = crate::testutil::tiny_llama(128, Family::Llama);
         cfg.attention = Attention::Linearized(serde_yaml::from_str(yaml).unwrap());
         let mut vs = tch::nn::VarStore::new(Device::Cpu);

@@ -69,6 +69,7 @@ mod tests {
     /// for window.
     #[test]
     fn cached_decoding_equals_full_forward() {
+        let _rng = crate::testutil::rng();
         for (kind, d_down, w) in VARIANTS {
             let (_vs, m) = build(cfg(kind, d_down, w), 21);
             let x = ids(2, 14);
@@ -102,6 +103,7 @@ mod tests {
     /// the rounding of the fp32 RoPE tables at shifted positions.
     #[test]
     fn left_padded_batch_equals_each_row_alone() {
+        let _rng = crate::testutil::rng();
         for (kind, d_down, w) in VARIANTS {
             let (_vs, m) = build(cfg(kind, d_down, w), 23);
             let lens = [5i64, 9, 2];
@@ -153,6 +155,7 @@ mod tests {
     /// reservation the buffers grow by doubling: they move only at powers of two.
     #[test]
     fn decode_writes_in_place() {
+        let _rng = crate::testutil::rng();
         for (kind, d_down, w) in VARIANTS {
             let (_vs, m) = build(cfg(kind, d_down, w), 22);
             let x = ids(1, 20);

@@ -20,7 +20,7 @@ pub(super) fn cfg(kind: AttentionKind, d_down: usize, window: usize) -> NeoxConf
 }
 
 pub(super) fn build(c: NeoxConfig, seed: i64) -> (VarStore, GptNeox) {
-    tch::manual_seed(seed);
+    let _rng = crate::testutil::seeded(seed);
     let mut vs = VarStore::new(Device::Cpu);
     let m = GptNeox::new(&vs.root(), c);
     vs.double();
@@ -40,7 +40,7 @@ fn copy_shared(src: &VarStore, dst: &VarStore) {
 }
 
 pub(super) fn ids(b: i64, t: i64) -> Tensor {
-    tch::manual_seed(7);
+    let _rng = crate::testutil::seeded(7);
     Tensor::randint(97, [b, t], (Kind::Int64, Device::Cpu))
 }
 
@@ -59,6 +59,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 
 #[test]
 fn parameter_names_shapes_and_counts_match_hugging_face() {
+    let _rng = crate::testutil::rng();
     let (vs, _) = build(cfg(AttentionKind::Vanilla, 0, 0), 0);
     let mut names: Vec<(String, Vec<i64>)> = vs.variables().into_iter().map(|(n, t)| (n, t.size())).collect();
     names.sort();
@@ -99,9 +100,10 @@ fn parameter_names_shapes_and_counts_match_hugging_face() {
 /// pythia.md §3: total parameters of the 14m and 70m flavors with V = 50304, and §4 init σ.
 #[test]
 fn pythia_parameter_counts_and_init_statistics() {
+    let _rng = crate::testutil::rng();
     for (d, l, h, total, s_small, s_wang) in [(128usize, 6usize, 4usize, 14_067_712i64, 0.055902, 0.029463), (512, 6, 8, 70_426_624, 0.027951, 0.014731)] {
         let c = NeoxConfig { vocab: 50304, d_model: d, layers: l, heads: h, ffn: 4 * d, ..cfg(AttentionKind::Vanilla, 0, 0) };
-        tch::manual_seed(0);
+        let _rng = crate::testutil::seeded(0);
         let vs = VarStore::new(Device::Cpu);
         let _m = GptNeox::new(&vs.root(), c);
         let n: i64 = vs.variables().values().map(|t| t.numel() as i64).sum();
@@ -121,6 +123,7 @@ fn pythia_parameter_counts_and_init_statistics() {
 /// same weights in, same logits out within 1e-4 in fp32, and the same loss.
 #[test]
 fn logits_match_hugging_face_fixture() {
+    let _rng = crate::testutil::rng();
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/neox_tiny");
     let c = NeoxConfig { vocab: 128, d_model: 64, layers: 2, heads: 4, ffn: 256, ..cfg(AttentionKind::Vanilla, 0, 0) };
     let vs = VarStore::new(Device::Cpu);
@@ -140,6 +143,7 @@ fn logits_match_hugging_face_fixture() {
 /// dar.md §1.1: window ≥ T makes every key local, so DAR is vanilla on the shared weights.
 #[test]
 fn dar_with_window_beyond_sequence_is_vanilla() {
+    let _rng = crate::testutil::rng();
     let (vs_dar, dar) = build(cfg(AttentionKind::Dar, 8, 16), 1);
     let (vs_van, van) = build(cfg(AttentionKind::Vanilla, 0, 0), 2);
     copy_shared(&vs_dar, &vs_van);
@@ -155,6 +159,7 @@ fn dar_with_window_beyond_sequence_is_vanilla() {
 /// d_down = d with W_up·W_down = I makes the bottleneck the identity: DAR equals vanilla at any window.
 #[test]
 fn dar_with_identity_bottleneck_is_vanilla() {
+    let _rng = crate::testutil::rng();
     let (vs_dar, dar) = build(cfg(AttentionKind::Dar, 32, 3), 4);
     let (vs_van, van) = build(cfg(AttentionKind::Vanilla, 0, 0), 5);
     copy_shared(&vs_van, &vs_dar);
@@ -175,6 +180,7 @@ fn dar_with_identity_bottleneck_is_vanilla() {
 /// dar.md §1.1: uniform is DAR with window 0 (every key, the current one included, bottlenecked).
 #[test]
 fn uniform_is_dar_with_window_zero() {
+    let _rng = crate::testutil::rng();
     let (vs_u, uni) = build(cfg(AttentionKind::Uniform, 8, 0), 6);
     let (vs_d, dar0) = build(cfg(AttentionKind::Dar, 8, 0), 7);
     copy_shared(&vs_u, &vs_d);
@@ -191,6 +197,7 @@ fn uniform_is_dar_with_window_zero() {
 /// The absorbed global-path projection equals the direct form h' = a·W_down·W_up → k/v rows.
 #[test]
 fn absorbed_bottleneck_equals_direct_form() {
+    let _rng = crate::testutil::rng();
     for act in [DarAct::Linear, DarAct::Sigmoid] {
         let mut c = cfg(AttentionKind::Dar, 8, 4);
         let crate::attention::AttentionSpec::Dar(d) = &mut c.attention else { unreachable!() };
@@ -247,6 +254,7 @@ fn fused_heads_equal_views_and_rope_with_gradients() {
 /// Head-major QKV: feature f = h·3·hd + s·hd + e (pythia.md §1.3), checked on a hand-built weight.
 #[test]
 fn qkv_split_is_head_major() {
+    let _rng = crate::testutil::rng();
     let (_vs, m) = build(cfg(AttentionKind::Vanilla, 0, 0), 10);
     // A [1, 1, 96] projection whose value is its own feature index.
     let x = Tensor::arange(96, (Kind::Double, Device::Cpu)).view([1, 1, 96]);
@@ -263,6 +271,7 @@ fn qkv_split_is_head_major() {
 
 #[test]
 fn gelu_is_the_erf_form() {
+    let _rng = crate::testutil::rng();
     let x = Tensor::from_slice(&[-3.0f64, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0]);
     let got: Vec<f64> = Vec::try_from(x.gelu("none")).unwrap();
     let erf = |v: f64| {
@@ -280,6 +289,7 @@ fn gelu_is_the_erf_form() {
 /// The chunked loss equals the plain one in value and in every parameter gradient.
 #[test]
 fn chunked_loss_matches_full_logits_loss() {
+    let _rng = crate::testutil::rng();
     let (vs, m) = build(cfg(AttentionKind::Dar, 8, 4), 11);
     let x = ids(3, 9);
     let y = ids(3, 9).roll([1], [1]);

@@ -87,6 +87,7 @@ fn curve(dir: &Path) -> BTreeMap<u64, (f64, f64)> {
 
 #[test]
 fn plateau_two_stage_and_cosine_one_stage_runs_resume_bit_identically() {
+    let _rng = crate::testutil::rng();
     let tmp = tempfile::tempdir().unwrap();
     for (staged, stops) in [(true, vec![3, 4, 6]), (false, vec![3, 4])] {
         let name = if staged { "staged" } else { "one" };
@@ -145,6 +146,7 @@ fn plateau_two_stage_and_cosine_one_stage_runs_resume_bit_identically() {
 /// A finished run is reported with its eval.json, one check for every command.
 #[test]
 fn finished_reads_eval_json_only_when_done() {
+    let _rng = crate::testutil::rng();
     let tmp = tempfile::tempdir().unwrap();
     let dir = RunDir { path: tmp.path().into() };
     std::fs::write(tmp.path().join("eval.json"), r#"{"step": 3}"#).unwrap();

@@ -20,6 +20,7 @@ fn dar(d_down: usize, window: usize) -> AttentionSpec {
 /// loses 0.5 per row on average.
 #[test]
 fn pca_of_a_hand_made_cloud() {
+    let _rng = crate::testutil::rng();
     let a = Tensor::from_slice(&[2.0f64, 0.0, 0.0, 1.0, -2.0, 0.0, 0.0, -1.0]).view([4, 2]);
     let (u, vals) = pca_basis(&a, 1);
     assert_eq!(Vec::<f64>::try_from(vals).unwrap(), vec![2.0, 0.5]);
@@ -31,7 +32,7 @@ fn pca_of_a_hand_made_cloud() {
 /// the discarded eigenvalues (random anisotropic cloud, every k).
 #[test]
 fn pca_reconstruction_error_is_the_discarded_eigenvalues() {
-    tch::manual_seed(1);
+    let _rng = crate::testutil::seeded(1);
     let scales = Tensor::from_slice(&[5.0f64, 3.0, 2.0, 1.0, 0.5, 0.25]);
     let a = Tensor::randn([300, 6], (Kind::Double, Device::Cpu)) * scales + 0.3;
     for k in 1..=6 {
@@ -46,6 +47,7 @@ fn pca_reconstruction_error_is_the_discarded_eigenvalues() {
 /// discarded fraction is what projecting the layer's own K/V input actually loses.
 #[test]
 fn pca_at_full_width_gives_the_original_logits() {
+    let _rng = crate::testutil::rng();
     for name in ["llama_tiny", "olmo2_tiny"] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
         let x = (Tensor::arange(48, (Kind::Int64, Device::Cpu)).view([2, 24]) * 7).remainder(128);
@@ -71,6 +73,7 @@ fn pca_at_full_width_gives_the_original_logits() {
 /// reported discarded fraction is what its bottleneck loses on the packed layer-1 inputs.
 #[test]
 fn pca_calibration_follows_document_ids() {
+    let _rng = crate::testutil::rng();
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/olmo2_tiny");
     let x = (Tensor::arange(48, (Kind::Int64, Device::Cpu)).view([2, 24]) * 7).remainder(128);
     let docs = Tensor::arange(48, (Kind::Int64, Device::Cpu)).view([2, 24]).divide_scalar_mode(7, "floor");
@@ -95,6 +98,7 @@ fn pca_calibration_follows_document_ids() {
 /// back, beyond the window of 4) starts DAR at d/4 with a lower loss from PCA than from small_init.
 #[test]
 fn pca_starts_below_small_init_on_a_trained_model() {
+    let _rng = crate::testutil::rng();
     tch::set_num_threads(1); // tiny matrices: threads only add overhead
     for family in [Family::Llama, Family::Olmo2] {
         let cfg = LlamaConfig {
@@ -102,7 +106,7 @@ fn pca_starts_below_small_init_on_a_trained_model() {
             num_key_value_heads: 2, rms_norm_eps: 1e-5, rope_theta: 10000.0, rope_scaling: RopeScaling::Default,
             tie_word_embeddings: true, max_position_embeddings: 32, family, attention: Default::default(),
         };
-        tch::manual_seed(11);
+        let _rng = crate::testutil::seeded(11);
         let vs = VarStore::new(Device::Cpu);
         let m = Llama::new(&vs.root(), cfg.clone());
         let batch = |n: i64| {
@@ -142,6 +146,7 @@ fn pca_starts_below_small_init_on_a_trained_model() {
 /// The predicate stage 1 of fine-tuning uses picks exactly the bottleneck matrices of a DAR model.
 #[test]
 fn bottleneck_parameters_are_recognised() {
+    let _rng = crate::testutil::rng();
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/olmo2_tiny");
     let (vs, mut m) = hf::load_llama(&dir, Device::Cpu).unwrap();
     m.add_dar(&vs.root(), dar(16, 4)).unwrap();
@@ -164,7 +169,7 @@ fn pretrain_spec(arch: &str, attention: &str, seed: u64) -> crate::spec::Spec {
 
 /// Every variable of a model built from `spec`, the global generator seeded with `global`.
 fn weights(spec: &crate::spec::Spec, global: i64) -> std::collections::BTreeMap<String, Tensor> {
-    tch::manual_seed(global);
+    let _rng = crate::testutil::seeded(global);
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let _m = crate::train::run::build_model(spec, &vs);
     vs.variables().into_iter().collect()
@@ -172,6 +177,7 @@ fn weights(spec: &crate::spec::Spec, global: i64) -> std::collections::BTreeMap<
 
 #[test]
 fn dar_and_uniform_runs_start_from_the_vanilla_runs_weights_of_the_same_seed() {
+    let _rng = crate::testutil::rng();
     for arch in ["neox", "llama"] {
         let vanilla = weights(&pretrain_spec(arch, "{kind: vanilla}", 5), 5);
         for att in ["{kind: dar, d_down: 16, window: 8}", "{kind: uniform, d_down: 8}", "{kind: dar, d_down: 16, window: 8, init: orthogonal}"] {
@@ -199,6 +205,7 @@ fn dar_and_uniform_runs_start_from_the_vanilla_runs_weights_of_the_same_seed() {
 
 #[test]
 fn orthogonal_start_has_orthonormal_rows_and_up_is_down_transposed() {
+    let _rng = crate::testutil::rng();
     for (d, k) in [(64usize, 16usize), (32, 32), (48, 5)] {
         let (down, up) = pretraining_start(AttentionInit::Orthogonal, 3, 1, d, k);
         assert_eq!((down.size(), up.size()), (vec![k as i64, d as i64], vec![d as i64, k as i64]));
