@@ -353,6 +353,7 @@ mod tests {
     /// scopes in it (a CUDA run adds the kernels), listed in runs.jsonl.
     #[test]
     fn profile_mode_writes_traces_with_the_named_scopes() {
+        let _rng = crate::testutil::rng();
         let sets = ["train.device=cpu", "data.seq_len=16", "train.batch_size=2", "attention={kind: dar, d_down: 8, window: 4}"];
         let spec = crate::spec::SpecSource { sets: sets.iter().map(|s| s.to_string()).collect(), ..Default::default() }.load().unwrap();
         let tmp = tempfile::tempdir().unwrap();

@@ -318,6 +318,7 @@ mod tests {
 
     #[test]
     fn check_mode_shows_every_window_and_fails_with_the_count_of_failures() {
+        let _rng = crate::testutil::rng();
         let spec = crate::spec::SpecSource { sets: vec!["train.device=cpu".into(), "data.seq_len=16".into()], ..Default::default() }.load().unwrap();
         let mut lines = Vec::new();
         let r = bench_command(&spec, BenchMode::Check, false, |l| lines.push(l));
@@ -333,6 +334,7 @@ mod tests {
     /// bound, passes at every window; DAR one key off (w ± 1) and a key from the future fail.
     #[test]
     fn bf16_gate_passes_sdpa_and_fails_planted_off_by_one_windows() {
+        let _rng = crate::testutil::rng();
         let (t, dev) = (40i64, Device::Cpu);
         let shape = [2, 3, t, 16];
         for w in [1, 4, 17, t - 1] {
@@ -366,6 +368,7 @@ mod tests {
     /// w = 0 for `narrow`); there the planted row must pass the bound (and so is not ok as planted).
     #[test]
     fn planted_off_by_one_window_boundaries_fail_the_check() {
+        let _rng = crate::testutil::rng();
         let (t, dev) = (12i64, Device::Cpu);
         let shape = [1, 2, t, 8];
         for w in [0, 1, 4, t - 1, t, t + 5] {
@@ -389,6 +392,7 @@ mod tests {
     /// planted wrong targets fail it in both.
     #[test]
     fn loss_head_passes_the_gate_and_wrong_targets_fail_it() {
+        let _rng = crate::testutil::rng();
         for kind in [Kind::Double, Kind::BFloat16] {
             let r = loss_head_check(33, 50, Device::Cpu, kind, false);
             assert!(r.ok, "{}", r.line());
@@ -412,6 +416,7 @@ mod tests {
     /// that breaks it fails here.
     #[test]
     fn split_merge_glue_is_exact_in_fp64() {
+        let _rng = crate::testutil::rng();
         let (t, shape) = (11i64, [2, 3, 11, 8]);
         for w in [1, 4, t - 1] {
             for fused in [false, true] {

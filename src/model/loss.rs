@@ -77,7 +77,7 @@ mod tests {
     /// Loss and both gradients of the chunked head equal autograd through full fp64 logits, with a ragged last chunk; a wrong target fails the same check.
     #[test]
     fn chunked_loss_and_gradients_equal_full_logits_autograd() {
-        tch::manual_seed(7);
+        let _rng = crate::testutil::seeded(7);
         let (n, d, v) = (13i64, 6i64, 29i64);
         let opt = (Kind::Double, Device::Cpu);
         let h = Tensor::randn([n, d], opt).set_requires_grad(true);
@@ -106,7 +106,7 @@ mod tests {
     /// the rows overwritten with scale·(softmax − onehot), each row's gradient summing to ~0.
     #[test]
     fn in_place_gradient_is_softmax_minus_onehot_in_the_logits_dtype() {
-        tch::manual_seed(3);
+        let _rng = crate::testutil::seeded(3);
         let (n, v, scale) = (5i64, 40i64, 0.25);
         let x = Tensor::randn([n, v], (Kind::Double, Device::Cpu)) * 4.0;
         let t = Tensor::from_slice(&[0i64, 39, 7, 7, 20]);

@@ -232,7 +232,7 @@ fn fused_heads_equal_views_and_rope_with_gradients() {
         let (t, start) = (6i64, 3i64);
         let (cos, sin) = m.rope.tables(start, t, Device::Cpu);
         for (n, rotated) in [(3i64, 2i64), (2, 1)] {
-            tch::manual_seed(5 + n);
+            let _rng = crate::testutil::seeded(5 + n);
             let x = Tensor::randn([2, t, 32 * n], (Kind::Double, Device::Cpu)).set_requires_grad(true);
             let go: Vec<Tensor> = (0..n).map(|_| Tensor::randn([2, 4, t, 8], (Kind::Double, Device::Cpu))).collect();
             let grad = |parts: Vec<Tensor>| {
