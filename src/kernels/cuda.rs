@@ -43,12 +43,11 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
     }
 }
 
-/// The library, loaded once; `None` (after one line on stderr naming where it looked, when a CUDA
-/// path asked for it) when it is not there.
+/// The library, loaded once (by a CUDA path, so libtorch_cuda is already loaded: device parsing
+/// preloads it); `None` (after one line on stderr naming where it looked) when it is not there.
 fn library() -> Option<&'static Library> {
     static LIB: OnceLock<Option<Library>> = OnceLock::new();
     LIB.get_or_init(|| {
-        let _ = crate::device::preload_torch_cuda();
         let mut why = Vec::new();
         for p in candidates() {
             if !p.exists() {
