@@ -225,6 +225,7 @@ fn absorbed_bottleneck_equals_direct_form() {
 /// (two rotated) and DAR's k / v (one), at partial and full rotary dims and a position offset.
 #[test]
 fn fused_heads_equal_views_and_rope_with_gradients() {
+    let _rng = crate::testutil::rng();
     for pct in [0.25, 1.0] {
         let mut c = cfg(AttentionKind::Vanilla, 0, 0);
         c.rotary_pct = pct;
