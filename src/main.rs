@@ -263,7 +263,7 @@ enum Cmd {
         /// Vocabulary rows of the random models (Pythia: 50304).
         #[arg(long, default_value_t = 50304)]
         vocab: usize,
-        #[arg(long, default_value = "vanilla,dar,uniform,still,still-budget,lolcats", help = format!("Variants, comma-separated: {}, or NAME={{kind: {}, …}} (a hybrid.yaml; quote it)", attnlab::eval::decode_bench::names().iter().map(|n| n.0).collect::<Vec<_>>().join(", "), attnlab::attention::Variant::NAMES.join("|")))]
+        #[arg(long, default_value_t = attnlab::eval::decode_bench::default_names(), help = format!("Variants, comma-separated: {}, or NAME={{kind: {}, …}} (a hybrid.yaml; quote it)", attnlab::eval::decode_bench::names().iter().map(|n| n.0).collect::<Vec<_>>().join(", "), attnlab::attention::Variant::NAMES.join("|")))]
         attention: String,
         /// Write STEM-cache, STEM-decode and STEM-prefill charts (.png, .svg; needs the `analysis` feature).
         #[arg(long, value_name = "STEM")]

@@ -158,6 +158,9 @@ fn data_prepare_and_bench_run_on_cpu() {
     let still = 2.0 * 4.0 * (2.0 * (n_sel + n_win) * dh * 4.0 + (f * dh + f) * 4.0 + n_win * 4.0);
     assert_eq!(bytes("still"), still);
     assert!(bytes("lolcats") > 0.0 && bytes("still-budget") == still, "the budget (m = 384 for 4096 tokens) caps after 64 chunks");
+    // Liger-GLA (a registered hybrid, benched by default): the 64-token window's keys and values and
+    // S, z of D·D + D fp32 values per layer and head.
+    assert_eq!(bytes("liger-gla"), 2.0 * 4.0 * (2.0 * 64.0 * dh * 4.0 + (dh * dh + dh) * 4.0));
 }
 
 /// A tiny Llama teacher trains on the built-in corpus and exports as a Hugging Face folder;

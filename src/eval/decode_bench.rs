@@ -17,6 +17,12 @@ pub fn names() -> Vec<(&'static str, String)> {
     softmax.chain(Variant::decode_bench_models().into_iter().map(|(name, yaml, what)| (name, format!("{yaml}: {what}")))).collect()
 }
 
+/// What `--attention` benches when not given: vanilla, DAR and uniform, then every registered
+/// hybrid's bench-decode models.
+pub fn default_names() -> String {
+    ["vanilla", "dar", "uniform"].into_iter().chain(Variant::decode_bench_models().into_iter().map(|m| m.0)).collect::<Vec<_>>().join(",")
+}
+
 /// The hybrid operator of a hybrid's bench-decode name, or of `name={kind: …, …}` (any hybrid.yaml).
 fn hybrid_variant(name: &str) -> Option<Result<Variant>> {
     let yaml = match Variant::decode_bench_models().into_iter().find(|m| m.0 == name) {
