@@ -234,7 +234,7 @@ fn is_bottleneck_param(name: &str) -> bool {
 /// the calibration rows).
 fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, attention: &AttentionSpec, calibration: &[&PackedRow]) -> Result<Llama> {
     let mut m = Llama::new(&vs.root(), cfg.clone());
-    crate::model::hf::copy_into(vs, base.variables(), Path::new("base model"))?;
+    crate::model::weights::copy_into(vs, base.variables(), Path::new("base model"))?;
     if attention.has_bottleneck() {
         let init = match attention.init().unwrap_or_default() {
             AttentionInit::SmallInit => BottleneckInit::SmallInit,
