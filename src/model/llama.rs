@@ -77,7 +77,7 @@ impl LlamaConfig {
     /// Read a Hugging Face `config.json` (`rope_scaling` of transformers 4, or `rope_parameters` of 5);
     /// `model_type` llama (or absent) or olmo2.
     pub fn from_hf_json(text: &str) -> Result<LlamaConfig> {
-        let v: serde_json::Value = serde_json::from_str(text)?;
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| Error::Data(format!("config.json: {e}")))?;
         let get = |k: &str| v.get(k).filter(|x| !x.is_null());
         let family = match get("model_type").and_then(|x| x.as_str()) {
             None | Some("llama") | Some("mistral") => Family::Llama,

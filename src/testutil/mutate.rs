@@ -66,15 +66,19 @@ pub fn random(rng: &mut ChaCha8Rng, len: usize, region: &Range<usize>) -> Mutati
             let n = [1, 2, 4, 8][rng.random_range(0..4)];
             let (a, b) = (at(rng), at(rng));
             let (a, b) = (a.min(b), a.max(b));
-            if b - a < n || b + n > len {
+            if b - a < n || b + n > region.end {
                 Mutation::Flip { at: a, bit: rng.random_range(0..8) }
             } else {
                 Mutation::Swap { a, b, n }
             }
         }
         _ => {
+            // Written whole inside the region (a field of the header, not the payload after it).
             let width = [4, 8][rng.random_range(0..2)];
-            Mutation::Huge { at: at(rng), width, value: HUGE[rng.random_range(0..HUGE.len())] }
+            match region.end.checked_sub(width).filter(|&last| last >= region.start) {
+                Some(last) => Mutation::Huge { at: rng.random_range(region.start..=last), width, value: HUGE[rng.random_range(0..HUGE.len())] },
+                None => Mutation::Flip { at: at(rng), bit: rng.random_range(0..8) },
+            }
         }
     }
 }
@@ -152,8 +156,9 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         for _ in 0..1000 {
             match random(&mut rng, 16, &(4..10)) {
-                Mutation::Flip { at, .. } | Mutation::Insert { at, .. } | Mutation::Delete { at, .. } | Mutation::Huge { at, .. } => assert!((4..10).contains(&at)),
-                Mutation::Swap { a, b, n } => assert!((4..10).contains(&a) && (4..10).contains(&b) && a + n <= b),
+                Mutation::Huge { at, width, .. } => assert!(at >= 4 && at + width <= 10, "{at} + {width} leaves the region"),
+                Mutation::Flip { at, .. } | Mutation::Insert { at, .. } | Mutation::Delete { at, .. } => assert!((4..10).contains(&at)),
+                Mutation::Swap { a, b, n } => assert!((4..10).contains(&a) && a + n <= b && b + n <= 10),
                 Mutation::Truncate { len } => assert!(len < 16),
             }
         }

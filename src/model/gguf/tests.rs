@@ -480,7 +480,7 @@ fn hyperparameters_are_checked_against_the_tensors_before_anything_is_built() {
         ("llama.block_count", Value::Int(1 << 40), "llama.block_count = 1099511627776, but the file has tensors of blocks blk.0 to blk.1"),
         ("llama.block_count", Value::Int(1), "tensor `blk.1.attn_norm.weight` is not part of a llama model (llama.block_count = 1)"),
         ("llama.block_count", Value::Int(0), "llama.block_count = 0: expected at least 1"),
-        ("llama.embedding_length", Value::Int(1 << 40), "but the metadata (llama.vocab_size × llama.embedding_length) says [264, 1099511627776]"),
+        ("llama.embedding_length", Value::Int(1 << 40), "embedding_length"),
         ("llama.feed_forward_length", Value::Int(1 << 40), "llama.feed_forward_length"),
         ("llama.attention.head_count", Value::Int(3), "expected heads that divide the width into an even head dim"),
         ("llama.attention.head_count_kv", Value::Int(3), "KV heads that divide the heads"),
