@@ -127,19 +127,21 @@ while (( (kills < 8 || inside < 3) && round < 30 )); do
   done
 done
 # Kills aimed at stages of a checkpoint write (the test-only checkpoint-die-at: the writer SIGKILLs
-# itself there; src/train/checkpoint.rs aims 100 at every stage of the writer alone).
-[ -f kill/DONE ] && rm -rf kill
+# itself there; src/train/checkpoint.rs aims 100 at every stage of the writer alone), in a run of
+# their own: dies writing step 4 (twice), after renaming it, then while deleting it (keep 2, at 12).
 for stage in model hashed renamed pruning; do
-  rc=0; ATTNLAB_FAULT_INJECT=checkpoint-die-at=$stage "$BIN" train --quiet --out kill "${SETS[@]}" >/dev/null 2>&1 || rc=$?
+  rc=0; ATTNLAB_FAULT_INJECT=checkpoint-die-at=$stage "$BIN" train --quiet --out aimed "${SETS[@]}" >/dev/null 2>&1 || rc=$?
   [ $rc -eq 137 ] || fail "checkpoint-die-at=$stage: exit $rc, want 137 (killed at that stage)"
   kills=$((kills + 1)) inside=$((inside + 1))
-  for c in kill/checkpoints/*/; do
+  for c in aimed/checkpoints/*/; do
     [[ $c == *.tmp-* ]] && continue
     for f in model.safetensors optimizer.safetensors state.json; do
       [ -f "$c$f" ] || fail "the kill at $stage left an incomplete checkpoint $c (no $f)"
     done
   done
 done
+train aimed >/dev/null
+same aimed ref
 train kill >/dev/null
 same kill ref
 ! compgen -G "kill/checkpoints/*.corrupt*" >/dev/null || fail "a kill corrupted a checkpoint"
