@@ -7,6 +7,11 @@
 //! do not dequantize. Layout facts (all little-endian): magic `GGUF`, version (2 or 3), tensor count,
 //! metadata count; metadata `(key, type, value)`; tensor infos `(name, n_dims, dims innermost first,
 //! type, offset)`; tensor data after the infos at `general.alignment` (default 32).
+//!
+//! A GGUF comes from strangers: everything is validated before it is used (`Gguf::open`: the
+//! structure; `check_llama_tensors`: the hyperparameters against the tensors, before any layer is
+//! built; `tokenizer`: the vocabulary against the embedding table), errors naming the file's own
+//! keys and tensors.
 pub mod tokenizer;
 
 use super::{Llama, LlamaConfig};
