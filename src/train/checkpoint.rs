@@ -248,7 +248,10 @@ fn write_tmp(tmp: &Path, vs: &VarStore, opt: &AdamW, state: &State) -> Result<()
     super::fault::checkpoint_stage("hashed");
     let sp = tmp.join("state.json");
     let mut stored = Stored { state: state.clone(), sha256, checksum: None };
-    stored.checksum = Some(stored.checksum());
+    // Over the values a reader will parse: serde_json's float parsing need not give back the very
+    // f64 that was printed (elapsed_s), but parsing the same text always gives the same value.
+    let read_back: Stored = serde_json::from_str(&serde_json::to_string_pretty(&stored)?)?;
+    stored.checksum = Some(read_back.checksum());
     let text = serde_json::to_string_pretty(&stored)?;
     {
         use std::io::Write;
@@ -338,6 +341,20 @@ mod tests {
     fn save_at(run: &Path, step: u64, keep: usize) -> PathBuf {
         let (vs, opt) = model(step as f64);
         save(run, &vs, &opt, &State { step, tokens: step * 10, elapsed_s: 1.0 }, keep).unwrap()
+    }
+
+    /// state.json's checksum holds for elapsed times whose decimal form does not parse back to the
+    /// very same f64 (a real run's, not 1.0).
+    #[test]
+    fn the_state_checksum_holds_for_any_elapsed_time() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (vs, opt) = model(1.0);
+        let mut x = 0.1f64;
+        for step in 1..200u64 {
+            x = x * 1.37 + 1.0 / 3.0 + (step as f64).sqrt() * 1e-7;
+            let dir = save(tmp.path(), &vs, &opt, &State { step, tokens: step, elapsed_s: x }, 1).unwrap();
+            assert_eq!(verify(&dir), Ok(()), "elapsed_s {x:e}");
+        }
     }
 
     fn weight(vs: &VarStore) -> f64 {
