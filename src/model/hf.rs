@@ -70,7 +70,8 @@ pub fn check_config(cfg: &LlamaConfig, tensors: &HashMap<String, Tensor>, config
         tensors.keys().filter_map(|n| n.strip_prefix("model.layers.")?.split_once('.')?.0.parse().ok()).collect();
     let have = layers.last().map_or(0, |&l| l + 1);
     if have != cfg.num_hidden_layers {
-        return Err(bad(format!("num_hidden_layers = {}, but the weights have layers model.layers.0 to model.layers.{}", cfg.num_hidden_layers, have as i64 - 1)));
+        let range = if have == 0 { "no model.layers.N".to_string() } else { format!("layers model.layers.0 to model.layers.{}", have - 1) };
+        return Err(bad(format!("num_hidden_layers = {}, but the weights have {range}", cfg.num_hidden_layers)));
     }
     let shape = |name: &str| tensors.get(name).map(|t| t.size()).ok_or_else(|| bad(format!("the weights have no `{name}`")));
     let embed = shape("model.embed_tokens.weight")?;
