@@ -5,9 +5,9 @@
 #     scripts/fault_test.sh [ATTNLAB_BINARY [WORK_DIR]]     (default target/release/attnlab, a temp dir)
 #
 # FAULT_SEED=N replays one sequence of random kills (the seed is printed first). What it checks:
-#   1. SIGKILLs at random times, and some timed to land inside checkpoint writes (a .tmp- folder
-#      is there, held open by the test-only ATTNLAB_FAULT_INJECT=checkpoint-sleep-ms), then
-#      resuming until done → losses, eval.json and final weights bit-identical to an uninterrupted run.
+#   1. SIGKILLs at random times, some timed to land inside checkpoint writes (a .tmp- folder
+#      is there, held open by the test-only ATTNLAB_FAULT_INJECT=checkpoint-sleep-ms) and some
+#      aimed at stages of the write (checkpoint-die-at=STAGE), then resuming until done → losses, eval.json and final weights bit-identical to an uninterrupted run.
 #   2. A second writer on a run directory in use → refused at once (exit 75) naming the dir, the
 #      holder's pid and host (also through the data-parallel launcher); under data parallelism
 #      rank 0 holds the lock, and a SIGKILLed launcher takes its workers (and the lock) along;
@@ -126,6 +126,23 @@ while (( (kills < 8 || inside < 3) && round < 30 )); do
     done
   done
 done
+# Kills aimed at stages of a checkpoint write (the test-only checkpoint-die-at: the writer SIGKILLs
+# itself there; src/train/checkpoint.rs aims 100 at every stage of the writer alone), in a run of
+# their own: dies writing step 4 (twice), after renaming it, then while deleting it (keep 2, at 12).
+for stage in model hashed renamed pruning; do
+  # (In braces with stderr closed: bash would report "Killed" for each.)
+  rc=0; { ATTNLAB_FAULT_INJECT=checkpoint-die-at=$stage "$BIN" train --quiet --out aimed "${SETS[@]}" >/dev/null 2>&1; } 2>/dev/null || rc=$?
+  [ $rc -eq 137 ] || fail "checkpoint-die-at=$stage: exit $rc, want 137 (killed at that stage)"
+  kills=$((kills + 1)) inside=$((inside + 1))
+  for c in aimed/checkpoints/*/; do
+    [[ $c == *.tmp-* ]] && continue
+    for f in model.safetensors optimizer.safetensors state.json; do
+      [ -f "$c$f" ] || fail "the kill at $stage left an incomplete checkpoint $c (no $f)"
+    done
+  done
+done
+train aimed >/dev/null
+same aimed ref
 train kill >/dev/null
 same kill ref
 ! compgen -G "kill/checkpoints/*.corrupt*" >/dev/null || fail "a kill corrupted a checkpoint"

@@ -234,7 +234,7 @@ fn is_bottleneck_param(name: &str) -> bool {
 /// the calibration rows).
 fn build_model(vs: &VarStore, base: &VarStore, cfg: &LlamaConfig, attention: &AttentionSpec, calibration: &[&PackedRow]) -> Result<Llama> {
     let mut m = Llama::new(&vs.root(), cfg.clone());
-    crate::model::hf::copy_into(vs, base.variables(), Path::new("base model"))?;
+    crate::model::weights::copy_into(vs, base.variables(), Path::new("base model"))?;
     if attention.has_bottleneck() {
         let init = match attention.init().unwrap_or_default() {
             AttentionInit::SmallInit => BottleneckInit::SmallInit,
@@ -595,11 +595,19 @@ mod tests {
             ("{kind: vanilla, impl: sdpa}", "attention.impl"),
             ("{kind: dar, d_down: 8, init: svd}", "init"),
             ("{kind: still}", "kind"),
+            // A value of the wrong type names its key too.
+            ("{kind: dar, d_down: sixteen}", "`attention.d_down`: invalid type: string \"sixteen\""),
         ];
         for (attention, key) in cases {
             let e = ft(&format!("attention: {attention}\n")).unwrap_err().to_string();
             assert!(e.contains(key), "{attention}: {e}");
         }
+        // From a file: the key's line too.
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("ft.yaml");
+        std::fs::write(&f, "base: b\nattention:\n  kind: dar\n  window: wide\ndata: {train: {path: x.jsonl}}\noutput: o\n").unwrap();
+        let e = FinetuneSpec::from_file(&f, &[]).unwrap_err().to_string();
+        assert!(e.contains("ft.yaml: `attention.window` (line 4): invalid type: string \"wide\""), "{e}");
         // And pca is a fine-tuning start only: a pretraining spec refuses it.
         let e = crate::spec::from_str("attention: {kind: dar, d_down: 8, init: pca}\ndata: {train: {synthetic: {docs: 4}}}\ntrain: {steps: 1}\n", "t.yaml", &[]).unwrap_err().to_string();
         assert!(e.contains("attention.init") && e.contains("finetune"), "{e}");

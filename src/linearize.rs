@@ -330,7 +330,7 @@ pub fn load_teacher(teacher: &str, tokenizer: Option<&TokenizerSpec>, device: De
         };
         (loaded.vs, m.cfg.clone())
     } else {
-        let (vs, m) = crate::model::hf::load_pretrained(teacher, device)?;
+        let (vs, m) = crate::model::load_pretrained(teacher, device)?;
         (vs, m.cfg.clone())
     };
     Ok((vs, cfg, teacher_tokenizer(teacher, tokenizer)?))

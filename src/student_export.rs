@@ -9,7 +9,7 @@ use crate::attention::still::Probe;
 use crate::attention::{Attention, Variant};
 use crate::data::Tok;
 use crate::model::hf;
-use crate::model::llama::{Llama, LlamaConfig, Pass};
+use crate::model::llama::{Llama, Pass};
 use crate::run_kind::RunKind;
 use crate::spec::TokenizerSpec;
 use crate::{Error, IoContext, Result};
@@ -100,13 +100,14 @@ impl Llama {
     /// `attention.linear_branch=false`, `attention.normalizer=max_compensated`. LoRA merged, no adapters.
     pub fn load_export_with(dir: &Path, device: tch::Device, overrides: &[String]) -> Result<(nn::VarStore, Llama)> {
         let read = |name: &str| std::fs::read_to_string(dir.join(name)).at(dir.join(name));
-        let mut cfg = LlamaConfig::from_hf_json(&read("config.json")?)?;
+        let mut cfg = hf::read_config(dir)?;
         cfg.attention = Attention::Linearized(variant_with_overrides(&read(EXPORT_VARIANT)?, overrides, &dir.join(EXPORT_VARIANT))?);
+        let file = dir.join(EXPORT_WEIGHTS);
+        let tensors: std::collections::HashMap<String, Tensor> = crate::model::weights::read_safetensors(&file)?.into_iter().collect();
+        hf::check_config(&cfg, &tensors, &dir.join("config.json"))?;
         let vs = nn::VarStore::new(device);
         let m = Llama::build(&vs.root(), cfg)?;
-        let file = dir.join(EXPORT_WEIGHTS);
-        let tensors = Tensor::read_safetensors(&file).map_err(|e| Error::Data(format!("{}: {e}", file.display())))?;
-        hf::copy_into(&vs, tensors.into_iter().collect(), &file)?;
+        crate::model::weights::copy_into(&vs, tensors, &file)?;
         Ok((vs, m))
     }
 

@@ -1,6 +1,8 @@
 //! Test helpers: the shared data folder's files, from `$ATTNLAB_SHARED`, `../shared` beside the
 //! crate, or the gzip'd copies vendored in `tests/fixtures/shared` (so a clean clone tests alone).
 use std::io::Read;
+
+pub mod mutate;
 use std::path::PathBuf;
 
 /// Text of `rel` (e.g. `data/tokenizers/gpt-neox-20b.json`) from the first root that has it, plain or

@@ -304,3 +304,31 @@ fn a_key_of_one_kind_is_refused_by_the_others() {
     // Null keys are unset: `{kind: lolcats, feature_map: null}` is LoLCATs' defaults.
     assert_eq!(attention("{kind: lolcats, feature_map: null, routing: null}"), attention("{kind: lolcats}"));
 }
+
+/// A value of the wrong type under any key of any registered kind names the key path and its line
+/// in the spec file, in block and in flow form (serde alone names neither for a kind's options).
+#[test]
+fn a_wrong_type_under_any_kind_names_the_key_and_its_line() {
+    let rest = "data: {train: {synthetic: {docs: 4}}}\ntrain: {steps: 1}\n";
+    for kind in AttentionKind::ALL {
+        let mut spec = kind.spec();
+        spec.resolve(64).unwrap();
+        let serde_yaml::Value::Mapping(m) = serde_yaml::to_value(&spec).unwrap() else { panic!("{kind:?}: not a mapping") };
+        let keys: Vec<&str> = m.keys().filter_map(|k| k.as_str()).filter(|&k| k != "kind").collect();
+        assert!(!keys.is_empty(), "{kind:?} has no options");
+        for key in keys {
+            let block = format!("# {kind:?}\nattention:\n  kind: {}\n  {key}: [1, 2]\n{rest}", kind.name());
+            let e = crate::spec::from_str(&block, "t.yaml", &[]).unwrap_err().to_string();
+            assert!(e.contains(&format!("t.yaml: `attention.{key}` (line 4): invalid type: sequence")), "{kind:?} {key}: {e}");
+            let flow = format!("attention: {{kind: {}, {key}: [1, 2]}}\n{rest}", kind.name());
+            let e = crate::spec::from_str(&flow, "t.yaml", &[]).unwrap_err().to_string();
+            assert!(e.contains(&format!("t.yaml: `attention.{key}` (line 1): invalid type: sequence")), "{kind:?} {key}: {e}");
+        }
+    }
+    // The case of the issue: once "attention (kind: dar): invalid type: string "sixteen", expected i64 at line 2 column 1".
+    let e = crate::spec::from_str(&format!("attention:\n  kind: dar\n  d_down: sixteen\n{rest}"), "t.yaml", &[]).unwrap_err().to_string();
+    assert!(e.contains("t.yaml: `attention.d_down` (line 3): invalid type: string \"sixteen\", expected i64 (kind: dar)"), "{e}");
+    // Through --set the key is named too (the value is not in the file, its key's line is).
+    let e = crate::spec::from_str(&format!("attention: {{kind: sink}}\n{rest}"), "t.yaml", &["attention.sinks=four".into()]).unwrap_err().to_string();
+    assert!(e.contains("`attention.sinks`") && e.contains("four"), "{e}");
+}

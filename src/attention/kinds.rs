@@ -431,10 +431,16 @@ impl<'de> Deserialize<'de> for AttentionSpec {
             Some(Value::String(name)) => AttentionKind::from_name(&name).ok_or_else(|| D::Error::custom(format!("unknown attention kind `{name}` (one of {})", AttentionKind::names())))?,
             Some(other) => return Err(D::Error::custom(format!("attention.kind: expected a name, got {other:?}"))),
         };
-        kind.read(map).map_err(|e| {
-            // Name the key as a spec writes it: "attention.d_down: unknown field `d_down` …".
+        kind.read(map.clone()).map_err(|e| {
+            // Name the key as a spec writes it: "`attention.d_down`: unknown field `d_down` …". serde
+            // names no key for a value of the wrong type: it is the key whose value alone fails to
+            // read (every option has a default, so one key alone reads when its value is right).
             let msg = e.to_string();
-            match msg.strip_prefix("unknown field `").and_then(|rest| rest.split('`').next()) {
+            let key = match msg.strip_prefix("unknown field `").and_then(|rest| rest.split('`').next()) {
+                Some(key) => Some(key.to_string()),
+                None => map.iter().find(|(k, v)| kind.read(Mapping::from_iter([((*k).clone(), (*v).clone())])).is_err()).and_then(|(k, _)| k.as_str().map(str::to_string)),
+            };
+            match key {
                 Some(key) => D::Error::custom(format!("`attention.{key}`: {msg} (kind: {})", kind.name())),
                 None => D::Error::custom(format!("attention (kind: {}): {msg}", kind.name())),
             }

@@ -83,16 +83,26 @@ impl Index {
             return Err(bad(format!("{} bytes, but its header ({sequences} sequences, {doc_entries} document entries) needs {need}", map.len())));
         }
         let idx = Index { path: path.to_path_buf(), dtype, sequences, doc_entries, map };
-        if doc_entries > 0 && (idx.doc_idx(0) != 0 || idx.doc_idx(doc_entries - 1) as usize != sequences) {
+        if doc_entries > 0 && (idx.doc_idx(0) != 0 || idx.doc_idx(doc_entries - 1) as u64 != sequences as u64) {
             return Err(bad(format!("document index runs {}..{}, want 0..{sequences}", idx.doc_idx(0), idx.doc_idx(doc_entries - 1))));
+        }
+        if let Some(d) = (1..doc_entries).find(|&d| idx.doc_idx(d) < idx.doc_idx(d - 1)) {
+            return Err(bad(format!("document index entry {d} is {}, below entry {} ({}): documents are runs of sequences in order", idx.doc_idx(d), d - 1, idx.doc_idx(d - 1))));
+        }
+        if let Some(s) = (0..sequences).find(|&s| idx.size_raw(s) < 0) {
+            return Err(bad(format!("sequence {s} has {} tokens", idx.size_raw(s))));
         }
         Ok(idx)
     }
 
-    /// Tokens of sequence `i`.
-    pub fn size(&self, i: usize) -> usize {
+    fn size_raw(&self, i: usize) -> i32 {
         let at = HEADER + 4 * i;
-        i32::from_le_bytes(self.map[at..at + 4].try_into().expect("4 bytes")) as usize
+        i32::from_le_bytes(self.map[at..at + 4].try_into().expect("4 bytes"))
+    }
+
+    /// Tokens of sequence `i` (never negative: checked by `open`).
+    pub fn size(&self, i: usize) -> usize {
+        self.size_raw(i) as usize
     }
 
     /// Byte offset of sequence `i` in the `.bin`.
@@ -193,7 +203,16 @@ impl MegatronData {
                             s.wrapping_sub(1)
                         )));
                     }
-                    end += (i.size(s) * dtype.size()) as u64;
+                    // At most 2^31 tokens of at most 8 bytes each: only the sum can overflow.
+                    end = end.checked_add((i.size(s) * dtype.size()) as u64).ok_or_else(|| Error::Data(format!("{}: sequence {s} ends past byte 2^64", i.path.display())))?;
+                }
+                if first != 0 || end < pieces.len {
+                    return Err(Error::Data(format!(
+                        "{}: its sequences cover bytes {first}..{end} of {}, which has {} bytes: the index and the .bin do not belong together",
+                        i.path.display(),
+                        pieces.names(),
+                        pieces.len
+                    )));
                 }
                 if end > pieces.len {
                     return Err(Error::Data(format!(
@@ -338,6 +357,45 @@ mod tests {
         whole.read(3, whole.len() - 3, &mut x);
         split.read(3, split.len() - 3, &mut y);
         assert_eq!(x, y);
+    }
+
+    /// Random single defects of an index (sizes, pointers, document entries, counts, dtype): each
+    /// refused naming the file, or the token stream reads as the original's (document boundaries are
+    /// free: any increasing split of the sequences is a valid index). Then every truncation of the .bin.
+    #[test]
+    fn mutated_indexes_are_refused_or_read_the_same_tokens() {
+        let set = &expected()["datasets"][0];
+        let prefix = set["prefix"].as_str().unwrap();
+        let (idx, bin) = (fixture(&format!("{prefix}.idx")), fixture(&format!("{prefix}.bin")));
+        let stream = |idx: &Path, bin: &Path| -> Result<Vec<i64>> {
+            let d = MegatronData::open(&[bin.to_path_buf()], Some(idx), None)?;
+            let mut out = Vec::new();
+            d.read(0, d.len(), &mut out);
+            for doc in 0..d.index.as_ref().unwrap().documents() {
+                d.document(doc)?;
+            }
+            Ok(out)
+        };
+        let want = stream(&idx, &bin).unwrap();
+        let original = std::fs::read(&idx).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let t = crate::testutil::mutate::run("megatron .idx", &original, &dir.path().join("m.idx"), 0..original.len(), 38, 1000, 1 << 28, |p| match stream(p, &bin) {
+            Ok(got) if got == want => Ok(crate::testutil::mutate::Loaded::Same),
+            Ok(got) => Ok(crate::testutil::mutate::Loaded::Differs(format!("{} tokens", got.len()))),
+            Err(e) => Err(e.to_string()),
+        });
+        assert!(t.refused > t.tried / 2, "{t:?}");
+        let bytes = std::fs::read(&bin).unwrap();
+        for len in 0..bytes.len() {
+            let cut = dir.path().join("cut.bin");
+            std::fs::write(&cut, &bytes[..len]).unwrap();
+            let e = stream(&idx, &cut).err().unwrap().to_string();
+            assert!(e.contains("cut.bin"), "{len}: {e}");
+        }
+        let long = dir.path().join("long.bin");
+        std::fs::write(&long, [bytes.as_slice(), &[0, 0]].concat()).unwrap();
+        let e = stream(&idx, &long).err().unwrap().to_string();
+        assert!(e.contains("do not belong together"), "{e}");
     }
 
     #[test]

@@ -18,6 +18,15 @@ pub fn parse_token_ids(text: &str, origin: &Path, vocab: i64) -> Result<Vec<i64>
     Ok(ids)
 }
 
+/// The prompt's ids (from `tokenizer`) all rows of the model's embedding table (`vocab` rows): a
+/// tokenizer larger than the model it came with would otherwise fail inside torch at the first forward.
+pub fn check_prompt_ids(ids: &[u32], vocab: usize, tokenizer: &str) -> Result<()> {
+    match ids.iter().find(|&&i| i as usize >= vocab) {
+        Some(bad) => Err(Error::Data(format!("the prompt has token id {bad} (tokenizer {tokenizer}), outside the model's embedding table of {vocab} rows: the tokenizer does not belong to the model"))),
+        None => Ok(()),
+    }
+}
+
 /// `attnlab forward`: float32 logits `[n, vocab]` of the ids in `tokens` under `run` (anything
 /// `generate::load` reads; checkpoint `step`, default the newest) into the safetensors file `out` (tensor `logits`). Returns its shape.
 pub fn forward_file(run: &Path, tokens: &Path, out: &Path, step: Option<u64>, device: Option<&str>) -> Result<Vec<i64>> {
@@ -56,6 +65,7 @@ pub fn continue_prompt(run: &Path, prompt: &str, chat: bool, max_new_tokens: usi
     if ids.is_empty() {
         return Err(Error::Other("the prompt encodes to no tokens".into()));
     }
+    check_prompt_ids(&ids, loaded.model.vocab(), &loaded.tok.origin)?;
     let stats = generate::generate(&loaded.model, &ids, max_new_tokens, sampling, Some(loaded.eos), loaded.device);
     Ok(Continuation { text: loaded.tok.decode(&stats.tokens)?, prompt, stats })
 }
@@ -73,5 +83,8 @@ mod tests {
         let e = parse_token_ids("1 4", f, 4).unwrap_err().to_string();
         assert!(e.contains("token id 4 is outside the vocabulary [0, 4)"), "{e}");
         assert!(parse_token_ids("0 -1", f, 4).is_err());
+        assert!(check_prompt_ids(&[0, 3], 4, "t.json").is_ok());
+        let e = check_prompt_ids(&[0, 4, 1], 4, "t.json").unwrap_err().to_string();
+        assert!(e.contains("token id 4 (tokenizer t.json), outside the model's embedding table of 4 rows"), "{e}");
     }
 }

@@ -7,6 +7,11 @@
 //! do not dequantize. Layout facts (all little-endian): magic `GGUF`, version (2 or 3), tensor count,
 //! metadata count; metadata `(key, type, value)`; tensor infos `(name, n_dims, dims innermost first,
 //! type, offset)`; tensor data after the infos at `general.alignment` (default 32).
+//!
+//! A GGUF comes from strangers: everything is validated before it is used (`Gguf::open`: the
+//! structure; `check_llama_tensors`: the hyperparameters against the tensors, before any layer is
+//! built; `tokenizer`: the vocabulary against the embedding table), errors naming the file's own
+//! keys and tensors.
 pub mod tokenizer;
 
 use super::{Llama, LlamaConfig};
@@ -89,11 +94,46 @@ impl DType {
     }
 }
 
+/// (elements per block, bytes per block) of every type id ggml defines (ggml-common.h's block
+/// structs), also the ones this reader does not dequantize: every tensor's bytes are checked to lie
+/// where the table says. None for ids ggml never had or has dropped (Q4_2, Q4_3, the repacked 4×4s).
+fn layout(id: u32) -> Option<(u64, u64)> {
+    Some(match id {
+        0 | 26 => (1, 4),
+        1 | 25 | 30 => (1, 2),
+        24 => (1, 1),
+        27 | 28 => (1, 8),
+        2 | 20 => (32, 18),
+        3 => (32, 20),
+        6 => (32, 22),
+        7 => (32, 24),
+        8 => (32, 34),
+        9 => (32, 36),
+        39 => (32, 17),
+        10 => (256, 84),
+        11 | 21 => (256, 110),
+        12 => (256, 144),
+        13 => (256, 176),
+        14 => (256, 210),
+        15 => (256, 292),
+        16 | 35 => (256, 66),
+        17 => (256, 74),
+        18 => (256, 98),
+        19 => (256, 50),
+        22 => (256, 82),
+        23 => (256, 136),
+        29 => (256, 56),
+        34 => (256, 54),
+        _ => return None,
+    })
+}
+
 /// The name of a ggml type id, for errors about the ones not read here.
 pub fn type_name(id: u32) -> String {
-    const NAMES: [&str; 31] = [
+    const NAMES: [&str; 40] = [
         "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S",
-        "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M", "BF16",
+        "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M", "BF16", "Q4_0_4_4", "Q4_0_4_8", "Q4_0_8_8", "TQ1_0", "TQ2_0", "IQ4_NL_4_4", "IQ4_NL_4_8",
+        "IQ4_NL_8_8", "MXFP4",
     ];
     NAMES.get(id as usize).map_or_else(|| format!("type {id}"), |n| n.to_string())
 }
@@ -102,7 +142,8 @@ pub fn type_name(id: u32) -> String {
 #[derive(Debug, Clone)]
 pub struct TensorInfo {
     pub name: String,
-    /// As stored: innermost (contiguous) dimension first.
+    /// As stored: innermost (contiguous) dimension first. Each ≥ 1, their product ≤ i64::MAX
+    /// (checked by [`Gguf::open`]).
     pub dims: Vec<u64>,
     /// ggml type id.
     pub type_id: u32,
@@ -121,14 +162,38 @@ impl TensorInfo {
     }
 }
 
-/// An opened GGUF file (memory-mapped).
+/// An opened GGUF file (memory-mapped), its header, metadata and tensor table validated.
 pub struct Gguf {
     pub path: PathBuf,
     pub version: u32,
     pub metadata: BTreeMap<String, Value>,
     pub tensors: Vec<TensorInfo>,
+    /// `general.alignment` (default 32): of the data section and of every tensor's offset.
+    pub alignment: u64,
     data_start: u64,
     map: memmap2::Mmap,
+}
+
+/// Metadata arrays nest at most this deep (llama.cpp writes flat arrays): a file cannot make the
+/// reader recurse without bound.
+const MAX_DEPTH: usize = 8;
+/// The fewest bytes one tensor-table entry takes: name length, n_dims, type and offset.
+const MIN_TENSOR_INFO: u64 = 8 + 4 + 4 + 8;
+/// The fewest bytes one metadata entry takes: key length, value type and a one-byte value.
+const MIN_KV: u64 = 8 + 4 + 1;
+/// ggml's GGML_MAX_DIMS.
+const MAX_DIMS: u32 = 4;
+
+/// The fewest bytes a metadata value of type `ty` takes (None: not a GGUF value type).
+fn min_value_bytes(ty: u32) -> Option<u64> {
+    Some(match ty {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        8 | 10..=12 => 8,
+        9 => 12,
+        _ => return None,
+    })
 }
 
 /// A little-endian cursor over the file that names what it was reading when the bytes ran out.
@@ -139,115 +204,226 @@ struct Cursor<'a> {
 }
 
 impl<'a> Cursor<'a> {
-    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
-        let end = self.at.checked_add(n).filter(|&e| e <= self.buf.len());
-        let Some(end) = end else {
-            return Err(Error::Data(format!("{}: truncated: {what} needs {n} bytes at offset {}, the file has {}", self.path.display(), self.at, self.buf.len())));
-        };
-        let s = &self.buf[self.at..end];
-        self.at = end;
+    fn bad(&self, msg: String) -> Error {
+        Error::Data(format!("{}: {msg}", self.path.display()))
+    }
+    fn left(&self) -> u64 {
+        (self.buf.len() - self.at) as u64
+    }
+    fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8]> {
+        if n > self.left() {
+            return Err(self.bad(format!("truncated: {what} needs {n} bytes at offset {}, the file has {}", self.at, self.buf.len())));
+        }
+        let s = &self.buf[self.at..self.at + n as usize];
+        self.at += n as usize;
         Ok(s)
     }
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
+        Ok(self.take(N as u64, what)?.try_into().expect("N bytes"))
+    }
     fn u32(&mut self, what: &str) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(self.array(what)?))
     }
     fn u64(&mut self, what: &str) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(self.array(what)?))
     }
     fn string(&mut self, what: &str) -> Result<String> {
         let n = self.u64(what)?;
-        let bytes = self.take(usize::try_from(n).unwrap_or(usize::MAX), what)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| Error::Data(format!("{}: {what} is not UTF-8", self.path.display())))
+        if n > self.left() {
+            return Err(self.bad(format!("truncated: {what} is a string of {n} bytes, but only {} bytes are left in the file", self.left())));
+        }
+        let bytes = self.take(n, what)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| self.bad(format!("{what} is not UTF-8")))
     }
-    fn value(&mut self, ty: u32, what: &str) -> Result<Value> {
-        let b = |c: &mut Self, n| c.take(n, what);
+    /// A value of type `ty`, `depth` arrays deep.
+    fn value(&mut self, ty: u32, what: &str, depth: usize) -> Result<Value> {
         Ok(match ty {
-            0 => Value::Int(b(self, 1)?[0] as i64),
-            1 => Value::Int(b(self, 1)?[0] as i8 as i64),
-            2 => Value::Int(u16::from_le_bytes(b(self, 2)?.try_into().expect("2")) as i64),
-            3 => Value::Int(i16::from_le_bytes(b(self, 2)?.try_into().expect("2")) as i64),
+            0 => Value::Int(self.array::<1>(what)?[0] as i64),
+            1 => Value::Int(self.array::<1>(what)?[0] as i8 as i64),
+            2 => Value::Int(u16::from_le_bytes(self.array(what)?) as i64),
+            3 => Value::Int(i16::from_le_bytes(self.array(what)?) as i64),
             4 => Value::Int(self.u32(what)? as i64),
             5 => Value::Int(self.u32(what)? as i32 as i64),
             6 => Value::Float(f32::from_bits(self.u32(what)?) as f64),
-            7 => Value::Bool(b(self, 1)?[0] != 0),
+            7 => match self.array::<1>(what)?[0] {
+                b @ 0..=1 => Value::Bool(b == 1),
+                b => return Err(self.bad(format!("{what}: a bool stored as {b} (0 or 1)"))),
+            },
             8 => Value::Str(self.string(what)?),
             9 => {
-                let inner = self.u32(what)?;
-                let n = self.u64(what)?;
-                if n > (self.buf.len() - self.at) as u64 {
-                    return Err(Error::Data(format!("{}: truncated: {what} claims {n} elements, more than the bytes left", self.path.display())));
+                if depth >= MAX_DEPTH {
+                    return Err(self.bad(format!("{what}: arrays nested more than {MAX_DEPTH} deep")));
                 }
-                (0..n).map(|_| self.value(inner, what)).collect::<Result<Vec<_>>>().map(Value::Array)?
+                let inner = self.u32(what)?;
+                let Some(min) = min_value_bytes(inner) else {
+                    return Err(self.bad(format!("{what}: array of unknown metadata value type {inner} (0 to 12)")));
+                };
+                let n = self.u64(what)?;
+                // Bounded by the bytes left before anything is allocated.
+                if n.checked_mul(min).is_none_or(|b| b > self.left()) {
+                    return Err(self.bad(format!("truncated: {what} claims {n} elements of at least {min} bytes, but only {} bytes are left", self.left())));
+                }
+                (0..n).map(|_| self.value(inner, what, depth + 1)).collect::<Result<Vec<_>>>().map(Value::Array)?
             }
             10 => Value::UInt(self.u64(what)?),
             11 => Value::Int(self.u64(what)? as i64),
             12 => Value::Float(f64::from_bits(self.u64(what)?)),
-            t => return Err(Error::Data(format!("{}: {what}: unknown metadata value type {t}", self.path.display()))),
+            t => return Err(self.bad(format!("{what}: unknown metadata value type {t} (0 to 12)"))),
         })
     }
 }
 
 impl Gguf {
-    /// Read the header, metadata and tensor table of `path` (tensor data stays mapped, unread).
+    /// Read and validate the header, metadata and tensor table of `path` (tensor data stays mapped,
+    /// unread): counts and lengths bounded by the bytes left, keys and tensor names unique, every
+    /// tensor's type known, its offset aligned and its bytes inside the file, the tensors packed in
+    /// the data section without overlaps or gaps (as every GGUF writer lays them out, so a changed
+    /// type, shape or offset cannot go unnoticed).
     pub fn open(path: &Path) -> Result<Gguf> {
+        let bad = |msg: String| Error::Data(format!("{}: {msg}", path.display()));
+        let meta = std::fs::metadata(path).at(path)?;
+        if meta.is_dir() {
+            return Err(bad("is a directory, not a GGUF file (name the .gguf file itself)".into()));
+        }
+        if !meta.is_file() {
+            return Err(bad("is not a regular file (a GGUF model is a .gguf file)".into()));
+        }
         let file = std::fs::File::open(path).at(path)?;
         // SAFETY: read-only map of a file we do not write; a concurrent writer is the caller's problem.
         let map = unsafe { memmap2::Mmap::map(&file) }.at(path)?;
         let mut c = Cursor { buf: &map, at: 0, path };
         let magic = c.take(4, "the magic number")?;
         if magic != b"GGUF" {
-            return Err(Error::Data(format!("{}: not a GGUF file (magic {:?}, want \"GGUF\")", path.display(), String::from_utf8_lossy(magic))));
+            return Err(bad(format!("not a GGUF file (magic {:?}, want \"GGUF\")", String::from_utf8_lossy(magic))));
         }
         let version = c.u32("the version")?;
         if !(2..=3).contains(&version) {
-            return Err(Error::Data(format!("{}: GGUF version {version} is not supported (2 or 3)", path.display())));
+            return Err(bad(format!("GGUF version {version} is not supported (2 or 3)")));
         }
         let n_tensors = c.u64("the tensor count")?;
         let n_kv = c.u64("the metadata count")?;
+        let left = c.left();
+        if n_kv.checked_mul(MIN_KV).is_none_or(|b| b > left) || n_tensors.checked_mul(MIN_TENSOR_INFO).is_none_or(|b| b > left) {
+            return Err(bad(format!(
+                "truncated: the header claims {n_kv} metadata entries (at least {MIN_KV} bytes each) and {n_tensors} tensors (at least {MIN_TENSOR_INFO} bytes each), but only {left} bytes follow"
+            )));
+        }
         let mut metadata = BTreeMap::new();
         for i in 0..n_kv {
             let key = c.string(&format!("metadata key {i}"))?;
+            if metadata.contains_key(&key) {
+                return Err(bad(format!("metadata key `{key}` appears twice (again as entry {i})")));
+            }
             let ty = c.u32(&format!("the type of `{key}`"))?;
-            let v = c.value(ty, &format!("metadata `{key}`"))?;
+            let v = c.value(ty, &format!("metadata `{key}`"), 0)?;
             metadata.insert(key, v);
         }
-        let mut tensors = Vec::new();
+        let mut tensors: Vec<TensorInfo> = Vec::new();
+        let mut names: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
         for i in 0..n_tensors {
             let name = c.string(&format!("tensor name {i}"))?;
+            if let Some(j) = names.insert(name.clone(), i) {
+                return Err(bad(format!("tensor `{name}` appears twice in the tensor table (entries {j} and {i})")));
+            }
             let what = format!("tensor `{name}`");
             let n_dims = c.u32(&what)?;
-            if n_dims > 4 {
-                return Err(Error::Data(format!("{}: {what} has {n_dims} dimensions (at most 4)", path.display())));
+            if !(1..=MAX_DIMS).contains(&n_dims) {
+                return Err(bad(format!("{what} has {n_dims} dimensions (1 to {MAX_DIMS})")));
             }
             let dims = (0..n_dims).map(|_| c.u64(&what)).collect::<Result<Vec<_>>>()?;
+            let elements = dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d)).filter(|&n| n <= i64::MAX as u64);
+            if dims.contains(&0) || elements.is_none() {
+                return Err(bad(format!("{what} has dimensions {dims:?}: each must be at least 1 and their product at most 2^63 - 1")));
+            }
             let type_id = c.u32(&what)?;
+            if layout(type_id).is_none() {
+                return Err(bad(format!("{what} has type id {type_id} ({}), which is not a ggml tensor type", type_name(type_id))));
+            }
             let offset = c.u64(&what)?;
             tensors.push(TensorInfo { name, dims, type_id, offset });
         }
-        let align = match metadata.get("general.alignment") {
+        let alignment = match metadata.get("general.alignment") {
             None => 32,
-            Some(v) => v.as_u64().filter(|&a| a > 0).ok_or_else(|| Error::Data(format!("{}: general.alignment = {v:?} is not a positive integer", path.display())))?,
+            Some(v) => v
+                .as_u64()
+                .filter(|a| a.is_power_of_two() && *a <= u32::MAX as u64)
+                .ok_or_else(|| bad(format!("general.alignment = {v:?}: expected a power of two (32 by default)")))?,
         };
-        let data_start = (c.at as u64).div_ceil(align) * align;
-        let g = Gguf { path: path.to_path_buf(), version, metadata, tensors, data_start, map };
-        for t in &g.tensors {
-            if let Some(ty) = DType::of(t.type_id) {
-                let end = g.data_start + t.offset + g.byte_len(t, ty)?;
-                if end > g.map.len() as u64 {
-                    return Err(Error::Data(format!("{}: truncated: tensor `{}` ends at byte {end}, the file has {}", path.display(), t.name, g.map.len())));
-                }
-            }
-        }
+        let header_end = c.at as u64;
+        let data_start = header_end.div_ceil(alignment) * alignment;
+        let g = Gguf { path: path.to_path_buf(), version, metadata, tensors, alignment, data_start, map };
+        g.check_data_section(header_end)?;
         Ok(g)
     }
 
-    fn byte_len(&self, t: &TensorInfo, ty: DType) -> Result<u64> {
-        let (per, bytes) = ty.block();
-        let inner = t.dims.first().copied().unwrap_or(1);
-        if inner % per != 0 {
-            return Err(Error::Data(format!("{}: tensor `{}`: innermost dimension {inner} is not a multiple of the {:?} block ({per})", self.path.display(), t.name, ty)));
+    /// Every tensor's bytes aligned, inside the file, and packed: sorted by offset, each starts where
+    /// the one before ends (padded to the alignment), the first at 0, and the file ends within the
+    /// padding after the last.
+    fn check_data_section(&self, header_end: u64) -> Result<()> {
+        let bad = |msg: String| Error::Data(format!("{}: {msg}", self.path.display()));
+        let (align, file_len) = (self.alignment, self.map.len() as u64);
+        let mut spans = Vec::with_capacity(self.tensors.len());
+        for (i, t) in self.tensors.iter().enumerate() {
+            let len = self.byte_len(t)?;
+            if t.offset % align != 0 {
+                return Err(bad(format!("tensor `{}`: data offset {} is not a multiple of general.alignment ({align})", t.name, t.offset)));
+            }
+            let end = t.offset.checked_add(len).filter(|&e| self.data_start.checked_add(e).is_some_and(|e| e <= file_len));
+            let Some(end) = end else {
+                return Err(bad(format!(
+                    "truncated: tensor `{}` ends at byte {} ({len} bytes at data offset {}, data from byte {}), the file has {file_len}",
+                    t.name,
+                    (self.data_start as u128) + (t.offset as u128) + (len as u128),
+                    t.offset,
+                    self.data_start
+                )));
+            };
+            spans.push((t.offset, end, i));
         }
-        Ok(t.elements() / per * bytes)
+        spans.sort_unstable();
+        let mut next = 0u64;
+        let mut prev: Option<(u64, usize)> = None;
+        for &(start, end, i) in &spans {
+            let name = &self.tensors[i].name;
+            if start != next {
+                return Err(bad(match prev {
+                    None => format!("tensor `{name}` is the first in the data section but starts at data offset {start}, not 0"),
+                    Some((prev_end, p)) if start < prev_end => {
+                        format!("tensor `{name}` (data bytes {start}..{end}) overlaps tensor `{}` (data bytes ..{prev_end})", self.tensors[p].name)
+                    }
+                    Some((prev_end, p)) => format!(
+                        "tensor `{name}` starts at data offset {start}, but `{}` before it ends at {prev_end} ({next} padded to general.alignment {align}): GGUF tensors are packed without gaps",
+                        self.tensors[p].name
+                    ),
+                }));
+            }
+            next = end.div_ceil(align) * align;
+            prev = Some((end, i));
+        }
+        let (min_end, max_end) = match prev {
+            Some((end, _)) => (self.data_start + end, self.data_start + next),
+            None => (header_end, self.data_start),
+        };
+        debug_assert!(file_len >= min_end);
+        if file_len > max_end {
+            return Err(bad(format!("{} bytes follow the end of the tensor data (byte {min_end}; the file has {file_len})", file_len - max_end)));
+        }
+        Ok(())
+    }
+
+    /// The bytes of tensor `t` (its type's layout known, checked by `open`).
+    fn byte_len(&self, t: &TensorInfo) -> Result<u64> {
+        let (per, bytes) = layout(t.type_id).ok_or_else(|| Error::Data(format!("{}: tensor `{}` has an unknown type id {}", self.path.display(), t.name, t.type_id)))?;
+        let inner = t.dims[0];
+        if inner % per != 0 {
+            return Err(Error::Data(format!(
+                "{}: tensor `{}`: innermost dimension {inner} is not a multiple of the {} block ({per})",
+                self.path.display(),
+                t.name,
+                type_name(t.type_id)
+            )));
+        }
+        (t.elements() / per).checked_mul(bytes).ok_or_else(|| Error::Data(format!("{}: tensor `{}` of dimensions {:?} is larger than 2^64 bytes", self.path.display(), t.name, t.dims)))
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {
@@ -282,8 +458,9 @@ impl Gguf {
         let t = self.tensor(name).ok_or_else(|| Error::Data(format!("{}: no tensor `{name}`", self.path.display())))?;
         let ty = DType::of(t.type_id)
             .ok_or_else(|| Error::Data(format!("{}: tensor `{name}` has type {}; attnlab reads F32, F16, BF16, Q8_0, Q4_0 and Q4_1", self.path.display(), type_name(t.type_id))))?;
+        // In the file and of whole blocks: checked by `open`.
         let start = (self.data_start + t.offset) as usize;
-        let bytes = &self.map[start..start + self.byte_len(t, ty)? as usize];
+        let bytes = &self.map[start..start + self.byte_len(t)? as usize];
         let values = dequantize(ty, bytes);
         Ok(Tensor::from_slice(&values).reshape(t.shape()))
     }
@@ -356,55 +533,90 @@ pub fn resolve(source: &str) -> Result<PathBuf> {
     Err(Error::Data(format!("`{source}`: {rel} is not there; fetch it with `{fetch}` (from the attnlab repository)")))
 }
 
-/// The Llama configuration in a GGUF's metadata (`general.architecture` must be `llama`).
+/// The Llama configuration in a GGUF's metadata (`general.architecture` must be `llama`), each value
+/// checked on its own (positive sizes, heads that divide the width into even head dims, a finite
+/// positive epsilon and rope base); [`check_llama_tensors`] checks them against the tensors.
 pub fn llama_config(g: &Gguf) -> Result<LlamaConfig> {
+    let bad = |msg: String| Error::Data(format!("{}: {msg}", g.path.display()));
     let arch = g.str("general.architecture")?;
     if arch != "llama" {
-        return Err(Error::Data(format!("{}: general.architecture = `{arch}`: only llama models load (attnlab's Llama family)", g.path.display())));
+        return Err(bad(format!("general.architecture = `{arch}`: only llama models load (attnlab's Llama family)")));
     }
     let key = |k: &str| format!("llama.{k}");
-    let heads = g.u64(&key("attention.head_count"))? as usize;
-    let hidden = g.u64(&key("embedding_length"))? as usize;
-    let kv_heads = if g.get(&key("attention.head_count_kv")).is_some() { g.u64(&key("attention.head_count_kv"))? as usize } else { heads };
-    if heads == 0 || hidden % heads != 0 || kv_heads == 0 || heads % kv_heads != 0 {
-        return Err(Error::Data(format!("{}: llama.embedding_length {hidden}, llama.attention.head_count {heads}, head_count_kv {kv_heads}: heads must divide the width and KV heads the heads", g.path.display())));
+    // A size: an integer ≥ 1 (its upper bound is the tensors', checked before any layer is built).
+    let size = |k: &str| -> Result<usize> {
+        match g.u64(&key(k))? {
+            0 => Err(bad(format!("llama.{k} = 0: expected at least 1"))),
+            n => usize::try_from(n).map_err(|_| bad(format!("llama.{k} = {n} is too large"))),
+        }
+    };
+    let optional_size = |k: &str, default: usize| if g.get(&key(k)).is_some() { size(k) } else { Ok(default) };
+    // A number that must be finite and above 0; required when there is no default.
+    let positive = |k: &str, default: Option<f64>| -> Result<f64> {
+        let v = match default {
+            Some(d) if g.get(&key(k)).is_none() => d,
+            _ => g.f64(&key(k))?,
+        };
+        if v.is_finite() && v > 0.0 {
+            Ok(v)
+        } else {
+            Err(bad(format!("llama.{k} = {v}: expected a finite number above 0")))
+        }
+    };
+    let heads = size("attention.head_count")?;
+    let hidden = size("embedding_length")?;
+    let kv_heads = optional_size("attention.head_count_kv", heads)?;
+    if hidden % heads != 0 || heads % kv_heads != 0 || (hidden / heads) % 2 != 0 {
+        return Err(bad(format!(
+            "llama.embedding_length {hidden}, llama.attention.head_count {heads}, llama.attention.head_count_kv {kv_heads}: expected heads that divide the width into an even head dim, and KV heads that divide the heads"
+        )));
     }
     let head_dim = hidden / heads;
     for k in ["attention.key_length", "attention.value_length", "rope.dimension_count"] {
-        if g.get(&key(k)).is_some() && g.u64(&key(k))? as usize != head_dim {
-            return Err(Error::Data(format!("{}: llama.{k} = {} but embedding_length / head_count = {head_dim}: only full-width heads and full rotary are supported", g.path.display(), g.u64(&key(k))?)));
+        if g.get(&key(k)).is_some() && g.u64(&key(k))? != head_dim as u64 {
+            return Err(bad(format!("llama.{k} = {} but embedding_length / head_count = {head_dim}: only full-width heads and full rotary are supported", g.u64(&key(k))?)));
         }
     }
     if let Some(t) = g.get(&key("rope.scaling.type")) {
         if t.as_str() != Some("none") {
-            return Err(Error::Data(format!("{}: llama.rope.scaling.type = {t:?} is not supported", g.path.display())));
+            return Err(bad(format!("llama.rope.scaling.type = {t:?} is not supported")));
         }
     }
     let vocab = match g.get(&key("vocab_size")) {
-        Some(_) => g.u64(&key("vocab_size"))? as usize,
+        Some(_) => size("vocab_size")?,
         None => match g.get("tokenizer.ggml.tokens") {
-            Some(Value::Array(a)) => a.len(),
+            Some(Value::Array(a)) if !a.is_empty() => a.len(),
             _ => g.tensor("token_embd.weight").map(|t| t.shape()[0] as usize).ok_or_else(|| g.missing(&key("vocab_size"), "a number"))?,
         },
     };
     Ok(LlamaConfig {
         vocab_size: vocab,
         hidden_size: hidden,
-        intermediate_size: g.u64(&key("feed_forward_length"))? as usize,
-        num_hidden_layers: g.u64(&key("block_count"))? as usize,
+        intermediate_size: size("feed_forward_length")?,
+        num_hidden_layers: size("block_count")?,
         num_attention_heads: heads,
         num_key_value_heads: kv_heads,
-        rms_norm_eps: g.f64(&key("attention.layer_norm_rms_epsilon"))?,
-        rope_theta: if g.get(&key("rope.freq_base")).is_some() { g.f64(&key("rope.freq_base"))? } else { 10000.0 },
+        rms_norm_eps: positive("attention.layer_norm_rms_epsilon", None)?,
+        rope_theta: positive("rope.freq_base", Some(10000.0))?,
         rope_scaling: super::llama::RopeScaling::Default,
         tie_word_embeddings: g.tensor("output.weight").is_none(),
-        max_position_embeddings: if g.get(&key("context_length")).is_some() { g.u64(&key("context_length"))? as usize } else { 2048 },
+        max_position_embeddings: optional_size("context_length", 2048)?,
         family: super::Family::Llama,
         attention: Default::default(),
     })
 }
 
-/// The Hugging Face name of a llama GGUF tensor, and the metadata that fixes its shape (for errors).
+/// The parts of one llama block (`blk.N.<part>`), as the GGUF names them.
+const BLOCK_PARTS: [&str; 9] =
+    ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"];
+
+/// The block index of `blk.N.…`.
+fn block_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split_once('.')?.0.parse().ok()
+}
+
+/// The Hugging Face name of a llama GGUF tensor, the shape the metadata gives it, and the metadata
+/// that fixes that shape (for errors). None for a name that is not part of the model.
 fn hf_name(gguf: &str, cfg: &LlamaConfig) -> Option<(String, Vec<i64>, &'static str)> {
     let (d, f, v) = (cfg.hidden_size as i64, cfg.intermediate_size as i64, cfg.vocab_size as i64);
     let kv = (cfg.num_key_value_heads * cfg.head_dim()) as i64;
@@ -414,9 +626,8 @@ fn hf_name(gguf: &str, cfg: &LlamaConfig) -> Option<(String, Vec<i64>, &'static 
         "output.weight" => return Some(("lm_head.weight".into(), vec![v, d], "llama.vocab_size × llama.embedding_length")),
         _ => {}
     }
-    let rest = gguf.strip_prefix("blk.")?;
-    let (layer, part) = rest.split_once('.')?;
-    let i: usize = layer.parse().ok().filter(|&i| i < cfg.num_hidden_layers)?;
+    let i = block_of(gguf).filter(|&i| i < cfg.num_hidden_layers)?;
+    let part = gguf.strip_prefix(&format!("blk.{i}."))?;
     let (hf, shape, fields): (&str, Vec<i64>, &'static str) = match part {
         "attn_norm.weight" => ("input_layernorm.weight", vec![d], "llama.embedding_length"),
         "ffn_norm.weight" => ("post_attention_layernorm.weight", vec![d], "llama.embedding_length"),
@@ -432,6 +643,39 @@ fn hf_name(gguf: &str, cfg: &LlamaConfig) -> Option<(String, Vec<i64>, &'static 
     Some((format!("model.layers.{i}.{hf}"), shape, fields))
 }
 
+/// The metadata against the tensors that exist, before anything is built or dequantized: every
+/// tensor a part of a llama of this configuration, of the shape the metadata gives it and of a type
+/// attnlab reads; `llama.block_count` the number of `blk.N` blocks there are, each complete; the
+/// embedding and final norm present. Errors name the file's own tensors and keys.
+pub fn check_llama_tensors(g: &Gguf, cfg: &LlamaConfig) -> Result<()> {
+    let bad = |msg: String| Error::Data(format!("{}: {msg}", g.path.display()));
+    for t in &g.tensors {
+        let Some((_, want, fields)) = hf_name(&t.name, cfg) else {
+            return Err(bad(format!("tensor `{}` is not part of a llama model (llama.block_count = {})", t.name, cfg.num_hidden_layers)));
+        };
+        if t.shape() != want {
+            return Err(bad(format!("tensor `{}` has shape {:?} (GGUF dims {:?}), but the metadata ({fields}) says {want:?}", t.name, t.shape(), t.dims)));
+        }
+        if DType::of(t.type_id).is_none() {
+            return Err(bad(format!("tensor `{}` has type {}; attnlab reads F32, F16, BF16, Q8_0, Q4_0 and Q4_1", t.name, type_name(t.type_id))));
+        }
+    }
+    let blocks: std::collections::BTreeSet<usize> = g.tensors.iter().filter_map(|t| block_of(&t.name)).collect();
+    let have = blocks.last().map_or(0, |&b| b + 1);
+    if have != cfg.num_hidden_layers {
+        let range = if blocks.is_empty() { "no blk.N tensors".to_string() } else { format!("tensors of blocks blk.{} to blk.{}", blocks.first().expect("non-empty"), have - 1) };
+        return Err(bad(format!("llama.block_count = {}, but the file has {range}", cfg.num_hidden_layers)));
+    }
+    let parts = BLOCK_PARTS.iter().map(|p| p.split('.').next().expect("part")).collect::<Vec<_>>().join(", ");
+    let required = ["token_embd.weight".to_string(), "output_norm.weight".to_string()].into_iter();
+    for name in required.chain((0..cfg.num_hidden_layers).flat_map(|i| BLOCK_PARTS.iter().map(move |p| format!("blk.{i}.{p}")))) {
+        if g.tensor(&name).is_none() {
+            return Err(bad(format!("tensor `{name}` is missing (a llama GGUF has token_embd, output_norm, and in every block blk.N: {parts})")));
+        }
+    }
+    Ok(())
+}
+
 /// Rows of a q or k projection `[heads·hd, d]` from llama.cpp's interleaved rotary layout (pairs
 /// `(2i, 2i+1)` rotate together) back to Hugging Face's rotate-half layout (`(i, i + hd/2)`).
 pub fn unpermute_rotary(w: &Tensor, heads: i64) -> Tensor {
@@ -442,14 +686,17 @@ pub fn unpermute_rotary(w: &Tensor, heads: i64) -> Tensor {
 /// Every tensor of a llama GGUF under its Hugging Face name, fp32, q / k un-permuted; each shape
 /// checked against the metadata.
 pub fn llama_weights(g: &Gguf, cfg: &LlamaConfig) -> Result<BTreeMap<String, Tensor>> {
+    check_llama_tensors(g, cfg)?;
     let mut out = BTreeMap::new();
     let bar = crate::progress::bar(g.tensors.len() as u64, "dequantizing", false);
     for t in &g.tensors {
-        let (name, want, fields) = hf_name(&t.name, cfg).ok_or_else(|| Error::Data(format!("{}: tensor `{}` is not part of a llama model with {} layers", g.path.display(), t.name, cfg.num_hidden_layers)))?;
-        if t.shape() != want {
-            return Err(Error::Data(format!("{}: tensor `{}` has shape {:?} (GGUF dims {:?}), but the metadata ({fields}) says {want:?}", g.path.display(), t.name, t.shape(), t.dims)));
-        }
+        let (name, _, _) = hf_name(&t.name, cfg).expect("checked by check_llama_tensors");
         let mut w = g.dequantize(&t.name)?;
+        // A weight that is NaN or infinite would spread through every logit.
+        if w.isfinite().all().int64_value(&[]) == 0 {
+            let at = w.isfinite().logical_not().view([-1]).nonzero().int64_value(&[0, 0]);
+            return Err(Error::Data(format!("{}: tensor `{}` holds a non-finite value ({}) at element {at}", g.path.display(), t.name, w.view([-1]).double_value(&[at]))));
+        }
         if t.name.ends_with("attn_q.weight") {
             w = unpermute_rotary(&w, cfg.num_attention_heads as i64);
         } else if t.name.ends_with("attn_k.weight") {
@@ -467,10 +714,11 @@ pub fn load_llama(source: &str, device: tch::Device) -> Result<(VarStore, Llama)
     let path = resolve(source)?;
     let g = Gguf::open(&path)?;
     let cfg = llama_config(&g)?;
+    // Checked against the tensors (check_llama_tensors) before a layer is built.
     let weights = llama_weights(&g, &cfg)?;
     let vs = VarStore::new(device);
-    let model = Llama::new(&vs.root(), cfg);
-    super::hf::copy_into(&vs, weights.into_iter().map(|(k, v)| (k, v.to_kind(Kind::Float))).collect(), &path)?;
+    let model = Llama::build(&vs.root(), cfg)?;
+    super::weights::copy_into(&vs, weights.into_iter().map(|(k, v)| (k, v.to_kind(Kind::Float))).collect(), &path)?;
     Ok((vs, model))
 }
 

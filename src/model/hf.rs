@@ -1,36 +1,101 @@
 //! Hugging Face checkpoint folders: `config.json` + `model.safetensors`, or a sharded
-//! `model.safetensors.index.json`; from a local directory or a hub repo id.
+//! `model.safetensors.index.json`; from a local directory or a hub repo id. The safetensors files
+//! are read and checked by `super::weights`; config.json is checked against their tensors before a
+//! layer is built ([`check_config`]).
+use super::weights::{copy_into, read_safetensors};
 use super::{Llama, LlamaConfig};
 use crate::{Error, IoContext, Result};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use tch::{nn::VarStore, Tensor};
 
+/// `dir` must be a folder (a Hugging Face checkpoint is a folder, a GGUF model a `.gguf` file).
+fn folder(dir: &Path) -> Result<()> {
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(Error::Data(format!(
+            "{}: is a file, not a Hugging Face model folder (config.json + model.safetensors); a GGUF model's name ends in .gguf",
+            dir.display()
+        ))),
+        Err(e) => Err(Error::io(dir, e)),
+    }
+}
+
 /// The safetensors files of a checkpoint folder (one file, or the shards its index names).
 pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    folder(dir)?;
     let single = dir.join("model.safetensors");
     if single.is_file() {
         return Ok(vec![single]);
     }
     let index = dir.join("model.safetensors.index.json");
     let text = std::fs::read_to_string(&index).map_err(|_| Error::Data(format!("{}: neither model.safetensors nor model.safetensors.index.json", dir.display())))?;
-    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Data(format!("{}: {e}", index.display())))?;
     let map = v["weight_map"].as_object().ok_or_else(|| Error::Data(format!("{}: no weight_map", index.display())))?;
-    let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
+    let mut files = Vec::new();
+    for (tensor, f) in map {
+        // A shard is a file of this folder: no path above or beside it.
+        let name = f.as_str().filter(|f| !f.is_empty() && Path::new(f).components().all(|c| matches!(c, std::path::Component::Normal(_))));
+        let name = name.ok_or_else(|| Error::Data(format!("{}: weight_map.{tensor} = {f}: expected the name of a file in the folder", index.display())))?;
+        files.push(dir.join(name));
+    }
     files.sort();
     files.dedup();
     Ok(files)
 }
 
-/// All tensors of a checkpoint folder by name.
+/// All tensors of a checkpoint folder by name (a name in two shards is an error).
 pub fn read_weights(dir: &Path) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
+    let mut from: HashMap<String, PathBuf> = HashMap::new();
     for f in weight_files(dir)? {
-        for (name, t) in Tensor::read_safetensors(&f).map_err(|e| Error::Data(format!("{}: {e}", f.display())))? {
+        for (name, t) in read_safetensors(&f)? {
+            if let Some(other) = from.insert(name.clone(), f.clone()) {
+                return Err(Error::Data(format!("{}: tensor `{name}` is in two shards, {} and {}", dir.display(), other.display(), f.display())));
+            }
             out.insert(name, t);
         }
     }
     Ok(out)
+}
+
+/// config.json against the tensors before a layer is built (so that a config claiming a thousand
+/// layers or a huge width is an error naming its key, not an allocation that never ends): the layer
+/// count against the `model.layers.N` present, the vocabulary and width against
+/// `model.embed_tokens.weight`, the FFN width against `model.layers.0.mlp.up_proj.weight`. The full
+/// check of every tensor is `copy_into`'s.
+pub fn check_config(cfg: &LlamaConfig, tensors: &HashMap<String, Tensor>, config: &Path) -> Result<()> {
+    let bad = |msg: String| Error::Data(format!("{}: {msg}", config.display()));
+    let layers: std::collections::BTreeSet<usize> =
+        tensors.keys().filter_map(|n| n.strip_prefix("model.layers.")?.split_once('.')?.0.parse().ok()).collect();
+    let have = layers.last().map_or(0, |&l| l + 1);
+    if have != cfg.num_hidden_layers {
+        let range = if have == 0 { "no model.layers.N".to_string() } else { format!("layers model.layers.0 to model.layers.{}", have - 1) };
+        return Err(bad(format!("num_hidden_layers = {}, but the weights have {range}", cfg.num_hidden_layers)));
+    }
+    let shape = |name: &str| tensors.get(name).map(|t| t.size()).ok_or_else(|| bad(format!("the weights have no `{name}`")));
+    let embed = shape("model.embed_tokens.weight")?;
+    if embed != [cfg.vocab_size as i64, cfg.hidden_size as i64] {
+        return Err(bad(format!("vocab_size = {}, hidden_size = {}, but model.embed_tokens.weight has shape {embed:?}", cfg.vocab_size, cfg.hidden_size)));
+    }
+    if cfg.num_hidden_layers > 0 {
+        let up = shape("model.layers.0.mlp.up_proj.weight")?;
+        if up != [cfg.intermediate_size as i64, cfg.hidden_size as i64] {
+            return Err(bad(format!("intermediate_size = {}, but model.layers.0.mlp.up_proj.weight has shape {up:?}", cfg.intermediate_size)));
+        }
+    }
+    Ok(())
+}
+
+/// config.json of folder `dir`, its errors naming the file.
+pub fn read_config(dir: &Path) -> Result<LlamaConfig> {
+    folder(dir)?;
+    let cp = dir.join("config.json");
+    let text = std::fs::read_to_string(&cp).at(&cp)?;
+    LlamaConfig::from_hf_json(&text).map_err(|e| match e {
+        Error::Data(m) => Error::Data(format!("{}: {}", cp.display(), m.strip_prefix("config.json: ").unwrap_or(&m))),
+        e => e,
+    })
 }
 
 /// A local folder as is, or `hf:owner/name` fetched through the hub (config, index, shards, tokenizer).
@@ -50,48 +115,13 @@ pub fn resolve(source: &str) -> Result<PathBuf> {
 
 /// Load a Llama checkpoint folder into a new model on `device`.
 pub fn load_llama(dir: &Path, device: tch::Device) -> Result<(VarStore, Llama)> {
-    let cp = dir.join("config.json");
-    let cfg = LlamaConfig::from_hf_json(&std::fs::read_to_string(&cp).at(&cp)?)?;
+    let cfg = read_config(dir)?;
+    let weights = read_weights(dir)?;
+    check_config(&cfg, &weights, &dir.join("config.json"))?;
     let vs = VarStore::new(device);
-    let model = Llama::new(&vs.root(), cfg);
-    copy_into(&vs, read_weights(dir)?, dir)?;
+    let model = Llama::build(&vs.root(), cfg)?;
+    copy_into(&vs, weights, dir)?;
     Ok((vs, model))
-}
-
-/// A pretrained Llama-family model from wherever one is named: a `.gguf` file or `gguf:NAME`
-/// ([`super::gguf`]), a Hugging Face folder, or `hf:owner/name`.
-pub fn load_pretrained(source: &str, device: tch::Device) -> Result<(VarStore, Llama)> {
-    if super::gguf::is_gguf(source) {
-        return super::gguf::load_llama(source, device);
-    }
-    load_llama(&resolve(source)?, device)
-}
-
-/// Copy named tensors into `vs`: every variable must be present with its shape; a tied `lm_head`
-/// may be absent or present (then equal to the embedding); other extras are errors.
-pub fn copy_into(vs: &VarStore, mut tensors: HashMap<String, Tensor>, origin: &Path) -> Result<()> {
-    let vars = vs.variables();
-    if !vars.contains_key("lm_head.weight") {
-        tensors.remove("lm_head.weight");
-    }
-    tensors.retain(|n, _| !n.ends_with("rotary_emb.inv_freq"));
-    let mut missing: Vec<&String> = vars.keys().filter(|k| !tensors.contains_key(*k)).collect();
-    let mut extra: Vec<&String> = tensors.keys().filter(|k| !vars.contains_key(*k)).collect();
-    missing.sort();
-    extra.sort();
-    if !missing.is_empty() || !extra.is_empty() {
-        return Err(Error::Data(format!("{}: missing {missing:?}, unexpected {extra:?}", origin.display())));
-    }
-    tch::no_grad(|| {
-        for (name, var) in &vars {
-            let src = &tensors[name];
-            if src.size() != var.size() {
-                return Err(Error::Data(format!("{}: {name} has shape {:?}, model wants {:?}", origin.display(), src.size(), var.size())));
-            }
-            var.shallow_clone().copy_(src);
-        }
-        Ok(())
-    })
 }
 
 /// Write a Llama model as a Hugging Face folder: config.json + model.safetensors (fp32).

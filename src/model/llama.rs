@@ -77,7 +77,7 @@ impl LlamaConfig {
     /// Read a Hugging Face `config.json` (`rope_scaling` of transformers 4, or `rope_parameters` of 5);
     /// `model_type` llama (or absent) or olmo2.
     pub fn from_hf_json(text: &str) -> Result<LlamaConfig> {
-        let v: serde_json::Value = serde_json::from_str(text)?;
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| Error::Data(format!("config.json: {e}")))?;
         let get = |k: &str| v.get(k).filter(|x| !x.is_null());
         let family = match get("model_type").and_then(|x| x.as_str()) {
             None | Some("llama") | Some("mistral") => Family::Llama,
@@ -88,10 +88,31 @@ impl LlamaConfig {
             None => Attention::default(),
             Some(a) => serde_json::from_value(a.clone()).map_err(|e| Error::Data(format!("config.json: {ATTENTION_KEY}: {e}")))?,
         };
-        let num = |k: &str| get(k).and_then(|x| x.as_f64()).ok_or_else(|| Error::Data(format!("config.json: missing number `{k}`")));
-        let heads = num("num_attention_heads")? as usize;
+        // Sizes are integers ≥ 1 (their upper bounds are the weights': `hf::check_config`).
+        let size = |k: &str| -> Result<usize> {
+            match get(k) {
+                None => Err(Error::Data(format!("config.json: missing number `{k}`"))),
+                Some(x) => x.as_u64().filter(|&n| n >= 1 && n <= u32::MAX as u64).map(|n| n as usize).ok_or_else(|| Error::Data(format!("config.json: `{k}` = {x}: expected an integer from 1 to 2^32 - 1"))),
+            }
+        };
+        let positive = |k: &str, default: f64| -> Result<f64> {
+            match get(k) {
+                None => Ok(default),
+                Some(x) => x.as_f64().filter(|v| v.is_finite() && *v > 0.0).ok_or_else(|| Error::Data(format!("config.json: `{k}` = {x}: expected a finite number above 0"))),
+            }
+        };
+        let heads = size("num_attention_heads")?;
+        let (hidden, kv_heads) = (size("hidden_size")?, if get("num_key_value_heads").is_some() { size("num_key_value_heads")? } else { heads });
+        if hidden % heads != 0 || heads % kv_heads != 0 || (hidden / heads) % 2 != 0 {
+            return Err(Error::Data(format!(
+                "config.json: hidden_size {hidden}, num_attention_heads {heads}, num_key_value_heads {kv_heads}: expected heads that divide the width into an even head dim, and KV heads that divide the heads"
+            )));
+        }
         let scaling = get("rope_scaling").or_else(|| get("rope_parameters"));
-        let theta = scaling.and_then(|s| s.get("rope_theta")).and_then(|x| x.as_f64()).or_else(|| get("rope_theta").and_then(|x| x.as_f64())).unwrap_or(10000.0);
+        let theta = match scaling.and_then(|s| s.get("rope_theta")).filter(|x| !x.is_null()) {
+            Some(x) => x.as_f64().filter(|v| v.is_finite() && *v > 0.0).ok_or_else(|| Error::Data(format!("config.json: `rope_scaling.rope_theta` = {x}: expected a finite number above 0")))?,
+            None => positive("rope_theta", 10000.0)?,
+        };
         let rope_scaling = match scaling {
             None => RopeScaling::Default,
             Some(s) => {
@@ -106,23 +127,25 @@ impl LlamaConfig {
                 serde_json::from_value(s).map_err(|e| Error::Data(format!("config.json: unsupported rope scaling: {e}")))?
             }
         };
-        if let Some(hd) = get("head_dim").and_then(|x| x.as_u64()) {
-            if hd as usize * heads != num("hidden_size")? as usize {
-                return Err(Error::Data("config.json: head_dim × heads ≠ hidden_size is not supported".into()));
-            }
+        if get("head_dim").is_some() && size("head_dim")? * heads != hidden {
+            return Err(Error::Data("config.json: head_dim × heads ≠ hidden_size is not supported".into()));
         }
+        let tie = match get("tie_word_embeddings") {
+            None => false,
+            Some(x) => x.as_bool().ok_or_else(|| Error::Data(format!("config.json: `tie_word_embeddings` = {x}: expected true or false")))?,
+        };
         Ok(LlamaConfig {
-            vocab_size: num("vocab_size")? as usize,
-            hidden_size: num("hidden_size")? as usize,
-            intermediate_size: num("intermediate_size")? as usize,
-            num_hidden_layers: num("num_hidden_layers")? as usize,
+            vocab_size: size("vocab_size")?,
+            hidden_size: hidden,
+            intermediate_size: size("intermediate_size")?,
+            num_hidden_layers: size("num_hidden_layers")?,
             num_attention_heads: heads,
-            num_key_value_heads: get("num_key_value_heads").and_then(|x| x.as_u64()).map_or(heads, |x| x as usize),
-            rms_norm_eps: get("rms_norm_eps").and_then(|x| x.as_f64()).unwrap_or(1e-6),
+            num_key_value_heads: kv_heads,
+            rms_norm_eps: positive("rms_norm_eps", 1e-6)?,
             rope_theta: theta,
             rope_scaling,
-            tie_word_embeddings: get("tie_word_embeddings").and_then(|x| x.as_bool()).unwrap_or(false),
-            max_position_embeddings: get("max_position_embeddings").and_then(|x| x.as_u64()).unwrap_or(2048) as usize,
+            tie_word_embeddings: tie,
+            max_position_embeddings: if get("max_position_embeddings").is_some() { size("max_position_embeddings")? } else { 2048 },
             family,
             attention,
         })

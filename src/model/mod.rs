@@ -8,11 +8,21 @@ pub mod llama;
 pub mod loss;
 pub mod neox;
 pub mod rope;
+pub mod weights;
 
 pub use llama::{Family, Llama, LlamaConfig};
 pub use neox::{GptNeox, NeoxConfig};
 
 use tch::Tensor;
+
+/// A pretrained Llama-family model from wherever one is named: a `.gguf` file or `gguf:NAME`
+/// ([`gguf`]), a Hugging Face folder, or `hf:owner/name` ([`hf`]).
+pub fn load_pretrained(source: &str, device: tch::Device) -> crate::Result<(tch::nn::VarStore, Llama)> {
+    if gguf::is_gguf(source) {
+        return gguf::load_llama(source, device);
+    }
+    hf::load_llama(&hf::resolve(source)?, device)
+}
 
 pub enum Model {
     Neox(GptNeox),

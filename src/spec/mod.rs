@@ -36,7 +36,23 @@ pub fn read_with_overrides<T: serde::de::DeserializeOwned>(path: &Path, sets: &[
     for s in sets {
         apply_override(&mut value, s).map_err(|msg| Error::Spec { file: file.clone(), key: s.split('=').next().unwrap_or("").to_string(), line: None, msg })?;
     }
-    serde_yaml::from_value(value).map_err(|e| tree.relocate(Error::Schema { file, msg: e.to_string() }))
+    let text = if tree.is_single() { tree.layers[0].text.as_str() } else { "" };
+    serde_yaml::from_value(value).map_err(|e| tree.relocate(schema_error(text, &file, &e)))
+}
+
+/// A schema error that names its key (`` `attention.d_down`: invalid type … ``, as the attention
+/// kinds' options say it) as a spec error at that key's line in `text`; any other as serde gives it.
+fn schema_error(text: &str, origin: &str, e: &serde_yaml::Error) -> Error {
+    let msg = e.to_string();
+    // serde_yaml may put the path it was at first (`attention: `…) and its position last: where the
+    // mapping ended, not the key's.
+    static KEYED: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let keyed = KEYED.get_or_init(|| regex::Regex::new(r"(?s)^(?:[^\s`]+: )?`([^`\s]+)`: (.*?)(?: at line \d+ column \d+)?$").expect("regex"));
+    if let Some(c) = keyed.captures(&msg) {
+        let key = &c[1];
+        return Error::Spec { file: origin.to_string(), key: key.to_string(), line: lines::line_of(text, key), msg: c[2].to_string() };
+    }
+    Error::Schema { file: origin.to_string(), msg }
 }
 
 /// Load (merging `base:` files), override, resolve and validate a spec file.
@@ -57,7 +73,7 @@ pub const BUILTIN_TINY: &str = include_str!("../../experiments/tiny-synthetic.ya
 pub fn from_str(text: &str, origin: &str, sets: &[String]) -> Result<Spec> {
     // A run directory's config.yaml records `command: train` (crate::run_kind); the spec has no such key.
     let text = &crate::run_kind::RunKind::Train.strip(text);
-    let schema_err = |e: serde_yaml::Error| Error::Schema { file: origin.to_string(), msg: e.to_string() };
+    let schema_err = |e: serde_yaml::Error| schema_error(text, origin, &e);
     // Parse once straight from the text so that schema errors carry serde's line and column.
     let _: Spec = serde_yaml::from_str(text).map_err(schema_err)?;
     let mut value: serde_yaml::Value = serde_yaml::from_str(text).map_err(schema_err)?;
@@ -69,8 +85,7 @@ pub fn from_str(text: &str, origin: &str, sets: &[String]) -> Result<Spec> {
             msg,
         })?;
     }
-    let spec: Spec = serde_yaml::from_value(value)
-        .map_err(|e| Error::Schema { file: format!("{origin} (after --set overrides)"), msg: e.to_string() })?;
+    let spec: Spec = serde_yaml::from_value(value).map_err(|e| schema_error(text, &format!("{origin} (after --set overrides)"), &e))?;
     spec.resolve().map_err(|(key, msg)| Error::Spec {
         file: origin.to_string(),
         line: lines::line_of(text, &key),

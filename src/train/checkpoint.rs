@@ -36,6 +36,17 @@ struct Stored {
     state: State,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     sha256: BTreeMap<String, String>,
+    /// The sha256 of the two fields above (`Stored::checksum`), so that an edited or corrupt
+    /// state.json is caught too. Absent in older checkpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    checksum: Option<String>,
+}
+
+impl Stored {
+    fn checksum(&self) -> String {
+        let text = serde_json::to_string(&(&self.state, &self.sha256)).expect("serializes");
+        format!("{:x}", Sha256::digest(text.as_bytes()))
+    }
 }
 
 const FILES: [&str; 2] = ["model.safetensors", "optimizer.safetensors"];
@@ -82,6 +93,9 @@ pub fn verify(dir: &Path) -> std::result::Result<(), String> {
     let sp = dir.join("state.json");
     let text = std::fs::read_to_string(&sp).map_err(|e| format!("state.json: {e}"))?;
     let stored: Stored = serde_json::from_str(&text).map_err(|e| format!("state.json: {e}"))?;
+    if stored.checksum.as_ref().is_some_and(|c| *c != stored.checksum()) {
+        return Err("state.json: its checksum does not match its contents (edited or corrupt)".into());
+    }
     if stored.sha256.is_empty() {
         for name in FILES {
             let p = dir.join(name);
@@ -192,12 +206,14 @@ pub fn save(run: &Path, vs: &VarStore, opt: &AdamW, state: &State, keep: usize) 
         }
     }
     std::fs::rename(&tmp, &fin).at(&fin)?;
+    super::fault::checkpoint_stage("renamed");
     fsync(&dir)?;
     // Keep the newest `keep` (corrupt ones are not listed, so never deleted).
     let all = list(run);
     for (step, p) in all.iter().take(all.len().saturating_sub(keep)) {
         let doomed = dir.join(format!(".tmp-del-{step}"));
         if std::fs::rename(p, &doomed).is_ok() {
+            super::fault::checkpoint_stage("pruning");
             let _ = std::fs::remove_dir_all(&doomed);
         }
     }
@@ -212,6 +228,7 @@ fn write_tmp(tmp: &Path, vs: &VarStore, opt: &AdamW, state: &State) -> Result<()
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     let model = tmp.join(FILES[0]);
     Tensor::write_safetensors(&vars, &model)?;
+    super::fault::checkpoint_stage("model");
     super::fault::checkpoint_pause();
     super::fault::io("checkpoint", Some(state.step), &tmp.join(FILES[1]))?;
     let mut moments: Vec<(String, Tensor)> = Vec::new();
@@ -221,27 +238,37 @@ fn write_tmp(tmp: &Path, vs: &VarStore, opt: &AdamW, state: &State) -> Result<()
     }
     let optf = tmp.join(FILES[1]);
     Tensor::write_safetensors(&moments, &optf)?;
+    super::fault::checkpoint_stage("optimizer");
     let mut sha256 = BTreeMap::new();
     for name in FILES {
         let p = tmp.join(name);
         fsync(&p)?;
         sha256.insert(name.to_string(), sha256_file(&p)?);
     }
+    super::fault::checkpoint_stage("hashed");
     let sp = tmp.join("state.json");
-    let text = serde_json::to_string_pretty(&Stored { state: state.clone(), sha256 })?;
+    let mut stored = Stored { state: state.clone(), sha256, checksum: None };
+    // Over the values a reader will parse: serde_json's float parsing need not give back the very
+    // f64 that was printed (elapsed_s), but parsing the same text always gives the same value.
+    let read_back: Stored = serde_json::from_str(&serde_json::to_string_pretty(&stored)?)?;
+    stored.checksum = Some(read_back.checksum());
+    let text = serde_json::to_string_pretty(&stored)?;
     {
         use std::io::Write;
         let mut f = std::fs::File::create(&sp).at(&sp)?;
         f.write_all(text.as_bytes()).at(&sp)?;
         f.sync_all().at(&sp)?;
     }
-    fsync(tmp)
+    super::fault::checkpoint_stage("state");
+    fsync(tmp)?;
+    super::fault::checkpoint_stage("synced");
+    Ok(())
 }
 
 /// Copy weights from a safetensors file into `vs` (HF GPT-NeoX buffers skipped, `lm_head` read as
 /// `embed_out`): every variable must be present with its shape; other extras are errors.
 pub fn load_weights(vs: &VarStore, file: &Path) -> Result<()> {
-    let tensors = Tensor::read_safetensors(file).map_err(|e| Error::Data(format!("{}: {e}", file.display())))?;
+    let tensors = crate::model::weights::read_safetensors(file)?;
     let mut by_name: HashMap<String, Tensor> = tensors.into_iter().filter(|(n, _)| !is_ignored_buffer(n)).collect();
     // transformers ≥ 5 names GPT-NeoX's head `lm_head` in memory; checkpoints say `embed_out`.
     if vs.variables().contains_key("embed_out.weight") && !by_name.contains_key("embed_out.weight") {
@@ -249,25 +276,43 @@ pub fn load_weights(vs: &VarStore, file: &Path) -> Result<()> {
             by_name.insert("embed_out.weight".into(), t);
         }
     }
-    crate::model::hf::copy_into(vs, by_name, file)
+    crate::model::weights::copy_into(vs, by_name, file).map_err(|e| match (e, spec_of(file)) {
+        (Error::Data(m), Some(spec)) => Error::Data(format!("{m}: the checkpoint's tensors disagree with the model {} describes", spec.display())),
+        (e, _) => e,
+    })
+}
+
+/// The run's config.yaml of a checkpoint file `run/checkpoints/<step>/<file>`, if there is one.
+fn spec_of(file: &Path) -> Option<PathBuf> {
+    let spec = file.ancestors().nth(3)?.join("config.yaml");
+    spec.is_file().then_some(spec)
 }
 
 /// Restore model, optimizer moments and step counter from a checkpoint folder.
 pub fn load(dir: &Path, vs: &VarStore, opt: &mut AdamW) -> Result<State> {
     load_weights(vs, &dir.join("model.safetensors"))?;
     let f = dir.join("optimizer.safetensors");
-    let moments: HashMap<String, Tensor> = Tensor::read_safetensors(&f).map_err(|e| Error::Data(format!("{}: {e}", f.display())))?.into_iter().collect();
+    let moments: HashMap<String, Tensor> = crate::model::weights::read_safetensors(&f)?.into_iter().collect();
     tch::no_grad(|| -> Result<()> {
         for s in &mut opt.slots {
             for (key, dst) in [(format!("exp_avg.{}", s.name), &mut s.exp_avg), (format!("exp_avg_sq.{}", s.name), &mut s.exp_avg_sq)] {
                 let src = moments.get(&key).ok_or_else(|| Error::Data(format!("{}: missing {key}", f.display())))?;
-                dst.copy_(src);
+                if src.size() != dst.size() || !src.is_floating_point() || src.isfinite().all().int64_value(&[]) == 0 {
+                    return Err(Error::Data(format!("{}: {key} has shape {:?} ({:?}), the parameter {:?}: expected finite moments of the parameter's shape", f.display(), src.size(), src.kind(), dst.size())));
+                }
+                dst.f_copy_(src)?;
             }
         }
         Ok(())
     })?;
     let sp = dir.join("state.json");
-    let state: State = serde_json::from_str(&std::fs::read_to_string(&sp).at(&sp)?)?;
+    let state: State = serde_json::from_str(&std::fs::read_to_string(&sp).at(&sp)?).map_err(|e| Error::Data(format!("{}: {e}", sp.display())))?;
+    // A folder renamed by hand (or a state.json copied from another) would resume at the wrong step.
+    if let Some(named) = dir.file_name().and_then(|n| n.to_str()).and_then(|n| n.parse::<u64>().ok()) {
+        if named != state.step {
+            return Err(Error::Data(format!("{}: step {} but the checkpoint folder is named {named}", sp.display(), state.step)));
+        }
+    }
     opt.set_steps_done(state.step);
     Ok(state)
 }
@@ -298,8 +343,164 @@ mod tests {
         save(run, &vs, &opt, &State { step, tokens: step * 10, elapsed_s: 1.0 }, keep).unwrap()
     }
 
+    /// state.json's checksum holds for elapsed times whose decimal form does not parse back to the
+    /// very same f64 (a real run's, not 1.0).
+    #[test]
+    fn the_state_checksum_holds_for_any_elapsed_time() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (vs, opt) = model(1.0);
+        let mut x = 0.1f64;
+        for step in 1..200u64 {
+            x = x * 1.37 + 1.0 / 3.0 + (step as f64).sqrt() * 1e-7;
+            let dir = save(tmp.path(), &vs, &opt, &State { step, tokens: step, elapsed_s: x }, 1).unwrap();
+            assert_eq!(verify(&dir), Ok(()), "elapsed_s {x:e}");
+        }
+    }
+
     fn weight(vs: &VarStore) -> f64 {
         vs.variables()["a.weight"].double_value(&[0, 0])
+    }
+
+    /// The run's checkpoint at step 7 (weights, moments, state) as loaded into a fresh model.
+    fn loaded(run: &Path) -> std::result::Result<(State, Vec<f64>), String> {
+        let (_, dir) = newest_verified(run).map_err(|e| e.to_string())?.ok_or("no checkpoint")?;
+        let (vs, mut opt) = model(0.0);
+        let st = load(&dir, &vs, &mut opt).map_err(|e| e.to_string())?;
+        let mut values: Vec<f64> = Vec::new();
+        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        for t in vars.iter().map(|v| &v.1).chain(opt.slots.iter().flat_map(|s| [&s.exp_avg, &s.exp_avg_sq])) {
+            values.extend(Vec::<f64>::try_from(t.to_kind(tch::Kind::Double).view([-1])).unwrap());
+        }
+        Ok((st, values))
+    }
+
+    /// Random single defects of each file of a checkpoint: the checkpoint is refused naming the
+    /// file, or (a defect that changes nothing) it loads as it was saved.
+    #[test]
+    fn mutated_checkpoints_are_refused_or_load_as_saved() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path();
+        let dir = save_at(run, 7, 3);
+        let (want_state, want) = loaded(run).unwrap();
+        for (k, file) in ["model.safetensors", "optimizer.safetensors", "state.json"].into_iter().enumerate() {
+            let original = std::fs::read(dir.join(file)).unwrap();
+            let t = crate::testutil::mutate::run(&format!("checkpoint {file}"), &original, &dir.join(file), 0..original.len(), 38 + k as u64, 200, 1 << 28, |_| match loaded(run) {
+                Ok((st, got)) if got == want && (st.step, st.tokens, st.elapsed_s) == (want_state.step, want_state.tokens, want_state.elapsed_s) => Ok(crate::testutil::mutate::Loaded::Same),
+                Ok((st, _)) => Ok(crate::testutil::mutate::Loaded::Differs(format!("{st:?}"))),
+                Err(e) => Err(e),
+            });
+            assert!(t.refused > t.tried * 9 / 10, "{file}: {t:?}");
+            std::fs::write(dir.join(file), &original).unwrap();
+        }
+    }
+
+    /// A checkpoint whose tensors do not fit the model the run's spec builds names both; a state.json
+    /// whose step is not its folder's is refused.
+    #[test]
+    fn a_checkpoint_that_disagrees_with_the_spec_names_both() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path();
+        std::fs::write(run.join("config.yaml"), "model: {}\n").unwrap();
+        let dir = save_at(run, 4, 2);
+        let vs = VarStore::new(Device::Cpu);
+        let _a = (&vs.root() / "a").var("weight", &[4, 4], tch::nn::Init::Const(0.0));
+        let _b = (&vs.root() / "b").var("bias", &[5], tch::nn::Init::Const(0.0));
+        let e = load_weights(&vs, &dir.join("model.safetensors")).unwrap_err().to_string();
+        assert!(e.contains("checkpoints/4/model.safetensors: a.weight has shape [4, 3], model wants [4, 4]") && e.contains(&format!("disagree with the model {} describes", run.join("config.yaml").display())), "{e}");
+        let moved = run.join("checkpoints/5");
+        std::fs::rename(&dir, &moved).unwrap();
+        let (vs, mut opt) = model(0.0);
+        let e = load(&moved, &vs, &mut opt).unwrap_err().to_string();
+        assert!(e.contains("state.json: step 4 but the checkpoint folder is named 5"), "{e}");
+    }
+
+    /// 100 SIGKILLs of a process writing checkpoints (keep 2), every one inside or around a write:
+    /// 40 aimed at each stage of the write in turn (`checkpoint-die-at`, on the writer's first to
+    /// third save), 60 at random times of a loop of saves. After each: every numbered checkpoint is
+    /// complete and verifies, none is renamed corrupt, no temporary folder is left once a writer
+    /// starts (`resume_point`), the newest holds exactly what was saved for its step, and the next
+    /// writer resumes after it; at the end the writes reach the last step.
+    #[test]
+    fn a_hundred_kills_inside_checkpoint_writes_leave_only_complete_checkpoints() {
+        use rand::{Rng, SeedableRng};
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(38);
+        let (mut aimed, mut timed, mut progress) = (0, 0, 0u64);
+        let expect = |step: u64| {
+            let (vs, opt) = model(step as f64);
+            let mut v: Vec<f64> = Vec::new();
+            for t in vs.variables().values().chain(opt.slots.iter().map(|s| &s.exp_avg)) {
+                v.extend(Vec::<f64>::try_from(t.to_kind(tch::Kind::Double).view([-1])).unwrap());
+            }
+            v.sort_by(f64::total_cmp);
+            v
+        };
+        for kill in 0..100 {
+            let next = resume_point(run).unwrap().map_or(1, |(s, _)| s + 1);
+            let stage = (kill < 40).then(|| super::super::fault::CHECKPOINT_STAGES[kill % 7]);
+            let before = rng.random_range(0..3u64);
+            let delay = std::time::Duration::from_micros(rng.random_range(0..6000));
+            // SAFETY: the child only writes checkpoints of a tiny model (no torch thread pool at
+            // these sizes) and leaves by _exit or by the kill.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork failed");
+            if pid == 0 {
+                for step in next.. {
+                    if stage.is_some() && step == next + before {
+                        std::env::set_var("ATTNLAB_FAULT_INJECT", format!("checkpoint-die-at={}", stage.unwrap()));
+                    }
+                    let (vs, opt) = model(step as f64);
+                    if save(run, &vs, &opt, &State { step, tokens: step * 10, elapsed_s: 1.0 }, 2).is_err() || step > next + 10_000 {
+                        unsafe { libc::_exit(3) };
+                    }
+                }
+            }
+            let mut status = 0;
+            let mut reaped = false;
+            if stage.is_none() {
+                std::thread::sleep(delay);
+            } else {
+                // It kills itself; a writer that does not within 20 s is stopped and fails the test.
+                let t0 = std::time::Instant::now();
+                while !reaped && t0.elapsed().as_secs() < 20 {
+                    reaped = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid;
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+            }
+            if !reaped {
+                // Our own child, not reaped yet: the pid is still its.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+                assert!(stage.is_none(), "kill {kill} ({stage:?}): the writer did not reach the stage in 20 s");
+            }
+            assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL, "kill {kill} ({stage:?}): the writer ended with status {status}");
+            if stage.is_some() { aimed += 1 } else { timed += 1 }
+            // What a kill leaves: complete numbered checkpoints, and maybe temporary folders.
+            for (step, dir) in list(run) {
+                assert_eq!(verify(&dir), Ok(()), "kill {kill} ({stage:?}) left checkpoint {step} incomplete");
+            }
+            let (step, dir) = match resume_point(run).unwrap() {
+                Some(c) => c,
+                None => continue,
+            };
+            let names: Vec<String> = std::fs::read_dir(run.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+            assert!(names.iter().all(|n| n.parse::<u64>().is_ok()), "kill {kill} ({stage:?}): {names:?} after resume_point");
+            let (vs, mut opt) = model(0.0);
+            let st = load(&dir, &vs, &mut opt).unwrap();
+            let mut got: Vec<f64> = Vec::new();
+            for t in vs.variables().values().chain(opt.slots.iter().map(|s| &s.exp_avg)) {
+                got.extend(Vec::<f64>::try_from(t.to_kind(tch::Kind::Double).view([-1])).unwrap());
+            }
+            got.sort_by(f64::total_cmp);
+            assert_eq!((st.step, st.tokens), (step, step * 10));
+            assert!(got == expect(step), "kill {kill}: checkpoint {step} holds other values");
+            assert!(step + 1 >= next, "kill {kill}: resumed at {step}, before the previous resume point {next}");
+            progress = step;
+        }
+        assert_eq!((aimed, timed), (40, 60));
+        assert!(progress > 20, "the kills left the writes at step {progress}");
     }
 
     #[test]

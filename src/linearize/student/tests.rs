@@ -186,7 +186,7 @@ fn lora_identity_at_init_and_merge_matches() {
     perturb_adapters(&s);
     let unmerged = logits(&s, &x, Pass::Eval);
     assert!(max_diff(&unmerged, &without) > 1e-4);
-    hf::copy_into(&_vs0, s.merged_weights(&vs).into_iter().collect(), Path::new("merged")).unwrap();
+    crate::model::weights::copy_into(&_vs0, s.merged_weights(&vs).into_iter().collect(), Path::new("merged")).unwrap();
     let merged = logits(&plain, &x, Pass::Eval);
     assert!(max_diff(&merged, &unmerged) < 1e-4, "merged ≠ unmerged: {}", max_diff(&merged, &unmerged));
     let names: Vec<String> = s.lora_weights().into_iter().map(|(n, _)| n).collect();
