@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""lm-evaluation-harness on an attnlab export equals `attnlab eval --task hellaswag` (issue 39).
+
+A tiny DAR run (GPT-NeoX, 2 steps on CPU, experiments/tiny-synthetic-smoke.yaml) is exported with its
+remote code. Both score the same local HellaSwag-format documents, 0-shot, offline:
+
+  attnlab eval RUN --task hellaswag --data DOCS --shots 0 --min-context 0
+  lm_eval --model hf --model_args pretrained=EXPORT,trust_remote_code=True,dtype=float32 \
+          --include_path TASKS --tasks attnlab_hellaswag --log_samples ...
+
+where TASKS holds lm-eval's own `hellaswag` task (its process_docs, prompt and metrics) pointed at the
+local file. The documents are written in the synthetic corpus's words, so the tiny model's tokenizer
+knows them. Every sample's log-likelihood of every choice must agree within 1e-4 (absolute, summed
+over the continuation's tokens), and acc / acc_norm exactly. Exit 1 on any difference.
+
+Usage: hf_lm_eval.py ATTNLAB_BINARY WORK_DIR   (needs lm-eval, torch, transformers)
+"""
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC = os.path.join(ROOT, "experiments", "tiny-synthetic-smoke.yaml")
+TOL = 1e-4
+
+PEOPLE = ["mira", "tom", "ana", "li"]
+CITIES = ["oslo", "rome", "lima", "paris"]
+COLORS = ["red", "blue", "green"]
+
+
+def run(cmd, env=None):
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    return p.stdout
+
+
+def documents(n, seed=3):
+    """HellaSwag-shaped documents (ctx_a, ctx_b, four endings, a label) in the synthetic vocabulary."""
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        who, city, color = rng.choice(PEOPLE), rng.choice(CITIES), rng.choice(COLORS)
+        endings = [f"{c} ." for c in rng.sample(CITIES, 4)]
+        docs.append({
+            "ind": i, "activity_label": "facts", "ctx_a": f"{who} lives in {city} . {who} likes {color} .",
+            "ctx_b": f"question : where does {who} live ? answer :", "ctx": "", "endings": endings,
+            "source_id": f"attnlab-{i}", "split": "val", "split_type": "indomain", "label": str(endings.index(f"{city} .") if f"{city} ." in endings else 0),
+        })
+    return docs
+
+
+TASK_YAML = """task: attnlab_hellaswag
+dataset_path: json
+dataset_name: null
+dataset_kwargs:
+  data_files: {{validation: {data}}}
+output_type: multiple_choice
+validation_split: validation
+process_docs: !function utils.process_docs
+doc_to_text: "{{{{query}}}}"
+doc_to_target: "{{{{label}}}}"
+doc_to_choice: "choices"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def samples(path):
+    return {s["doc_id"]: s for s in map(json.loads, open(path))}
+
+
+def main():
+    attnlab, work = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
+    os.makedirs(work, exist_ok=True)
+    rundir, hf = os.path.join(work, "run-dar"), os.path.join(work, "hf-dar")
+    sets = ["train.steps=2", "attention={kind: dar, d_down: 16, window: 8}", "data.train.synthetic.docs=64",
+            "data.eval.synthetic.synthetic.docs=2", "train.batch_size=4"]
+    cmd = [attnlab, "train", SPEC, "--out", rundir, "--quiet"]
+    for s in sets:
+        cmd += ["--set", s]
+    run(cmd)
+    run([attnlab, "export", rundir, "--out", hf])
+
+    docs_dir, tasks_dir = os.path.join(work, "docs"), os.path.join(work, "tasks")
+    os.makedirs(docs_dir, exist_ok=True)
+    os.makedirs(tasks_dir, exist_ok=True)
+    data = os.path.join(docs_dir, "validation.jsonl")
+    with open(data, "w") as f:
+        for d in documents(12):
+            f.write(json.dumps(d) + "\n")
+    open(os.path.join(tasks_dir, "attnlab_hellaswag.yaml"), "w").write(TASK_YAML.format(data=data))
+    open(os.path.join(tasks_dir, "utils.py"), "w").write("from lm_eval.tasks.hellaswag.utils import process_docs  # noqa: F401\n")
+
+    run([attnlab, "eval", rundir, "--task", "hellaswag", "--data", docs_dir, "--shots", "0", "--min-context", "0"])
+    ours = json.load(open(os.path.join(rundir, "tasks", "hellaswag.json")))
+    ours_samples = samples(sorted(glob.glob(os.path.join(rundir, "lm_eval", "samples_hellaswag_*.jsonl")))[-1])
+
+    out = os.path.join(work, "lm_eval_out")
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_CACHE=os.path.join(work, "datasets-cache"))
+    lm_eval = os.path.join(os.path.dirname(sys.executable), "lm_eval")
+    run([lm_eval, "--model", "hf", "--model_args", f"pretrained={hf},trust_remote_code=True,dtype=float32", "--include_path", tasks_dir,
+         "--tasks", "attnlab_hellaswag", "--num_fewshot", "0", "--device", "cpu", "--batch_size", "1", "--output_path", out, "--log_samples"], env=env)
+    results = json.load(open(sorted(glob.glob(os.path.join(out, "**", "results_*.json"), recursive=True))[-1]))["results"]["attnlab_hellaswag"]
+    theirs_samples = samples(sorted(glob.glob(os.path.join(out, "**", "samples_attnlab_hellaswag_*.jsonl"), recursive=True))[-1])
+
+    problems = []
+    if sorted(ours_samples) != sorted(theirs_samples):
+        problems.append(f"different documents: attnlab {sorted(ours_samples)}, lm-eval {sorted(theirs_samples)}")
+    worst = 0.0
+    for i in sorted(set(ours_samples) & set(theirs_samples)):
+        a = [float(r[0][0]) for r in ours_samples[i]["resps"]]
+        b = [float(r[0][0]) for r in theirs_samples[i]["resps"]]
+        worst = max([worst] + [abs(x - y) for x, y in zip(a, b)])
+        if len(a) != len(b) or any(abs(x - y) > TOL for x, y in zip(a, b)):
+            problems.append(f"doc {i}: log-likelihoods attnlab {a} vs lm-eval {b}")
+    for metric in ("acc", "acc_norm"):
+        a = ours["metrics"][metric] if "metrics" in ours else ours[metric]
+        a = a["value"] if isinstance(a, dict) else a
+        b = results[f"{metric},none"]
+        print(f"{metric}: attnlab {a:.6f}, lm-eval {b:.6f}")
+        if abs(a - b) > 1e-9:
+            problems.append(f"{metric}: attnlab {a} vs lm-eval {b}")
+    print(f"{len(theirs_samples)} documents x 4 choices: max |Δ log-likelihood| {worst:.2e} (tolerance {TOL})")
+    for p in problems:
+        print("FAIL " + p)
+    print(f"{0 if problems else 1} passed, {1 if problems else 0} failed")
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()

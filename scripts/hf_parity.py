@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Every attnlab export loads in Hugging Face transformers as the model it is (issue 39).
+
+For a tiny run of every attention kind on every family (GPT-NeoX, Llama, OLMo 2 x vanilla, DAR, uniform,
+window, sink; 2 training steps on CPU from experiments/tiny-synthetic-smoke.yaml), `attnlab export`
+writes a folder, and this script checks that:
+  - a vanilla export is the stock architecture and carries no remote code;
+  - a non-vanilla export names attnlab's architecture: loading it without trust_remote_code fails
+    (never a silent load as the stock class), and with it builds attnlab's model;
+  - fp32 logits of the transformers model equal `attnlab forward` within 1e-4 (relative to the largest
+    logit) on a sequence several windows long, so DAR's distant path, the window and the sinks are read;
+  - 16 greedy tokens of `generate()` (the remote code's bounded cache) equal `attnlab generate`.
+Exit 1 naming every case that fails.
+
+Usage: hf_parity.py ATTNLAB_BINARY WORK_DIR [--only NAME,...]   (needs torch, transformers, safetensors)
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC = os.path.join(ROOT, "experiments", "tiny-synthetic-smoke.yaml")
+KINDS = {
+    "vanilla": "{kind: vanilla}",
+    "dar": "{kind: dar, d_down: 16, window: 8}",
+    "uniform": "{kind: uniform, d_down: 16}",
+    "window": "{kind: window, window: 8}",
+    "sink": "{kind: sink, window: 8, sinks: 4}",
+}
+FAMILIES = {"neox": "tiny", "llama": "llama-tiny", "olmo2": "olmo2-tiny"}
+STOCK = {"neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+PROMPT = "mira lives in oslo . mira likes red . the code of mira is 4 1 7 . question : where does mira live ? answer :"
+NEW_TOKENS = 16
+RTOL = 1e-4
+
+
+def run(cmd, **kw):
+    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return p.stdout
+
+
+def train_and_export(attnlab, work, family, kind):
+    name = f"{family}-{kind}"
+    rundir, hf = os.path.join(work, "runs", name), os.path.join(work, "hf", name)
+    sets = ["train.steps=2", "eval.every=0", f"model.flavor={FAMILIES[family]}", f"attention={KINDS[kind]}",
+            "data.train.synthetic.docs=64", "data.eval.synthetic.synthetic.docs=2", "train.batch_size=4"]
+    cmd = [attnlab, "train", SPEC, "--out", rundir, "--quiet"]
+    for s in sets:
+        cmd += ["--set", s]
+    run(cmd)
+    run([attnlab, "export", rundir, "--out", hf])
+    return rundir, hf
+
+
+def check(attnlab, work, family, kind):
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    rundir, hf = train_and_export(attnlab, work, family, kind)
+    cfg = json.load(open(os.path.join(hf, "config.json")))
+    arch = cfg["architectures"][0]
+    remote = [f for f in os.listdir(hf) if f.endswith(".py")]
+    problems, refusal = [], None
+    if kind == "vanilla":
+        if arch != STOCK[family] or "auto_map" in cfg or remote:
+            problems.append(f"a vanilla export should be a stock {STOCK[family]} without remote code: {arch}, files {remote}")
+        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    else:
+        if arch == STOCK[family] or "auto_map" not in cfg or not remote:
+            problems.append(f"a {kind} export should name attnlab's architecture with remote code: {arch}, files {remote}")
+        try:
+            AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, trust_remote_code=False)
+            problems.append("loaded without trust_remote_code (a silent misload)")
+        except Exception as e:  # what transformers raises is its business; that it raises is ours
+            refusal = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}…"
+        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, trust_remote_code=True)
+    model.eval()
+    if kind != "vanilla" and type(model).__name__ != arch:
+        problems.append(f"trust_remote_code built {type(model).__name__}, config names {arch}")
+
+    # Logits: 3 windows of the spec's w = 8 and more, so distant keys and sinks are read.
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, 257, (40,), generator=g).tolist()
+    tokens, out = os.path.join(work, f"{family}-{kind}.tokens"), os.path.join(work, f"{family}-{kind}.safetensors")
+    open(tokens, "w").write(" ".join(map(str, ids)))
+    run([attnlab, "forward", rundir, "--tokens", tokens, "--out", out])
+    ours = load_file(out)["logits"]
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids]), use_cache=False).logits[0]
+    scale = ours.abs().max().item()
+    diff = (theirs - ours).abs().max().item()
+    if not diff <= RTOL * scale:
+        problems.append(f"logits differ: max |Δ| {diff:.3e} > {RTOL} x max |logit| {scale:.2f}")
+
+    # Greedy generation: attnlab's decode caches vs the remote code's.
+    printed = run([attnlab, "generate", rundir, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--greedy"])
+    ours_text = printed.rstrip("\n")[len(PROMPT):]
+    tok = Tokenizer.from_file(os.path.join(hf, "tokenizer.json"))
+    prompt_ids = ([cfg["bos_token_id"]] if cfg.get("bos_token_id") is not None else []) + tok.encode(PROMPT).ids
+    with torch.no_grad():
+        gen = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=cfg["eos_token_id"], pad_token_id=cfg["eos_token_id"])
+    new = gen[0, len(prompt_ids):].tolist()
+    theirs_text = tok.decode(new)
+    if theirs_text != ours_text:
+        problems.append(f"greedy tokens differ:\n    attnlab:      {ours_text!r}\n    transformers: {theirs_text!r}")
+    detail = f"max |Δlogits| {diff:.1e} (max |logit| {scale:.1f}), {len(new)} greedy tokens equal"
+    if kind != "vanilla":
+        detail += f"; without trust_remote_code: {refusal}"
+    return type(model).__name__, detail, problems
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("attnlab")
+    ap.add_argument("work")
+    ap.add_argument("--only", help="comma-separated FAMILY-KIND names (default: all)")
+    a = ap.parse_args()
+    os.makedirs(a.work, exist_ok=True)
+    cases = [(f, k) for f in FAMILIES for k in KINDS]
+    if a.only:
+        cases = [c for c in cases if f"{c[0]}-{c[1]}" in a.only.split(",")]
+    failed = []
+    for family, kind in cases:
+        t0 = time.time()
+        try:
+            cls, detail, problems = check(os.path.abspath(a.attnlab), a.work, family, kind)
+        except Exception as e:
+            cls, detail, problems = "-", "", [f"{type(e).__name__}: {e}"]
+        status = "ok  " if not problems else "FAIL"
+        print(f"{status} {family}-{kind:8s} {cls:28s} {detail} [{time.time() - t0:.1f}s]", flush=True)
+        for p in problems:
+            print(f"     {p}", flush=True)
+        if problems:
+            failed.append(f"{family}-{kind}")
+    print(f"{len(cases) - len(failed)} passed, {len(failed)} failed")
+    if failed:
+        print("failed: " + ", ".join(failed))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
