@@ -87,7 +87,8 @@ notebook: build $(NB_VENV)/.done
 	ATTNLAB_RESULTS=$(NB_OUT)/results ATTNLAB_NOTEBOOK_OUT=$(NB_OUT) $(NB_VENV)/bin/python scripts/run_notebook.py
 
 # Every `attnlab export` in Hugging Face transformers and lm-evaluation-harness (issue 39): tiny runs
-# of every attention kind on GPT-NeoX, Llama and OLMo 2 (2 CPU steps each) exported, loaded with
+# of every attention kind on GPT-NeoX, Llama and OLMo 2 (2 CPU steps each) and STILL / LoLCATs
+# students of the vanilla Llama / OLMo 2 runs (1 + 1 linearize steps) exported, loaded with
 # AutoModelForCausalLM (remote code for every non-vanilla kind, refused without trust_remote_code),
 # fp32 logits = `attnlab forward` within 1e-4, 16 greedy tokens = `attnlab generate`
 # (scripts/hf_parity.py); then lm_eval on a DAR export = `attnlab eval --task hellaswag` on the same
@@ -96,7 +97,7 @@ notebook: build $(NB_VENV)/.done
 # fails the target and is retried next time (.done is written last).
 HF_VENV := target/venv-hf
 HF_OUT := target/hf-parity
-HF_PINS := torch==2.11.0 transformers==5.24.0 safetensors==0.8.0 numpy==2.4.6 lm-eval==0.4.13
+HF_PINS := torch==2.11.0 transformers==5.24.0 safetensors==0.8.0 numpy==2.4.6 accelerate==1.13.0 lm-eval==0.4.13
 
 $(HF_VENV)/.done:
 	python3 -m venv $(HF_VENV)

@@ -3,7 +3,8 @@
 
 For a tiny run of every attention kind on every family (GPT-NeoX, Llama, OLMo 2 x vanilla, DAR, uniform,
 window, sink; 2 training steps on CPU from experiments/tiny-synthetic-smoke.yaml), `attnlab export`
-writes a folder, and this script checks that:
+writes a folder, as `attnlab linearize` does for STILL and LoLCATs students of the vanilla Llama and
+OLMo 2 runs (1 + 1 steps), and this script checks that:
   - a vanilla export is the stock architecture and carries no remote code;
   - a non-vanilla export names attnlab's architecture: loading it without trust_remote_code fails
     (never a silent load as the stock class), and with it builds attnlab's model;
@@ -34,6 +35,12 @@ KINDS = {
     "sink": "{kind: sink, window: 8, sinks: 4}",
 }
 FAMILIES = {"neox": "tiny", "llama": "llama-tiny", "olmo2": "olmo2-tiny"}
+# Linearized students of the vanilla Llama / OLMo 2 runs (1 + 1 linearize steps): chunks of 8, so that
+# 40 tokens route chunks and fill the linear state.
+STUDENTS = {
+    "still": "{kind: still, chunk: 8, tokens_per_chunk: 2}",
+    "lolcats": "{kind: lolcats, window: 8, feature_dim: 8}",
+}
 STOCK = {"neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 PROMPT = "mira lives in oslo . mira likes red . the code of mira is 4 1 7 . question : where does mira live ? answer :"
 NEW_TOKENS = 16
@@ -60,11 +67,27 @@ def train_and_export(attnlab, work, family, kind):
     return rundir, hf
 
 
+def linearize(attnlab, work, family, kind):
+    """A STILL / LoLCATs student of the family's vanilla run (trained first if missing): its export/."""
+    teacher = os.path.join(work, "runs", f"{family}-vanilla")
+    if not os.path.isfile(os.path.join(teacher, "DONE")):
+        train_and_export(attnlab, work, family, "vanilla")
+    name = f"{family}-{kind}"
+    rundir = os.path.join(work, "runs", name)
+    spec = os.path.join(work, f"{name}.yaml")
+    open(spec, "w").write(
+        f"teacher: {teacher}\nattention: {STUDENTS[kind]}\nlora: {{rank: 4, alpha: 4}}\n"
+        "data: {train: {synthetic: {seed: 1, docs: 16}}, eval: {synthetic: {seed: 2, docs: 2}}, seq_len: 48, batch_size: 2, val_rows: 2}\n"
+        f"stage1: {{steps: 1}}\nstage2: {{steps: 1}}\ntrain: {{device: cpu}}\noutput: {rundir}\n")
+    run([attnlab, "linearize", spec, "--quiet"])
+    return rundir, os.path.join(rundir, "export")
+
+
 def check(attnlab, work, family, kind):
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    rundir, hf = train_and_export(attnlab, work, family, kind)
+    rundir, hf = (linearize if kind in STUDENTS else train_and_export)(attnlab, work, family, kind)
     cfg = json.load(open(os.path.join(hf, "config.json")))
     arch = cfg["architectures"][0]
     remote = [f for f in os.listdir(hf) if f.endswith(".py")]
@@ -105,8 +128,11 @@ def check(attnlab, work, family, kind):
     ours_text = printed.rstrip("\n")[len(PROMPT):]
     tok = Tokenizer.from_file(os.path.join(hf, "tokenizer.json"))
     prompt_ids = ([cfg["bos_token_id"]] if cfg.get("bos_token_id") is not None else []) + tok.encode(PROMPT).ids
+    eos = cfg.get("eos_token_id")
+    if eos is None:  # linearize's export: the tokenizer's EOS as attnlab takes it
+        eos = next((i for i in map(tok.token_to_id, ["</s>", "<|end_of_text|>", "<|endoftext|>", "<|eot_id|>"]) if i is not None), 0)
     with torch.no_grad():
-        gen = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=cfg["eos_token_id"], pad_token_id=cfg["eos_token_id"])
+        gen = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos)
     new = gen[0, len(prompt_ids):].tolist()
     theirs_text = tok.decode(new)
     if theirs_text != ours_text:
@@ -124,7 +150,7 @@ def main():
     ap.add_argument("--only", help="comma-separated FAMILY-KIND names (default: all)")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
-    cases = [(f, k) for f in FAMILIES for k in KINDS]
+    cases = [(f, k) for f in FAMILIES for k in KINDS] + [(f, k) for f in ("llama", "olmo2") for k in STUDENTS]
     if a.only:
         cases = [c for c in cases if f"{c[0]}-{c[1]}" in a.only.split(",")]
     failed = []

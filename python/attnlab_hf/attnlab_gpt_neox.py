@@ -159,7 +159,7 @@ class AttnlabGPTNeoXForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, cache=None, use_cache=None, labels=None, inputs_embeds=None, return_dict=None, **kwargs):
         check_no_padding(attention_mask)
         x = self.gpt_neox.embed_in(input_ids) if inputs_embeds is None else inputs_embeds
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
         if cache is None and use_cache:
             cache = AttnlabCache(len(self.gpt_neox.layers))
         p0 = cache.get_seq_length() if cache is not None else 0

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .attnlab_linearized import KINDS as LINEARIZED, Hybrid, HybridCache, HybridOptions, add_parameters
 from .attnlab_attention import KindOptions, LayerCache, attend, latent_of
 
 
@@ -127,6 +128,10 @@ class SelfAttention(nn.Module):
             d_down = int(opts.d_down or d // 4)
             self.bottleneck_down = nn.Linear(d, d_down, bias=False)
             self.bottleneck_up = nn.Linear(d_down, d, bias=False)
+        self.hybrid = None
+        if opts.kind in LINEARIZED:
+            add_parameters(self, opts, h, hd, d)
+            self.hybrid = Hybrid(opts, self, hd)
 
     def split(self, x, n):
         b, t, _ = x.shape
@@ -147,6 +152,14 @@ class SelfAttention(nn.Module):
         q = apply_rope(self.split(q, self.h), cos, sin)
         k = self.keys(self.k_proj(a), cos, sin, eps)
         v = self.split(self.v_proj(a), self.kvh)
+        if self.hybrid is not None:
+            rep = self.h // self.kvh
+            g = None
+            if getattr(self, "g_proj", None) is not None:
+                g = torch.sigmoid(self.g_proj(a)).view(a.shape[0], a.shape[1], self.h, self.hd).transpose(1, 2)
+            o = self.hybrid.forward(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), g, pos, cache)
+            b, _, n, _ = o.shape
+            return self.o_proj(o.transpose(1, 2).reshape(b, n, self.h * self.hd))
         latent = distant = None
         if self.opts.has_bottleneck:
             latent = latent_of(a, self.bottleneck_down.weight, self.opts.dar_act)
@@ -186,8 +199,8 @@ class AttnlabCache:
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, layers):
-        self.layers = [LayerCache() for _ in range(layers)]
+    def __init__(self, layers, make=LayerCache):
+        self.layers = [make() for _ in range(layers)]
 
     def get_seq_length(self, layer_idx=0):
         return self.layers[0].seen
@@ -208,7 +221,10 @@ class AttnlabLlamaForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config):
         super().__init__(config)
         self.family = type(config).family
-        self.opts = KindOptions(getattr(config, "attnlab_attention", None))
+        options = getattr(config, "attnlab_attention", None) or {"kind": "vanilla"}
+        linear = options.get("kind") in LINEARIZED
+        self.opts = HybridOptions(options) if linear else KindOptions(options)
+        self.make_cache = HybridCache if linear else LayerCache
         self.model = Inner(config, self.opts, self.family)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tied:
@@ -240,9 +256,9 @@ class AttnlabLlamaForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, cache=None, use_cache=None, labels=None, inputs_embeds=None, return_dict=None, **kwargs):
         check_no_padding(attention_mask)
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
         if cache is None and use_cache:
-            cache = AttnlabCache(len(self.model.layers))
+            cache = AttnlabCache(len(self.model.layers), self.make_cache)
         p0 = cache.get_seq_length() if cache is not None else 0
         pos = torch.arange(p0, p0 + x.shape[1], device=x.device)
         for i, block in enumerate(self.model.layers):

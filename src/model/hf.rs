@@ -141,8 +141,9 @@ impl RemoteFamily {
 }
 
 /// The modeling code every remote-code export carries (python/attnlab_hf/, built into the binary).
-pub const REMOTE_CODE: [(&str, &str); 4] = [
+pub const REMOTE_CODE: [(&str, &str); 5] = [
     ("attnlab_attention.py", include_str!("../../python/attnlab_hf/attnlab_attention.py")),
+    ("attnlab_linearized.py", include_str!("../../python/attnlab_hf/attnlab_linearized.py")),
     ("attnlab_gpt_neox.py", include_str!("../../python/attnlab_hf/attnlab_gpt_neox.py")),
     ("attnlab_llama.py", include_str!("../../python/attnlab_hf/attnlab_llama.py")),
     ("attnlab_olmo2.py", include_str!("../../python/attnlab_hf/attnlab_olmo2.py")),
@@ -152,8 +153,8 @@ pub const REMOTE_CODE: [(&str, &str); 4] = [
 /// transformers does not know, so that a non-vanilla model never loads silently as the stock class
 /// (which would drop its bottleneck, or ignore its window, and compute another model). With
 /// `runnable` (the remote code implements the attention), `auto_map` points `AutoConfig` and
-/// `AutoModelForCausalLM` at the modeling files [`save_folder`] then writes beside it; without it,
-/// loading fails even with `trust_remote_code` (the STILL / LoLCATs students, read by attnlab only).
+/// `AutoModelForCausalLM` at the modeling files [`write_remote_code`] then writes beside it; without
+/// it, loading fails even with `trust_remote_code`.
 pub fn remote_code(config: &mut serde_json::Value, family: RemoteFamily, runnable: bool) {
     let (model_type, module, stem) = family.names();
     config["model_type"] = model_type.into();
@@ -166,18 +167,24 @@ pub fn remote_code(config: &mut serde_json::Value, family: RemoteFamily, runnabl
     }
 }
 
-/// Write `vs` as a Hugging Face folder with the given config.json (fp32 safetensors), and the
-/// modeling files of [`REMOTE_CODE`] when the config's `auto_map` names them.
-pub fn save_folder(vs: &VarStore, config: &serde_json::Value, dir: &Path) -> Result<()> {
-    std::fs::create_dir_all(dir).at(dir)?;
-    let cp = dir.join("config.json");
-    std::fs::write(&cp, serde_json::to_string_pretty(config)?).at(&cp)?;
+/// The modeling files of [`REMOTE_CODE`] into `dir` when `config`'s `auto_map` names them.
+pub fn write_remote_code(dir: &Path, config: &serde_json::Value) -> Result<()> {
     if config.get("auto_map").is_some() {
         for (name, code) in REMOTE_CODE {
             let p = dir.join(name);
             std::fs::write(&p, code).at(&p)?;
         }
     }
+    Ok(())
+}
+
+/// Write `vs` as a Hugging Face folder with the given config.json (fp32 safetensors), and the
+/// modeling files of [`REMOTE_CODE`] when the config's `auto_map` names them.
+pub fn save_folder(vs: &VarStore, config: &serde_json::Value, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).at(dir)?;
+    let cp = dir.join("config.json");
+    std::fs::write(&cp, serde_json::to_string_pretty(config)?).at(&cp)?;
+    write_remote_code(dir, config)?;
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     Tensor::write_safetensors(&vars, dir.join("model.safetensors"))?;

@@ -129,9 +129,8 @@ impl LlamaConfig {
     }
 
     /// A Hugging Face `config.json` for this model: LlamaForCausalLM or Olmo2ForCausalLM when vanilla;
-    /// otherwise attnlab's architecture (`hf::remote_code`: the softmax kinds with the remote code that
-    /// runs them, STILL / LoLCATs named but refused by transformers) and the attention under
-    /// `attnlab_attention`.
+    /// otherwise attnlab's architecture with the remote code that runs it (`hf::remote_code`) and the
+    /// attention (a softmax kind, or the STILL / LoLCATs operator) under `attnlab_attention`.
     pub fn to_hf_json(&self) -> serde_json::Value {
         let scaling = match &self.rope_scaling {
             RopeScaling::Default => serde_json::Value::Null,
@@ -156,7 +155,7 @@ impl LlamaConfig {
                 Family::Llama => super::hf::RemoteFamily::Llama,
                 Family::Olmo2 => super::hf::RemoteFamily::Olmo2,
             };
-            super::hf::remote_code(&mut v, family, matches!(self.attention, Attention::Softmax(_)));
+            super::hf::remote_code(&mut v, family, true);
         }
         v
     }
