@@ -22,8 +22,12 @@ import subprocess
 import sys
 import time
 
-import torch
-from safetensors.torch import load_file
+# Local folders only: never ask the hub (CI reaches PyPI and nothing else).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = os.path.join(ROOT, "experiments", "tiny-synthetic-smoke.yaml")

@@ -516,8 +516,9 @@ fn finetune_two_stages_resume_and_eval() {
     let eval: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("lin/eval.json")).unwrap()).unwrap();
     assert!(eval["student"]["loss"].as_f64().unwrap().is_finite() && eval["teacher"]["loss"].as_f64().unwrap().is_finite(), "{out} {eval}");
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("lin/export/config.json")).unwrap()).unwrap();
-    // Named as attnlab's, without remote code (STILL is not in it): transformers refuses it loudly.
-    assert!(cfg["model_type"] == "attnlab_olmo2" && cfg["attnlab_attention"]["kind"] == "still" && cfg.get("auto_map").is_none(), "{cfg}");
+    // attnlab's architecture with the remote code that runs STILL (scripts/hf_parity.py loads students).
+    assert!(cfg["model_type"] == "attnlab_olmo2" && cfg["attnlab_attention"]["kind"] == "still" && cfg["auto_map"].is_object(), "{cfg}");
+    assert!(cwd.join("lin/export/attnlab_linearized.py").is_file() && cwd.join("lin/export/attnlab_olmo2.py").is_file());
     let out = attnlab(&["generate", cwd.join("lin").to_str().unwrap(), "--prompt", "hello", "--max-new-tokens", "3"], cwd);
     assert!(String::from_utf8_lossy(&out.stderr).contains("decode"), "{}", fails(&out));
 }
