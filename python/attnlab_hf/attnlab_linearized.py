@@ -12,9 +12,10 @@ and, with s_tj = q_t.k_j / sqrt(D), m_t = max over Sel and Win, phi the feature 
 
 S = sum_Lin phi_k(k_j) v_j^T, z = sum_Lin phi_k(k_j); m_t is not compensated in the linear terms. A
 token's routing score is computed once, from its own query over its C most recent keys (itself included).
-This file computes the sets densely per query (the same function as attnlab's chunked forward). Its
-decode cache keeps every token's keys, values and score: correct, but not the bounded cache of
-still.md §6. Options this code does not implement are refused when the model is built.
+The prefill builds the sets densely per query (the same function as attnlab's chunked forward); decoding
+runs one token at a time from the bounded cache of still.md §6 (`HybridCache`: Sel, the window and its
+scores, S and z), routing a chunk when it leaves the window. Options this code does not implement are
+refused when the model is built.
 """
 import math
 
@@ -155,53 +156,116 @@ class Hybrid:
         top = top + torch.arange(full, device=scores.device)[:, None] * o.chunk
         return sel.scatter(2, top.reshape(b, h, -1), True)
 
-    def forward(self, q, k, v, g, pos, cache):
-        """Heads [B, H, n, D] of queries q at positions pos; k, v [B, H, n, D] already repeated to H heads;
-        g = the gate sigma(W_g x) [B, H, n, D] (STILL) or None. With a cache, earlier tokens come from it."""
+    def combine(self, qf, n_sm, z_sm, m, n_lin, z_lin, g, kind):
+        """y = (softmax terms + gated linear terms) / (their normalizers + eps), as the kind defines."""
         o = self.opts
-        kind = torch.float64 if q.dtype == torch.float64 else torch.float32
-        qf, kf, vf = q.to(kind), k.to(kind), v.to(kind)
-        if cache is not None and cache.k is not None:
-            kf, vf = torch.cat([cache.k, kf], 2), torch.cat([cache.v, vf], 2)
-        kpos = torch.arange(kf.shape[2], device=q.device)
-        s = qf @ kf.transpose(-2, -1) / math.sqrt(self.d)
-        new_scores = self.scores(s, pos, kpos, kf)
-        scores = new_scores if cache is None or cache.scores is None else torch.cat([cache.scores, new_scores], 2)
-        ct, cj = pos // o.chunk, kpos // o.chunk
-        causal = kpos[None, :] <= pos[:, None]
-        win = causal & (cj[None, :] >= ct[:, None] - 1)
-        routed = cj[None, :] <= ct[:, None] - 2
-        chosen = self.selected(scores)[:, :, None, :]
-        soft = win[None, None] | (routed[None, None] & chosen)
-        lin = routed[None, None] & ~chosen
-        m = s.masked_fill(~soft, float("-inf")).amax(-1, keepdim=True)
-        e = (s - m).exp() * soft
-        n_sm, z_sm = e @ vf, e.sum(-1, keepdim=True)
         if o.kind == "lolcats":
             gamma = torch.sigmoid(self.attn[0].window_factors.to(kind)).view(1, -1, 1, 1)
             n_sm, z_sm = n_sm * gamma, z_sm * gamma
-        attn = self.attn[0]
-        a = (attn.feature_map_q(qf) @ attn.feature_map_k(kf).transpose(-2, -1)) * lin
-        n_lin, z_lin = a @ vf, a.sum(-1, keepdim=True)
         if g is not None:
             n_lin = n_lin * g.to(kind)
         if not o.linear_branch:
             n_lin, z_lin = n_lin * 0, z_lin * 0
         elif o.compensate:
             n_lin, z_lin = n_lin * (-m).exp(), z_lin * (-m).exp()
-        y = (n_sm + n_lin) / (z_sm + z_lin + o.eps)
-        if cache is not None:
-            cache.k, cache.v, cache.scores = kf, vf, scores
-            cache.seen = int(pos[-1]) + 1
-        return y.to(q.dtype)
+        return (n_sm + n_lin) / (z_sm + z_lin + o.eps)
+
+    def dense(self, qf, kf, vf, g, kind):
+        """The prefill: every query of a sequence at positions 0..T-1 with its sets built densely.
+        Returns the heads and every token's routing score."""
+        o, attn = self.opts, self.attn[0]
+        pos = torch.arange(qf.shape[2], device=qf.device)
+        s = qf @ kf.transpose(-2, -1) / math.sqrt(self.d)
+        scores = self.scores(s, pos, pos, kf)
+        c = pos // o.chunk
+        causal = pos[None, :] <= pos[:, None]
+        win = causal & (c[None, :] >= c[:, None] - 1)
+        routed = c[None, :] <= c[:, None] - 2
+        chosen = self.selected(scores)[:, :, None, :]
+        soft = win[None, None] | (routed[None, None] & chosen)
+        lin = routed[None, None] & ~chosen
+        m = s.masked_fill(~soft, float("-inf")).amax(-1, keepdim=True)
+        e = (s - m).exp() * soft
+        a = (attn.feature_map_q(qf) @ attn.feature_map_k(kf).transpose(-2, -1)) * lin
+        y = self.combine(qf, e @ vf, e.sum(-1, keepdim=True), m, a @ vf, a.sum(-1, keepdim=True), g, kind)
+        return y, scores
+
+    def forward(self, q, k, v, g, pos, cache):
+        """Heads [B, H, n, D] of queries q at positions pos; k, v [B, H, n, D] already repeated to H heads;
+        g = the gate sigma(W_g x) [B, H, n, D] (STILL) or None. With a cache: a prefill (empty cache)
+        fills it; later tokens are decoded one at a time from it (still.md §6)."""
+        kind = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qf, kf, vf = q.to(kind), k.to(kind), v.to(kind)
+        if cache is None or cache.seen == 0:
+            if int(pos[0]) != 0:
+                raise ValueError("a STILL / LoLCATs forward starts at position 0 (or continues a cache)")
+            y, scores = self.dense(qf, kf, vf, g, kind)
+            if cache is not None:
+                cache.fill(self, kf, vf, scores)
+            return y.to(q.dtype)
+        ys = [self.step(cache, qf[:, :, i:i + 1], kf[:, :, i:i + 1], vf[:, :, i:i + 1], None if g is None else g[:, :, i:i + 1], int(pos[i]), kind) for i in range(qf.shape[2])]
+        return torch.cat(ys, 2).to(q.dtype)
+
+    def route(self, cache, keys, values, scores):
+        """Chunk `keys` [B, H, C, D] leaves the window: its top-kappa tokens join Sel, the rest S and z."""
+        o, attn = self.opts, self.attn[0]
+        chosen = self.selected(scores)
+        if o.kappa > 0:
+            idx = chosen.nonzero(as_tuple=True)[2].view(keys.shape[0], keys.shape[1], -1)
+            take = lambda x: x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
+            cache.sel_k = take(keys) if cache.sel_k is None else torch.cat([cache.sel_k, take(keys)], 2)
+            cache.sel_v = take(values) if cache.sel_v is None else torch.cat([cache.sel_v, take(values)], 2)
+        phi = attn.feature_map_k(keys) * (~chosen)[..., None]
+        cache.s = cache.s + phi.transpose(-2, -1) @ values
+        cache.z = cache.z + phi.sum(2)
+
+    def step(self, cache, q, k, v, g, t, kind):
+        """One token at position t (still.md §6): route chunk c-2 when t opens chunk c, store k, v and
+        the token's score, attend to Sel and the window in softmax and to S, z linearly."""
+        o, attn = self.opts, self.attn[0]
+        c, i = divmod(t, o.chunk)
+        if i == 0 and c >= 2:
+            C = o.chunk
+            self.route(cache, cache.win_k[:, :, :C], cache.win_v[:, :, :C], cache.win_scores[:, :, :C])
+            cache.win_k, cache.win_v, cache.win_scores = cache.win_k[:, :, C:], cache.win_v[:, :, C:], cache.win_scores[:, :, C:]
+        wk, wv = torch.cat([cache.win_k, k], 2), torch.cat([cache.win_v, v], 2)
+        wpos = torch.arange(t + 1 - wk.shape[2], t + 1, device=q.device)
+        s_win = q @ wk.transpose(-2, -1) / math.sqrt(self.d)
+        score = self.scores(s_win, torch.tensor([t], device=q.device), wpos, wk)
+        cache.win_k, cache.win_v, cache.win_scores = wk, wv, torch.cat([cache.win_scores, score], 2)
+        keys = wk if cache.sel_k is None else torch.cat([cache.sel_k, wk], 2)
+        values = wv if cache.sel_v is None else torch.cat([cache.sel_v, wv], 2)
+        s = q @ keys.transpose(-2, -1) / math.sqrt(self.d)
+        m = s.amax(-1, keepdim=True)
+        e = (s - m).exp()
+        phi_q = attn.feature_map_q(q)
+        y = self.combine(q, e @ values, e.sum(-1, keepdim=True), m, phi_q @ cache.s, phi_q @ cache.z[..., None], g, kind)
+        cache.seen = t + 1
+        return y
 
 
 class HybridCache:
-    """One layer's decode state: every token's keys, values (per query head) and routing score."""
+    """One layer's bounded decode state (still.md §6), per query head: Sel's keys / values (kappa per
+    routed chunk), the window (chunk c-1 and the current chunk) with its routing scores, and the linear
+    state S [F, D], z [F] of every other token; nothing grows with the sequence but Sel."""
 
     def __init__(self):
-        self.k = self.v = self.scores = None
+        self.sel_k = self.sel_v = self.win_k = self.win_v = self.win_scores = self.s = self.z = None
         self.seen = 0
 
+    def fill(self, hybrid, kf, vf, scores):
+        """The state after a prefill of T tokens: chunks <= c(T-1)-2 routed, the rest in the window."""
+        C, t = hybrid.opts.chunk, kf.shape[2]
+        w0 = max(0, (t - 1) // C - 1) * C
+        b, h, _, d = kf.shape
+        f = hybrid.attn[0].feature_map_k(kf[:, :, :1]).shape[-1]
+        self.s = kf.new_zeros(b, h, f, d)
+        self.z = kf.new_zeros(b, h, f)
+        for r in range(w0 // C):
+            sl = slice(r * C, (r + 1) * C)
+            hybrid.route(self, kf[:, :, sl], vf[:, :, sl], scores[:, :, sl])
+        self.win_k, self.win_v, self.win_scores = kf[:, :, w0:], vf[:, :, w0:], scores[:, :, w0:]
+        self.seen = t
+
     def bytes(self):
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.scores) if t is not None)
+        return sum(x.numel() * x.element_size() for x in (self.sel_k, self.sel_v, self.win_k, self.win_v, self.win_scores, self.s, self.z) if x is not None)
