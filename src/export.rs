@@ -121,7 +121,8 @@ fn metrics_table(v: &Value) -> String {
     let Some(corpora) = v.get("corpora").and_then(Value::as_object) else {
         return format!("```json\n{}\n```\n", serde_json::to_string_pretty(v).unwrap_or_default());
     };
-    let mut s = String::from("| corpus | tokens | loss | ppl | word ppl | bits/byte |\n|---|---|---|---|---|---|\n");
+    let at = v.get("step").and_then(Value::as_u64).map_or(String::new(), |s| format!(" at step {s}"));
+    let mut s = format!("The run's held-out evaluation{at} (eval.json):\n\n| corpus | tokens | loss | ppl | word ppl | bits/byte |\n|---|---|---|---|---|---|\n");
     for (name, c) in corpora {
         let num = |k: &str| c.get(k).and_then(Value::as_f64).map_or("–".to_string(), |x| format!("{x:.4}"));
         let tokens = c.get("tokens").and_then(Value::as_u64).map_or("–".to_string(), |t| t.to_string());
