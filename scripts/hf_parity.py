@@ -10,7 +10,9 @@ OLMo 2 runs (1 + 1 steps), and this script checks that:
     (never a silent load as the stock class), and with it builds attnlab's model;
   - fp32 logits of the transformers model equal `attnlab forward` within 1e-4 (relative to the largest
     logit) on a sequence several windows long, so DAR's distant path, the window and the sinks are read;
-  - 16 greedy tokens of `generate()` (the remote code's bounded cache) equal `attnlab generate`.
+  - 16 greedy tokens of `generate()` (the remote code's bounded cache) equal `attnlab generate`;
+and that the remote code's Llama / OLMo 2 with kind vanilla equals transformers' own LlamaForCausalLM /
+Olmo2ForCausalLM on the vanilla exports' weights with Llama 3.1 RoPE scaling (an independent reference).
 Exit 1 naming every case that fails.
 
 Usage: hf_parity.py ATTNLAB_BINARY WORK_DIR [--only NAME,...]   (needs torch, transformers, safetensors)
@@ -147,6 +149,38 @@ def check(attnlab, work, family, kind):
     return type(model).__name__, detail, problems
 
 
+def check_against_stock(work, family):
+    """The remote code's vanilla model against transformers' own class on the same weights, with
+    Llama 3.1 RoPE scaling (which the tiny runs do not train with): the family's vanilla export,
+    its config given `rope_scaling: llama3`, loaded stock and as attnlab's architecture."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    src, dst = os.path.join(work, "hf", f"{family}-vanilla"), os.path.join(work, "hf", f"{family}-vanilla-as-remote")
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    # original_max_position_embeddings 16: every wavelength band (kept, smoothed, slowed) occurs at hd 16.
+    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    for f in os.listdir(os.path.join(ROOT, "python", "attnlab_hf")):
+        if f.startswith("attnlab_"):
+            shutil.copy(os.path.join(ROOT, "python", "attnlab_hf", f), dst)
+    stem = {"llama": "AttnlabLlama", "olmo2": "AttnlabOlmo2"}[family]
+    cfg.update(model_type=f"attnlab_{family}", architectures=[f"{stem}ForCausalLM"], attnlab_attention={"kind": "vanilla"},
+               auto_map={"AutoConfig": f"attnlab_{family}.{stem}Config", "AutoModelForCausalLM": f"attnlab_{family}.{stem}ForCausalLM"})
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    stock = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ours = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32, trust_remote_code=True).eval()
+    ids = torch.randint(1, 257, (1, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        a, b = stock(ids).logits, ours(ids, use_cache=False).logits
+    diff, scale = (a - b).abs().max().item(), a.abs().max().item()
+    problems = [] if diff <= RTOL * scale else [f"{type(ours).__name__} (vanilla) vs {type(stock).__name__}: max |Δ| {diff:.3e} > {RTOL} x {scale:.2f}"]
+    return type(stock).__name__, f"= {type(ours).__name__} with kind vanilla, llama3 RoPE scaling: max |Δlogits| {diff:.1e}", problems
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("attnlab")
@@ -170,6 +204,20 @@ def main():
             print(f"     {p}", flush=True)
         if problems:
             failed.append(f"{family}-{kind}")
+    # The remote code's Llama / OLMo 2 against transformers' own classes (an independent reference).
+    for family in ("llama", "olmo2"):
+        if not os.path.isdir(os.path.join(a.work, "hf", f"{family}-vanilla")):
+            continue
+        cases.append((family, "stock"))
+        try:
+            cls, detail, problems = check_against_stock(a.work, family)
+        except Exception as e:
+            cls, detail, problems = "-", "", [f"{type(e).__name__}: {e}"]
+        print(f"{'ok  ' if not problems else 'FAIL'} {family}-stock    {cls:28s} {detail}", flush=True)
+        for p in problems:
+            print(f"     {p}", flush=True)
+        if problems:
+            failed.append(f"{family}-stock")
     print(f"{len(cases) - len(failed)} passed, {len(failed)} failed")
     if failed:
         print("failed: " + ", ".join(failed))

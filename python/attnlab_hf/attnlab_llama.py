@@ -29,6 +29,15 @@ class AttnlabLlamaConfig(PreTrainedConfig):
 
     model_type = "attnlab_llama"
     family = "llama"
+    # transformers 5 folds `rope_theta` / `rope_scaling` into this dict (rope_options reads either).
+    rope_parameters: dict | None = None
+
+    def __post_init__(self, **kwargs):
+        # RoPE validation (llama3 scaling) reads these before the other keys become attributes.
+        for key in ("max_position_embeddings", "hidden_size", "num_attention_heads", "head_dim"):
+            if key in kwargs:
+                setattr(self, key, kwargs[key])
+        super().__post_init__(**kwargs)
 
 
 def rms_norm(x, w, eps, family):
