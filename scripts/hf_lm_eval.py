@@ -11,7 +11,10 @@ remote code. Both score the same local HellaSwag-format documents, 0-shot, offli
 where TASKS holds lm-eval's own `hellaswag` task (its process_docs, prompt and metrics) pointed at the
 local file. The documents are written in the synthetic corpus's words, so the tiny model's tokenizer
 knows them. Every sample's log-likelihood of every choice must agree within 1e-4 (absolute, summed
-over the continuation's tokens), and acc / acc_norm exactly. Exit 1 on any difference.
+over the continuation's tokens), and acc / acc_norm exactly. Then rolling perplexity, as lm-eval's
+wikitext task scores it (loglikelihood_rolling over windows of the model's 128 positions) against
+`attnlab eval RUN --corpus texts=FILE` on four local documents of 150-330 words: each document's
+log-likelihood within 1e-4 relative, and the word perplexity. Exit 1 on any difference.
 
 Usage: hf_lm_eval.py ATTNLAB_BINARY WORK_DIR   (needs lm-eval, torch, transformers)
 """
@@ -76,6 +79,32 @@ metadata:
 """
 
 
+ROLLING_YAML = """task: attnlab_rolling
+dataset_path: json
+dataset_name: null
+dataset_kwargs:
+  data_files: {{test: {data}}}
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+metadata:
+  version: 1.0
+"""
+
+
+def texts(n, seed=5):
+    """Documents of 150 to 330 words of the synthetic vocabulary: longer than T = 128 tokens, so both
+    sides score them in rolling windows."""
+    rng = random.Random(seed)
+    words = (PEOPLE + CITIES + COLORS + "lives in likes . question : where does live ? answer the code of is 1 2 3 4 5 6 7".split())
+    return [{"text": " ".join(rng.choice(words) for _ in range(150 + 60 * i))} for i in range(n)]
+
+
 def samples(path):
     return {s["doc_id"]: s for s in map(json.loads, open(path))}
 
@@ -114,7 +143,35 @@ def main():
     results = json.load(open(sorted(glob.glob(os.path.join(out, "**", "results_*.json"), recursive=True))[-1]))["results"]["attnlab_hellaswag"]
     theirs_samples = samples(sorted(glob.glob(os.path.join(out, "**", "samples_attnlab_hellaswag_*.jsonl"), recursive=True))[-1])
 
-    problems = []
+    # Rolling perplexity (lm-eval's loglikelihood_rolling, as its wikitext task) of local documents.
+    text = os.path.join(docs_dir, "texts.jsonl")
+    with open(text, "w") as f:
+        for d in texts(4):
+            f.write(json.dumps(d) + "\n")
+    open(os.path.join(tasks_dir, "attnlab_rolling.yaml"), "w").write(ROLLING_YAML.format(data=text))
+    run([attnlab, "eval", rundir, "--corpus", f"texts={text}"])
+    ours_ppl = json.load(open(os.path.join(rundir, "eval.json")))["corpora"]["texts"]
+    ours_rolling = samples(sorted(glob.glob(os.path.join(rundir, "lm_eval", "samples_texts_*.jsonl")))[-1])
+    out2 = os.path.join(work, "lm_eval_rolling")
+    run([lm_eval, "--model", "hf", "--model_args", f"pretrained={hf},trust_remote_code=True,dtype=float32", "--include_path", tasks_dir,
+         "--tasks", "attnlab_rolling", "--device", "cpu", "--batch_size", "1", "--output_path", out2, "--log_samples"], env=env)
+    rolling = json.load(open(sorted(glob.glob(os.path.join(out2, "**", "results_*.json"), recursive=True))[-1]))["results"]["attnlab_rolling"]
+    theirs_rolling = samples(sorted(glob.glob(os.path.join(out2, "**", "samples_attnlab_rolling_*.jsonl"), recursive=True))[-1])
+
+    problems = []  # the rolling check's, then the multiple-choice check's
+    worst_doc = 0.0
+    for i in sorted(theirs_rolling):
+        a, b = float(ours_rolling[i]["resps"][0][0]), float(theirs_rolling[i]["resps"][0][0])
+        worst_doc = max(worst_doc, abs(a - b))
+        if abs(a - b) > TOL * max(1.0, abs(a)):
+            problems.append(f"document {i}: rolling log-likelihood attnlab {a} vs lm-eval {b}")
+    if len(theirs_rolling) != len(ours_rolling):
+        problems.append(f"rolling: attnlab scored {len(ours_rolling)} documents, lm-eval {len(theirs_rolling)}")
+    a, b = ours_ppl["word_ppl"], rolling["word_perplexity,none"]
+    print(f"word perplexity: attnlab {a:.6f}, lm-eval {b:.6f}; {len(theirs_rolling)} documents of {ours_ppl['tokens']} tokens, max |Δ log-likelihood| {worst_doc:.2e}")
+    if abs(a - b) > TOL * a:
+        problems.append(f"word perplexity: attnlab {a} vs lm-eval {b}")
+    rolling_failed = bool(problems)
     if sorted(ours_samples) != sorted(theirs_samples):
         problems.append(f"different documents: attnlab {sorted(ours_samples)}, lm-eval {sorted(theirs_samples)}")
     worst = 0.0
@@ -134,7 +191,8 @@ def main():
     print(f"{len(theirs_samples)} documents x 4 choices: max |Δ log-likelihood| {worst:.2e} (tolerance {TOL})")
     for p in problems:
         print("FAIL " + p)
-    print(f"{0 if problems else 1} passed, {1 if problems else 0} failed")
+    failed = int(rolling_failed) + int(len(problems) > 0 and (not rolling_failed or any(not p.startswith(("document", "rolling", "word")) for p in problems)))
+    print(f"{2 - failed} passed, {failed} failed")
     sys.exit(1 if problems else 0)
 
 
