@@ -91,8 +91,8 @@ notebook: build $(NB_VENV)/.done
 # students of the vanilla Llama / OLMo 2 runs (1 + 1 linearize steps) exported, loaded with
 # AutoModelForCausalLM (remote code for every non-vanilla kind, refused without trust_remote_code),
 # fp32 logits = `attnlab forward` within 1e-4, 16 greedy tokens = `attnlab generate`
-# (scripts/hf_parity.py); then lm_eval on a DAR export = `attnlab eval --task hellaswag` on the same
-# local documents (scripts/hf_lm_eval.py). The pinned venv lives under target/ like the notebook's
+# (scripts/hf_parity.py); then lm_eval on a DAR export = `attnlab eval --task hellaswag` and
+# `attnlab eval --corpus` (rolling perplexity) on the same local documents (scripts/hf_lm_eval.py). The pinned venv lives under target/ like the notebook's
 # (torch's CUDA wheels come along, ~2.7 GB: PyPI has no CPU-only torch for Linux); a failed install
 # fails the target and is retried next time (.done is written last).
 HF_VENV := target/venv-hf
