@@ -94,14 +94,15 @@ notebook: build $(NB_VENV)/.done
 # (scripts/hf_parity.py); then lm_eval on a DAR export = `attnlab eval --task hellaswag` and
 # `attnlab eval --corpus` (rolling perplexity) on the same local documents (scripts/hf_lm_eval.py). The pinned venv lives under target/ like the notebook's
 # (torch's CUDA wheels come along, ~2.7 GB: PyPI has no CPU-only torch for Linux); a failed install
-# fails the target and is retried next time (.done is written last).
+# fails the target and is retried next time (.done is written last). Every transitive dependency is
+# pinned too (scripts/hf-venv-constraints.txt).
 HF_VENV := target/venv-hf
 HF_OUT := target/hf-parity
 HF_PINS := torch==2.11.0 transformers==5.24.0 safetensors==0.8.0 numpy==2.4.6 accelerate==1.13.0 lm-eval==0.4.13
 
-$(HF_VENV)/.done:
+$(HF_VENV)/.done: scripts/hf-venv-constraints.txt
 	python3 -m venv $(HF_VENV)
-	$(HF_VENV)/bin/pip install -q $(HF_PINS)
+	$(HF_VENV)/bin/pip install -q -c scripts/hf-venv-constraints.txt $(HF_PINS)
 	touch $@
 
 hf-parity: build $(HF_VENV)/.done
