@@ -1,6 +1,6 @@
 # attnlab set-up and everyday commands. Everything builds in release mode (GPU.md §8: one cold
 # release build is ~32 min on 2 cores, measured from a fresh clone; tests reuse it).
-.PHONY: demo test setup build gpu-bin gpu-kernels fixture clean-results notebook smollm2 gguf-venv
+.PHONY: demo test setup build gpu-bin gpu-kernels fixture clean-results notebook smollm2 gguf-venv hf-parity
 
 setup:
 	@./scripts/setup-libtorch.sh
@@ -19,6 +19,7 @@ test: setup smollm2
 	cargo test --release --lib
 	cargo test --release --test cli
 	$(MAKE) notebook
+	$(MAKE) hf-parity
 
 # Lean training binary for the GPU host (no polars/plotters/hf-hub), stripped, in .gpu/, with our
 # CUDA kernels beside it (gpu-kernels).
@@ -84,3 +85,27 @@ notebook: build $(NB_VENV)/.done
 		./target/release/attnlab eval $$r --task hellaswag --data tests/fixtures/tasks/hellaswag --limit 2 --shots 0 --min-context 0 > /dev/null || exit 1; done
 	./target/release/attnlab report $(NB_OUT)/results > /dev/null
 	ATTNLAB_RESULTS=$(NB_OUT)/results ATTNLAB_NOTEBOOK_OUT=$(NB_OUT) $(NB_VENV)/bin/python scripts/run_notebook.py
+
+# Every `attnlab export` in Hugging Face transformers and lm-evaluation-harness (issue 39): tiny runs
+# of every attention kind on GPT-NeoX, Llama and OLMo 2 (2 CPU steps each) and STILL / LoLCATs
+# students of the vanilla Llama / OLMo 2 runs (1 + 1 linearize steps) exported, loaded with
+# AutoModelForCausalLM (remote code for every non-vanilla kind, refused without trust_remote_code),
+# fp32 logits = `attnlab forward` within 1e-4, 16 greedy tokens = `attnlab generate`
+# (scripts/hf_parity.py); then lm_eval on a DAR export = `attnlab eval --task hellaswag` and
+# `attnlab eval --corpus` (rolling perplexity) on the same local documents (scripts/hf_lm_eval.py). The pinned venv lives under target/ like the notebook's
+# (torch's CUDA wheels come along, ~2.7 GB: PyPI has no CPU-only torch for Linux); a failed install
+# fails the target and is retried next time (.done is written last). Every transitive dependency is
+# pinned too (scripts/hf-venv-constraints.txt).
+HF_VENV := target/venv-hf
+HF_OUT := target/hf-parity
+HF_PINS := torch==2.11.0 transformers==5.24.0 safetensors==0.8.0 numpy==2.4.6 accelerate==1.13.0 lm-eval==0.4.13
+
+$(HF_VENV)/.done: scripts/hf-venv-constraints.txt
+	python3 -m venv $(HF_VENV)
+	$(HF_VENV)/bin/pip install -q -c scripts/hf-venv-constraints.txt $(HF_PINS)
+	touch $@
+
+hf-parity: build $(HF_VENV)/.done
+	rm -rf $(HF_OUT)
+	$(HF_VENV)/bin/python scripts/hf_parity.py ./target/release/attnlab $(HF_OUT)/parity
+	$(HF_VENV)/bin/python scripts/hf_lm_eval.py ./target/release/attnlab $(HF_OUT)/lm-eval

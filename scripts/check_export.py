@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Cross-check `attnlab export` with Hugging Face transformers: load the exported folder with
-AutoModelForCausalLM and compare its fp32 logits with `attnlab forward` on the same token ids.
+AutoModelForCausalLM (with trust_remote_code: a non-vanilla export runs the attnlab modeling code it
+carries) and compare its fp32 logits with `attnlab forward` on the same token ids.
 Usage: check_export.py HF_DIR TOKENS_FILE ATTNLAB_LOGITS.safetensors  (needs torch, transformers)."""
 import sys
 
@@ -10,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 hf_dir, tokens, logits_file = sys.argv[1:4]
 ids = torch.tensor([[int(t) for t in open(tokens).read().split()]])
-model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
+model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=True).eval()
 with torch.no_grad():
     hf = model(ids).logits[0]
 ours = load_file(logits_file)["logits"]

@@ -191,9 +191,10 @@ enum Cmd {
         #[arg(long)]
         device: Option<String>,
     },
-    /// Write a run's checkpoint as a Hugging Face folder (config.json + model.safetensors + tokenizer.json)
-    /// that transformers loads (GPTNeoXForCausalLM or LlamaForCausalLM; vanilla attention only); or a
-    /// llama GGUF as one (fp32, dequantized, with tokenizer_config.json carrying its chat template).
+    /// Write a run's checkpoint as a Hugging Face folder (config.json, model.safetensors, tokenizer files,
+    /// a model card) that transformers loads: vanilla as the stock GPTNeoX / Llama / Olmo2ForCausalLM,
+    /// every other kind as attnlab's architecture with its modeling code in the folder
+    /// (trust_remote_code=True); or a llama GGUF as one (fp32, dequantized, with its chat template).
     Export {
         /// A training run directory, or a llama GGUF (a .gguf file or gguf:smollm2).
         run: PathBuf,

@@ -164,7 +164,7 @@ fn data_prepare_and_bench_run_on_cpu() {
 }
 
 /// A tiny Llama teacher trains on the built-in corpus and exports as a Hugging Face folder;
-/// a DAR run refuses to export (no HF architecture has its bottleneck).
+/// a GPT-NeoX DAR run exports as attnlab's architecture with its remote code and a model card.
 #[test]
 fn llama_teacher_trains_and_exports() {
     let tmp = tempfile::tempdir().unwrap();
@@ -227,15 +227,26 @@ fn llama_teacher_trains_and_exports() {
     assert!(err.contains("no_such_key") && err.contains("hybrid.yaml"), "{err}");
     let err = fails(&attnlab(&["eval", run.to_str().unwrap(), "--task", "ruler:niah_single_1", "--lengths", "128", "--samples", "1", "--set", "attention.window=4"], cwd));
     assert!(err.contains("linearized"), "{err}");
-    // DAR has no Hugging Face architecture.
+    // DAR exports with the remote code that runs it (scripts/hf_parity.py loads it in transformers).
+    assert!(!cwd.join("hf/attnlab_attention.py").exists(), "a vanilla export carries no remote code");
     let dar = cwd.join("dar");
     ok(&attnlab(&["train", "--quiet", "--out", dar.to_str().unwrap(), "--set", "train.steps=2", "--set", "train.device=cpu", "--set", "data.train.synthetic.docs=50"], cwd));
-    let err = fails(&attnlab(&["export", dar.to_str().unwrap(), "--out", cwd.join("x").to_str().unwrap()], cwd));
-    assert!(err.contains("only vanilla"), "{err}");
+    let x = cwd.join("x");
+    ok(&attnlab(&["export", dar.to_str().unwrap(), "--out", x.to_str().unwrap()], cwd));
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(x.join("config.json")).unwrap()).unwrap();
+    assert_eq!((cfg["model_type"].as_str(), cfg["architectures"][0].as_str()), (Some("attnlab_gpt_neox"), Some("AttnlabGPTNeoXForCausalLM")), "{cfg}");
+    let module = cfg["auto_map"]["AutoModelForCausalLM"].as_str().unwrap().split('.').next().unwrap().to_string();
+    let code = std::fs::read_to_string(x.join(format!("{module}.py"))).unwrap();
+    assert!(code.contains("class AttnlabGPTNeoXForCausalLM") && x.join("attnlab_attention.py").is_file(), "the auto_map names code the folder holds");
+    assert_eq!(cfg["attnlab_attention"]["kind"], "dar");
+    let card = std::fs::read_to_string(x.join("README.md")).unwrap();
+    let tokens = std::fs::read_to_string(dar.join("metrics.jsonl")).unwrap().lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["tokens"].as_u64()).last().unwrap();
+    assert!(card.contains("trust_remote_code") && card.contains(&tokens.to_string()) && card.contains("d_down: 16"), "{card}");
 }
 
-/// An OLMo 2 flavor trains with DAR from the spec's `attention:` section, evaluates, and exports as an
-/// Olmo2ForCausalLM folder whose config.json keeps the DAR settings (attnlab_attention) for reloading.
+/// An OLMo 2 flavor trains with DAR from the spec's `attention:` section, evaluates, and exports as
+/// attnlab's OLMo 2 architecture (never the stock Olmo2ForCausalLM, which would drop the bottleneck)
+/// whose config.json keeps the DAR settings (attnlab_attention) for reloading.
 #[test]
 fn olmo2_dar_trains_evaluates_and_exports() {
     let tmp = tempfile::tempdir().unwrap();
@@ -251,7 +262,7 @@ fn olmo2_dar_trains_evaluates_and_exports() {
     assert!(out.contains("step 20"), "{out}");
     ok(&attnlab(&["export", run.to_str().unwrap(), "--out", cwd.join("hf").to_str().unwrap()], cwd));
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("hf/config.json")).unwrap()).unwrap();
-    assert_eq!((cfg["architectures"][0].as_str(), cfg["model_type"].as_str()), (Some("Olmo2ForCausalLM"), Some("olmo2")));
+    assert_eq!((cfg["architectures"][0].as_str(), cfg["model_type"].as_str()), (Some("AttnlabOlmo2ForCausalLM"), Some("attnlab_olmo2")));
     assert_eq!((cfg["attnlab_attention"]["d_down"].as_u64(), cfg["attnlab_attention"]["window"].as_u64()), (Some(16), Some(8)));
 }
 
@@ -497,7 +508,7 @@ fn finetune_two_stages_resume_and_eval() {
     let eval: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("olmo-dar/eval.json")).unwrap()).unwrap();
     assert!(eval["finetuned"]["loss"].as_f64().unwrap() < eval["base"]["loss"].as_f64().unwrap(), "{eval}");
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("olmo-dar/export/config.json")).unwrap()).unwrap();
-    assert!(cfg["model_type"] == "olmo2" && cfg["attnlab_attention"]["d_down"] == 16, "{cfg}");
+    assert!(cfg["model_type"] == "attnlab_olmo2" && cfg["attnlab_attention"]["d_down"] == 16 && cwd.join("olmo-dar/export/attnlab_olmo2.py").is_file(), "{cfg}");
     // A finetune run generates (from its export) with DAR's latent cache, and linearizes: a STILL
     // student of the DAR-fine-tuned OLMo 2, its teacher's held-out loss the DAR model's.
     let out = attnlab(&["generate", olmo_dar.with_extension("").to_str().unwrap(), "--prompt", "hello", "--max-new-tokens", "3"], cwd);
@@ -508,7 +519,9 @@ fn finetune_two_stages_resume_and_eval() {
     let eval: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("lin/eval.json")).unwrap()).unwrap();
     assert!(eval["student"]["loss"].as_f64().unwrap().is_finite() && eval["teacher"]["loss"].as_f64().unwrap().is_finite(), "{out} {eval}");
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("lin/export/config.json")).unwrap()).unwrap();
-    assert!(cfg["model_type"] == "olmo2" && cfg["attnlab_attention"]["kind"] == "still", "{cfg}");
+    // attnlab's architecture with the remote code that runs STILL (scripts/hf_parity.py loads students).
+    assert!(cfg["model_type"] == "attnlab_olmo2" && cfg["attnlab_attention"]["kind"] == "still" && cfg["auto_map"].is_object(), "{cfg}");
+    assert!(cwd.join("lin/export/attnlab_linearized.py").is_file() && cwd.join("lin/export/attnlab_olmo2.py").is_file());
     let out = attnlab(&["generate", cwd.join("lin").to_str().unwrap(), "--prompt", "hello", "--max-new-tokens", "3"], cwd);
     assert!(String::from_utf8_lossy(&out.stderr).contains("decode"), "{}", fails(&out));
 }

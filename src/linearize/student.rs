@@ -190,7 +190,10 @@ impl Llama {
         std::fs::create_dir_all(dir).at(dir)?;
         Tensor::write_safetensors(&self.merged_weights(vs), dir.join(EXPORT_WEIGHTS))?;
         let cp = dir.join("config.json");
-        std::fs::write(&cp, serde_json::to_string_pretty(&self.cfg.to_hf_json())?).at(&cp)?;
+        let config = self.cfg.to_hf_json();
+        std::fs::write(&cp, serde_json::to_string_pretty(&config)?).at(&cp)?;
+        // The modeling code that runs the student in transformers (trust_remote_code).
+        crate::model::hf::write_remote_code(dir, &config)?;
         let hp = dir.join(EXPORT_VARIANT);
         std::fs::write(&hp, serde_yaml::to_string(variant).expect("serializes")).at(&hp)
     }

@@ -129,9 +129,10 @@ pub fn save_llama(vs: &VarStore, cfg: &LlamaConfig, dir: &Path) -> Result<()> {
     save_folder(vs, &cfg.to_hf_json(), dir)
 }
 
-/// Hugging Face `config.json` of a vanilla GPT-NeoX model (GPTNeoXForCausalLM).
+/// Hugging Face `config.json` of a GPT-NeoX model: `GPTNeoXForCausalLM` when vanilla, else attnlab's
+/// own architecture with its remote code ([`remote_code`]) and the attention under `attnlab_attention`.
 pub fn neox_config_json(c: &super::NeoxConfig, max_positions: usize) -> serde_json::Value {
-    serde_json::json!({
+    let mut v = serde_json::json!({
         "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",
         "vocab_size": c.vocab, "hidden_size": c.d_model, "num_hidden_layers": c.layers,
         "num_attention_heads": c.heads, "intermediate_size": c.ffn, "rotary_pct": c.rotary_pct,
@@ -139,14 +140,81 @@ pub fn neox_config_json(c: &super::NeoxConfig, max_positions: usize) -> serde_js
         "hidden_act": if c.gelu == crate::spec::Gelu::Erf { "gelu" } else { "gelu_new" },
         "tie_word_embeddings": false, "max_position_embeddings": max_positions,
         "bos_token_id": 0, "eos_token_id": 0, "attention_bias": true, "torch_dtype": "float32"
-    })
+    });
+    if !c.attention.is_vanilla() {
+        v[ATTENTION_KEY] = serde_json::to_value(&c.attention).expect("serializes");
+        remote_code(&mut v, RemoteFamily::Neox, true);
+    }
+    v
 }
 
-/// Write `vs` as a Hugging Face folder with the given config.json (fp32 safetensors).
+/// config.json key holding the attention of an attnlab model.
+pub const ATTENTION_KEY: &str = "attnlab_attention";
+
+/// A model family under attnlab's own architecture names (python/attnlab_hf/).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteFamily {
+    Neox,
+    Llama,
+    Olmo2,
+}
+
+impl RemoteFamily {
+    /// (model_type, module, class stem): `attnlab_llama`, `attnlab_llama.py`, `AttnlabLlama{Config, ForCausalLM}`.
+    pub fn names(self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            RemoteFamily::Neox => ("attnlab_gpt_neox", "attnlab_gpt_neox", "AttnlabGPTNeoX"),
+            RemoteFamily::Llama => ("attnlab_llama", "attnlab_llama", "AttnlabLlama"),
+            RemoteFamily::Olmo2 => ("attnlab_olmo2", "attnlab_olmo2", "AttnlabOlmo2"),
+        }
+    }
+}
+
+/// The modeling code every remote-code export carries (python/attnlab_hf/, built into the binary).
+pub const REMOTE_CODE: [(&str, &str); 5] = [
+    ("attnlab_attention.py", include_str!("../../python/attnlab_hf/attnlab_attention.py")),
+    ("attnlab_linearized.py", include_str!("../../python/attnlab_hf/attnlab_linearized.py")),
+    ("attnlab_gpt_neox.py", include_str!("../../python/attnlab_hf/attnlab_gpt_neox.py")),
+    ("attnlab_llama.py", include_str!("../../python/attnlab_hf/attnlab_llama.py")),
+    ("attnlab_olmo2.py", include_str!("../../python/attnlab_hf/attnlab_olmo2.py")),
+];
+
+/// Make `config` name attnlab's architecture for `family`: a `model_type` and `architectures` stock
+/// transformers does not know, so that a non-vanilla model never loads silently as the stock class
+/// (which would drop its bottleneck, or ignore its window, and compute another model). With
+/// `runnable` (the remote code implements the attention), `auto_map` points `AutoConfig` and
+/// `AutoModelForCausalLM` at the modeling files [`write_remote_code`] then writes beside it; without
+/// it, loading fails even with `trust_remote_code`.
+pub fn remote_code(config: &mut serde_json::Value, family: RemoteFamily, runnable: bool) {
+    let (model_type, module, stem) = family.names();
+    config["model_type"] = model_type.into();
+    config["architectures"] = serde_json::json!([format!("{stem}ForCausalLM")]);
+    if runnable {
+        config["auto_map"] = serde_json::json!({
+            "AutoConfig": format!("{module}.{stem}Config"),
+            "AutoModelForCausalLM": format!("{module}.{stem}ForCausalLM"),
+        });
+    }
+}
+
+/// The modeling files of [`REMOTE_CODE`] into `dir` when `config`'s `auto_map` names them.
+pub fn write_remote_code(dir: &Path, config: &serde_json::Value) -> Result<()> {
+    if config.get("auto_map").is_some() {
+        for (name, code) in REMOTE_CODE {
+            let p = dir.join(name);
+            std::fs::write(&p, code).at(&p)?;
+        }
+    }
+    Ok(())
+}
+
+/// Write `vs` as a Hugging Face folder with the given config.json (fp32 safetensors), and the
+/// modeling files of [`REMOTE_CODE`] when the config's `auto_map` names them.
 pub fn save_folder(vs: &VarStore, config: &serde_json::Value, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).at(dir)?;
     let cp = dir.join("config.json");
     std::fs::write(&cp, serde_json::to_string_pretty(config)?).at(&cp)?;
+    write_remote_code(dir, config)?;
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     Tensor::write_safetensors(&vars, dir.join("model.safetensors"))?;

@@ -66,8 +66,8 @@ pub struct LlamaConfig {
     pub attention: Attention,
 }
 
-/// config.json key holding the attention of an attnlab model (Hugging Face ignores unknown keys).
-const ATTENTION_KEY: &str = "attnlab_attention";
+/// config.json key holding the attention of an attnlab model.
+use super::hf::ATTENTION_KEY;
 
 impl LlamaConfig {
     pub fn head_dim(&self) -> usize {
@@ -80,9 +80,9 @@ impl LlamaConfig {
         let v: serde_json::Value = serde_json::from_str(text).map_err(|e| Error::Data(format!("config.json: {e}")))?;
         let get = |k: &str| v.get(k).filter(|x| !x.is_null());
         let family = match get("model_type").and_then(|x| x.as_str()) {
-            None | Some("llama") | Some("mistral") => Family::Llama,
-            Some("olmo2") => Family::Olmo2,
-            Some(other) => return Err(Error::Data(format!("config.json: model_type `{other}` is not supported (llama, olmo2)"))),
+            None | Some("llama") | Some("mistral") | Some("attnlab_llama") => Family::Llama,
+            Some("olmo2") | Some("attnlab_olmo2") => Family::Olmo2,
+            Some(other) => return Err(Error::Data(format!("config.json: model_type `{other}` is not supported (llama, olmo2, attnlab_llama, attnlab_olmo2)"))),
         };
         let attention = match get(ATTENTION_KEY) {
             None => Attention::default(),
@@ -151,8 +151,9 @@ impl LlamaConfig {
         })
     }
 
-    /// A Hugging Face `config.json` for this model (architectures LlamaForCausalLM or Olmo2ForCausalLM;
-    /// DAR settings under `attnlab_attention`, which only attnlab reads).
+    /// A Hugging Face `config.json` for this model: LlamaForCausalLM or Olmo2ForCausalLM when vanilla;
+    /// otherwise attnlab's architecture with the remote code that runs it (`hf::remote_code`) and the
+    /// attention (a softmax kind, or the STILL / LoLCATs operator) under `attnlab_attention`.
     pub fn to_hf_json(&self) -> serde_json::Value {
         let scaling = match &self.rope_scaling {
             RopeScaling::Default => serde_json::Value::Null,
@@ -173,6 +174,11 @@ impl LlamaConfig {
         });
         if !self.attention.is_vanilla() {
             v[ATTENTION_KEY] = serde_json::to_value(&self.attention).expect("serializes");
+            let family = match self.family {
+                Family::Llama => super::hf::RemoteFamily::Llama,
+                Family::Olmo2 => super::hf::RemoteFamily::Olmo2,
+            };
+            super::hf::remote_code(&mut v, family, true);
         }
         v
     }

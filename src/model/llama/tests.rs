@@ -140,6 +140,12 @@ fn olmo2_and_dar_configs_round_trip() {
     let mut cfg = model.cfg.clone();
     cfg.attention = crate::attention::Attention::Softmax(dar(AttentionKind::Dar, 16, 7, AttentionImpl::Sdpa));
     assert_eq!(LlamaConfig::from_hf_json(&cfg.to_hf_json().to_string()).unwrap(), cfg);
+    // DAR is never written as the stock Olmo2ForCausalLM (which would drop the bottleneck): attnlab's
+    // architecture, whose auto_map names a module of the remote code saved beside it.
+    let v = cfg.to_hf_json();
+    assert_eq!((v["model_type"].as_str(), v["architectures"][0].as_str()), (Some("attnlab_olmo2"), Some("AttnlabOlmo2ForCausalLM")));
+    let module = v["auto_map"]["AutoModelForCausalLM"].as_str().unwrap().split('.').next().unwrap().to_string();
+    assert!(hf::REMOTE_CODE.iter().any(|(f, code)| *f == format!("{module}.py") && code.contains("class AttnlabOlmo2ForCausalLM")));
     let bad = r#"{"model_type": "gpt2", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}"#;
     assert!(LlamaConfig::from_hf_json(bad).unwrap_err().to_string().contains("gpt2"));
 }
