@@ -29,6 +29,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/profile.cpp");
     println!("cargo:rerun-if-changed=csrc/heads.cpp");
     println!("cargo:rerun-if-changed=csrc/flash.cpp");
+    println!("cargo:rerun-if-changed=csrc/flash_call.h");
     println!("cargo:rustc-link-arg=-Wl,--enable-new-dtags");
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
 }

@@ -12,7 +12,6 @@
 #include <ATen/record_function.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_flash_attention_backward.h>
-#include <ATen/ops/_flash_attention_forward.h>
 #include <ATen/ops/_scaled_dot_product_cudnn_attention.h>
 #include <ATen/ops/_scaled_dot_product_cudnn_attention_backward.h>
 #include <ATen/ops/arange.h>
@@ -23,9 +22,9 @@
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/logaddexp.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include "flash_call.h"
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -36,16 +35,7 @@ using torch::autograd::variable_list;
 
 namespace {
 
-struct Part {
-  Tensor out, lse, rng, unused;  // flash: rng/unused; cudnn: philox seed/offset
-};
-
-Part flash_fwd(const Tensor& q, const Tensor& k, const Tensor& v, double scale, int64_t wl) {
-  auto r = at::_ops::_flash_attention_forward::call(
-      q, k, v, std::nullopt, std::nullopt, q.sym_size(1), k.sym_size(1), 0.0, /*is_causal=*/true,
-      false, scale, c10::SymInt(wl), c10::SymInt(0), std::nullopt, std::nullopt);
-  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
-}
+using Part = AttnParts;
 
 // cuDNN takes [B, H, L, D]-shaped tensors; we hand it transposed views of [B, L, H, D] storage and
 // return its outputs in the [B, L, H, D] / [B, H, L] convention of the flash calls.
@@ -113,14 +103,14 @@ struct DarSplitMerge : public torch::autograd::Function<DarSplitMerge> {
     Part loc, glo;
     {
       RECORD_USER_SCOPE("dar.local_fwd");
-      loc = backend == 2 ? math_fwd(q, kl, vl, scale, w - 1) : flash_fwd(q, kl, vl, scale, w - 1);
+      loc = backend == 2 ? math_fwd(q, kl, vl, scale, w - 1) : flash_causal_fwd(q, kl, vl, scale, w - 1);
     }
     Tensor q2 = q.narrow(1, w, L), k2 = kg.narrow(1, 0, L), v2 = vg.narrow(1, 0, L);
     {
       RECORD_USER_SCOPE("dar.distant_fwd");
       glo = backend == 2   ? math_fwd(q2, k2, v2, scale, -1)
             : backend == 1 ? cudnn_fwd(q2, k2, v2, scale)
-                           : flash_fwd(q2.contiguous(), k2.contiguous(), v2.contiguous(), scale, -1);
+                           : flash_causal_fwd(q2.contiguous(), k2.contiguous(), v2.contiguous(), scale, -1);
     }
     Tensor lse, out;
     {
@@ -163,14 +153,9 @@ struct DarSplitMerge : public torch::autograd::Function<DarSplitMerge> {
     Tensor dout;
     {
       RECORD_USER_SCOPE("dar.bwd_copies");
-      // dO in O's layout: the backward kernels read the two with one layout. The fused path once
-      // passed the gradient of a transposed view through as it came, and dq / dk_g came out wrong
-      // on the GPU (issue 33). In a model the two agree and this is no copy.
-      dout = grads[0];
-      if (dout.strides() != out.strides()) {
-        dout = at::empty_like(out);
-        dout.copy_(grads[0]);
-      }
+      // The fused path once passed the gradient of a transposed view through as it came, and dq /
+      // dk_g came out wrong on the GPU (issue 33).
+      dout = in_layout_of(grads[0], out);
     }
     Tensor undef;
     std::tuple<Tensor, Tensor, Tensor> loc;

@@ -5,9 +5,8 @@
 // query i reads keys i − window_left ..= i. Keys / values may have fewer heads (GQA).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_flash_attention_backward.h>
-#include <ATen/ops/_flash_attention_forward.h>
-#include <ATen/ops/empty_like.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include "flash_call.h"
 #include <cmath>
 #include <cstring>
 
@@ -20,13 +19,10 @@ namespace {
 struct FlashAttention : public torch::autograd::Function<FlashAttention> {
   static Tensor forward(AutogradContext* ctx, Tensor q, Tensor k, Tensor v, int64_t window_left) {
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-    auto r = at::_ops::_flash_attention_forward::call(
-        q, k, v, std::nullopt, std::nullopt, q.sym_size(1), k.sym_size(1), 0.0, /*is_causal=*/true, false,
-        scale, c10::SymInt(window_left), c10::SymInt(0), std::nullopt, std::nullopt);
-    Tensor out = std::get<0>(r);
-    ctx->save_for_backward({q, k, v, out, std::get<1>(r), std::get<2>(r), std::get<3>(r)});
+    AttnParts r = flash_causal_fwd(q, k, v, scale, window_left);
+    ctx->save_for_backward({q, k, v, r.out, r.lse, r.rng, r.unused});
     ctx->saved_data["window_left"] = window_left;
-    return out;
+    return r.out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -34,12 +30,7 @@ struct FlashAttention : public torch::autograd::Function<FlashAttention> {
     const Tensor &q = s[0], &k = s[1], &v = s[2], &out = s[3];
     const int64_t wl = ctx->saved_data["window_left"].toInt();
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-    // dO in O's layout, as the kernel reads them.
-    Tensor dout = grads[0];
-    if (dout.strides() != out.strides()) {
-      dout = at::empty_like(out);
-      dout.copy_(grads[0]);
-    }
+    Tensor dout = in_layout_of(grads[0], out);
     Tensor undef;
     auto r = at::_flash_attention_backward(dout, q, k, v, out, s[4], undef, undef, q.size(1), k.size(1), 0.0, true,
                                            s[5], s[6], scale, wl, 0);
