@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|decode|prefill|peers|profile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|decode|graphs|absorb|ruler|prefill|peers|profile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -58,6 +58,56 @@ for what in "${@:-all}"; do
         (cd .gpu/bench && PYTHONUNBUFFERED=1 run timeout $((left > 30 ? left : 30)) $PY hf_decode.py --lengths $DL --new 64) \
           | grep '^{' | sed "s/^{/{\"repeat\":$r,/" >> "$OUT/decode_peer.jsonl"
       done ;;&
+    graphs)
+      # Issue 34 item 2: the device-side decode step as CUDA-graph replays vs the same step eager
+      # (ATTNLAB_CUDA_GRAPHS=0), GPT-NeoX softmax kinds, interleaved; equal greedy tokens show as
+      # equal tokens_digest per (attention, context).
+      GL=${GRAPH_LENGTHS:-1024,4096,16384,65536}
+      for ((r = 0; r < ${GRAPH_REPEATS:-2}; r++)); do
+        for g in 1 0; do
+          ATTNLAB_CUDA_GRAPHS=$g run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $GL --attention vanilla,dar,uniform,window --new-tokens 64 \
+            | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/" >> "$OUT/decode_graphs$g.jsonl"
+        done
+      done ;;
+    absorb)
+      # Issue 34 item 3: DAR / uniform decode reading the latents through the absorbed k / v map vs
+      # rebuilding the distant keys and values every step (ATTNLAB_DAR_ABSORB=0), both graphed,
+      # interleaved; tokens_digest shows whether bf16 rounding changed a greedy token.
+      GL=${GRAPH_LENGTHS:-1024,4096,16384,65536}
+      for ((r = 0; r < ${GRAPH_REPEATS:-2}; r++)); do
+        for g in 1 0; do
+          ATTNLAB_DAR_ABSORB=$g run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $GL --attention vanilla,dar,uniform --new-tokens 64 \
+            | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/" >> "$OUT/decode_absorb$g.jsonl"
+        done
+      done ;;
+    ruler)
+      # Issue 34 item 4: RULER S-NIAH-1 at 4K, 100 samples, on the Pythia-70M shape (a vanilla model
+      # trained one step, so it never stops early: every sample decodes all 128 tokens), with
+      # --batch-size 1 and the default, decode steps graphed and eager (ATTNLAB_CUDA_GRAPHS=0).
+      # Expects .gpu/data/{gpt-neox-20b.json, valid.jsonl.zst, ruler_paul_graham_essays.json.gz}.
+      D=.gpu/data; RR=/tmp/attnlab-ruler-run; rm -rf $RR
+      run $A train experiments/pythia-70m-vanilla.yaml --set train.steps=1 --set train.batch_size=2 --set data.seq_len=512 \
+        --set data.tokenizer=$D/gpt-neox-20b.json --set "data.train={path: $D/valid.jsonl.zst}" --set "data.eval={}" --set output=$RR >/dev/null
+      for g in 1 0; do for bs in 1 default; do
+        extra=(); [ $bs = 1 ] && extra=(--batch-size 1)
+        rm -f $RR/ruler.json; t0=$(date +%s.%N)
+        ATTNLAB_CUDA_GRAPHS=$g run $A eval $RR --task ruler:niah_single_1 --lengths 4096 --samples 100 --essay $D/ruler_paul_graham_essays.json.gz "${extra[@]}" >/dev/null
+        t1=$(date +%s.%N)
+        # wall_s: the whole command (model load, haystack); seconds: the cell's own (ruler.json).
+        $PY - $t0 $t1 $g $bs $RR/ruler.json <<'PYEOF' | tee -a "$OUT/ruler_timing.jsonl"
+import json, sys
+t0, t1, g, bs, path = sys.argv[1:]
+def cells(x):
+    if isinstance(x, dict):
+        if 'seconds' in x and 'samples' in x: yield x
+        for v in x.values(): yield from cells(v)
+    elif isinstance(x, list):
+        for v in x: yield from cells(v)
+c = next(cells(json.load(open(path))))
+print(json.dumps({'task': 'ruler:niah_single_1', 'length': c['length'], 'samples': c['samples'], 'batch_size': bs, 'graphs': g == '1',
+                  'wall_s': round(float(t1) - float(t0), 3), 'seconds': round(c['seconds'], 3), 'samples_per_s': round(c['samples'] / c['seconds'], 3), 'score': c['score']}))
+PYEOF
+      done; done ;;
     prefill)
       # Issue 34 item 1: the fixed prefill cost. Two repeats in one process (the second finds every
       # per-shape plan already built) for vanilla / DAR / window, then hf_decode.py once.

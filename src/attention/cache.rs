@@ -80,9 +80,33 @@ impl Slots {
         self.buf.narrow(self.dim, slot, n).copy_(x);
     }
 
+    /// Write `x` (one token on axis `dim`) into the slot named by the device tensor `slot` (`[1]`
+    /// i64): no host value, so a CUDA graph replays it at each new position.
+    pub fn write_at(&mut self, slot: &Tensor, x: &Tensor) {
+        let _ = self.buf.index_copy_(self.dim, slot, x);
+    }
+
     /// The first `n` slots (a view).
     pub fn view(&self, n: i64) -> Tensor {
         self.buf.narrow(self.dim, 0, n)
+    }
+}
+
+/// Where a one-token decode step runs when its position lives on the device (`LayerOp::decode_at`):
+/// every shape depends on `span` alone and nothing is read back to the host, so one CUDA graph
+/// captures the step and replays it at every position up to `span` (`eval::stepper`).
+pub struct StepAt {
+    /// The new token's position `[1]` i64, on the model's device.
+    pub pos: Tensor,
+    /// Slots of a full-length buffer the step reads (≥ pos + 1, ≤ the reserved capacity): keys
+    /// beyond the newest are masked, so one span serves many positions.
+    pub span: i64,
+}
+
+impl StepAt {
+    /// `[1, 1, 1, len]` → the mask shape of `attend_newest`, with the padding of the rows.
+    pub(crate) fn mask(pad: &Option<Padding>, visible: Tensor, pos: &Tensor) -> Tensor {
+        Padding::and(pad, visible.view([1, 1, 1, -1]), pos)
     }
 }
 
@@ -186,6 +210,36 @@ impl Recent {
         self.seen += n;
     }
 
+    /// Count `n` tokens written by [`Recent::write_at`] (the host's side of a device-side step).
+    pub fn advance(&mut self, n: i64) {
+        self.seen += n;
+    }
+
+    /// Write the key / value of the token at `at.pos` (`[B, H_kv, 1, hd]`) into its slot (a ring:
+    /// pos mod keep) and return the key set that token attends with its mask: the first `at.span`
+    /// slots (a ring: all of its slots), positions ≤ pos (and at distance < keep) that hold a real
+    /// token. None for a ring of no slots. The buffer must hold `at.span` slots (`reserve`).
+    pub(crate) fn write_at(&mut self, k: &Tensor, v: &Tensor, at: &StepAt) -> Option<(Tensor, Tensor, Tensor)> {
+        let device = k.device();
+        let (slot, span) = match self.keep {
+            Some(0) => return None,
+            Some(w) => (at.pos.remainder(w), self.k.capacity()),
+            None => (at.pos.shallow_clone(), at.span),
+        };
+        assert!(span <= self.k.capacity() && span > 0, "decode step: span {span} beyond the cache's {} slots (reserve first)", self.k.capacity());
+        self.k.write_at(&slot, k);
+        self.v.write_at(&slot, v);
+        let slots = Tensor::arange(span, (Kind::Int64, device));
+        // A ring's slot s holds the latest position ≤ pos congruent to s (negative: not yet written).
+        let pos = match self.keep {
+            Some(w) => &at.pos - (&at.pos - &slots).remainder(w),
+            None => slots,
+        };
+        let visible = pos.ge(0).logical_and(&pos.le_tensor(&at.pos));
+        let mask = StepAt::mask(&self.pad, visible, &pos);
+        Some((self.k.view(span), self.v.view(span), mask))
+    }
+
     /// The held keys (slots, positions, mask of the ones the new queries at p0.. see) and the new
     /// ones (band mask), for the explicit masked softmax of several new tokens. Call before `push`.
     pub(crate) fn parts_before_push(&self, k: &Tensor, v: &Tensor, p0: i64) -> Vec<(Tensor, Tensor, Tensor)> {
@@ -286,9 +340,32 @@ pub(crate) fn attend_newest(q: &Tensor, parts: &[(&Tensor, &Tensor, Option<Tenso
     let (b, h, n, hd) = q.size4().expect("q is [B, H, n, hd]");
     assert_eq!(n, 1, "attend_newest takes one new token");
     let hkv = parts[0].0.size()[1];
-    let all = Tensor::from(true).to_device(q.device());
-    let masked: Vec<(&Tensor, &Tensor, &Tensor)> = parts.iter().map(|(k, v, m)| (*k, *v, m.as_ref().unwrap_or(&all))).collect();
-    masked_softmax_attention(&q.reshape([b, hkv, h / hkv, hd]), &masked).reshape([b, h, 1, hd])
+    // Only made when a part has no mask: a host → device copy, which a CUDA graph cannot capture.
+    let all = parts.iter().any(|p| p.2.is_none()).then(|| Tensor::from(true).to_device(q.device()));
+    let masked: Vec<(&Tensor, &Tensor, &Tensor)> = parts.iter().map(|(k, v, m)| (*k, *v, m.as_ref().or(all.as_ref()).expect("a mask"))).collect();
+    let q = q.reshape([b, hkv, h / hkv, hd]);
+    let out = if matches!(q.kind(), Kind::BFloat16 | Kind::Half) { newest_in_half(&q, &masked) } else { masked_softmax_attention(&q, &masked) };
+    out.reshape([b, h, 1, hd])
+}
+
+/// [`attend_newest`]'s softmax for 16-bit caches with Hugging Face eager attention's numerics
+/// (products in the cache's dtype, fp32 accumulation inside the matmul, the softmax in fp32): the
+/// fp32 path would copy every key and value it reads into fp32, per layer and token, which at 16K
+/// tokens is most of a decode step's memory traffic.
+fn newest_in_half(q: &Tensor, parts: &[(&Tensor, &Tensor, &Tensor)]) -> Tensor {
+    let scale = 1.0 / (q.size()[3] as f64).sqrt();
+    let scores: Vec<Tensor> = parts.iter().map(|(k, _, m)| (q.matmul(&k.transpose(-2, -1)) * scale).masked_fill(&m.logical_not(), f64::NEG_INFINITY)).collect();
+    let p = Tensor::cat(&scores, -1).softmax(-1, Kind::Float).to_kind(q.kind());
+    let mut at = 0;
+    let outs: Vec<Tensor> = parts
+        .iter()
+        .map(|(k, v, _)| {
+            let len = k.size()[2];
+            at += len;
+            p.narrow(-1, at - len, len).matmul(v)
+        })
+        .collect();
+    outs.into_iter().reduce(|a, b| a + b).expect("at least one part")
 }
 
 /// `[n, len]`: query position (p0 ..) − key position (start ..).
@@ -315,6 +392,9 @@ pub trait KindCache: Any + Send {
     fn reserve(&mut self, _tokens: i64) {}
     /// Left-padded prompts: row b's first `pad[b]` tokens are filler no real token reads.
     fn set_padding(&mut self, pad: &Padding);
+    /// Count `n` tokens written on the device by `LayerOp::decode_at` (nothing for a cache that
+    /// has no such step).
+    fn advance(&mut self, _n: i64) {}
 }
 
 /// The decode state of one layer: the cache type of the layer's variant (made by its `new_cache`).
@@ -339,6 +419,10 @@ impl LayerCache {
 
     pub fn set_padding(&mut self, pad: &Padding) {
         self.0.set_padding(pad)
+    }
+
+    pub fn advance(&mut self, n: i64) {
+        self.0.advance(n)
     }
 
     /// The variant's own state, asked for by the layer that made it.
@@ -366,6 +450,15 @@ impl KindCache for Recent {
     fn set_padding(&mut self, pad: &Padding) {
         Recent::set_padding(self, pad)
     }
+    fn advance(&mut self, n: i64) {
+        Recent::advance(self, n)
+    }
+}
+
+/// `LayerOp::decode_at` of a layer whose cache is a [`Recent`] (vanilla, window).
+pub(crate) fn decode_recent_at(cache: &mut LayerCache, h: &Heads, at: &StepAt) -> Tensor {
+    let part = cache.state::<Recent>().write_at(&h.k, &h.v, at).expect("a vanilla / window cache holds at least one slot");
+    attend_newest(&h.q, &[(&part.0, &part.1, Some(part.2))])
 }
 
 /// `LayerOp::decode` of a layer whose cache is a [`Recent`] (vanilla, window): the prefill by the
@@ -415,6 +508,12 @@ impl DecodeCache {
     /// The most bytes the layers declare they hold after `tokens` tokens (None if one does not say).
     pub fn bound(&self, tokens: i64) -> Option<i64> {
         self.layers.iter().map(|l| l.bound(tokens)).sum()
+    }
+
+    /// Count `n` tokens the layers wrote on the device (`LayerOp::decode_at`).
+    pub fn advance(&mut self, n: i64) {
+        self.layers.iter_mut().for_each(|l| l.advance(n));
+        self.len += n;
     }
 
     /// Preallocate every layer for `tokens` tokens in all (prompt + new tokens).

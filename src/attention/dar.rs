@@ -12,9 +12,9 @@
 //! (T·d_down + 2·min(w, T)·d_kv) elements, d_kv = kv_heads·head_dim.
 pub mod init;
 
-use super::cache::{attend_newest, distances, masked_parts, repeat_kv, tensor_bytes, CacheShape, KindCache, LayerCache, Padding, Recent, Slots};
+use super::cache::{attend_newest, distances, masked_parts, repeat_kv, tensor_bytes, CacheShape, KindCache, LayerCache, Padding, Recent, Slots, StepAt};
 use super::kinds::{AttentionImpl, AttentionSpec, BenchInputs, LineStyle, Settings, SoftmaxKind, DEFAULT_WINDOW};
-use super::layer::{Heads, KvMap, LayerDims, LayerOp, Positions};
+use super::layer::{AbsorbedKv, Heads, KvMap, LayerDims, LayerOp, Positions};
 use super::masked_softmax_attention;
 use super::vanilla::causal;
 use super::{dar_masks, doc_dar_masks, masked, masked_sdpa};
@@ -374,7 +374,14 @@ impl LayerOp for DarLayer {
         }
         // Distant keys of positions 0..g, rebuilt from the latents through the model's own map.
         let kv = |latent: &Tensor| h.kv.kv(self.bottleneck.up(), latent, Positions::From(0));
-        c.attend(&h.q, &h.k, &h.v, p0, Distant { latent, kv: &kv })
+        c.attend(&h.q, &h.k, &h.v, p0, Distant { latent, kv: &kv, absorbed: None })
+    }
+
+    fn decode_at(&self, cache: &mut LayerCache, h: &Heads, at: &StepAt) -> Option<Tensor> {
+        let latent = self.bottleneck.latent(h.input);
+        let kv = |latent: &Tensor| h.kv.kv(self.bottleneck.up(), latent, Positions::From(0));
+        let absorbed = if absorb_enabled() { h.kv.absorbed(self.bottleneck.up(), at.span) } else { None };
+        Some(cache.state::<DarCache>().attend_at(&h.q, &h.k, &h.v, at, Distant { latent, kv: &kv, absorbed }))
     }
 
     /// DAR ↔ uniform, another window or implementation, the bottleneck kept (its width must agree).
@@ -509,6 +516,9 @@ pub struct Distant<'a> {
     /// Latents of positions 0..g `[B, g, d_down]` → rotated distant keys and values `[B, H_kv, g, hd]`
     /// (one matmul through the layer's k / v map with W_up absorbed, then RoPE).
     pub kv: &'a dyn Fn(&Tensor) -> (Tensor, Tensor),
+    /// The same map folded into the query and the output, for a one-token step over `span` latents
+    /// (`DarCache::attend_at`); None: rebuild through `kv`.
+    pub absorbed: Option<AbsorbedKv>,
 }
 
 /// DAR's decode cache: a ring of the last `window` tokens' full-width keys / values and the latent of
@@ -520,6 +530,67 @@ pub struct DarCache {
     seen: i64,
     window: i64,
     pad: Option<Padding>,
+}
+
+/// Whether decode steps read DAR's latents through the absorbed map (`ATTNLAB_DAR_ABSORB=0`: rebuild
+/// the distant keys and values every step, to time or check one against the other).
+fn absorb_enabled() -> bool {
+    std::env::var("ATTNLAB_DAR_ABSORB").map_or(true, |v| v != "0")
+}
+
+/// One new query `[B, H, 1, hd]` over the ring (keys, values, mask) and the latents `c` `[B, S, r]`
+/// (mask `far`, `[.., 1, S]`), the latents read through the absorbed k / v map `a` without building
+/// their `[S, hd]` keys and values per head: a distant key's unrotated dims score as (q·wk)·c, its
+/// rotated dims are rebuilt (`a.rotated` per head: a quarter of Pythia's keys, all of Llama's), and
+/// the distant output is (p·c)·wvᵀ + (Σp)·bv. Equal to rebuilding (tested), with per-step work
+/// S·r per head instead of S·r·hd.
+pub(crate) fn read_latents(q: &Tensor, ring: Option<&(Tensor, Tensor, Tensor)>, c: &Tensor, far: &Tensor, a: &AbsorbedKv) -> Tensor {
+    let (b, h, _, hd) = q.size4().expect("q is [B, H, 1, hd]");
+    let hkv = a.wk.size()[0];
+    let (g, rot, kind) = (h / hkv, a.rotated, q.kind());
+    let soft = if matches!(kind, tch::Kind::BFloat16 | tch::Kind::Half) { tch::Kind::Float } else { kind };
+    let scale = 1.0 / (hd as f64).sqrt();
+    let q = q.reshape([b, hkv, g, hd]);
+    let c4 = c.unsqueeze(1); // [B, 1, S, r]
+    // Distant scores [B, H_kv, g, S]: the unrotated dims through q·wk, the rotated ones rebuilt.
+    let mut far_scores: Option<Tensor> = None;
+    let mut add = |s: Tensor| far_scores = Some(match far_scores.take() { Some(x) => x + s, None => s });
+    if rot < hd {
+        let qp = q.narrow(3, rot, hd - rot);
+        add((qp.matmul(&a.wk.narrow(1, rot, hd - rot))).matmul(&c4.transpose(-2, -1)));
+        if let Some(bk) = &a.bk {
+            add(qp.matmul(&bk.narrow(1, rot, hd - rot).unsqueeze(-1).unsqueeze(0)));
+        }
+    }
+    if rot > 0 {
+        let mut kr = c4.matmul(&a.wk.narrow(1, 0, rot).transpose(1, 2)); // [B, H_kv, S, rot]
+        if let Some(bk) = &a.bk {
+            kr = kr + bk.narrow(1, 0, rot).unsqueeze(1);
+        }
+        let half = rot / 2;
+        let (cos, sin) = (a.cos.to_kind(kind), a.sin.to_kind(kind));
+        let (k1, k2) = (kr.narrow(3, 0, half), kr.narrow(3, half, half));
+        let kr = Tensor::cat(&[&k1 * &cos - &k2 * &sin, &k2 * &cos + &k1 * &sin], 3);
+        add(q.narrow(3, 0, rot).matmul(&kr.transpose(-2, -1)));
+    }
+    let far_scores = (far_scores.expect("a head has dims") * scale).masked_fill(&far.logical_not(), f64::NEG_INFINITY);
+    let mut scores = vec![];
+    if let Some((k, _, m)) = ring {
+        scores.push((q.matmul(&k.transpose(-2, -1)) * scale).masked_fill(&m.logical_not(), f64::NEG_INFINITY));
+    }
+    let near = scores.first().map_or(0, |s| s.size()[3]);
+    scores.push(far_scores);
+    let p = Tensor::cat(&scores, -1).softmax(-1, soft).to_kind(kind);
+    let pf = p.narrow(-1, near, p.size()[3] - near);
+    // (p·c)·wvᵀ: [B, H_kv, g, r] · [H_kv, r, hd].
+    let mut out = pf.matmul(&c4).matmul(&a.wv.transpose(1, 2));
+    if let Some(bv) = &a.bv {
+        out = out + pf.sum_dim_intlist(&[-1i64][..], true, kind) * bv.unsqueeze(1);
+    }
+    if let Some((_, v, _)) = ring {
+        out = out + p.narrow(-1, 0, near).matmul(v);
+    }
+    out.reshape([b, h, 1, hd])
 }
 
 impl KindCache for DarCache {
@@ -536,6 +607,10 @@ impl KindCache for DarCache {
     }
     fn set_padding(&mut self, pad: &Padding) {
         DarCache::set_padding(self, pad)
+    }
+    fn advance(&mut self, n: i64) {
+        self.seen += n;
+        self.recent.advance(n);
     }
 }
 
@@ -573,6 +648,29 @@ impl DarCache {
         self.latent.write(self.seen, latent);
         self.seen += n;
         self.recent.push(k, v);
+    }
+
+    /// `attend` of one new token at the device-side position `at.pos` (`LayerOp::decode_at`): its
+    /// latent and ring slot written in place, then one joint softmax over the ring and the first
+    /// `at.span` latents (those at distance < w masked): read through the absorbed map where the
+    /// model gives one (`read_latents`), else with their keys and values rebuilt.
+    pub fn attend_at(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, at: &StepAt, distant: Distant) -> Tensor {
+        assert!(at.span <= self.latent.capacity(), "decode step: span {} beyond the latent cache's {} slots (reserve first)", at.span, self.latent.capacity());
+        self.latent.write_at(&at.pos, &distant.latent);
+        let ring = self.recent.write_at(k, v, at);
+        let latents = self.latent.view(at.span);
+        let pos = Tensor::arange(at.span, (tch::Kind::Int64, q.device()));
+        let far = StepAt::mask(&self.pad, (&at.pos - &pos).ge(self.window), &pos);
+        if let Some(a) = &distant.absorbed {
+            return read_latents(q, ring.as_ref(), &latents, &far, a);
+        }
+        let (kg, vg) = (distant.kv)(&latents);
+        let mut parts: Vec<(&Tensor, &Tensor, Option<Tensor>)> = Vec::new();
+        if let Some((k, v, m)) = &ring {
+            parts.push((k, v, Some(m.shallow_clone())));
+        }
+        parts.push((&kg, &vg, Some(far)));
+        attend_newest(q, &parts)
     }
 
     /// Attention of the new queries at p0..: keys at distance < w full width (from the ring), farther

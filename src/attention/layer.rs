@@ -5,7 +5,7 @@
 //! bytes) and the parameters the variant adds. [`Attention`] is the variant with its options as
 //! configs and checkpoints record it: a softmax kind's [`AttentionSpec`] (`kinds.rs`: one type from
 //! the spec to the model config) or a linearized operator's [`Variant`].
-use super::cache::{repeat_kv, CacheShape, LayerCache};
+use super::cache::{repeat_kv, CacheShape, LayerCache, StepAt};
 use super::dar::{Bottleneck, DarLayer};
 use super::kinds::AttentionSpec;
 use super::still::Still;
@@ -94,6 +94,33 @@ pub trait KvMap {
     /// projections composed with `w` `[d, r]` (k = x·(W_k·w)ᵀ (+ b_k), the same for v), then whatever
     /// the model applies to keys after the projection (OLMo 2's k_norm, RoPE at `pos`).
     fn kv(&self, w: &Tensor, x: &Tensor, pos: Positions) -> (Tensor, Tensor);
+
+    /// The same map as per-head matrices, for a one-token decode step that reads `x` without
+    /// rebuilding its keys and values (`dar::DarCache::attend_at`), with RoPE tables for positions
+    /// 0..span. None (the default) where keys pass through more than a linear map and RoPE
+    /// (OLMo 2's k_norm), or where the model has no such step.
+    fn absorbed(&self, _w: &Tensor, _span: i64) -> Option<AbsorbedKv> {
+        None
+    }
+}
+
+/// A layer's k / v map composed with `w` `[d, r]`, per KV head: k = RoPE(x·wkᵀ + bk), v = x·wvᵀ +
+/// bv, where RoPE rotates the first `rotated` dims of each head in the half-split layout at the
+/// positions of (cos, sin) (`[span, rotated/2]`, fp32) and leaves the rest. Linear in x but for
+/// RoPE, so a query can be folded into it: the unrotated dims' scores are (q·wk)·x, the values
+/// (p·x)·wvᵀ (what MLA does with its latents).
+pub struct AbsorbedKv {
+    /// `[H_kv, hd, r]`.
+    pub wk: Tensor,
+    /// `[H_kv, hd]`.
+    pub bk: Option<Tensor>,
+    /// `[H_kv, hd, r]`.
+    pub wv: Tensor,
+    /// `[H_kv, hd]`.
+    pub bv: Option<Tensor>,
+    pub rotated: i64,
+    pub cos: Tensor,
+    pub sin: Tensor,
 }
 
 /// One layer's attention inputs, from the model.
@@ -124,6 +151,14 @@ pub trait LayerOp: std::any::Any + Send {
     /// its keys, values and latents; `h.seg` there marks the filler of left-padded rows
     /// (`cache::Padding`).
     fn decode(&self, cache: &mut LayerCache, h: &Heads, p0: i64) -> Tensor;
+    /// One new token per row at the device-side position `at.pos` (after a prefill into a cache
+    /// reserved for `at.span` tokens or more): its output `[B, H, 1, hd]`, equal to `decode`'s; the
+    /// cache written in place, nothing counted on the host (`LayerCache::advance`) and nothing read
+    /// back from the device, so that a CUDA graph captures it. None (before touching the cache):
+    /// the variant has no such step, and decodes through `decode`.
+    fn decode_at(&self, _cache: &mut LayerCache, _h: &Heads, _at: &StepAt) -> Option<Tensor> {
+        None
+    }
     /// This layer with the options `a`, its parameters kept (another implementation or window,
     /// vanilla ↔ window, DAR ↔ uniform); None when `a` needs parameters the layer lacks or would
     /// drop ones it has.
@@ -181,6 +216,10 @@ impl Layer {
 
     pub fn decode(&self, cache: &mut LayerCache, h: &Heads, p0: i64) -> Tensor {
         self.0.decode(cache, h, p0)
+    }
+
+    pub fn decode_at(&self, cache: &mut LayerCache, h: &Heads, at: &StepAt) -> Option<Tensor> {
+        self.0.decode_at(cache, h, at)
     }
 
     /// The parameters the variant adds to the layer (`LayerOp::parameters`).

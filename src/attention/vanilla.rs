@@ -1,7 +1,7 @@
 //! Vanilla attention: the causal softmax over every earlier key. Reference: the explicit masked
 //! softmax (`super::masked_softmax_attention`); fast path: SDPA (flash / cuDNN on CUDA). Packed rows
 //! get the block-diagonal causal mask. Decode keeps every token's keys and values (`cache::Recent`).
-use super::cache::{decode_recent, CacheShape, LayerCache, Recent};
+use super::cache::{decode_recent, decode_recent_at, CacheShape, LayerCache, Recent, StepAt};
 use super::dar::DarAct;
 use super::kinds::{drop_legacy, AttentionImpl, AttentionSpec, BenchInputs, LineStyle, Settings, SoftmaxKind};
 use super::layer::{rebuilt_without_parameters, Heads, LayerDims, LayerOp};
@@ -101,6 +101,10 @@ impl LayerOp for VanillaLayer {
 
     fn decode(&self, cache: &mut LayerCache, h: &Heads, p0: i64) -> Tensor {
         decode_recent(|| self.forward(h), cache, h, p0)
+    }
+
+    fn decode_at(&self, cache: &mut LayerCache, h: &Heads, at: &StepAt) -> Option<Tensor> {
+        Some(decode_recent_at(cache, h, at))
     }
 
     fn reconfigured(&self, a: &AttentionSpec) -> Option<Box<dyn LayerOp>> {

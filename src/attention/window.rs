@@ -4,7 +4,7 @@
 //! band as a boolean mask (on CPU and CUDA alike: the kernel shim's windowed flash call lives inside
 //! DAR's split-merge and is not exposed on its own); W ≥ T is plain causal attention (flash on CUDA).
 //! Decode keeps the last W tokens' keys and values (`cache::Recent`): at most 2·W·d_kv per layer.
-use super::cache::{decode_recent, CacheShape, LayerCache, Recent};
+use super::cache::{decode_recent, decode_recent_at, CacheShape, LayerCache, Recent, StepAt};
 use super::dar::DarAct;
 use super::kinds::{drop_legacy, resolve_local_window, AttentionImpl, DEFAULT_WINDOW, AttentionSpec, BenchInputs, LineStyle, Settings, SoftmaxKind};
 use super::layer::{rebuilt_without_parameters, Heads, LayerDims, LayerOp};
@@ -113,6 +113,10 @@ impl LayerOp for WindowLayer {
 
     fn decode(&self, cache: &mut LayerCache, h: &Heads, p0: i64) -> Tensor {
         decode_recent(|| self.forward(h), cache, h, p0)
+    }
+
+    fn decode_at(&self, cache: &mut LayerCache, h: &Heads, at: &StepAt) -> Option<Tensor> {
+        Some(decode_recent_at(cache, h, at))
     }
 
     fn reconfigured(&self, a: &AttentionSpec) -> Option<Box<dyn LayerOp>> {

@@ -196,7 +196,7 @@ fn recall(run: &Path, step: Option<u64>, device: Option<&str>, a: &LongContextAr
     let detail = super::recall::write(run, loaded.step, &scores)?;
     let cells: Vec<ruler::Cell> = scores
         .iter()
-        .map(|s| ruler::Cell { task: "recall".into(), length: s.gap, samples: s.docs, score: 100.0 * s.digit_accuracy, mean_prompt_tokens: s.mean_tokens, overrides: None, chat: false, diagnostics: None })
+        .map(|s| ruler::Cell { task: "recall".into(), length: s.gap, samples: s.docs, score: 100.0 * s.digit_accuracy, mean_prompt_tokens: s.mean_tokens, ..Default::default() })
         .collect();
     let path = ruler::write_cells(run, "ruler.json", &cells)?;
     for s in &scores {

@@ -93,6 +93,9 @@ pub fn bench_model(base: &Spec, name: &str, vocab: usize, device: Device) -> Res
 pub fn run(base: &Spec, names: &[String], lengths: &[i64], new_tokens: usize, repeats: usize, vocab: usize, device: Device, mut each: impl FnMut(&DecodeBench)) -> Result<Vec<DecodeBench>> {
     let mut models = Vec::new();
     for name in names {
+        // Every model from the same seed: the greedy tokens (tokens_digest) of one model in two
+        // processes (graphed and eager, say) are comparable.
+        tch::manual_seed(0);
         let (vs, model) = bench_model(base, name, vocab, device)?;
         // Warm-up (CUDA context, cuBLAS handles, allocator) outside the timed runs.
         let _ = decode_bench(&model, label(name), 256, 4, device);
@@ -217,7 +220,7 @@ mod tests {
     use super::*;
 
     fn row(attention: &str, context: i64, cache_bytes: i64) -> DecodeBench {
-        DecodeBench { attention: attention.into(), context, cache_bytes, cache_bytes_per_token: cache_bytes as f64 / context as f64, prefill_s: 0.5, decode_tokens_per_s: 100.0, repeat: 0, new_tokens: 32 }
+        DecodeBench { attention: attention.into(), context, cache_bytes, cache_bytes_per_token: cache_bytes as f64 / context as f64, prefill_s: 0.5, decode_tokens_per_s: 100.0, repeat: 0, new_tokens: 32, graphed: false, tokens_digest: String::new(), tokens: Vec::new() }
     }
 
     /// The ratio column divides by vanilla's cache at the same context; repeats collapse into one

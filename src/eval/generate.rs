@@ -200,6 +200,8 @@ pub struct Generated {
     pub cache_bytes: i64,
     /// Tokens held by the cache at the end.
     pub cache_tokens: i64,
+    /// Whether the decode steps ran as CUDA-graph replays.
+    pub graphed: bool,
 }
 
 /// Run the prompt `ids` `[B, T]` into an empty `cache` in one call, through each variant's fast
@@ -217,58 +219,29 @@ fn sync(device: Device) {
     }
 }
 
-/// While generating with a stop token, the host reads the new tokens (and looks for it) once every
-/// this many steps; the device runs ahead in between (tokens after the stop are dropped).
-pub const STOP_CHECK_EVERY: usize = 16;
+pub use super::stepper::STOP_CHECK_EVERY;
 
 /// Continue `prompt` by up to `max_new` tokens (stopping after `stop` if given). The cache is sized
 /// for the whole request up front; each token is chosen on the device and fed back without a trip
-/// through the host, which reads the tokens every [`STOP_CHECK_EVERY`] steps (at the end without a
-/// stop), so the cache may hold a few tokens past the stop.
+/// through the host (`super::stepper`: CUDA graphs where the variant has a device-side step), which
+/// reads the tokens every [`STOP_CHECK_EVERY`] steps, so the cache may hold a few tokens past the stop.
 pub fn generate(model: &Model, prompt: &[u32], max_new: usize, sampling: Sampling, stop: Option<u32>, device: Device) -> Generated {
     let kind = model.head_weight().kind();
     let mut cache = model.new_cache(1, kind, device);
-    reserve(&mut cache, (prompt.len() + max_new) as i64);
+    let reserved = (prompt.len() + max_new) as i64;
+    reserve(&mut cache, reserved);
     let ids = Tensor::from_slice(&prompt.iter().map(|&t| t as i64).collect::<Vec<_>>()).view([1, -1]).to_device(device);
     let t0 = Instant::now();
-    let mut logits = prefill(model, &mut cache, &ids);
+    let logits = prefill(model, &mut cache, &ids);
     sync(device);
     let prefill_s = t0.elapsed().as_secs_f64();
-    tch::manual_seed(sampling.seed as i64);
-    let mut out: Vec<u32> = Vec::new();
-    // Chosen on the device, not read yet.
-    let mut pending: Vec<Tensor> = Vec::new();
-    let read_back = |pending: &mut Vec<Tensor>, out: &mut Vec<u32>| -> bool {
-        if pending.is_empty() {
-            return false;
-        }
-        let ids: Vec<i64> = Vec::try_from(Tensor::cat(&std::mem::take(pending), 1).view([-1]).to_device(Device::Cpu)).expect("token ids");
-        let end = ids.iter().position(|&t| Some(t as u32) == stop);
-        out.extend(ids[..end.map_or(ids.len(), |e| e + 1)].iter().map(|&t| t as u32));
-        end.is_some()
-    };
     let t1 = Instant::now();
-    let mut stopped = false;
-    for _ in 0..max_new {
-        let l = logits.view([1, -1]).to_kind(Kind::Float);
-        let next = if sampling.temperature <= 0.0 { l.argmax(-1, true) } else { (l / sampling.temperature).softmax(-1, Kind::Float).multinomial(1, false) };
-        pending.push(next.shallow_clone());
-        if stop.is_some() && pending.len() == STOP_CHECK_EVERY {
-            stopped = read_back(&mut pending, &mut out);
-            if stopped {
-                break;
-            }
-        }
-        logits = model.extend(&mut cache, &next);
-    }
-    if !stopped {
-        read_back(&mut pending, &mut out);
-    }
+    let d = super::stepper::decode(model, &mut cache, &logits, max_new, sampling, stop, reserved);
     sync(device);
     let secs = t1.elapsed().as_secs_f64().max(1e-9);
     // Decode steps per second (one forward per token, as hf_decode.py counts).
-    let steps = cache.len() - prompt.len() as i64;
-    Generated { decode_tokens_per_s: steps as f64 / secs, tokens: out, prompt_tokens: prompt.len(), prefill_s, cache_bytes: cache.bytes(), cache_tokens: cache.len() }
+    let tokens = d.rows.into_iter().next().unwrap_or_default();
+    Generated { decode_tokens_per_s: d.steps as f64 / secs, tokens, prompt_tokens: prompt.len(), prefill_s, cache_bytes: cache.bytes(), cache_tokens: cache.len(), graphed: d.graphed }
 }
 
 /// Greedy continuations of several prompts in one batch (softmax variants; see
@@ -288,47 +261,15 @@ pub fn generate_batch(model: &Model, prompts: &[&[u32]], max_new: usize, stop: O
         flat.extend(std::iter::repeat_n(0i64, len - p.len()).chain(p.iter().map(|&t| t as i64)));
     }
     let mut cache = model.new_cache(b as i64, model.head_weight().kind(), device);
-    reserve(&mut cache, (len + max_new) as i64);
+    let reserved = (len + max_new) as i64;
+    reserve(&mut cache, reserved);
     match &mut cache {
         Cache::Neox(c) => c.set_padding(&Tensor::from_slice(&pads).to_device(device)),
         Cache::Llama(c) => c.set_padding(&Tensor::from_slice(&pads).to_device(device)),
     }
     let ids = Tensor::from_slice(&flat).view([b as i64, len as i64]).to_device(device);
-    let mut logits = prefill(model, &mut cache, &ids);
-    let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
-    let mut done = vec![false; b];
-    let mut pending: Vec<Tensor> = Vec::new();
-    // Appends the tokens chosen so far to the rows still running; whether every row has ended.
-    let mut read_back = |pending: &mut Vec<Tensor>| -> bool {
-        if pending.is_empty() {
-            return done.iter().all(|&d| d);
-        }
-        let chosen = Tensor::cat(&std::mem::take(pending), 1).to_device(Device::Cpu);
-        let k = chosen.size()[1] as usize;
-        let ids: Vec<i64> = Vec::try_from(chosen.view([-1])).expect("token ids");
-        for (row, (o, d)) in out.iter_mut().zip(done.iter_mut()).enumerate() {
-            for &t in &ids[row * k..(row + 1) * k] {
-                if *d {
-                    break;
-                }
-                o.push(t as u32);
-                *d = Some(t as u32) == stop;
-            }
-        }
-        done.iter().all(|&d| d)
-    };
-    for step in 0..max_new {
-        let next = logits.view([b as i64, -1]).argmax(-1, true);
-        pending.push(next.shallow_clone());
-        if stop.is_some() && pending.len() == STOP_CHECK_EVERY && read_back(&mut pending) {
-            break;
-        }
-        if step + 1 < max_new {
-            logits = model.extend(&mut cache, &next);
-        }
-    }
-    read_back(&mut pending);
-    out
+    let logits = prefill(model, &mut cache, &ids);
+    super::stepper::decode(model, &mut cache, &logits, max_new, Sampling { temperature: 0.0, seed: 0 }, stop, reserved).rows
 }
 
 /// Preallocate a cache for `tokens` tokens in all.
@@ -353,6 +294,22 @@ pub struct DecodeBench {
     /// Tokens decoded.
     #[serde(default)]
     pub new_tokens: usize,
+    /// Whether the decode steps ran as CUDA-graph replays (rows of older runs read as false).
+    #[serde(default)]
+    pub graphed: bool,
+    /// FNV-1a of the greedy tokens: rows of one model and context that decode the same tokens
+    /// (graphed vs eager: `ATTNLAB_CUDA_GRAPHS=0`) show the same digest.
+    #[serde(default)]
+    pub tokens_digest: String,
+    /// The greedy tokens themselves (where two digests differ: from which step on).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<u32>,
+}
+
+/// FNV-1a (64 bit) of token ids, as hex.
+pub fn tokens_digest(tokens: &[u32]) -> String {
+    let h = tokens.iter().flat_map(|t| t.to_le_bytes()).fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
+    format!("{h:016x}")
 }
 
 /// Prefill `context` random tokens, then decode `new_tokens` greedily; report cache size and speed.
@@ -371,6 +328,9 @@ pub fn decode_bench(model: &Model, attention: &str, context: i64, new_tokens: us
         decode_tokens_per_s: g.decode_tokens_per_s,
         repeat: 0,
         new_tokens,
+        graphed: g.graphed,
+        tokens_digest: tokens_digest(&g.tokens),
+        tokens: g.tokens,
     }
 }
 
@@ -410,7 +370,7 @@ mod tests {
             let greedy = Sampling { temperature: 0.0, seed: 0 };
             let g = generate(&m, &prompt, 40, greedy, None, Device::Cpu);
             assert_eq!(g.tokens, want, "{kind:?}");
-            assert_eq!(g.cache_tokens, (prompt.len() + 40) as i64, "{kind:?}: every new token cached");
+            assert_eq!(g.cache_tokens, (prompt.len() + 39) as i64, "{kind:?}: every new token but the last cached");
             // The same prompts of several lengths in one left-padded batch, and a stop token.
             let prompts: Vec<Vec<u32>> = vec![prompt.clone(), vec![9, 4], vec![11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]];
             let alone: Vec<Vec<u32>> = prompts.iter().map(|p| generate(&m, p, 30, greedy, Some(want[5]), Device::Cpu).tokens).collect();

@@ -6,6 +6,7 @@ pub mod generate;
 pub mod infer;
 pub mod lm_eval;
 pub mod recall;
+pub mod stepper;
 pub mod ruler;
 pub mod tasks;
 /// The WikiText rules live with the text sources (`data::wikitext`); this path stays for callers.

@@ -48,6 +48,10 @@ pub struct Cell {
     /// Hybrid (STILL) models: what the answer position's attention read, averaged over samples.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub diagnostics: Option<diagnose::CellDiagnostics>,
+    /// Wall seconds the cell took (making the samples, prefill and decoding; 0 in older files):
+    /// samples / seconds is the evaluation's throughput.
+    #[serde(default)]
+    pub seconds: f64,
 }
 
 impl Cell {
@@ -56,7 +60,8 @@ impl Cell {
         let c = self;
         let overrides = c.overrides.as_deref().map(|o| format!("  [{o}]")).unwrap_or_default();
         let chat = if c.chat { "  (chat template)" } else { "" };
-        let mut out = format!("{:16} length {:6}: {:6.2}% over {} samples (mean prompt {:.0} tokens){overrides}{chat}\n", c.task, c.length, c.score, c.samples, c.mean_prompt_tokens);
+        let rate = if c.seconds > 0.0 { format!(", {:.2} samples/s", c.samples as f64 / c.seconds) } else { String::new() };
+        let mut out = format!("{:16} length {:6}: {:6.2}% over {} samples (mean prompt {:.0} tokens{rate}){overrides}{chat}\n", c.task, c.length, c.score, c.samples, c.mean_prompt_tokens);
         if let Some(d) = &c.diagnostics {
             out += &format!("  value tokens outside the window: {:.0}%\n", 100.0 * d.value_outside_window);
             let pct = |x: Option<f64>| x.map_or("  –".to_string(), |v| format!("{:3.0}%", 100.0 * v));
@@ -125,6 +130,7 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, name: &str,
     let mut cells = Vec::new();
     for &len in &b.grid.lengths {
         let bar = crate::progress::bar(samples as u64, &format!("{name} @ {len}"), b.quiet);
+        let started = std::time::Instant::now();
         let (mut total, mut prompt_tokens) = (0.0, 0usize);
         let mut records = Vec::new();
         let batch = batch_for(model, b, len);
@@ -153,7 +159,7 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, name: &str,
         bar.finish_and_clear();
         let n = samples.max(1) as f64;
         let diagnostics = diagnose::summarize(records.iter().map(|r| &r.result));
-        cells.push((Cell { task: name.to_string(), length: len, samples, score: total / n, mean_prompt_tokens: prompt_tokens as f64 / n, overrides: None, chat: b.chat.is_some(), diagnostics }, records));
+        cells.push((Cell { task: name.to_string(), length: len, samples, score: total / n, mean_prompt_tokens: prompt_tokens as f64 / n, overrides: None, chat: b.chat.is_some(), diagnostics, seconds: started.elapsed().as_secs_f64() }, records));
     }
     Ok(cells)
 }
@@ -298,15 +304,15 @@ mod tests {
     fn cell_summary_shows_overrides_and_layer_diagnostics() {
         let _rng = crate::testutil::rng();
         let layer = diagnose::LayerSummary { layer: 3, recall_any_head: Some(0.5), recall_best_head: None, shares_mean: [0.25, 0.5, 0.25] };
-        let c = Cell { task: "niah_single_1".into(), length: 512, samples: 2, score: 50.0, mean_prompt_tokens: 480.4, overrides: Some("attention.routing=oracle".into()), chat: false, diagnostics: Some(diagnose::CellDiagnostics { value_outside_window: 0.75, layers: vec![layer] }) };
+        let c = Cell { task: "niah_single_1".into(), length: 512, samples: 2, score: 50.0, mean_prompt_tokens: 480.4, overrides: Some("attention.routing=oracle".into()), chat: false, diagnostics: Some(diagnose::CellDiagnostics { value_outside_window: 0.75, layers: vec![layer] }), seconds: 1.5 };
         let lines: Vec<String> = c.summary().lines().map(String::from).collect();
-        assert_eq!(lines[0], "niah_single_1    length    512:  50.00% over 2 samples (mean prompt 480 tokens)  [attention.routing=oracle]");
+        assert_eq!(lines[0], "niah_single_1    length    512:  50.00% over 2 samples (mean prompt 480 tokens, 1.33 samples/s)  [attention.routing=oracle]");
         assert_eq!(lines[1], "  value tokens outside the window: 75%");
         assert_eq!(lines[2], "  layer  3: selected (any head)  50%  (best head)   –   normalizer share window  25.0%  selected  50.0%  linear  25.0%");
         assert_eq!(Cell { diagnostics: None, ..c.clone() }.summary().lines().count(), 1);
         // The chat mark stays on the score's line (a cell's lines are read one by one).
         let chat = Cell { diagnostics: None, chat: true, ..c }.summary();
-        assert_eq!(chat, "niah_single_1    length    512:  50.00% over 2 samples (mean prompt 480 tokens)  [attention.routing=oracle]  (chat template)\n");
+        assert_eq!(chat, "niah_single_1    length    512:  50.00% over 2 samples (mean prompt 480 tokens, 1.33 samples/s)  [attention.routing=oracle]  (chat template)\n");
     }
 
     #[test]

@@ -9,10 +9,23 @@ use tch::Tensor;
 use torch_sys::C_tensor;
 
 type CeGradInPlace = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> *mut libc::c_char;
+type Err = *mut libc::c_char;
+type Handle = *mut libc::c_void;
+
+/// The CUDA-graph entry points (csrc/cuda/graph.cu).
+struct GraphFns {
+    enter: unsafe extern "C" fn(libc::c_int, *mut Handle) -> Err,
+    capture: unsafe extern "C" fn(Handle) -> Err,
+    leave: unsafe extern "C" fn(Handle) -> Err,
+    replay: unsafe extern "C" fn(Handle) -> Err,
+    free: unsafe extern "C" fn(Handle),
+}
 
 /// The entry points of a loaded library.
 struct Library {
     ce_grad_in_place: CeGradInPlace,
+    /// None in a library built before the graphs (decoding then runs eagerly).
+    graph: Option<GraphFns>,
 }
 
 /// The file name `make gpu-kernels` writes (into `.gpu/`, beside the lean binary).
@@ -39,7 +52,20 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
         if sym.is_null() {
             return Err("no symbol attnlab_ce_grad_in_place (a library from another attnlab version?)".into());
         }
-        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym) })
+        let find = |name: &std::ffi::CStr| {
+            let p = libc::dlsym(h, name.as_ptr());
+            (!p.is_null()).then_some(p)
+        };
+        let graph = (|| {
+            Some(GraphFns {
+                enter: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(libc::c_int, *mut Handle) -> Err>(find(c"attnlab_graph_enter")?),
+                capture: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(Handle) -> Err>(find(c"attnlab_graph_capture")?),
+                leave: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(Handle) -> Err>(find(c"attnlab_graph_leave")?),
+                replay: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(Handle) -> Err>(find(c"attnlab_graph_replay")?),
+                free: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(Handle)>(find(c"attnlab_graph_free")?),
+            })
+        })();
+        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph })
     }
 }
 
@@ -79,4 +105,64 @@ pub fn ce_grad_in_place(logits: &mut Tensor, targets: &Tensor, scale: f64) -> Op
     let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
     // SAFETY: valid tensor handles; on success the shim hands over a new tensor we then own.
     Some(check(unsafe { (lib.ce_grad_in_place)(p(logits), p(targets), scale, &mut out) }).map(|_| unsafe { Tensor::from_ptr(out) }))
+}
+
+/// Whether decode steps may be captured as CUDA graphs: the library has them and
+/// `ATTNLAB_CUDA_GRAPHS` is not `0` (set it to time or check the eager step against the graphed one).
+pub fn graphs_enabled() -> bool {
+    std::env::var("ATTNLAB_CUDA_GRAPHS").map_or(true, |v| v != "0") && library().is_some_and(|l| l.graph.is_some())
+}
+
+fn panic_text(e: &Box<dyn std::any::Any + Send>) -> String {
+    let msg = e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "a panic".into());
+    format!("while capturing: {}", msg.lines().next().unwrap_or(""))
+}
+
+/// A captured CUDA graph (PyTorch's `at::cuda::CUDAGraph`, with its private memory pool): the
+/// kernels one call of a closure launched, relaunched by [`Graph::replay`] on the same buffers.
+pub struct Graph {
+    handle: Handle,
+    fns: &'static GraphFns,
+}
+
+impl Graph {
+    /// Run `step` once eagerly on a side stream (the warm-up capture needs: its effects are real),
+    /// then capture a second call of it (recorded, not run). `step` must not read device values
+    /// back to the host nor copy host data to the device, and must allocate what it returns anew
+    /// (inputs and outputs of the graph are tensors made before, written in place). None when
+    /// graphs are not enabled ([`graphs_enabled`]); the warm-up call has then not run either.
+    pub fn capture(device: usize, mut step: impl FnMut()) -> Option<Result<Graph>> {
+        if !graphs_enabled() {
+            return None;
+        }
+        let fns = library()?.graph.as_ref()?;
+        let mut handle: Handle = std::ptr::null_mut();
+        // SAFETY: the shim's protocol (csrc/cuda/graph.cu): enter → eager step → capture → step →
+        // leave, on this thread; `leave` restores the stream on every path, `free` owns the handle.
+        Some((|| unsafe {
+            check((fns.enter)(device as libc::c_int, &mut handle))?;
+            let graph = Graph { handle, fns };
+            // A panic inside (a tch op refused during capture) must still end the capture and
+            // restore the stream: caught here and returned as the error.
+            let run = |step: &mut dyn FnMut()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(step)).map_err(|e| crate::Error::Kernel(panic_text(&e)));
+            let warm = run(&mut step);
+            let began = warm.and_then(|_| check((fns.capture)(handle)));
+            let recorded = began.and_then(|_| run(&mut step));
+            let left = check((fns.leave)(handle));
+            recorded.and(left).map(|_| graph)
+        })())
+    }
+
+    /// Launch the captured kernels again, on the current stream.
+    pub fn replay(&self) -> Result<()> {
+        // SAFETY: a handle from a successful capture, not freed before drop.
+        check(unsafe { (self.fns.replay)(self.handle) })
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: the handle was made by `enter` and is freed once.
+        unsafe { (self.fns.free)(self.handle) }
+    }
 }

@@ -4,7 +4,7 @@
 //! hands it the rotated heads, LN1(x) and its k / v map (`KvMap`: the k/v rows and bias of
 //! `query_key_value`, then RoPE), through which DAR's distant keys are built.
 use super::rope::Rope;
-use crate::attention::{Attention, AttentionSpec, Heads, KvMap, Layer as AttentionLayer, LayerDims, Positions};
+use crate::attention::{AbsorbedKv, Attention, AttentionSpec, Heads, KvMap, Layer as AttentionLayer, LayerDims, Positions};
 use crate::kernels;
 use crate::spec::{Gelu, Spec};
 use tch::nn::{self, Init, Module};
@@ -243,6 +243,23 @@ impl KvMap for LayerKv<'_> {
         };
         let mut parts = self.model.heads_of(&kv, 2, 1, &cos, &sin).into_iter();
         (parts.next().unwrap(), parts.next().unwrap())
+    }
+
+    fn absorbed(&self, w: &Tensor, span: i64) -> Option<AbsorbedKv> {
+        let m = self.model;
+        let (h, hd, d) = (m.cfg.heads as i64, m.cfg.head_dim() as i64, m.cfg.d_model as i64);
+        let qkv = self.layer.query_key_value.ws.view([h, 3, hd, d]);
+        let bias = self.layer.query_key_value.bs.as_ref().map(|b| b.view([h, 3, hd]));
+        let (cos, sin) = m.rope.tables(0, span, w.device());
+        Some(AbsorbedKv {
+            wk: qkv.select(1, 1).matmul(w),
+            bk: bias.as_ref().map(|b| b.select(1, 1)),
+            wv: qkv.select(1, 2).matmul(w),
+            bv: bias.as_ref().map(|b| b.select(1, 2)),
+            rotated: m.rope.dims,
+            cos,
+            sin,
+        })
     }
 }
 

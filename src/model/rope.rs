@@ -16,11 +16,20 @@ impl Rope {
 
     /// (cos, sin), each `[T, r/2]` fp32, for positions `start .. start + t`.
     pub fn tables(&self, start: i64, t: i64, device: Device) -> (Tensor, Tensor) {
+        self.tables_of(&Tensor::arange_start(start, start + t, (Kind::Float, device)))
+    }
+
+    /// [`Rope::tables`] at the positions held by `pos` (any integer dtype, on the device): a decode
+    /// step whose position is a device tensor (`attention::cache::StepAt`). Bitwise the same numbers.
+    pub fn tables_at(&self, pos: &Tensor) -> (Tensor, Tensor) {
+        self.tables_of(&pos.view([-1]).to_kind(Kind::Float))
+    }
+
+    fn tables_of(&self, pos: &Tensor) -> (Tensor, Tensor) {
         let half = self.dims / 2;
-        let k = Tensor::arange(half, (Kind::Float, device));
+        let k = Tensor::arange(half, (Kind::Float, pos.device()));
         // inv_freq[k] = base^(−2k/r): the exponent divides by r, not by the head dim.
         let inv_freq = (k * (-2.0 * self.base.ln() / self.dims as f64)).exp();
-        let pos = Tensor::arange_start(start, start + t, (Kind::Float, device));
         let theta = pos.unsqueeze(1) * inv_freq.unsqueeze(0);
         (theta.cos(), theta.sin())
     }

@@ -5,7 +5,7 @@
 //! ((h^D)·(W_kv·W_up)ᵀ + b_kv, then RoPE at each key's own position). Decoding token by token equals
 //! the full forward pass on the growing sequence (tested).
 use super::{GptNeox, LayerKv};
-use crate::attention::cache::{CacheShape, DecodeCache};
+use crate::attention::cache::{CacheShape, DecodeCache, StepAt};
 use crate::attention::Heads;
 use tch::nn::Module;
 use tch::{Kind, Tensor};
@@ -44,6 +44,24 @@ impl GptNeox {
         }
         cache.len += n;
         self.final_layer_norm.forward(&x)
+    }
+
+    /// One token per row, `ids` `[B, 1]`, at the device-side position `at.pos`: final hidden states
+    /// `[B, 1, d]`, every layer's cache written in place (`LayerOp::decode_at`) and nothing counted
+    /// on the host (`DecodeCache::advance`), so that a CUDA graph captures it. None when the layers'
+    /// variant has no such step.
+    pub fn extend_hidden_at(&self, cache: &mut NeoxCache, ids: &Tensor, at: &StepAt) -> Option<Tensor> {
+        let (cos, sin) = self.rope.tables_at(&at.pos);
+        let mut x = Tensor::embedding(&self.embed_in, ids, -1, false, false);
+        for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let a = layer.input_layernorm.forward(&x);
+            let (q, k, v) = self.qkv(layer, &a, &cos, &sin);
+            let kv = LayerKv { model: self, layer, cos: &cos, sin: &sin };
+            let o = layer.attn.decode_at(lc, &Heads { q, k, v, input: &a, seg: None, kv: &kv, train: false }, at)?;
+            let mlp = self.mlp(layer, &layer.post_attention_layernorm.forward(&x));
+            x = x + self.attention_out(layer, &o) + mlp;
+        }
+        Some(self.final_layer_norm.forward(&x))
     }
 }
 
@@ -130,6 +148,84 @@ mod tests {
                 // differently (filler read by a real token would differ by far more).
                 assert!(e < 1e-5, "{kind:?} w={w} row {r}: {e}");
             }
+        }
+    }
+
+    /// The device-side step (position a tensor, shapes fixed by the span: what a CUDA graph
+    /// captures): after a prefill, one token at a time with spans that change between steps (the
+    /// smallest that holds the position, and the whole reservation), every step's logits equal the
+    /// full forward pass, rings wrapping; left-padded rows as well. A span one short of the position
+    /// would hide the newest keys: it must differ.
+    #[test]
+    fn device_side_steps_equal_full_forward() {
+        use crate::attention::cache::StepAt;
+        let _rng = crate::testutil::rng();
+        for (kind, d_down, w) in VARIANTS {
+            let (_vs, m) = build(cfg(kind, d_down, w), 24);
+            let x = ids(2, 16);
+            let full = m.forward(&x);
+            let mut cache = m.new_cache(2, tch::Kind::Double, tch::Device::Cpu);
+            cache.reserve(16);
+            let _ = m.extend(&mut cache, &x.narrow(1, 0, 4));
+            for t in 4..16 {
+                let at = StepAt { pos: Tensor::from_slice(&[t]), span: if t % 2 == 0 { t + 1 } else { 16 } };
+                let h = m.extend_hidden_at(&mut cache, &x.narrow(1, t, 1), &at).expect("GPT-NeoX's softmax kinds step on the device");
+                cache.advance(1);
+                let got = m.logits(&h);
+                assert!(err(&got, &full.narrow(1, t, 1)) < 1e-10, "{kind:?} w={w} step {t}: {}", err(&got, &full.narrow(1, t, 1)));
+            }
+            assert_eq!(cache.len, 16);
+            // The span is honoured: too short a span drops keys the token must read.
+            let mut short = m.new_cache(2, tch::Kind::Double, tch::Device::Cpu);
+            short.reserve(16);
+            let _ = m.extend(&mut short, &x.narrow(1, 0, 9));
+            let at = StepAt { pos: Tensor::from_slice(&[9i64]), span: 9 };
+            let h = m.extend_hidden_at(&mut short, &x.narrow(1, 9, 1), &at).unwrap();
+            if kind == AttentionKind::Vanilla {
+                assert!(err(&m.logits(&h), &full.narrow(1, 9, 1)) > 1e-6, "vanilla with span 9 at position 9 read its own key");
+            }
+        }
+    }
+
+    /// DAR's latents read through the absorbed k / v map (the query folded into the unrotated key
+    /// dims, the output into the values; `dar::read_latents`) equal attention over the keys and
+    /// values rebuilt from them (`KvMap::kv`), with a ring of full-width keys beside them and masks
+    /// that differ per row, at rotary fractions 0, 1/4 and 1, with and without the ring (uniform).
+    #[test]
+    fn absorbed_latent_read_equals_rebuilt_keys() {
+        use crate::attention::cache::attend_newest;
+        use crate::attention::dar::read_latents;
+        use crate::attention::{KvMap, Positions};
+        use tch::{Device, Kind};
+        let _rng = crate::testutil::rng();
+        for pct in [0.0, 0.25, 1.0] {
+            let mut c = cfg(AttentionKind::Dar, 8, 3);
+            c.rotary_pct = pct;
+            let (_vs, m) = build(c, 25);
+            let (b, s, r, h, hd) = (2i64, 11i64, 5i64, 4i64, 8i64);
+            let f = (Kind::Double, Device::Cpu);
+            // A bias (zero at init) so that the bias terms of keys and values count.
+            let bias = m.layers[1].query_key_value.bs.as_ref().expect("qkv has a bias");
+            tch::no_grad(|| bias.shallow_clone().copy_(&Tensor::randn(bias.size(), f)));
+            let w = Tensor::randn([32, r], f);
+            let lat = Tensor::randn([b, s, r], f);
+            let (cos, sin) = m.rope.tables(0, s, Device::Cpu);
+            let kv = super::super::LayerKv { model: &m, layer: &m.layers[1], cos: &cos, sin: &sin };
+            let (kg, vg) = kv.kv(&w, &lat, Positions::From(0));
+            let a = kv.absorbed(&w, s).expect("GPT-NeoX absorbs its k / v map");
+            let q = Tensor::randn([b, h, 1, hd], f);
+            let (rk, rv) = (Tensor::randn([b, h, 3, hd], f), Tensor::randn([b, h, 3, hd], f));
+            let ring_mask = Tensor::from_slice(&[true, false, true]).view([1, 1, 1, 3]);
+            // Row 0 sees latents 0..8, row 1 (left-padded by 2) latents 2..8.
+            let pos = Tensor::arange(s, (Kind::Int64, Device::Cpu));
+            let far = pos.lt(8).view([1, 1, 1, s]).logical_and(&pos.view([1, 1, 1, s]).ge_tensor(&Tensor::from_slice(&[0i64, 2]).view([2, 1, 1, 1])));
+            let ring = (rk.shallow_clone(), rv.shallow_clone(), ring_mask.shallow_clone());
+            let got = read_latents(&q, Some(&ring), &lat, &far, &a);
+            let want = attend_newest(&q, &[(&rk, &rv, Some(ring_mask.shallow_clone())), (&kg, &vg, Some(far.shallow_clone()))]);
+            assert!(err(&got, &want) < 1e-10, "rotary {pct}, with the ring: {}", err(&got, &want));
+            let got = read_latents(&q, None, &lat, &far, &a);
+            let want = attend_newest(&q, &[(&kg, &vg, Some(far.shallow_clone()))]);
+            assert!(err(&got, &want) < 1e-10, "rotary {pct}, latents alone: {}", err(&got, &want));
         }
     }
 
