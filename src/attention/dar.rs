@@ -374,14 +374,12 @@ impl LayerOp for DarLayer {
         }
         // Distant keys of positions 0..g, rebuilt from the latents through the model's own map.
         let kv = |latent: &Tensor| h.kv.kv(self.bottleneck.up(), latent, Positions::From(0));
-        c.attend(&h.q, &h.k, &h.v, p0, Distant { latent, kv: &kv, absorbed: None })
+        c.attend(&h.q, &h.k, &h.v, p0, Distant { latent, kv: &kv })
     }
 
     fn decode_at(&self, cache: &mut LayerCache, h: &Heads, at: &StepAt) -> Option<Tensor> {
         let latent = self.bottleneck.latent(h.input);
-        let kv = |latent: &Tensor| h.kv.kv(self.bottleneck.up(), latent, Positions::From(0));
-        let absorbed = if absorb_enabled() { h.kv.absorbed(self.bottleneck.up(), at.span) } else { None };
-        Some(cache.state::<DarCache>().attend_at(&h.q, &h.k, &h.v, at, Distant { latent, kv: &kv, absorbed }))
+        Some(cache.state::<DarCache>().attend_at(h, at, &latent, self.bottleneck.up()))
     }
 
     /// DAR ↔ uniform, another window or implementation, the bottleneck kept (its width must agree).
@@ -516,9 +514,6 @@ pub struct Distant<'a> {
     /// Latents of positions 0..g `[B, g, d_down]` → rotated distant keys and values `[B, H_kv, g, hd]`
     /// (one matmul through the layer's k / v map with W_up absorbed, then RoPE).
     pub kv: &'a dyn Fn(&Tensor) -> (Tensor, Tensor),
-    /// The same map folded into the query and the output, for a one-token step over `span` latents
-    /// (`DarCache::attend_at`); None: rebuild through `kv`.
-    pub absorbed: Option<AbsorbedKv>,
 }
 
 /// DAR's decode cache: a ring of the last `window` tokens' full-width keys / values and the latent of
@@ -530,13 +525,27 @@ pub struct DarCache {
     seen: i64,
     window: i64,
     pad: Option<Padding>,
+    /// The model's k / v map composed with the up-projection (`KvMap::absorbed`), made at the first
+    /// step that reads through it: 2·H_kv·hd·d_down numbers per layer, whatever the length.
+    absorbed: Option<Option<AbsorbedKv>>,
+    /// From how many slots steps read through it (`absorb_from_slots`).
+    absorb_from: i64,
 }
 
-/// Whether decode steps read DAR's latents through the absorbed map (`ATTNLAB_DAR_ABSORB=0`: rebuild
-/// the distant keys and values every step, to time or check one against the other).
-fn absorb_enabled() -> bool {
-    std::env::var("ATTNLAB_DAR_ABSORB").map_or(true, |v| v != "0")
+/// From how many cache slots a decode step reads DAR's latents through the absorbed map rather than
+/// rebuilding their keys and values: ABSORB_FROM_SLOTS, or `ATTNLAB_DAR_ABSORB` = 0 (never), 1
+/// (always) to time or check one against the other.
+fn absorb_from_slots() -> i64 {
+    match std::env::var("ATTNLAB_DAR_ABSORB").as_deref() {
+        Ok("0") => i64::MAX,
+        Ok("1") => 0,
+        _ => ABSORB_FROM_SLOTS,
+    }
 }
+
+/// Measured on one H200 (Pythia-70M shape, bf16, batch 1, graphed; BENCHMARKS.md): the absorbed
+/// read runs more kernels per step and is slower up to 4K slots, even at 16K, faster at 64K.
+const ABSORB_FROM_SLOTS: i64 = 32768;
 
 /// One new query `[B, H, 1, hd]` over the ring (keys, values, mask) and the latents `c` `[B, S, r]`
 /// (mask `far`, `[.., 1, S]`), the latents read through the absorbed k / v map `a` without building
@@ -544,7 +553,7 @@ fn absorb_enabled() -> bool {
 /// rotated dims are rebuilt (`a.rotated` per head: a quarter of Pythia's keys, all of Llama's), and
 /// the distant output is (p·c)·wvᵀ + (Σp)·bv. Equal to rebuilding (tested), with per-step work
 /// S·r per head instead of S·r·hd.
-pub(crate) fn read_latents(q: &Tensor, ring: Option<&(Tensor, Tensor, Tensor)>, c: &Tensor, far: &Tensor, a: &AbsorbedKv) -> Tensor {
+pub(crate) fn read_latents(q: &Tensor, ring: Option<&(Tensor, Tensor, Tensor)>, c: &Tensor, far: &Tensor, a: &AbsorbedKv, cos: &Tensor, sin: &Tensor) -> Tensor {
     let (b, h, _, hd) = q.size4().expect("q is [B, H, 1, hd]");
     let hkv = a.wk.size()[0];
     let (g, rot, kind) = (h / hkv, a.rotated, q.kind());
@@ -568,7 +577,7 @@ pub(crate) fn read_latents(q: &Tensor, ring: Option<&(Tensor, Tensor, Tensor)>, 
             kr = kr + bk.narrow(1, 0, rot).unsqueeze(1);
         }
         let half = rot / 2;
-        let (cos, sin) = (a.cos.to_kind(kind), a.sin.to_kind(kind));
+        let (cos, sin) = (cos.to_kind(kind), sin.to_kind(kind));
         let (k1, k2) = (kr.narrow(3, 0, half), kr.narrow(3, half, half));
         let kr = Tensor::cat(&[&k1 * &cos - &k2 * &sin, &k2 * &cos + &k1 * &sin], 3);
         add(q.narrow(3, 0, rot).matmul(&kr.transpose(-2, -1)));
@@ -617,7 +626,7 @@ impl KindCache for DarCache {
 impl DarCache {
     pub fn new(shape: &CacheShape, window: i64, d_down: i64) -> Self {
         let latent = Slots::new(&[shape.batch, 0, d_down], 1, None, shape.kind, shape.device);
-        DarCache { recent: Recent::new(shape, Some(window)), latent, seen: 0, window, pad: None }
+        DarCache { recent: Recent::new(shape, Some(window)), latent, seen: 0, window, pad: None, absorbed: None, absorb_from: absorb_from_slots() }
     }
 
     pub fn bytes(&self) -> i64 {
@@ -650,27 +659,38 @@ impl DarCache {
         self.recent.push(k, v);
     }
 
-    /// `attend` of one new token at the device-side position `at.pos` (`LayerOp::decode_at`): its
-    /// latent and ring slot written in place, then one joint softmax over the ring and the first
-    /// `at.span` latents (those at distance < w masked): read through the absorbed map where the
-    /// model gives one (`read_latents`), else with their keys and values rebuilt.
-    pub fn attend_at(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, at: &StepAt, distant: Distant) -> Tensor {
+    /// `attend` of one new token (`h`: its heads, `latent` `[B, 1, d_down]`) at the device-side
+    /// position `at.pos` (`LayerOp::decode_at`): its latent and ring slot written in place, then one
+    /// joint softmax over the ring and the first `at.span` latents (those at distance < w masked):
+    /// from `absorb_from` slots on read through the model's absorbed k / v map (composed with the
+    /// up-projection `up` once per cache; `read_latents`), below it with their keys and values
+    /// rebuilt (fewer kernels: faster at short spans, measured).
+    pub fn attend_at(&mut self, h: &Heads, at: &StepAt, latent: &Tensor, up: &Tensor) -> Tensor {
         assert!(at.span <= self.latent.capacity(), "decode step: span {} beyond the latent cache's {} slots (reserve first)", at.span, self.latent.capacity());
-        self.latent.write_at(&at.pos, &distant.latent);
-        let ring = self.recent.write_at(k, v, at);
+        let q = &h.q;
+        self.latent.write_at(&at.pos, latent);
+        let ring = self.recent.write_at(&h.k, &h.v, at);
         let latents = self.latent.view(at.span);
         let pos = Tensor::arange(at.span, (tch::Kind::Int64, q.device()));
         let far = StepAt::mask(&self.pad, (&at.pos - &pos).ge(self.window), &pos);
-        if let Some(a) = &distant.absorbed {
-            return read_latents(q, ring.as_ref(), &latents, &far, a);
+        if at.span >= self.absorb_from {
+            let absorbed = self.absorbed.get_or_insert_with(|| h.kv.absorbed(up));
+            if let (Some(a), Some((cos, sin))) = (absorbed.as_ref(), h.kv.rotary_tables(at.span)) {
+                return read_latents(q, ring.as_ref(), &latents, &far, a, &cos, &sin);
+            }
         }
-        let (kg, vg) = (distant.kv)(&latents);
+        let (kg, vg) = h.kv.kv(up, &latents, Positions::From(0));
         let mut parts: Vec<(&Tensor, &Tensor, Option<Tensor>)> = Vec::new();
         if let Some((k, v, m)) = &ring {
             parts.push((k, v, Some(m.shallow_clone())));
         }
         parts.push((&kg, &vg, Some(far)));
         attend_newest(q, &parts)
+    }
+
+    /// Read the latents through the absorbed map from `span` slots on (tests: 0, every step).
+    pub fn set_absorb_from(&mut self, span: i64) {
+        self.absorb_from = span;
     }
 
     /// Attention of the new queries at p0..: keys at distance < w full width (from the ring), farther

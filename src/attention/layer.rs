@@ -95,20 +95,24 @@ pub trait KvMap {
     /// the model applies to keys after the projection (OLMo 2's k_norm, RoPE at `pos`).
     fn kv(&self, w: &Tensor, x: &Tensor, pos: Positions) -> (Tensor, Tensor);
 
-    /// The same map as per-head matrices, for a one-token decode step that reads `x` without
-    /// rebuilding its keys and values (`dar::DarCache::attend_at`), with RoPE tables for positions
-    /// 0..span. None (the default) where keys pass through more than a linear map and RoPE
-    /// (OLMo 2's k_norm), or where the model has no such step.
-    fn absorbed(&self, _w: &Tensor, _span: i64) -> Option<AbsorbedKv> {
+    /// The same map as per-head matrices (`w` folded in), for a one-token decode step that reads
+    /// `x` without rebuilding its keys and values (`dar::DarCache::attend_at`). None (the default)
+    /// where keys pass through more than a linear map and RoPE (OLMo 2's k_norm), or where the
+    /// model has no such step.
+    fn absorbed(&self, _w: &Tensor) -> Option<AbsorbedKv> {
+        None
+    }
+
+    /// RoPE's (cos, sin) `[n, rotated/2]` (fp32) for key positions 0..n, in [`AbsorbedKv`]'s layout.
+    fn rotary_tables(&self, _n: i64) -> Option<(Tensor, Tensor)> {
         None
     }
 }
 
 /// A layer's k / v map composed with `w` `[d, r]`, per KV head: k = RoPE(x·wkᵀ + bk), v = x·wvᵀ +
-/// bv, where RoPE rotates the first `rotated` dims of each head in the half-split layout at the
-/// positions of (cos, sin) (`[span, rotated/2]`, fp32) and leaves the rest. Linear in x but for
-/// RoPE, so a query can be folded into it: the unrotated dims' scores are (q·wk)·x, the values
-/// (p·x)·wvᵀ (what MLA does with its latents).
+/// bv, where RoPE rotates the first `rotated` dims of each head in the half-split layout
+/// (`KvMap::rotary_tables`) and leaves the rest. Linear in x but for RoPE, so a query can be folded
+/// into it: the unrotated dims' scores are (q·wk)·x, the values (p·x)·wvᵀ (as MLA reads its latents).
 pub struct AbsorbedKv {
     /// `[H_kv, hd, r]`.
     pub wk: Tensor,
@@ -119,8 +123,6 @@ pub struct AbsorbedKv {
     /// `[H_kv, hd]`.
     pub bv: Option<Tensor>,
     pub rotated: i64,
-    pub cos: Tensor,
-    pub sin: Tensor,
 }
 
 /// One layer's attention inputs, from the model.

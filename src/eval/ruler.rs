@@ -7,6 +7,7 @@ pub mod diagnose;
 // paths stay for the evaluators.
 pub use crate::data::niah::{largest_fitting, read_essay, rng, split_sentences, task, Generator, Haystack, Kind, NiahTask, Sample, TASKS};
 use crate::data::chat::ChatTemplate;
+use rayon::prelude::*;
 
 /// Tokens the model may generate (RULER's NIAH setting).
 pub const TOKENS_TO_GENERATE: usize = 128;
@@ -126,6 +127,7 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, name: &str,
     }
     let g = Generator::new(essay);
     let greedy = Greedy::new(model, tok, device);
+    let bos = greedy.bos;
     let count = |s: &str| tok.encode(s).map(|v| v.len()).unwrap_or(usize::MAX);
     let mut cells = Vec::new();
     for &len in &b.grid.lengths {
@@ -135,11 +137,22 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, name: &str,
         let mut records = Vec::new();
         let batch = batch_for(model, b, len);
         for first in (0..samples).step_by(batch) {
+            let range = first..(first + batch).min(samples);
+            // Sizing a sample's haystack tokenizes it several times (a binary search): CPU work that
+            // held the GPU idle most of a batched evaluation, done for the batch's samples in parallel.
+            let made: Vec<crate::Result<(Sample, String, Vec<u32>, Vec<(usize, usize)>)>> = range
+                .clone()
+                .into_par_iter()
+                .map(|i| {
+                    let s = g.sized(&t, len.saturating_sub(overhead), TOKENS_TO_GENERATE, &count, &mut rng(42, len, i));
+                    let prompt = wrap(b.chat, &s.input, &s.answer_prefix)?;
+                    let (ids, offsets) = encode(tok, bos, &prompt)?;
+                    Ok((s, prompt, ids, offsets))
+                })
+                .collect();
             let mut group = Vec::new();
-            for i in first..(first + batch).min(samples) {
-                let s = g.sized(&t, len.saturating_sub(overhead), TOKENS_TO_GENERATE, &count, &mut rng(42, len, i));
-                let prompt = wrap(b.chat, &s.input, &s.answer_prefix)?;
-                let (ids, offsets) = greedy.encode(&prompt)?;
+            for (i, one) in range.zip(made) {
+                let (s, prompt, ids, offsets) = one?;
                 let needles = diagnose::needle_positions(&prompt, &s.queried, &offsets);
                 // `routing: oracle` selects the needle spans (a diagnostic); other routings ignore them.
                 let hybrid = diagnose::set_oracle(model, &needles);
@@ -214,6 +227,16 @@ pub fn write_samples(run: &std::path::Path, cell: &Cell, records: &[Record]) -> 
     Ok(path)
 }
 
+/// The token ids of `prompt` with `bos` first (if any) and each token's byte span in `prompt` (BOS: (0, 0)).
+fn encode(tok: &crate::data::Tok, bos: Option<u32>, prompt: &str) -> crate::Result<(Vec<u32>, Vec<(usize, usize)>)> {
+    let enc = tok.inner.encode(prompt, false).map_err(|e| crate::Error::Tokenizer(e.to_string()))?;
+    let mut ids: Vec<u32> = bos.into_iter().collect();
+    let mut offsets: Vec<(usize, usize)> = bos.iter().map(|_| (0, 0)).collect();
+    ids.extend_from_slice(enc.get_ids());
+    offsets.extend_from_slice(enc.get_offsets());
+    Ok((ids, offsets))
+}
+
 /// Greedy answers to text prompts: the tokenizer's BOS (if any) is prepended, as HF tokenizers do.
 pub struct Greedy<'a> {
     model: &'a crate::model::Model,
@@ -236,12 +259,7 @@ impl<'a> Greedy<'a> {
 
     /// The prompt's token ids (BOS first, if any) and each token's byte span in `prompt` (BOS: (0, 0)).
     pub fn encode(&self, prompt: &str) -> crate::Result<(Vec<u32>, Vec<(usize, usize)>)> {
-        let enc = self.tok.inner.encode(prompt, false).map_err(|e| crate::Error::Tokenizer(e.to_string()))?;
-        let mut ids: Vec<u32> = self.bos.into_iter().collect();
-        let mut offsets: Vec<(usize, usize)> = self.bos.iter().map(|_| (0, 0)).collect();
-        ids.extend_from_slice(enc.get_ids());
-        offsets.extend_from_slice(enc.get_offsets());
-        Ok((ids, offsets))
+        encode(self.tok, self.bos, prompt)
     }
 
     /// The decoded greedy continuation of the token ids `ids`.

@@ -8,6 +8,7 @@ use crate::attention::{AbsorbedKv, Attention, AttentionSpec, Heads, KvMap, Layer
 use crate::kernels;
 use crate::spec::{Gelu, Spec};
 use tch::nn::{self, Init, Module};
+use std::cell::OnceCell;
 use tch::Tensor;
 
 /// Everything the model needs to know; built from a resolved spec plus the vocabulary size.
@@ -197,7 +198,7 @@ impl GptNeox {
 
     fn attention(&self, layer: &Layer, a: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
         let (q, k, v) = self.qkv(layer, a, cos, sin);
-        let kv = LayerKv { model: self, layer, cos, sin };
+        let kv = LayerKv { model: self, layer, cos, sin, span: None };
         let o = layer.attn.forward(&Heads { q, k, v, input: a, seg: None, kv: &kv, train: false });
         self.attention_out(layer, &o)
     }
@@ -232,6 +233,9 @@ struct LayerKv<'a> {
     layer: &'a Layer,
     cos: &'a Tensor,
     sin: &'a Tensor,
+    /// A one-token decode step's tables for key positions 0..span (`extend_hidden_at`): made by the
+    /// first layer that asks, shared by the others.
+    span: Option<(&'a OnceCell<(Tensor, Tensor)>, i64)>,
 }
 
 impl KvMap for LayerKv<'_> {
@@ -239,27 +243,42 @@ impl KvMap for LayerKv<'_> {
         let kv = self.model.kv_projection(self.layer, w, x);
         let (cos, sin) = match pos {
             Positions::Forward => (self.cos.shallow_clone(), self.sin.shallow_clone()),
+            Positions::From(0) => self.tables_from_zero(x.size()[1]),
             Positions::From(start) => self.model.rope.tables(start, x.size()[1], x.device()),
         };
         let mut parts = self.model.heads_of(&kv, 2, 1, &cos, &sin).into_iter();
         (parts.next().unwrap(), parts.next().unwrap())
     }
 
-    fn absorbed(&self, w: &Tensor, span: i64) -> Option<AbsorbedKv> {
+    fn absorbed(&self, w: &Tensor) -> Option<AbsorbedKv> {
         let m = self.model;
         let (h, hd, d) = (m.cfg.heads as i64, m.cfg.head_dim() as i64, m.cfg.d_model as i64);
         let qkv = self.layer.query_key_value.ws.view([h, 3, hd, d]);
         let bias = self.layer.query_key_value.bs.as_ref().map(|b| b.view([h, 3, hd]));
-        let (cos, sin) = m.rope.tables(0, span, w.device());
         Some(AbsorbedKv {
             wk: qkv.select(1, 1).matmul(w),
             bk: bias.as_ref().map(|b| b.select(1, 1)),
             wv: qkv.select(1, 2).matmul(w),
             bv: bias.as_ref().map(|b| b.select(1, 2)),
             rotated: m.rope.dims,
-            cos,
-            sin,
         })
+    }
+
+    fn rotary_tables(&self, n: i64) -> Option<(Tensor, Tensor)> {
+        Some(self.tables_from_zero(n))
+    }
+}
+
+impl LayerKv<'_> {
+    /// RoPE tables for positions 0..n: the step's own (made once for every layer) when they fit.
+    fn tables_from_zero(&self, n: i64) -> (Tensor, Tensor) {
+        match self.span {
+            Some((cell, span)) if span == n => {
+                let (c, s) = cell.get_or_init(|| self.model.rope.tables(0, n, self.cos.device()));
+                (c.shallow_clone(), s.shallow_clone())
+            }
+            _ => self.model.rope.tables(0, n, self.cos.device()),
+        }
     }
 }
 

@@ -37,7 +37,7 @@ impl GptNeox {
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let a = layer.input_layernorm.forward(&x);
             let (q, k, v) = self.qkv(layer, &a, &cos, &sin);
-            let kv = LayerKv { model: self, layer, cos: &cos, sin: &sin };
+            let kv = LayerKv { model: self, layer, cos: &cos, sin: &sin, span: None };
             let o = layer.attn.decode(lc, &Heads { q, k, v, input: &a, seg: seg.as_ref(), kv: &kv, train: false }, p0);
             let mlp = self.mlp(layer, &layer.post_attention_layernorm.forward(&x));
             x = x + self.attention_out(layer, &o) + mlp;
@@ -52,11 +52,13 @@ impl GptNeox {
     /// variant has no such step.
     pub fn extend_hidden_at(&self, cache: &mut NeoxCache, ids: &Tensor, at: &StepAt) -> Option<Tensor> {
         let (cos, sin) = self.rope.tables_at(&at.pos);
+        // Key positions 0..span, for DAR's distant keys: made once per step, not per layer.
+        let span = std::cell::OnceCell::new();
         let mut x = Tensor::embedding(&self.embed_in, ids, -1, false, false);
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let a = layer.input_layernorm.forward(&x);
             let (q, k, v) = self.qkv(layer, &a, &cos, &sin);
-            let kv = LayerKv { model: self, layer, cos: &cos, sin: &sin };
+            let kv = LayerKv { model: self, layer, cos: &cos, sin: &sin, span: Some((&span, at.span)) };
             let o = layer.attn.decode_at(lc, &Heads { q, k, v, input: &a, seg: None, kv: &kv, train: false }, at)?;
             let mlp = self.mlp(layer, &layer.post_attention_layernorm.forward(&x));
             x = x + self.attention_out(layer, &o) + mlp;
@@ -166,6 +168,11 @@ mod tests {
             let full = m.forward(&x);
             let mut cache = m.new_cache(2, tch::Kind::Double, tch::Device::Cpu);
             cache.reserve(16);
+            // DAR: spans of 10 slots and more read the latents through the absorbed k / v map,
+            // shorter ones rebuild their keys and values: both paths, switching mid-way.
+            if matches!(kind, AttentionKind::Dar | AttentionKind::Uniform) {
+                cache.layers.iter_mut().for_each(|l| l.state::<DarCache>().set_absorb_from(10));
+            }
             let _ = m.extend(&mut cache, &x.narrow(1, 0, 4));
             for t in 4..16 {
                 let at = StepAt { pos: Tensor::from_slice(&[t]), span: if t % 2 == 0 { t + 1 } else { 16 } };
@@ -210,9 +217,10 @@ mod tests {
             let w = Tensor::randn([32, r], f);
             let lat = Tensor::randn([b, s, r], f);
             let (cos, sin) = m.rope.tables(0, s, Device::Cpu);
-            let kv = super::super::LayerKv { model: &m, layer: &m.layers[1], cos: &cos, sin: &sin };
+            let kv = super::super::LayerKv { model: &m, layer: &m.layers[1], cos: &cos, sin: &sin, span: None };
             let (kg, vg) = kv.kv(&w, &lat, Positions::From(0));
-            let a = kv.absorbed(&w, s).expect("GPT-NeoX absorbs its k / v map");
+            let a = kv.absorbed(&w).expect("GPT-NeoX absorbs its k / v map");
+            let (rc, rs) = kv.rotary_tables(s).expect("and gives its tables");
             let q = Tensor::randn([b, h, 1, hd], f);
             let (rk, rv) = (Tensor::randn([b, h, 3, hd], f), Tensor::randn([b, h, 3, hd], f));
             let ring_mask = Tensor::from_slice(&[true, false, true]).view([1, 1, 1, 3]);
@@ -220,10 +228,10 @@ mod tests {
             let pos = Tensor::arange(s, (Kind::Int64, Device::Cpu));
             let far = pos.lt(8).view([1, 1, 1, s]).logical_and(&pos.view([1, 1, 1, s]).ge_tensor(&Tensor::from_slice(&[0i64, 2]).view([2, 1, 1, 1])));
             let ring = (rk.shallow_clone(), rv.shallow_clone(), ring_mask.shallow_clone());
-            let got = read_latents(&q, Some(&ring), &lat, &far, &a);
+            let got = read_latents(&q, Some(&ring), &lat, &far, &a, &rc, &rs);
             let want = attend_newest(&q, &[(&rk, &rv, Some(ring_mask.shallow_clone())), (&kg, &vg, Some(far.shallow_clone()))]);
             assert!(err(&got, &want) < 1e-10, "rotary {pct}, with the ring: {}", err(&got, &want));
-            let got = read_latents(&q, None, &lat, &far, &a);
+            let got = read_latents(&q, None, &lat, &far, &a, &rc, &rs);
             let want = attend_newest(&q, &[(&kg, &vg, Some(far.shallow_clone()))]);
             assert!(err(&got, &want) < 1e-10, "rotary {pct}, latents alone: {}", err(&got, &want));
         }
