@@ -188,7 +188,21 @@ impl SourceSpec {
     /// Problems a reader would only hit later: (key suffix such as `.needles.docs`, message).
     pub fn check(&self) -> Result<(), Invalid> {
         match self {
-            SourceSpec::Synthetic { synthetic } if synthetic.docs == 0 => Err((".synthetic.docs".into(), "must be > 0".into())),
+            SourceSpec::Synthetic { synthetic } => {
+                if synthetic.docs == 0 {
+                    return Err((".synthetic.docs".into(), "must be > 0".into()));
+                }
+                if let Some(RecallGap::Range([lo, hi])) = synthetic.recall_gap {
+                    if lo > hi {
+                        return Err((".synthetic.recall_gap".into(), format!("[{lo}, {hi}]: want [LO, HI] with LO ≤ HI")));
+                    }
+                }
+                match synthetic.recall_facts {
+                    Some(_) if synthetic.recall_gap.is_none() => Err((".synthetic.recall_facts".into(), "is an option of the recall corpus: give recall_gap too".into())),
+                    Some(k) if k == 0 || k > MAX_RECALL_FACTS => Err((".synthetic.recall_facts".into(), format!("{k} must be in 1..={MAX_RECALL_FACTS} (one code per person name)"))),
+                    _ => Ok(()),
+                }
+            }
             SourceSpec::Needles { needles: n } => {
                 if n.docs == 0 {
                     return Err((".needles.docs".into(), "must be > 0".into()));
@@ -299,9 +313,53 @@ pub struct SyntheticSpec {
     #[serde(default = "default_syn_docs")]
     pub docs: usize,
     /// The recall corpus instead (data::synthetic::recall_document): codes stated once and asked
-    /// for at least this many tokens later. Unset = the mixed corpus (and no change to config hashes).
+    /// for at least this many tokens later; `[LO, HI]`: each document's gap drawn uniformly from
+    /// LO..=HI. Unset = the mixed corpus (and no change to config hashes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub recall_gap: Option<usize>,
+    pub recall_gap: Option<RecallGap>,
+    /// Recall corpus: codes stated (and asked) per document (default: 2–4, drawn per document).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recall_facts: Option<usize>,
+}
+
+/// The recall corpus's gap: one value, or `[LO, HI]` drawn uniformly per document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RecallGap {
+    One(usize),
+    Range([usize; 2]),
+}
+
+impl RecallGap {
+    /// (smallest, largest) gap.
+    pub fn bounds(self) -> (usize, usize) {
+        match self {
+            RecallGap::One(g) => (g, g),
+            RecallGap::Range([lo, hi]) => (lo, hi),
+        }
+    }
+}
+
+impl std::fmt::Display for RecallGap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RecallGap::One(g) => write!(f, "{g}"),
+            RecallGap::Range([lo, hi]) => write!(f, "{lo}–{hi}"),
+        }
+    }
+}
+
+/// The most codes one recall document can state: one per person name of the built-in corpus
+/// (data::synthetic: 12 × 12 two-syllable names).
+pub const MAX_RECALL_FACTS: usize = 144;
+
+/// The most words a recall document with gap ≤ `gap` and `facts` codes (None: at most 4) can have,
+/// without the EOD before it: 9 words per code stated (`the code of NAME is d d d .`), the gap plus
+/// at most 7 words of the filler sentence that crosses it, 15 per question (`question : what is
+/// the code of NAME ? answer : d d d .`).
+pub fn recall_max_words(gap: usize, facts: Option<usize>) -> usize {
+    let k = facts.unwrap_or(4);
+    9 * k + gap + 7 + 15 * k
 }
 
 fn default_syn_seed() -> u64 {
