@@ -632,6 +632,7 @@ fn recall_scores_pool_over_seeds_with_paired_differences() {
     let root = tmp.path().join("results");
     let score = |gap: usize, acc: f64| RecallScore {
         gap,
+        facts: None,
         docs: 10,
         digits: 90,
         loss: 2.0,

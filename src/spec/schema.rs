@@ -504,6 +504,24 @@ pub struct EvalSpec {
     pub batch_size: Option<i64>,
     #[serde(default)]
     pub protocol: EvalProtocol,
+    /// The recall test (src/recall.rs) at every evaluation and at the end: `recall/g<G>/{digits,
+    /// codes,loss}` in metrics.jsonl, recall.json at the end. Needs the built-in tokenizer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recall: Option<RecallEvalSpec>,
+}
+
+/// `eval.recall`: which recall documents the trainer scores.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecallEvalSpec {
+    /// Gaps scored, each on its own documents (`attnlab eval --task recall --lengths`).
+    pub gaps: Vec<usize>,
+    /// Documents per gap (default 100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples: Option<usize>,
+    /// Codes per document (default: the training corpus's `recall_facts`, else 2–4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub facts: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -708,6 +726,32 @@ impl Spec {
         let eb = *self.eval.batch_size.get_or_insert(if tiny { 32 } else { 8 });
         if eb <= 0 {
             return bad("eval.batch_size", format!("{eb} must be > 0"));
+        }
+        if let Some(r) = &mut self.eval.recall {
+            if r.gaps.is_empty() {
+                return bad("eval.recall.gaps", "lists no gap".into());
+            }
+            if let Some(g) = r.gaps.iter().enumerate().find_map(|(i, g)| r.gaps[..i].contains(g).then_some(g)) {
+                return bad("eval.recall.gaps", format!("gap {g} is listed twice"));
+            }
+            let samples = *r.samples.get_or_insert(100);
+            if samples == 0 {
+                return bad("eval.recall.samples", "must be > 0".into());
+            }
+            if r.facts.is_none() {
+                if let SourceSpec::Synthetic { synthetic } = &self.data.train {
+                    r.facts = synthetic.recall_facts;
+                }
+            }
+            if let Some(k) = r.facts.filter(|&k| k == 0 || k > MAX_RECALL_FACTS) {
+                return bad("eval.recall.facts", format!("{k} must be in 1..={MAX_RECALL_FACTS} (one code per person name)"));
+            }
+            if let Some(&g) = r.gaps.iter().find(|&&g| recall_max_words(g, r.facts) + 1 > seq_len) {
+                return bad("eval.recall.gaps", format!("gap {g}: its documents reach {} tokens, more than data.seq_len = {seq_len}", recall_max_words(g, r.facts) + 1));
+            }
+            if !matches!(&self.data.tokenizer, Some(TokenizerSpec::Path(p)) if p == "builtin") {
+                return bad("eval.recall", "the recall test needs the built-in word-level tokenizer (data.tokenizer: builtin)".into());
+            }
         }
         let ce = *self.checkpoint.every.get_or_insert(if tiny { 0 } else { 1000 });
         if ce < 0 {
