@@ -23,7 +23,7 @@ LAYERS = [
     ["spec"],
     ["data", "plots"],
     ["model"],
-    ["student_export", "perplexity", "tensorboard"],
+    ["student_export", "perplexity", "recall", "tensorboard"],
     ["train"],
     ["eval"],
     ["export", "linearize", "finetune", "bench"],

@@ -19,6 +19,7 @@ pub mod perplexity;
 #[cfg(feature = "analysis")]
 pub mod plots;
 pub mod progress;
+pub mod recall;
 pub mod run_kind;
 #[cfg(feature = "analysis")]
 pub mod report;

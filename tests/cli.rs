@@ -761,3 +761,40 @@ fn recall_smoke_run_scores_answer_digits_and_loss_by_position() {
     let err = fails(&attnlab(&["eval", run.to_str().unwrap(), "--task", "recall", "--lengths", "400", "--samples", "2"], cwd));
     assert!(err.contains("more than the model's T = 256"), "{err}");
 }
+
+/// Issue 36: the recall test scored while training (`eval.recall`) on the mixed-gap corpus: rows
+/// `recall/g<G>/{digits,codes,loss}` at every `eval.every` step and at the last, recall.json at the
+/// end (the final scores), and `attnlab report` draws the learning curve and tabulates steps to 50%.
+#[test]
+fn recall_is_scored_at_every_evaluation_while_training() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments/tiny-recall-smoke.yaml");
+    let run = cwd.join("results/dar");
+    let sets = ["--set", "train.steps=7", "--set", "eval.every=3", "--set", "eval.recall={gaps: [8, 64], samples: 3}", "--set", "data.train.synthetic.docs=60", "--set", "data.train.synthetic.recall_gap=[8, 64]"];
+    let mut args = vec!["train", spec.to_str().unwrap(), "--quiet", "--out", run.to_str().unwrap()];
+    args.extend(sets);
+    ok(&attnlab(&args, cwd));
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let scored: Vec<u64> = rows.iter().filter(|r| r.get("recall/g64/codes").is_some()).map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(scored, [3, 6, 7]);
+    for r in rows.iter().filter(|r| r.get("recall/g8/codes").is_some()) {
+        for g in [8, 64] {
+            for (f, hi) in [("digits", 1.0), ("codes", 1.0), ("loss", f64::INFINITY)] {
+                let v = r[format!("recall/g{g}/{f}")].as_f64().unwrap_or_else(|| panic!("{r}"));
+                assert!((0.0..=hi).contains(&v), "{f} {v}");
+            }
+        }
+    }
+    let recall: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("recall.json")).unwrap()).unwrap();
+    assert_eq!(recall["step"], 7);
+    let gaps: Vec<(u64, u64)> = recall["gaps"].as_array().unwrap().iter().map(|g| (g["gap"].as_u64().unwrap(), g["docs"].as_u64().unwrap())).collect();
+    assert_eq!(gaps, [(8, 3), (64, 3)]);
+    let last = rows.iter().rev().find(|r| r.get("recall/g64/codes").is_some()).unwrap();
+    assert_eq!(last["recall/g64/digits"].as_f64(), recall["gaps"][1]["digit_accuracy"].as_f64());
+
+    let out = ok(&attnlab(&["report", cwd.join("results").to_str().unwrap(), "--unit", "token"], cwd));
+    assert!(out.contains("Recall learning curves"), "{out}");
+    let md = std::fs::read_to_string(cwd.join("results/report/report.md")).unwrap();
+    assert!(md.contains("## Recall: learning curves and capacity") && md.contains("codes-g64.png"), "{md}");
+}

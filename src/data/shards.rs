@@ -199,7 +199,7 @@ pub fn prepare_source(source: Option<&Path>, synthetic: Option<usize>, tokenizer
     use crate::spec::{LocalSource, SourceSpec, SyntheticSpec, TextFormat};
     let format: TextFormat = serde_yaml::from_str(format).map_err(|e| Error::Other(format!("--format `{format}`: want text or wikitext ({e})")))?;
     let src = match (synthetic, source) {
-        (Some(n), None) => SourceSpec::Synthetic { synthetic: SyntheticSpec { seed: 1, docs: n, recall_gap: None } },
+        (Some(n), None) => SourceSpec::Synthetic { synthetic: SyntheticSpec { seed: 1, docs: n, recall_gap: None, recall_facts: None } },
         (None, Some(p)) => SourceSpec::Local(LocalSource { path: p.to_path_buf(), field: field.to_string(), format }),
         _ => return Err(Error::Other("give either a SOURCE path or --synthetic N".into())),
     };

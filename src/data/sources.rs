@@ -25,8 +25,8 @@ impl Doc {
 pub fn read_documents(src: &SourceSpec) -> Result<Vec<Doc>> {
     match src {
         SourceSpec::Synthetic { synthetic } => {
-            let docs = match synthetic.recall_gap {
-                Some(gap) => super::synthetic::recall_documents(synthetic.seed, synthetic.docs, gap),
+            let docs = match super::synthetic::Recall::of(synthetic) {
+                Some(recall) => recall.documents(synthetic.seed, synthetic.docs),
                 None => super::synthetic::documents(synthetic.seed, synthetic.docs),
             };
             Ok(docs.into_iter().map(Doc::plain).collect())

@@ -20,7 +20,12 @@
 //! (`the code of mira is 4 1 7 .`), at least G words of filler that never name a person, then every
 //! code asked for once (`question : what is the code of mira ? answer : 4 1 7 .`). The three answer
 //! digits are uniform and independent of everything else in the document, so a model that cannot see
-//! back G tokens scores chance at them: loss ln 10 per digit, 10% of digits right (eval/recall.rs).
+//! back G tokens scores chance at them: loss ln 10 per digit, 10% of digits right (src/recall.rs).
+//! Two options widen it (issue 36): `recall_gap: [LO, HI]` draws each document's gap uniformly from
+//! LO..=HI (from a stream of its own, so a document with drawn gap g is exactly the one-gap
+//! document with gap g), so every gap an evaluation asks about is in the training distribution; and
+//! `recall_facts: K` states exactly K codes per document (Zoology's multi-query associative recall:
+//! K key–value pairs, all asked at least the gap later) instead of 2–4.
 use rand::{seq::IndexedRandom, seq::SliceRandom, Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -133,6 +138,51 @@ pub fn recall_documents(seed: u64, n: usize, gap: usize) -> Vec<String> {
     (0..n as u64).map(|i| recall_document(seed, i, gap)).collect()
 }
 
+/// What a recall corpus varies: the gap (one value, or drawn per document from `gap.0..=gap.1`) and
+/// the codes per document (None: 2–4, drawn per document).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recall {
+    pub gap: (usize, usize),
+    pub facts: Option<usize>,
+}
+
+impl Recall {
+    /// The recall corpus a synthetic source describes; None for the mixed corpus.
+    pub fn of(s: &crate::spec::SyntheticSpec) -> Option<Recall> {
+        s.recall_gap.map(|g| Recall { gap: g.bounds(), facts: s.recall_facts })
+    }
+
+    /// The one-gap corpus with 2–4 codes per document (`recall_document`).
+    pub fn gap(gap: usize) -> Recall {
+        Recall { gap: (gap, gap), facts: None }
+    }
+
+    /// The gap of document `index` (`seed`): `gap.0` for one gap, else uniform over `gap.0..=gap.1`
+    /// from a stream of its own (the document's words do not move the draw, nor it them).
+    pub fn gap_of(&self, seed: u64, index: u64) -> usize {
+        let (lo, hi) = self.gap;
+        if hi <= lo {
+            return lo;
+        }
+        ChaCha8Rng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index ^ 0x6761_7073).random_range(lo..=hi)
+    }
+
+    /// Document `index` of this corpus.
+    pub fn document(&self, seed: u64, index: u64) -> String {
+        recall_document_with(seed, index, self.gap_of(seed, index), self.facts)
+    }
+
+    /// Documents `0..n`.
+    pub fn documents(&self, seed: u64, n: usize) -> Vec<String> {
+        (0..n as u64).map(|i| self.document(seed, i)).collect()
+    }
+
+    /// The most words a document can have, without the EOD before it (`spec::recall_max_words`).
+    pub fn max_words(&self) -> usize {
+        crate::spec::recall_max_words(self.gap.0.max(self.gap.1), self.facts)
+    }
+}
+
 /// Words of one filler sentence (the grammar of `document`, or a counting run): no names, no codes.
 fn filler(r: &mut ChaCha8Rng) -> String {
     if r.random_range(0..6) == 0 {
@@ -154,9 +204,15 @@ fn filler(r: &mut ChaCha8Rng) -> String {
 /// filler after the last one, then one question per person in a random order. Every answer digit is
 /// at least `gap` + 10 words after the digit it repeats.
 pub fn recall_document(seed: u64, index: u64, gap: usize) -> String {
+    recall_document_with(seed, index, gap, None)
+}
+
+/// `recall_document` with `facts` codes (None: 2–4, drawn as `recall_document` draws them, so that
+/// None gives exactly its documents).
+pub fn recall_document_with(seed: u64, index: u64, gap: usize, facts: Option<usize>) -> String {
     let mut r = ChaCha8Rng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index ^ 0x7265_6361_6c6c);
     let all_names = names();
-    let n_people = r.random_range(2..=4);
+    let n_people = facts.map_or_else(|| r.random_range(2..=4), |k| k.min(all_names.len()));
     let people: Vec<(String, [usize; 3])> =
         all_names.choose_multiple(&mut r, n_people).map(|n| (n.clone(), [r.random_range(0..10), r.random_range(0..10), r.random_range(0..10)])).collect();
     let mut w: Vec<String> = Vec::new();
@@ -221,6 +277,98 @@ mod tests {
                     for k in 0..3 {
                         assert_eq!(words[fact + 2 + k], words[a + 2 + k], "digit {k} of {name}");
                         assert!(a + 2 + k - (fact + 2 + k) >= gap + 10);
+                    }
+                }
+            }
+        }
+    }
+
+    /// (stated names in order, first word of the questions, asked names in order) of a recall
+    /// document, read off its words by the format alone: statements are 9 words each from word 0
+    /// (`the code of NAME is d d d .`), questions 15 words each (`question : what is the code of
+    /// NAME ? answer : d d d .`) to the end.
+    fn layout<'a>(words: &[&'a str]) -> (Vec<&'a str>, usize, Vec<&'a str>) {
+        let k = words.iter().filter(|w| **w == "answer").count();
+        let q = words.len() - 15 * k;
+        for j in 0..k {
+            assert_eq!(&words[9 * j..9 * j + 4], &["the", "code", "of", words[9 * j + 3]][..]);
+            assert_eq!((words[9 * j + 4], words[9 * j + 8]), ("is", "."));
+            assert_eq!(&words[q + 15 * j..q + 15 * j + 7], &["question", ":", "what", "is", "the", "code", "of"][..]);
+            assert_eq!((words[q + 15 * j + 8], words[q + 15 * j + 9], words[q + 15 * j + 10], words[q + 15 * j + 14]), ("?", "answer", ":", "."));
+        }
+        let stated = (0..k).map(|j| words[9 * j + 3]).collect();
+        let asked = (0..k).map(|j| words[q + 15 * j + 7]).collect();
+        (stated, q, asked)
+    }
+
+    /// A mixed-gap corpus: each document's gap is drawn from LO..=HI, the document is exactly the
+    /// one-gap document with that gap, and the filler between the last statement (word 9k) and the
+    /// first question is the gap plus at most the 7 words of the sentence that crosses it; the draws
+    /// cover LO..=HI evenly (eight equal bins of 4,000 draws, each within 20% of 500).
+    #[test]
+    fn mixed_gap_documents_have_the_gap_drawn_for_them() {
+        let r = Recall { gap: (16, 512), facts: None };
+        for i in 0..200 {
+            let g = r.gap_of(5, i);
+            assert!((16..=512).contains(&g), "{g}");
+            let text = r.document(5, i);
+            assert_eq!(text, recall_document(5, i, g));
+            let words: Vec<&str> = text.split(' ').collect();
+            let (stated, q, asked) = layout(&words);
+            let filler = q - 9 * stated.len();
+            assert!(filler >= g && filler <= g + 7, "doc {i}: gap {g}, filler {filler}");
+            assert!(words[9 * stated.len()..q].iter().all(|w| !stated.contains(w)));
+            assert!(words.len() <= r.max_words(), "{} > {}", words.len(), r.max_words());
+            let mut sorted = asked.clone();
+            sorted.sort();
+            let mut want = stated.clone();
+            want.sort();
+            assert_eq!(sorted, want);
+        }
+        // One document by hand: gap 20, 2 facts → statements at words 0–17, filler from word 18 to
+        // the first question at 18 + 20 ..= 18 + 27, questions 15 words each to the end.
+        let text = Recall { gap: (20, 20), facts: Some(2) }.document(1, 0);
+        let words: Vec<&str> = text.split(' ').collect();
+        let q = words.iter().position(|w| *w == "question").unwrap();
+        assert!((38..=45).contains(&q), "{q}: {text}");
+        assert_eq!(words.len(), q + 30);
+        for (j, name) in [words[3], words[12]].iter().enumerate() {
+            let at = (0..2).map(|a| q + 15 * a).find(|&p| words[p + 7] == *name).unwrap();
+            for d in 0..3 {
+                assert_eq!(words[9 * j + 5 + d], words[at + 11 + d], "{text}");
+                assert!(at + 11 + d - (9 * j + 5 + d) >= 20 + 10);
+            }
+        }
+        let mut bins = [0usize; 8];
+        for i in 0..4000 {
+            bins[(r.gap_of(9, i) - 16) * 8 / 497] += 1;
+        }
+        assert!(bins.iter().all(|&b| (400..=600).contains(&b)), "{bins:?}");
+        let drawn: Vec<usize> = (0..4000).map(|i| r.gap_of(9, i)).collect();
+        assert_eq!((drawn.iter().min(), drawn.iter().max()), (Some(&16), Some(&512)));
+        assert_eq!(Recall::gap(64).gap_of(9, 3), 64);
+    }
+
+    /// The multi-fact corpus (Zoology's MQAR): exactly k codes stated, each for another person, every
+    /// one asked once, each answer digit the stated digit and at least gap + 10 words after it.
+    #[test]
+    fn multi_fact_documents_ask_every_stated_code_far_later() {
+        assert_eq!(names().len(), crate::spec::MAX_RECALL_FACTS);
+        for k in [1usize, 2, 8, 32] {
+            let r = Recall { gap: (256, 256), facts: Some(k) };
+            for i in 0..20 {
+                let text = r.document(3, i);
+                let words: Vec<&str> = text.split(' ').collect();
+                let (stated, q, asked) = layout(&words);
+                assert_eq!((stated.len(), asked.len()), (k, k), "{text}");
+                assert_eq!(stated.iter().collect::<HashSet<_>>().len(), k, "names repeat: {text}");
+                assert!(q - 9 * k >= 256 && words.len() <= r.max_words());
+                for (a, name) in asked.iter().enumerate() {
+                    let j = stated.iter().position(|s| s == name).unwrap();
+                    for d in 0..3 {
+                        let (fact, answer) = (9 * j + 5 + d, q + 15 * a + 11 + d);
+                        assert_eq!(words[fact], words[answer]);
+                        assert!(answer - fact >= 256 + 10);
                     }
                 }
             }

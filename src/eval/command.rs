@@ -192,7 +192,8 @@ fn downstream(run: &Path, task: &str, step: Option<u64>, device: Option<&str>, a
 /// the report's long-context table shows it beside S-NIAH.
 fn recall(run: &Path, step: Option<u64>, device: Option<&str>, a: &LongContextArgs) -> Result<Evaluated> {
     let loaded = train::run::load(run, step, device)?;
-    let scores = super::recall::evaluate(&loaded.model, &loaded.tok, &loaded.spec, &a.grid.lengths, a.grid.samples, loaded.device)?;
+    let facts = super::recall::default_facts(&loaded.spec);
+    let scores = super::recall::evaluate(&loaded.model, &loaded.tok, &loaded.spec, &a.grid.lengths, a.grid.samples, facts, a.batch_size.unwrap_or(16), loaded.device, false)?;
     let detail = super::recall::write(run, loaded.step, &scores)?;
     let cells: Vec<ruler::Cell> = scores
         .iter()

@@ -20,6 +20,8 @@ pub struct Inputs<'a> {
     pub figure3: &'a [Figure],
     /// Loss by window position (runs whose eval.json records it).
     pub by_position: &'a [Figure],
+    /// Recall learning curves and capacity curves (report/recall.rs).
+    pub recall: &'a [Figure],
     pub sweeps: &'a [Figure],
     pub per_run: &'a [Figure],
     pub unit: Unit,
@@ -142,6 +144,14 @@ pub fn write(i: &Inputs) -> String {
     }
     for f in i.by_position {
         embed(&mut o, f);
+    }
+
+    if !i.recall.is_empty() {
+        let _ = writeln!(o, "## Recall: learning curves and capacity\n");
+        let _ = writeln!(o, "Codes right (all three digits of a code stated once, asked at least the gap later) during training and, across runs that differ only in the number of codes per document, at the end. The tables are under Long context.\n");
+        for f in i.recall {
+            embed(&mut o, f);
+        }
     }
 
     let _ = writeln!(o, "## Training curves\n");

@@ -31,7 +31,7 @@ pub fn slug(s: &str) -> String {
     }
 }
 
-fn save(chart: Chart, out: &Path, rel_stem: &str, caption: String) -> Result<Option<Figure>> {
+pub(super) fn save(chart: Chart, out: &Path, rel_stem: &str, caption: String) -> Result<Option<Figure>> {
     if chart.is_empty() {
         return Ok(None);
     }
@@ -185,6 +185,24 @@ fn pool(curves: &[Vec<(f64, f64)>]) -> (Vec<(f64, f64)>, Vec<(f64, f64, f64)>) {
 fn pooled_line(s: &Series, curves: &[Vec<(f64, f64)>]) -> Line {
     let (points, band) = pool(curves);
     Line { label: s.label.clone(), points, band, color: s.color, dash: s.dash, reference: false }
+}
+
+/// One line per configuration of `runs`, styled as the sweep charts style it (colour per d_down,
+/// dash per kind, vanilla black): the mean of the curves `curves` gives for the configuration's
+/// runs (one per seed, usually), with a band of ± 1 s.d. where there are several. Also whether any
+/// configuration pools several curves.
+pub(super) fn pooled_lines(runs: &[&Run], curves: impl Fn(&[&Run]) -> Vec<Vec<(f64, f64)>>) -> (Vec<Line>, bool) {
+    let all = series(runs);
+    let mut pooled = false;
+    let lines = all
+        .iter()
+        .map(|s| {
+            let c = curves(&s.runs);
+            pooled |= c.iter().filter(|c| !c.is_empty()).count() > 1;
+            pooled_line(s, &c)
+        })
+        .collect();
+    (lines, pooled)
 }
 
 /// Loss and per-corpus perplexity of every configuration of a sweep on shared axes (seeds pooled).

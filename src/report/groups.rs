@@ -129,7 +129,12 @@ fn source_words(src: &SourceSpec) -> String {
         SourceSpec::Local(l) => format!("`{}`", l.path.display()),
         SourceSpec::Hub { hf } => format!("hf `{}` ({} files)", hf.repo, hf.files.len()),
         SourceSpec::Synthetic { synthetic } => match synthetic.recall_gap {
-            Some(g) => format!("synthetic recall (seed {}, {} docs, gap {g})", synthetic.seed, synthetic.docs),
+            Some(g) => format!(
+                "synthetic recall (seed {}, {} docs, gap {g}{})",
+                synthetic.seed,
+                synthetic.docs,
+                synthetic.recall_facts.map_or(String::new(), |k| format!(", {k} facts"))
+            ),
             None => format!("synthetic (seed {}, {} docs)", synthetic.seed, synthetic.docs),
         },
         SourceSpec::Needles { needles } => format!("{} RULER-format needle documents ({})", needles.docs, needles.tasks.join(", ")),

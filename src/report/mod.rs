@@ -128,6 +128,11 @@ pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str
     let mut long = longctx::build(&longctx::discover(results_dir)?, &paper::still()?);
     // The recall test pooled over seeds, with paired differences between arms.
     long.extend(recall::build(&runs));
+    // Recall learning curves (scored while training) and capacity (codes right vs facts).
+    let (curves, mut recall_figs) = recall::curves(&runs, out)?;
+    let (capacity, capacity_figs) = recall::capacity(&runs, out)?;
+    long.extend(curves.into_iter().chain(capacity));
+    recall_figs.extend(capacity_figs);
     for g in &long {
         for f in &formats {
             let rel = PathBuf::from(format!("tables/{}.{f}", g.id));
@@ -148,7 +153,7 @@ pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str
     for r in &runs {
         per_run.extend(figures::run_figures(r, out, unit)?);
     }
-    for f in figure3.iter().chain(&by_position).chain(&sweeps).chain(&per_run) {
+    for f in figure3.iter().chain(&by_position).chain(&recall_figs).chain(&sweeps).chain(&per_run) {
         files.extend(f.files.iter().map(|p| out.join(p)));
     }
 
@@ -161,6 +166,7 @@ pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str
         table_files: &table_files,
         figure3: &figure3,
         by_position: &by_position,
+        recall: &recall_figs,
         sweeps: &sweeps,
         per_run: &per_run,
         unit,

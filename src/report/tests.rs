@@ -632,6 +632,7 @@ fn recall_scores_pool_over_seeds_with_paired_differences() {
     let root = tmp.path().join("results");
     let score = |gap: usize, acc: f64| RecallScore {
         gap,
+        facts: None,
         docs: 10,
         digits: 90,
         loss: 2.0,
@@ -660,6 +661,94 @@ fn recall_scores_pool_over_seeds_with_paired_differences() {
     let pairs = render::markdown_grid(&grids[1].head, &grids[1].body);
     let half = 12.706_204_736_174_7 * 72f64.sqrt() / 2f64.sqrt();
     assert!(pairs.contains(&format!("| DAR (d_down 16, w 8) | window-only (w 8) | 64 | 44.00 ± 8.49 (2) [{:.2}, {:.2}] | s1 50.0, s2 38.0 |", 44.0 - half, 44.0 + half)), "{pairs}");
+}
+
+/// Steps to 50%, by hand: linear between the evaluations around the first crossing.
+#[test]
+fn steps_to_half_interpolates_between_evaluations() {
+    use recall::steps_to;
+    // 10% at 500, 30% at 1000, 70% at 1500: 50% is halfway from 1000 to 1500.
+    assert_eq!(steps_to(&[(500.0, 10.0), (1000.0, 30.0), (1500.0, 70.0)], 50.0), Some(1250.0));
+    // Already there at the first evaluation; exactly 50%; a later dip does not move it; never.
+    assert_eq!(steps_to(&[(500.0, 60.0), (1000.0, 90.0)], 50.0), Some(500.0));
+    assert_eq!(steps_to(&[(500.0, 10.0), (1000.0, 50.0)], 50.0), Some(1000.0));
+    assert_eq!(steps_to(&[(500.0, 20.0), (1000.0, 80.0), (1500.0, 40.0), (2000.0, 90.0)], 50.0), Some(750.0));
+    assert_eq!(steps_to(&[(500.0, 10.0), (1000.0, 49.9)], 50.0), None);
+    assert_eq!(steps_to(&[], 50.0), None);
+}
+
+/// `recall/g<G>/codes` rows of metrics.jsonl as the trainer writes them → per recipe a table of
+/// steps to 50% over seeds and a chart per gap. DAR: seed 1 10% → 30% → 70% (1250 steps), seed 2
+/// 20% → 60% (875): mean 1062.5, s.d. 265.17; window-only never gets there (0/2).
+#[test]
+fn recall_curves_give_steps_to_half_over_seeds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("results");
+    let curves = [
+        ("{kind: dar, d_down: 16, window: 8}", "d", 1u64, [0.1, 0.3, 0.7]),
+        ("{kind: dar, d_down: 16, window: 8}", "d", 2, [0.2, 0.6, 0.9]),
+        ("{kind: window, window: 8}", "w", 1, [0.001, 0.0, 0.002]),
+        ("{kind: window, window: 8}", "w", 2, [0.0, 0.001, 0.001]),
+    ];
+    for (att, dir, seed, codes) in curves {
+        let mut s = spec("tiny", att, 1500, &["synthetic"], &root.join(format!("{dir}{seed}")));
+        s.train.seed = Some(seed);
+        let d = RunDir::prepare(&s).unwrap();
+        for (i, c) in codes.iter().enumerate() {
+            let step = 500 * (i as u64 + 1);
+            train_row(&d, step, 3.0);
+            let mut row = Map::new();
+            row.insert("step".into(), json!(step));
+            for (k, v) in crate::recall::metrics(&[crate::recall::RecallScore { gap: 256, facts: None, docs: 4, digits: 36, loss: 1.0, digit_accuracy: 0.5, code_accuracy: *c, chance_loss: 10f64.ln(), chance_digit_accuracy: 0.1, chance_code_accuracy: 0.001, window_reach: None, mean_tokens: 300.0 }]) {
+                row.insert(k, json!(v));
+            }
+            d.append_metrics(&row).unwrap();
+        }
+        d.mark_done().unwrap();
+    }
+    let (runs, _) = load::discover(&root).unwrap();
+    let out = tmp.path().join("report");
+    let (grids, figs) = recall::curves(&runs, &out).unwrap();
+    assert_eq!(grids.len(), 1);
+    let md = render::markdown_grid(&grids[0].head, &grids[0].body);
+    let sd = (2.0 * 187.5f64.powi(2)).sqrt();
+    let half = 12.706_204_736_174_7 * sd / 2f64.sqrt();
+    assert!(md.contains(&format!("| DAR (d_down 16, w 8) | 256 | 2 | 2/2 | 1062.50 ± {sd:.2} (2) [{:.2}, {:.2}] | 1500 | 80.00 ± 14.14 (2) [", 1062.5 - half, 1062.5 + half)), "{md}");
+    assert!(md.contains("| window-only (w 8) | 256 | 2 | 0/2 | – | 1500 |"), "{md}");
+    assert_eq!(figs.len(), 1);
+    assert!(figs[0].files.iter().any(|f| f.to_string_lossy().ends_with("codes-g256.png")) && figs[0].caption.contains("bands: ± 1 s.d."), "{:?}", figs[0].files);
+    assert!(out.join(&figs[0].files[0]).is_file());
+}
+
+/// Runs that differ only in the number of facts per document sit on one capacity curve: per
+/// configuration and number of facts, codes right over seeds (recall.json), and one chart per gap.
+#[test]
+fn recall_capacity_pools_codes_right_per_number_of_facts() {
+    use crate::spec::{RecallGap, SourceSpec, SyntheticSpec};
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("results");
+    for (att, dir, base) in [("{kind: dar, d_down: 16, window: 8}", "d", 0.6), ("{kind: vanilla}", "v", 0.9)] {
+        for facts in [2usize, 8] {
+            for seed in [1u64, 2] {
+                let mut s = spec("tiny", att, 40, &["synthetic"], &root.join(format!("{dir}-f{facts}-s{seed}")));
+                s.train.seed = Some(seed);
+                s.data.train = SourceSpec::Synthetic { synthetic: SyntheticSpec { seed: 1, docs: 10, recall_gap: Some(RecallGap::One(64)), recall_facts: Some(facts) } };
+                let d = finished(&s, &[], &[("synthetic", 20.0, 40.0)]);
+                let codes = base / facts as f64 + 0.01 * seed as f64;
+                let score = crate::recall::RecallScore { gap: 64, facts: Some(facts), docs: 4, digits: 36, loss: 1.0, digit_accuracy: 0.5, code_accuracy: codes, chance_loss: 10f64.ln(), chance_digit_accuracy: 0.1, chance_code_accuracy: 0.001, window_reach: None, mean_tokens: 300.0 };
+                crate::recall::write(&d.path, 40, &[score]).unwrap();
+            }
+        }
+    }
+    let (runs, _) = load::discover(&root).unwrap();
+    assert_eq!(runs.len(), 8);
+    let (grids, figs) = recall::capacity(&runs, &tmp.path().join("report")).unwrap();
+    assert_eq!((grids.len(), figs.len()), (1, 1));
+    let md = render::markdown_grid(&grids[0].head, &grids[0].body);
+    // DAR at 8 facts: 100 · (0.6 / 8 + 0.01 s) = 8.5, 9.5.
+    assert!(md.contains("| DAR (d_down 16, w 8) | 64 | 8 | 2 | 9.00 ± 0.71 (2) ["), "{md}");
+    assert!(md.contains("| vanilla | 64 | 2 | 2 | 46.50 ± 0.71 (2) ["), "{md}");
+    assert_eq!(grids[0].rows, 4);
 }
 
 fn csv_path(s: &ReportSummary, ext: &str) -> PathBuf {

@@ -188,7 +188,21 @@ impl SourceSpec {
     /// Problems a reader would only hit later: (key suffix such as `.needles.docs`, message).
     pub fn check(&self) -> Result<(), Invalid> {
         match self {
-            SourceSpec::Synthetic { synthetic } if synthetic.docs == 0 => Err((".synthetic.docs".into(), "must be > 0".into())),
+            SourceSpec::Synthetic { synthetic } => {
+                if synthetic.docs == 0 {
+                    return Err((".synthetic.docs".into(), "must be > 0".into()));
+                }
+                if let Some(RecallGap::Range([lo, hi])) = synthetic.recall_gap {
+                    if lo > hi {
+                        return Err((".synthetic.recall_gap".into(), format!("[{lo}, {hi}]: want [LO, HI] with LO ≤ HI")));
+                    }
+                }
+                match synthetic.recall_facts {
+                    Some(_) if synthetic.recall_gap.is_none() => Err((".synthetic.recall_facts".into(), "is an option of the recall corpus: give recall_gap too".into())),
+                    Some(k) if k == 0 || k > MAX_RECALL_FACTS => Err((".synthetic.recall_facts".into(), format!("{k} must be in 1..={MAX_RECALL_FACTS} (one code per person name)"))),
+                    _ => Ok(()),
+                }
+            }
             SourceSpec::Needles { needles: n } => {
                 if n.docs == 0 {
                     return Err((".needles.docs".into(), "must be > 0".into()));
@@ -299,9 +313,53 @@ pub struct SyntheticSpec {
     #[serde(default = "default_syn_docs")]
     pub docs: usize,
     /// The recall corpus instead (data::synthetic::recall_document): codes stated once and asked
-    /// for at least this many tokens later. Unset = the mixed corpus (and no change to config hashes).
+    /// for at least this many tokens later; `[LO, HI]`: each document's gap drawn uniformly from
+    /// LO..=HI. Unset = the mixed corpus (and no change to config hashes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub recall_gap: Option<usize>,
+    pub recall_gap: Option<RecallGap>,
+    /// Recall corpus: codes stated (and asked) per document (default: 2–4, drawn per document).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recall_facts: Option<usize>,
+}
+
+/// The recall corpus's gap: one value, or `[LO, HI]` drawn uniformly per document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RecallGap {
+    One(usize),
+    Range([usize; 2]),
+}
+
+impl RecallGap {
+    /// (smallest, largest) gap.
+    pub fn bounds(self) -> (usize, usize) {
+        match self {
+            RecallGap::One(g) => (g, g),
+            RecallGap::Range([lo, hi]) => (lo, hi),
+        }
+    }
+}
+
+impl std::fmt::Display for RecallGap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RecallGap::One(g) => write!(f, "{g}"),
+            RecallGap::Range([lo, hi]) => write!(f, "{lo}–{hi}"),
+        }
+    }
+}
+
+/// The most codes one recall document can state: one per person name of the built-in corpus
+/// (data::synthetic: 12 × 12 two-syllable names).
+pub const MAX_RECALL_FACTS: usize = 144;
+
+/// The most words a recall document with gap ≤ `gap` and `facts` codes (None: at most 4) can have,
+/// without the EOD before it: 9 words per code stated (`the code of NAME is d d d .`), the gap plus
+/// at most 7 words of the filler sentence that crosses it, 15 per question (`question : what is
+/// the code of NAME ? answer : d d d .`).
+pub fn recall_max_words(gap: usize, facts: Option<usize>) -> usize {
+    let k = facts.unwrap_or(4);
+    9 * k + gap + 7 + 15 * k
 }
 
 fn default_syn_seed() -> u64 {
@@ -446,6 +504,24 @@ pub struct EvalSpec {
     pub batch_size: Option<i64>,
     #[serde(default)]
     pub protocol: EvalProtocol,
+    /// The recall test (src/recall.rs) at every evaluation and at the end: `recall/g<G>/{digits,
+    /// codes,loss}` in metrics.jsonl, recall.json at the end. Needs the built-in tokenizer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recall: Option<RecallEvalSpec>,
+}
+
+/// `eval.recall`: which recall documents the trainer scores.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecallEvalSpec {
+    /// Gaps scored, each on its own documents (`attnlab eval --task recall --lengths`).
+    pub gaps: Vec<usize>,
+    /// Documents per gap (default 100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples: Option<usize>,
+    /// Codes per document (default: the training corpus's `recall_facts`, else 2–4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub facts: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -650,6 +726,32 @@ impl Spec {
         let eb = *self.eval.batch_size.get_or_insert(if tiny { 32 } else { 8 });
         if eb <= 0 {
             return bad("eval.batch_size", format!("{eb} must be > 0"));
+        }
+        if let Some(r) = &mut self.eval.recall {
+            if r.gaps.is_empty() {
+                return bad("eval.recall.gaps", "lists no gap".into());
+            }
+            if let Some(g) = r.gaps.iter().enumerate().find_map(|(i, g)| r.gaps[..i].contains(g).then_some(g)) {
+                return bad("eval.recall.gaps", format!("gap {g} is listed twice"));
+            }
+            let samples = *r.samples.get_or_insert(100);
+            if samples == 0 {
+                return bad("eval.recall.samples", "must be > 0".into());
+            }
+            if r.facts.is_none() {
+                if let SourceSpec::Synthetic { synthetic } = &self.data.train {
+                    r.facts = synthetic.recall_facts;
+                }
+            }
+            if let Some(k) = r.facts.filter(|&k| k == 0 || k > MAX_RECALL_FACTS) {
+                return bad("eval.recall.facts", format!("{k} must be in 1..={MAX_RECALL_FACTS} (one code per person name)"));
+            }
+            if let Some(&g) = r.gaps.iter().find(|&&g| recall_max_words(g, r.facts) + 1 > seq_len) {
+                return bad("eval.recall.gaps", format!("gap {g}: its documents reach {} tokens, more than data.seq_len = {seq_len}", recall_max_words(g, r.facts) + 1));
+            }
+            if !matches!(&self.data.tokenizer, Some(TokenizerSpec::Path(p)) if p == "builtin") {
+                return bad("eval.recall", "the recall test needs the built-in word-level tokenizer (data.tokenizer: builtin)".into());
+            }
         }
         let ce = *self.checkpoint.every.get_or_insert(if tiny { 0 } else { 1000 });
         if ce < 0 {

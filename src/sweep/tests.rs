@@ -354,12 +354,16 @@ fn a_locked_run_is_busy_and_the_others_go_on() {
 }
 
 /// Expected runs per file in sweeps/ (every file there must be listed).
-const SWEEPS: [(&str, usize); 23] = [
+const SWEEPS: [(&str, usize); 27] = [
     ("dar-evidence-reduced.yaml", 15),
     ("dar-evidence-smoke.yaml", 12),
     ("dar-longrange-niah-reduced.yaml", 12),
     ("dar-longrange-reduced.yaml", 12),
     ("dar-longrange-smoke.yaml", 12),
+    ("dar-recall-capacity-reduced.yaml", 50),
+    ("dar-recall-capacity-smoke.yaml", 12),
+    ("dar-recall-curves-reduced.yaml", 21),
+    ("dar-recall-curves-smoke.yaml", 14),
     ("dar-window-ablation-reduced.yaml", 16),
     ("dar-window-ablation-smoke.yaml", 14),
     ("still-components-paper.yaml", 6),
@@ -414,6 +418,24 @@ fn every_sweep_file_expands_to_the_expected_runs() {
                     _ => (5000, 16, 1024),
                 };
                 assert_eq!((steps, batch, s.seq_len()), want, "{name} {}", r.name);
+            } else if name.starts_with("dar-recall") {
+                // Issue 36: recall scored while training (curves), the capacity sweep's T and facts.
+                let want = match name {
+                    "dar-recall-curves-reduced.yaml" => (8000, 64, 512),
+                    "dar-recall-capacity-reduced.yaml" => (8000, 16, 2048),
+                    "dar-recall-curves-smoke.yaml" => (60, 8, 256),
+                    _ => (30, 8, 256),
+                };
+                assert_eq!((steps, batch, s.seq_len()), want, "{name} {}", r.name);
+                let recall = s.eval.recall.as_ref().expect("eval.recall");
+                let crate::spec::SourceSpec::Synthetic { synthetic } = &s.data.train else { panic!("{name}: not synthetic") };
+                assert_eq!(recall.facts, synthetic.recall_facts, "{name} {}", r.name);
+                if name.contains("capacity") {
+                    assert!(recall.facts.is_some() && synthetic.recall_gap.is_some_and(|g| g.bounds().0 >= 64), "{name} {}", r.name);
+                } else {
+                    let (lo, hi) = synthetic.recall_gap.expect("recall corpus").bounds();
+                    assert!(recall.gaps.iter().all(|g| (lo..=hi).contains(g)), "{name}: scored gaps {:?} outside training's {lo}..={hi}", recall.gaps);
+                }
             } else if name.starts_with("dar-") && name.contains("reduced") {
                 let d: Vec<String> = s.data.eval.keys().cloned().collect();
                 assert_eq!((steps, batch, s.seq_len(), d), (609, 64, 1024, vec!["wiki-gutenberg".to_string(), "wikitext".into()]), "{name} {}", r.name);

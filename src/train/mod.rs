@@ -139,7 +139,7 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
         stop_after: opts.stop_after,
         rows: stages::Rows::Throughput,
     };
-    let mut task = TrainTask { spec: &spec, model: &model, trainable, corpora: &corpora, batcher: Some(batcher), batch, micros, batches: None, autocast, device };
+    let mut task = TrainTask { spec: &spec, tok: &tok, model: &model, trainable, corpora: &corpora, batcher: Some(batcher), batch, micros, batches: None, autocast, device };
     let dp = comm.as_deref_mut().map(|comm| stages::DataParallel {
         comm,
         grad_kind: match spec.train.grad_reduce.unwrap_or_default() {
@@ -157,17 +157,25 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
         return Ok(Outcome { dir: dir.path.clone(), step: ran.end, eval: BTreeMap::new(), already_done: false, tokens_per_s: ran.tokens_per_s });
     }
     let results = evaluate_all(&model, &corpora, &spec, device);
-    dir.append_metrics(&eval_row(steps, ran.tokens, ran.elapsed_s, &results))?;
+    let recall = crate::recall::evaluate_spec(&model, &tok, &spec, device)?;
+    let mut row = eval_row(steps, ran.tokens, ran.elapsed_s, &results);
+    row.extend(crate::recall::metrics(&recall).into_iter().map(|(k, v)| (k, json!(v))));
+    dir.append_metrics(&row)?;
     dir.write_eval(steps, &results)?;
+    if !recall.is_empty() {
+        crate::recall::write(&dir.path, steps, &recall)?;
+    }
     dir.mark_done()?;
     Ok(Outcome { dir: dir.path.clone(), step: steps, eval: results, already_done: false, tokens_per_s: ran.tokens_per_s })
 }
 
 /// What is specific to `train`: every parameter of the model trains; an update is the mean loss
 /// over this rank's micro-batches of the global batch (from the prefetch thread); evaluation is
-/// perplexity on the spec's corpora (the last step's is the final evaluation, done after the loop).
+/// perplexity on the spec's corpora and the recall test of `eval.recall` (the last step's is the
+/// final evaluation, done after the loop).
 struct TrainTask<'a> {
     spec: &'a Spec,
+    tok: &'a crate::data::Tok,
     model: &'a Model,
     /// The parameters the model created as trainable.
     trainable: std::collections::HashSet<String>,
@@ -204,11 +212,14 @@ impl stages::StagedTask for TrainTask<'_> {
     }
 
     fn evaluate(&mut self, _stage: usize, at: &stages::Progress) -> Result<Option<stages::Evaluation>> {
-        if at.done == self.spec.steps() || self.corpora.is_empty() {
+        if at.done == self.spec.steps() || (self.corpora.is_empty() && self.spec.eval.recall.is_none()) {
             return Ok(None);
         }
         let results = evaluate_all(self.model, self.corpora, self.spec, self.device);
-        Ok(Some(stages::Evaluation { val_loss: None, row: eval_row(at.done, at.tokens, at.elapsed_s, &results) }))
+        let mut row = eval_row(at.done, at.tokens, at.elapsed_s, &results);
+        let recall = crate::recall::evaluate_spec(self.model, self.tok, self.spec, self.device)?;
+        row.extend(crate::recall::metrics(&recall).into_iter().map(|(k, v)| (k, json!(v))));
+        Ok(Some(stages::Evaluation { val_loss: None, row }))
     }
 }
 
