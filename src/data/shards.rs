@@ -56,7 +56,10 @@ pub fn prepare(docs: &[Doc], tok: &Tok, source: &str, out: &Path, quiet: bool) -
         })
         .collect::<Result<_>>()?;
     bar.finish_and_clear();
-    let tmp = out.with_extension("tmp-prepare");
+    // A folder of this call's own: runs of one sweep on one machine prepare the same corpus at once.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = out.with_extension(format!("tmp-prepare-{}-{call}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).at(&tmp)?;
     let mut shards = Vec::new();
@@ -97,11 +100,21 @@ pub fn prepare(docs: &[Doc], tok: &Tok, source: &str, out: &Path, quiet: bool) -
     };
     let ip = tmp.join("index.json");
     std::fs::write(&ip, serde_json::to_string_pretty(&index)?).at(&ip)?;
-    let _ = std::fs::remove_dir_all(out);
+    let complete = |d: &Path| d.join("index.json").exists();
+    if !complete(out) {
+        // A leftover without its index (never a finished corpus: those arrive by one rename).
+        let _ = std::fs::remove_dir_all(out);
+    }
     if let Some(parent) = out.parent() {
         std::fs::create_dir_all(parent).at(parent)?;
     }
-    std::fs::rename(&tmp, out).at(out)?;
+    if let Err(e) = std::fs::rename(&tmp, out) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        // Another process finished the same corpus first (same inputs, same bytes): use its copy.
+        if !complete(out) {
+            return Err(e).at(out);
+        }
+    }
     Ok(Prepared { dir: out.to_path_buf(), index, seconds: start.elapsed().as_secs_f64() })
 }
 
@@ -222,6 +235,27 @@ mod tests {
         assert!(e.contains("either a SOURCE path or --synthetic"), "{e}");
         let e = prepare_source(None, Some(5), "builtin", "text", "markdown", &out).err().unwrap().to_string();
         assert!(e.contains("--format `markdown`"), "{e}");
+    }
+
+    /// Several preparations of one corpus at once (the runs of a sweep on one GPU) all succeed and
+    /// leave one readable corpus; before, they shared one temporary folder and removed each other's.
+    #[test]
+    fn concurrent_preparations_of_one_corpus_all_succeed() {
+        let tok = Tok::from_json(&super::super::tokenizer::builtin_json(), "builtin").unwrap();
+        let docs: Vec<Doc> = (0..400).map(|i| Doc { text: format!("oslo lima red {i} the tree"), words: 0, bytes: 0 }).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("c");
+        let results: Vec<Result<Prepared>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..6).map(|_| s.spawn(|| prepare(&docs, &tok, "test", &out, true))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in &results {
+            assert!(r.is_ok(), "{:?}", r.as_ref().err().map(|e| e.to_string()));
+        }
+        let s = TokenStream::open(&out).unwrap();
+        assert_eq!(s.len(), results[0].as_ref().unwrap().index.n_tokens);
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(leftovers, vec![std::ffi::OsString::from("c")], "temporary folders left behind");
     }
 
     #[test]
