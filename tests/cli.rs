@@ -148,13 +148,14 @@ fn data_prepare_and_bench_run_on_cpu() {
     let out = ok(&attnlab(&["bench-decode", "--json", "--lengths", "256", "--new-tokens", "2", "--vocab", "384", "--set", "train.device=cpu"], cwd));
     let rows: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let bytes = |k: &str| rows.iter().find(|r| r["attention"] == k).unwrap()["cache_bytes"].as_f64().unwrap();
-    let (d, d_down, w, t) = (64.0, 16.0, 16.0, 258.0); // 256 prompt + 2 generated tokens cached
+    // 256 prompt tokens + the first of the 2 generated cached (the last one is never fed back).
+    let (d, d_down, w, t) = (64.0, 16.0, 16.0, 257.0);
     let predicted = (d_down * t + 2.0 * d * w) / (2.0 * d * t);
     assert!((bytes("dar") / bytes("vanilla") - predicted).abs() < 1e-6, "{} vs {predicted}", bytes("dar") / bytes("vanilla"));
     // STILL at the same size (2 layers, 4 heads of D = 16, fp32): still.md §6 per layer and head,
-    // 2·(n_sel + n_win)·D·4 + (F·D + F)·4 + n_win·4 bytes with F = 2D, C = 64, κ = 4: after 258 tokens
-    // chunks 0–2 are routed (n_sel = 12) and the window holds chunk 3 and the 2 tokens of chunk 4.
-    let (n_sel, n_win, dh, f) = (12.0, 66.0, 16.0, 32.0);
+    // 2·(n_sel + n_win)·D·4 + (F·D + F)·4 + n_win·4 bytes with F = 2D, C = 64, κ = 4: after 257 tokens
+    // chunks 0–2 are routed (n_sel = 12) and the window holds chunk 3 and the 1 token of chunk 4.
+    let (n_sel, n_win, dh, f) = (12.0, 65.0, 16.0, 32.0);
     let still = 2.0 * 4.0 * (2.0 * (n_sel + n_win) * dh * 4.0 + (f * dh + f) * 4.0 + n_win * 4.0);
     assert_eq!(bytes("still"), still);
     assert!(bytes("lolcats") > 0.0 && bytes("still-budget") == still, "the budget (m = 384 for 4096 tokens) caps after 64 chunks");
