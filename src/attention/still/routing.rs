@@ -272,6 +272,22 @@ mod tests {
         assert!(worst < 1e-4, "closed forms off by {worst}");
     }
 
+    /// `routing_scores` (no layer, for a teacher's q and k) is the layer's own `scores`, for every
+    /// routing with scores.
+    #[test]
+    fn routing_scores_without_a_layer_match_the_layer() {
+        let _rng = crate::testutil::rng();
+        let x = inputs(1, 2, 150, 8, 5);
+        for r in ["self_saliency", "self_saliency_reference_code", "diag_attn", "key_norm", "random", "uniform"] {
+            let c = cfg(&format!("{{chunk: 16, routing: {r}, seed: 3}}"));
+            let (_, st) = layer(&c, 2, 8, 1);
+            let want = st.scores(&x[0], &x[1]);
+            let got = routing_scores(&c, 3, &x[0], &x[1]).unwrap(); // testkit layers are layer 3
+            assert!(max_diff(&want, &got) == 0.0, "{r}");
+        }
+        assert!(routing_scores(&cfg("{routing: oracle}"), 0, &x[0], &x[1]).is_err());
+    }
+
     /// §12.8: heads of one GQA group (same k, v after expansion) may select different tokens.
     #[test]
     fn heads_of_a_gqa_group_select_independently() {
