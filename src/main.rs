@@ -173,6 +173,43 @@ enum Cmd {
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         batch_size: Option<u64>,
     },
+    /// Which tokens STILL's routing score (self-saliency by default) selects on prose: per layer and
+    /// head, the top κ of every chunk of C tokens, and the selection rate of token classes (negations,
+    /// modals, quantifiers, digits, punctuation, a chunk's first and last token, other) against chance
+    /// κ/C. Writes saliency_words.json, saliency_words.md and saliency_words_heatmap.png to --out.
+    SaliencyWords {
+        /// A llama GGUF (a .gguf file or gguf:smollm2), or a STILL student (a linearize run or its export/).
+        model: PathBuf,
+        /// Held-out text: .txt, .jsonl[.zst|.gz], .parquet, or a folder of them (one document per file / row).
+        #[arg(long)]
+        text: PathBuf,
+        /// The text field of JSON lines / parquet rows.
+        #[arg(long, default_value = "text")]
+        field: String,
+        /// Score about this many tokens (the run stops after the sequence that reaches it).
+        #[arg(long, default_value_t = 50_000)]
+        max_tokens: usize,
+        /// Tokens per sequence (each document cut into pieces of this length; chunk 0 of each is not scored).
+        #[arg(long, default_value_t = 1024)]
+        seq_len: usize,
+        /// STILL's options for a softmax teacher (defaults: C 64, κ 4, self_saliency), e.g.
+        /// --set attention.routing=diag_attn, --set attention.tokens_per_chunk=8; a student's own are
+        /// changed the same way.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        /// Output folder (default results/<model name>/saliency-words).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// List tokens seen at least this often, by rate.
+        #[arg(long, default_value_t = 20)]
+        min_count: u64,
+        /// Device (default: auto).
+        #[arg(long)]
+        device: Option<String>,
+        /// No progress bar.
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Write float32 logits [n, vocab] for whitespace-separated token ids in FILE to a safetensors file.
     Forward {
         /// A training run directory, a linearize run or export folder, or a llama GGUF (a .gguf file or
@@ -492,6 +529,18 @@ fn run(cli: Cli) -> Result<()> {
                     cells.iter().for_each(|c| print!("{}", c.summary()));
                 }
             }
+        }
+        Cmd::SaliencyWords { model, text, field, max_tokens, seq_len, set, out, min_count, device, quiet } => {
+            let name = model.to_string_lossy().rsplit([':', '/']).find(|s| !s.is_empty()).unwrap_or("model").trim_end_matches(".gguf").to_string();
+            let out = out.unwrap_or_else(|| Path::new("results").join(name).join("saliency-words"));
+            let o = eval::saliency_words::Options { max_tokens, seq_len, min_count, quiet };
+            let (r, files) = eval::saliency_words::command(&model, &text, &field, &set, device.as_deref(), &out, &o).with_context(|| format!("saliency-words {} on {}", model.display(), text.display()))?;
+            println!("{} tokens in {} chunks, {} layers × {} heads, {:.0}s; chance κ/C = {:.4}", r.tokens, r.chunks, r.layers, r.heads, r.seconds, r.chance);
+            println!("{:12} {:>8} {:>8} {:>8}  95% interval", "class", "tokens", "rate", "/chance");
+            for c in &r.classes {
+                println!("{:12} {:>8} {:>8.4} {:>8.3}  [{:.3}, {:.3}]", c.class.name(), c.count, c.rate, c.rate_over_chance, c.ci95_over_chance.0, c.ci95_over_chance.1);
+            }
+            files.iter().for_each(|f| println!("wrote {}", f.display()));
         }
         Cmd::Forward { run, tokens, out, step, device } => {
             let shape = eval::infer::forward_file(&run, &tokens, &out, step, device.as_deref()).with_context(|| format!("forward {} on {}", run.display(), tokens.display()))?;

@@ -1,5 +1,6 @@
 //! Line charts as PNG and SVG (plotters): title, labelled axes, legend, optional log y axis. The
-//! report's figures and `bench-decode --plot` draw with it (`report::plots` is this module).
+//! report's figures and `bench-decode --plot` draw with it (`report::plots` is this module). Heat maps
+//! of ratios to chance (`heatmaps`, PNG): `attnlab saliency-words`' per-(layer, head) rates.
 //! plotters is built without system-font support, so the text font (DejaVu Sans, see
 //! assets/fonts/LICENSE-DejaVu.txt) is embedded and registered once as "sans-serif".
 use crate::{Error, Result};
@@ -291,4 +292,104 @@ where
         .draw()
         .map_err(err)?;
     Ok(())
+}
+
+/// One panel of [`heatmaps`]: `values[row][col]` (a ratio to chance: 1 is white), rows drawn bottom up.
+pub struct HeatPanel {
+    pub title: String,
+    pub values: Vec<Vec<f64>>,
+}
+
+/// The colour of a ratio r on a log₂ scale clamped to ±3 (×1/8 … ×8): blue below 1, white at 1, red
+/// above; grey for a missing value (NaN).
+fn heat_color(r: f64) -> RGBColor {
+    if !r.is_finite() || r < 0.0 {
+        return RGBColor(200, 200, 200);
+    }
+    let x = (r.max(1e-9).log2() / 3.0).clamp(-1.0, 1.0);
+    let mix = |a: u8, b: u8, t: f64| (a as f64 + (b as f64 - a as f64) * t).round() as u8;
+    let (lo, hi) = ((33u8, 102u8, 172u8), (178u8, 24u8, 43u8));
+    if x < 0.0 {
+        let t = -x;
+        RGBColor(mix(255, lo.0, t), mix(255, lo.1, t), mix(255, lo.2, t))
+    } else {
+        RGBColor(mix(255, hi.0, x), mix(255, hi.1, x), mix(255, hi.2, x))
+    }
+}
+
+/// Heat maps of `panels` side by side (three per row) under one title, with a colour bar of the ratio
+/// (log₂ scale, ×1/8 … ×8): `stem.png`. `attnlab saliency-words` draws its per-(layer, head) rates with it.
+pub fn heatmaps(title: &str, x_label: &str, y_label: &str, panels: &[HeatPanel], stem: &Path) -> Result<PathBuf> {
+    register_font()?;
+    if let Some(dir) = stem.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    }
+    let png = PathBuf::from(format!("{}.png", stem.display()));
+    let per_row = 3usize;
+    let rows = panels.len().div_ceil(per_row).max(1);
+    let size = (1200u32, 120 + 420 * rows as u32);
+    let fail = |e: String| Error::Other(format!("plot {}: {e}", png.display()));
+    let draw = || -> std::result::Result<(), String> {
+        let err = |e: &dyn std::fmt::Display| e.to_string();
+        let root = BitMapBackend::new(&png, size).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        let root = root.titled(title, (FAMILY, 20)).map_err(|e| err(&e))?;
+        let (grid, bar) = root.split_vertically(size.1 - 110);
+        let areas = grid.split_evenly((rows, per_row));
+        for (p, area) in panels.iter().zip(areas.iter()) {
+            let nr = p.values.len().max(1);
+            let nc = p.values.iter().map(|r| r.len()).max().unwrap_or(1).max(1);
+            let mut chart = ChartBuilder::on(area)
+                .caption(&p.title, (FAMILY, 16))
+                .margin(8)
+                .x_label_area_size(34)
+                .y_label_area_size(40)
+                .build_cartesian_2d(0f64..nc as f64, 0f64..nr as f64)
+                .map_err(|e| err(&e))?;
+            chart
+                .configure_mesh()
+                .disable_mesh()
+                .x_desc(x_label)
+                .y_desc(y_label)
+                .x_labels(nc.min(12))
+                .y_labels(nr.min(16))
+                .x_label_formatter(&|v| format!("{}", v.floor() as i64))
+                .y_label_formatter(&|v| format!("{}", v.floor() as i64))
+                .label_style((FAMILY, 12))
+                .axis_desc_style((FAMILY, 13))
+                .draw()
+                .map_err(|e| err(&e))?;
+            let cells = p.values.iter().enumerate().flat_map(|(r, row)| row.iter().enumerate().map(move |(c, &v)| (r, c, v)));
+            chart.draw_series(cells.map(|(r, c, v)| Rectangle::new([(c as f64, r as f64), (c as f64 + 1.0, r as f64 + 1.0)], heat_color(v).filled()))).map_err(|e| err(&e))?;
+        }
+        // The colour bar: ×1/8 … ×8 on a log₂ scale.
+        let mut cb = ChartBuilder::on(&bar).margin_left(300).margin_right(300).margin_top(10).margin_bottom(10).x_label_area_size(40).build_cartesian_2d(-3f64..3f64, 0f64..1f64).map_err(|e| err(&e))?;
+        cb.configure_mesh()
+            .disable_mesh()
+            .disable_y_axis()
+            .x_desc("selection rate / chance (log scale)")
+            .x_labels(7)
+            .x_label_formatter(&|v| {
+                let e = v.round() as i32;
+                if e >= 0 {
+                    format!("×{}", 1 << e)
+                } else {
+                    format!("×1/{}", 1 << -e)
+                }
+            })
+            .label_style((FAMILY, 12))
+            .axis_desc_style((FAMILY, 13))
+            .draw()
+            .map_err(|e| err(&e))?;
+        let steps = 120;
+        cb.draw_series((0..steps).map(|i| {
+            let (a, b) = (-3.0 + 6.0 * i as f64 / steps as f64, -3.0 + 6.0 * (i + 1) as f64 / steps as f64);
+            Rectangle::new([(a, 0.0), (b, 1.0)], heat_color(2f64.powf((a + b) / 2.0)).filled())
+        }))
+        .map_err(|e| err(&e))?;
+        root.present().map_err(|e| err(&e))?;
+        Ok(())
+    };
+    draw().map_err(fail)?;
+    Ok(png)
 }

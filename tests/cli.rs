@@ -127,9 +127,23 @@ fn bad_specs_are_rejected_with_key_and_line() {
 #[test]
 fn help_lists_every_command() {
     let out = ok(&attnlab(&["--help"], Path::new(".")));
-    for cmd in ["train", "compare", "eval", "forward", "data", "bench"] {
+    for cmd in ["train", "compare", "eval", "forward", "data", "bench", "saliency-words"] {
         assert!(out.lines().any(|l| l.trim_start().starts_with(cmd)), "--help lacks {cmd}:\n{out}");
     }
+}
+
+/// `saliency-words` refuses a missing text file and a JSON-lines file without the text field, naming
+/// them, before loading any model.
+#[test]
+fn saliency_words_names_bad_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.jsonl.zst");
+    let e = fails(&attnlab(&["saliency-words", "gguf:smollm2", "--text", missing.to_str().unwrap(), "--quiet"], dir.path()));
+    assert!(e.contains("nope.jsonl.zst") && e.contains("no such file"), "{e}");
+    let jl = dir.path().join("docs.jsonl");
+    std::fs::write(&jl, "{\"body\": \"It was not.\"}\n").unwrap();
+    let e = fails(&attnlab(&["saliency-words", "gguf:smollm2", "--text", jl.to_str().unwrap(), "--quiet"], dir.path()));
+    assert!(e.contains("docs.jsonl") && e.contains("`text`"), "{e}");
 }
 
 #[test]

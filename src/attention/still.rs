@@ -50,7 +50,7 @@ pub(crate) use chunked::Hybrid;
 pub use config::{Budget, Normalizer, Routing, Selection, StillCompat, StillConfig};
 pub use decode::HybridCache;
 pub use probe::Probe;
-pub use routing::random_score;
+pub use routing::{random_score, routing_scores, top_kappa};
 use routing::Scorer;
 /// The layer shapes live with the interface (`attention::LayerDims`); this path stays for callers.
 pub use super::layer::LayerDims;

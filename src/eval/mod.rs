@@ -8,6 +8,7 @@ pub mod lm_eval;
 pub mod recall;
 pub mod stepper;
 pub mod ruler;
+pub mod saliency_words;
 pub mod tasks;
 /// The WikiText rules live with the text sources (`data::wikitext`); this path stays for callers.
 pub use crate::data::wikitext;

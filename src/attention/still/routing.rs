@@ -58,26 +58,14 @@ impl Routed {
 impl Hybrid<'_> {
     /// Logits of every query against chunks c−1 and c: `[B, H, n, C, 2C]` (zero keys before chunk 0).
     pub(super) fn window_logits(&self, qf: &Tensor, kf: &Tensor) -> Tensor {
-        let (b, h, tp, d) = dims4(qf);
-        let (c, n) = (self.chunk, tp / self.chunk);
-        let qc = qf.reshape([b, h, n, c, d]);
-        let kw = two_chunks(&kf.reshape([b, h, n, c, d]));
-        qc.matmul(&kw.transpose(-2, -1)) / (d as f64).sqrt()
+        window_logits(self.chunk, qf, kf)
     }
 
     /// Per-token scores `[B, H, Tp]` from the window logits: each token's own window of the C most
     /// recent keys is cut out of its two-chunk row (column w ↔ position j−C+1+w, self last).
     pub(super) fn scores(&self, s_win: &Tensor, kf: &Tensor) -> Tensor {
         let Some(scorer) = self.scorer else { return Tensor::zeros([kf.size()[0], kf.size()[1], kf.size()[2]], (kf.kind(), kf.device())) };
-        let (b, h, n, c, _) = dims5(s_win);
-        let dev = s_win.device();
-        let i = Tensor::arange(c, (Kind::Int64, dev)).view([c, 1]);
-        let w = Tensor::arange(c, (Kind::Int64, dev)).view([1, c]);
-        let col = &i + 1 + &w; // [C, C] column of the two-chunk row
-        let s_w = s_win.gather(-1, &col.expand([b, h, n, c, c], false), false).reshape([b, h, n * c, c]);
-        let first = Tensor::arange(n, (Kind::Int64, dev)).eq(0).view([n, 1, 1]);
-        let valid = first.logical_and(&col.lt(c)).logical_not().reshape([n * c, c]);
-        scorer.scores(&s_w, &valid, kf, 0)
+        window_scores(&scorer, s_win, kf)
     }
 
     /// Top-κ per routed chunk (chunks that leave Win before the last token).
@@ -101,6 +89,46 @@ impl Hybrid<'_> {
         let pos = (idx + Tensor::arange(r, (Kind::Int64, scores.device())).view([r, 1]) * c).view([b, h, r * kappa]);
         Some(Routed { pos })
     }
+}
+
+/// Logits of every query against chunks c−1 and c: `[B, H, n, C, 2C]` (zero keys before chunk 0), for
+/// q, k padded to a multiple of C.
+fn window_logits(c: i64, qf: &Tensor, kf: &Tensor) -> Tensor {
+    let (b, h, tp, d) = dims4(qf);
+    let n = tp / c;
+    let qc = qf.reshape([b, h, n, c, d]);
+    let kw = two_chunks(&kf.reshape([b, h, n, c, d]));
+    qc.matmul(&kw.transpose(-2, -1)) / (d as f64).sqrt()
+}
+
+/// Per-token scores `[B, H, Tp]` from the window logits `[B, H, n, C, 2C]`: each token's own window of
+/// the C most recent keys is cut out of its two-chunk row (column w ↔ position j−C+1+w, self last).
+fn window_scores(scorer: &Scorer, s_win: &Tensor, kf: &Tensor) -> Tensor {
+    let (b, h, n, c, _) = dims5(s_win);
+    let dev = s_win.device();
+    let i = Tensor::arange(c, (Kind::Int64, dev)).view([c, 1]);
+    let w = Tensor::arange(c, (Kind::Int64, dev)).view([1, c]);
+    let col = &i + 1 + &w; // [C, C] column of the two-chunk row
+    let s_w = s_win.gather(-1, &col.expand([b, h, n, c, c], false), false).reshape([b, h, n * c, c]);
+    let first = Tensor::arange(n, (Kind::Int64, dev)).eq(0).view([n, 1, 1]);
+    let valid = first.logical_and(&col.lt(c)).logical_not().reshape([n * c, c]);
+    scorer.scores(&s_w, &valid, kf, 0)
+}
+
+/// Routing scores `[B, H, T]` (in q's kind, fp32 at least) that a STILL layer with options `cfg` at
+/// layer index `layer` gives the tokens of q `[B, H, T, D]` and k `[B, H, T, D]` (k expanded to q's
+/// heads): the same routine as [`Still::scores`], without a layer's parameters, so that a teacher's
+/// own q and k can be scored (`attnlab saliency-words`). `routing: oracle` / `none` have no scores.
+pub fn routing_scores(cfg: &super::StillConfig, layer: i64, q: &Tensor, k: &Tensor) -> crate::Result<Tensor> {
+    if matches!(cfg.routing, Routing::Oracle | Routing::None) {
+        return Err(crate::Error::Other(format!("routing {:?} selects by a list or not at all: it has no per-token scores", cfg.routing)));
+    }
+    let selection = cfg.selection()?;
+    let scorer = Scorer { routing: cfg.routing, kappa: selection.kappa, seed: cfg.seed, layer };
+    let c = cfg.chunk;
+    let kind = if q.kind() == Kind::Double { Kind::Double } else { Kind::Float };
+    let (qf, kf) = (pad_to(&q.to_kind(kind), c), pad_to(&k.to_kind(kind), c));
+    Ok(tch::no_grad(|| window_scores(&scorer, &window_logits(c, &qf, &kf), &kf)).narrow(2, 0, q.size()[2]))
 }
 
 /// The per-token routing score, one routine for prefill and decode (C3).
@@ -156,7 +184,7 @@ impl Scorer {
 }
 
 /// Indices `[…, κ]` of the κ largest scores along the last dim, ties to the lower index, sorted ascending.
-pub(super) fn top_kappa(scores: &Tensor, kappa: i64) -> Tensor {
+pub fn top_kappa(scores: &Tensor, kappa: i64) -> Tensor {
     let (_, order) = scores.sort_stable(true, -1, true);
     order.narrow(-1, 0, kappa).sort(-1, false).0
 }
@@ -242,6 +270,22 @@ mod tests {
             }
         }
         assert!(worst < 1e-4, "closed forms off by {worst}");
+    }
+
+    /// `routing_scores` (no layer, for a teacher's q and k) is the layer's own `scores`, for every
+    /// routing with scores.
+    #[test]
+    fn routing_scores_without_a_layer_match_the_layer() {
+        let _rng = crate::testutil::rng();
+        let x = inputs(1, 2, 150, 8, 5);
+        for r in ["self_saliency", "self_saliency_reference_code", "diag_attn", "key_norm", "random", "uniform"] {
+            let c = cfg(&format!("{{chunk: 16, routing: {r}, seed: 3}}"));
+            let (_, st) = layer(&c, 2, 8, 1);
+            let want = st.scores(&x[0], &x[1]);
+            let got = routing_scores(&c, 3, &x[0], &x[1]).unwrap(); // testkit layers are layer 3
+            assert!(max_diff(&want, &got) == 0.0, "{r}");
+        }
+        assert!(routing_scores(&cfg("{routing: oracle}"), 0, &x[0], &x[1]).is_err());
     }
 
     /// §12.8: heads of one GQA group (same k, v after expansion) may select different tokens.
