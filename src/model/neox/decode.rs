@@ -120,11 +120,14 @@ mod tests {
     /// Prompts of several lengths, left-padded into one batch (the filler masked as a document of its
     /// own in the prefill, and as keys afterwards): the last prompt token's logits and those of
     /// every decode step (a piece of 3 tokens, then single tokens) equal each prompt run alone, up to
-    /// the rounding of the fp32 RoPE tables at shifted positions.
+    /// the rounding of the fp32 RoPE tables at shifted positions. The single-token steps run through
+    /// `extend` and through the device-side step (`extend_hidden_at`; DAR reading its latents
+    /// through the absorbed map), whose masks carry the padding the same way.
     #[test]
     fn left_padded_batch_equals_each_row_alone() {
+        use crate::attention::cache::StepAt;
         let _rng = crate::testutil::rng();
-        for (kind, d_down, w) in VARIANTS {
+        for ((kind, d_down, w), device_side) in VARIANTS.into_iter().flat_map(|v| [(v, false), (v, true)]) {
             let (_vs, m) = build(cfg(kind, d_down, w), 23);
             let lens = [5i64, 9, 2];
             let (longest, steps) = (9, 6);
@@ -136,10 +139,22 @@ mod tests {
             let padded = Tensor::stack(&(0..3).map(|r| Tensor::cat(&[filler(r), prompt(r)], 0)).collect::<Vec<_>>(), 0);
             let mut batch = m.new_cache(3, tch::Kind::Double, tch::Device::Cpu);
             batch.set_padding(&Tensor::from_slice(&lens.map(|l| longest - l)));
+            batch.reserve(longest + steps);
+            if device_side && matches!(kind, AttentionKind::Dar | AttentionKind::Uniform) {
+                batch.layers.iter_mut().for_each(|l| l.state::<DarCache>().set_absorb_from(0));
+            }
             let mut got = vec![m.extend(&mut batch, &padded).narrow(1, longest - 1, 1)];
             got.push(m.extend(&mut batch, &next.narrow(1, 0, 3)));
             for t in 3..steps {
-                got.push(m.extend(&mut batch, &next.narrow(1, t, 1)));
+                let token = next.narrow(1, t, 1);
+                got.push(if device_side {
+                    let at = StepAt { pos: Tensor::from_slice(&[longest + t]), span: longest + steps };
+                    let h = m.extend_hidden_at(&mut batch, &token, &at).expect("GPT-NeoX's softmax kinds step on the device");
+                    batch.advance(1);
+                    m.logits(&h)
+                } else {
+                    m.extend(&mut batch, &token)
+                });
             }
             let got = Tensor::cat(&got, 1);
             for r in 0..3 {
@@ -148,7 +163,7 @@ mod tests {
                 let e = err(&got.narrow(0, r, 1), &want);
                 // RoPE tables are fp32: a row shifted by its padding rotates by angles rounded
                 // differently (filler read by a real token would differ by far more).
-                assert!(e < 1e-5, "{kind:?} w={w} row {r}: {e}");
+                assert!(e < 1e-5, "{kind:?} w={w} device-side {device_side} row {r}: {e}");
             }
         }
     }
@@ -156,8 +171,8 @@ mod tests {
     /// The device-side step (position a tensor, shapes fixed by the span: what a CUDA graph
     /// captures): after a prefill, one token at a time with spans that change between steps (the
     /// smallest that holds the position, and the whole reservation), every step's logits equal the
-    /// full forward pass, rings wrapping; left-padded rows as well. A span one short of the position
-    /// would hide the newest keys: it must differ.
+    /// full forward pass, rings wrapping (left-padded rows: `left_padded_batch_equals_each_row_alone`).
+    /// A span one short of the position would hide the newest keys: it must differ.
     #[test]
     fn device_side_steps_equal_full_forward() {
         use crate::attention::cache::StepAt;
