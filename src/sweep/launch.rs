@@ -64,6 +64,10 @@ pub(super) fn run_all(plan: &SweepPlan, opts: &SweepOptions, exe: &Path) -> Vec<
     // One slot per GPU; without GPUs, `max_parallel` CPU slots (at least one).
     let mut slots: Vec<Option<&str>> = if opts.gpus.is_empty() { vec![None; opts.max_parallel.max(1)] } else { opts.gpus.iter().map(|g| Some(g.as_str())).collect() };
     slots.truncate(total.max(1));
+    let threads = if opts.gpus.is_empty() { cpu_threads_per_run(slots.len(), std::thread::available_parallelism().map_or(1, |n| n.get()), std::env::var_os("OMP_NUM_THREADS").is_some()) } else { None };
+    if let Some(t) = threads {
+        eprintln!("sweep: {} CPU runs at once, {t} thread(s) each (OMP_NUM_THREADS; set it yourself to choose)", slots.len());
+    }
 
     install_stop_handlers();
     let queue = Mutex::new(todo);
@@ -92,7 +96,7 @@ pub(super) fn run_all(plan: &SweepPlan, opts: &SweepOptions, exe: &Path) -> Vec<
                 }
                 let on = gpu.map(|g| format!(" on GPU {g}")).unwrap_or_default();
                 eprintln!("sweep: [{k}/{total}] start {}{on} ({}){}", run.name, reports_label(run), if RunStatus::of(&run.dir) == RunStatus::Partial { ", resuming" } else { "" });
-                let l = launch(run, gpu, exe);
+                let l = launch(run, gpu, threads, exe);
                 match &l.failure {
                     _ if l.end == End::Busy => eprintln!("sweep: [{k}/{total}] {} is busy (another process took its run directory first); see {}", run.name, l.log.display()),
                     _ if l.end == End::Stopped => eprintln!("sweep: [{k}/{total}] {} stopped by the sweep's signal after {:.1}s; its last checkpoint is kept: run the sweep again to resume", run.name, l.wall_s),
@@ -159,8 +163,17 @@ enum End {
     Stopped,
 }
 
-/// Run `exe train SPEC --quiet` for one run, its stdout and stderr appended to `<run dir>/train.log`.
-fn launch(run: &PlannedRun, gpu: Option<&str>, exe: &Path) -> Launched {
+/// The intra-op threads each of `slots` concurrent CPU runs gets on `cores` cores: their share,
+/// since libtorch gives every process all the cores and two such processes on one machine fight
+/// for them (the Table 1 smoke sweep with `--max-parallel 2` on 2 cores: DAR runs 7.3-11.8 s each
+/// instead of 1.5 s). None: one run at a time, or the user set OMP_NUM_THREADS.
+pub(super) fn cpu_threads_per_run(slots: usize, cores: usize, user_set: bool) -> Option<usize> {
+    (slots > 1 && !user_set).then(|| (cores / slots).max(1))
+}
+
+/// Run `exe train SPEC --quiet` for one run, its stdout and stderr appended to `<run dir>/train.log`;
+/// `threads`: its CPU threads (OMP_NUM_THREADS), when it shares the machine's cores with others.
+fn launch(run: &PlannedRun, gpu: Option<&str>, threads: Option<usize>, exe: &Path) -> Launched {
     let log = run.dir.join("train.log");
     let start = Instant::now();
     let failed = |exit, msg: String| Launched { exit, wall_s: start.elapsed().as_secs_f64(), failure: Some(msg), log: log.clone(), end: End::Exited };
@@ -178,6 +191,9 @@ fn launch(run: &PlannedRun, gpu: Option<&str>, exe: &Path) -> Launched {
     if let Some(g) = gpu {
         // The child sees only its GPU, as device 0.
         cmd.env("CUDA_VISIBLE_DEVICES", g);
+    }
+    if let Some(t) = threads {
+        cmd.env("OMP_NUM_THREADS", t.to_string()).env("MKL_NUM_THREADS", t.to_string());
     }
     // A partial run resumes with the device it was started with: train refuses a run directory
     // whose recorded config differs, and `train.device` is part of it.

@@ -554,3 +554,15 @@ runs:
         assert!(e.contains("seeds") && e.contains(what), "{bad}: {e}");
     }
 }
+
+/// Concurrent CPU runs share the cores instead of each taking all of them; one run at a time, or a
+/// user's own OMP_NUM_THREADS, is left alone.
+#[test]
+fn concurrent_cpu_runs_split_the_cores() {
+    use super::launch::cpu_threads_per_run as threads;
+    assert_eq!(threads(2, 2, false), Some(1));
+    assert_eq!(threads(3, 16, false), Some(5));
+    assert_eq!(threads(4, 2, false), Some(1), "never zero threads");
+    assert_eq!(threads(1, 16, false), None);
+    assert_eq!(threads(2, 16, true), None);
+}
