@@ -161,6 +161,10 @@ pub trait LayerOp: std::any::Any + Send {
     fn decode_at(&self, _cache: &mut LayerCache, _h: &Heads, _at: &StepAt) -> Option<Tensor> {
         None
     }
+    /// Before the device-side step at position `pos` (known on the host), outside any CUDA graph:
+    /// what that step cannot do at fixed shapes (STILL / LoLCATs route a chunk where the next one
+    /// starts). `reserved`: the tokens the cache is reserved for. Nothing for the softmax kinds.
+    fn prepare_at(&self, _cache: &mut LayerCache, _pos: i64, _reserved: i64) {}
     /// This layer with the options `a`, its parameters kept (another implementation or window,
     /// vanilla ↔ window, DAR ↔ uniform); None when `a` needs parameters the layer lacks or would
     /// drop ones it has.
@@ -222,6 +226,10 @@ impl Layer {
 
     pub fn decode_at(&self, cache: &mut LayerCache, h: &Heads, at: &StepAt) -> Option<Tensor> {
         self.0.decode_at(cache, h, at)
+    }
+
+    pub fn prepare_at(&self, cache: &mut LayerCache, pos: i64, reserved: i64) {
+        self.0.prepare_at(cache, pos, reserved)
     }
 
     /// The parameters the variant adds to the layer (`LayerOp::parameters`).

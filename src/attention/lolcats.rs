@@ -205,6 +205,23 @@ impl super::LayerOp for Lolcats {
         self.extend(cache.state::<HybridCache>(), &h.q, &k, &v)
     }
 
+    /// The terrace window only: the sliding compat window folds a token per step.
+    fn decode_at(&self, cache: &mut super::cache::LayerCache, h: &super::Heads, at: &super::cache::StepAt) -> Option<Tensor> {
+        let hybrid = self.hybrid();
+        if !hybrid.steps_on_device() {
+            return None;
+        }
+        let (k, v) = h.expanded_kv();
+        Some(hybrid.step_at(cache.state::<HybridCache>(), &h.q, &k, &v, None, at))
+    }
+
+    fn prepare_at(&self, cache: &mut super::cache::LayerCache, pos: i64, reserved: i64) {
+        let hybrid = self.hybrid();
+        if hybrid.steps_on_device() {
+            hybrid.prepare_at(cache.state::<HybridCache>(), pos, reserved)
+        }
+    }
+
     /// A linearized layer is not switched in place.
     fn reconfigured(&self, _a: &super::AttentionSpec) -> Option<Box<dyn super::LayerOp>> {
         None

@@ -223,6 +223,15 @@ impl crate::attention::LayerOp for Still {
         self.extend(cache.state::<HybridCache>(), &h.q, &k, &v, self.gate_for(h.input, false).as_ref())
     }
 
+    fn decode_at(&self, cache: &mut crate::attention::cache::LayerCache, h: &crate::attention::Heads, at: &crate::attention::cache::StepAt) -> Option<Tensor> {
+        let (k, v) = h.expanded_kv();
+        Some(self.hybrid().step_at(cache.state::<HybridCache>(), &h.q, &k, &v, self.gate_for(h.input, false).as_ref(), at))
+    }
+
+    fn prepare_at(&self, cache: &mut crate::attention::cache::LayerCache, pos: i64, reserved: i64) {
+        self.hybrid().prepare_at(cache.state::<HybridCache>(), pos, reserved)
+    }
+
     /// A linearized layer is not switched in place.
     fn reconfigured(&self, _a: &crate::attention::AttentionSpec) -> Option<Box<dyn crate::attention::LayerOp>> {
         None

@@ -39,6 +39,13 @@ impl Cache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Count `n` tokens written by device-side steps (`Model::extend_hidden_at`).
+    pub fn advance(&mut self, n: i64) {
+        match self {
+            Cache::Neox(c) | Cache::Llama(c) => c.advance(n),
+        }
+    }
 }
 
 impl Model {
@@ -59,6 +66,28 @@ impl Model {
         tch::no_grad(|| match (self, cache) {
             (Model::Neox(m), Cache::Neox(c)) => m.extend_hidden(c, ids),
             (Model::Llama(m), Cache::Llama(c)) => m.extend_hidden(c, ids),
+            _ => panic!("cache of another model family"),
+        })
+    }
+
+    /// One token per row `[B, 1]` at the device-side position `at.pos`: final hidden states
+    /// `[B, 1, d]`, every layer's cache written in place and nothing counted on the host (the
+    /// caller's `Cache::advance`), so that a CUDA graph captures it (`eval::stepper`). None when
+    /// the layers have no such step. Call [`Model::prepare_step_at`] for the position first.
+    pub fn extend_hidden_at(&self, cache: &mut Cache, ids: &Tensor, at: &crate::attention::cache::StepAt) -> Option<Tensor> {
+        tch::no_grad(|| match (self, cache) {
+            (Model::Neox(m), Cache::Neox(c)) => m.extend_hidden_at(c, ids, at),
+            (Model::Llama(m), Cache::Llama(c)) => m.extend_hidden_at(c, ids, at),
+            _ => panic!("cache of another model family"),
+        })
+    }
+
+    /// Before the device-side step at position `pos` (known on the host), outside any CUDA graph:
+    /// every layer's `LayerOp::prepare_at` (STILL / LoLCATs route a chunk where one starts).
+    pub fn prepare_step_at(&self, cache: &mut Cache, pos: i64, reserved: i64) {
+        tch::no_grad(|| match (self, cache) {
+            (Model::Neox(m), Cache::Neox(c)) => m.prepare_at(c, pos, reserved),
+            (Model::Llama(m), Cache::Llama(c)) => m.prepare_at(c, pos, reserved),
             _ => panic!("cache of another model family"),
         })
     }
@@ -382,6 +411,41 @@ mod tests {
                 let g = generate(&m, &prompt, 40, greedy, Some(want[pick]), Device::Cpu);
                 assert_eq!(g.tokens, want[..=at], "{kind:?}: stop token {} first at {at}", want[pick]);
             }
+        }
+    }
+
+    /// The same for Llama models: vanilla, and STILL / LoLCATs students, whose device-side steps
+    /// route a chunk every C tokens before the step (`LayerOp::prepare_at`): 40 greedy tokens after
+    /// a 7-token prompt cross five chunk starts of C = 8, and equal the forward loop.
+    #[test]
+    fn llama_greedy_generation_equals_the_forward_loop() {
+        use crate::attention::Attention;
+        let _rng = crate::testutil::rng();
+        let variants = ["", "{kind: still, chunk: 8, tokens_per_chunk: 2}", "{kind: still, chunk: 8, budget: {m: 20, max_len: 48}}", "{kind: lolcats, window: 8}"];
+        for yaml in variants {
+            let _rng = crate::testutil::seeded(6);
+            let mut cfg = crate::testutil::tiny_llama(61, crate::model::Family::Llama);
+            if !yaml.is_empty() {
+                cfg.attention = Attention::Linearized(serde_yaml::from_str(yaml).unwrap());
+            }
+            let mut vs = VarStore::new(Device::Cpu);
+            let m = Model::Llama(crate::model::Llama::build(&vs.root(), cfg).unwrap());
+            vs.double();
+            let prompt: Vec<u32> = vec![3, 17, 42, 8, 8, 29, 1];
+            let mut seq: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
+            let mut want = Vec::new();
+            for _ in 0..40 {
+                let logits = tch::no_grad(|| m.forward(&Tensor::from_slice(&seq).view([1, -1])));
+                let id = logits.select(1, -1).argmax(-1, false).int64_value(&[0]);
+                want.push(id as u32);
+                seq.push(id);
+            }
+            let g = generate(&m, &prompt, 40, Sampling { temperature: 0.0, seed: 0 }, None, Device::Cpu);
+            assert_eq!(g.tokens, want, "{yaml}");
+            let pick = STOP_CHECK_EVERY + 9;
+            let at = want.iter().position(|&t| t == want[pick]).unwrap();
+            let g = generate(&m, &prompt, 40, Sampling { temperature: 0.0, seed: 0 }, Some(want[pick]), Device::Cpu);
+            assert_eq!(g.tokens, want[..=at], "{yaml}: stop token");
         }
     }
 }

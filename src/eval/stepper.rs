@@ -3,9 +3,11 @@
 //! softmax(logits / T)) and fed back without a trip through the host, which reads the tokens every
 //! [`STOP_CHECK_EVERY`] steps when a stop token may end the rows.
 //!
-//! Where every layer has a device-side step (`LayerOp::decode_at`: vanilla, window, DAR, uniform
-//! in GPT-NeoX), the step's position is a device tensor and its shapes depend on a span of cache
-//! slots alone (the smallest power of two ≥ 256 holding the position, at most the reservation):
+//! Where every layer has a device-side step (`LayerOp::decode_at`: vanilla, window, DAR, uniform,
+//! STILL, LoLCATs' terrace window; GPT-NeoX and Llama alike), the step's position is a device tensor
+//! and its shapes depend on a span of cache slots alone (the smallest power of two ≥ 256 holding the
+//! position, at most the reservation); what a step cannot do at fixed shapes (STILL / LoLCATs route
+//! a chunk every C tokens) runs before it on the host's side (`LayerOp::prepare_at`), outside the graph:
 //! on CUDA one graph per span is captured (`kernels::cuda::Graph`, gpt-fast's design point: a
 //! static cache, one graph launch per token) and replayed; elsewhere, or when capture fails, the
 //! same step runs eagerly. Other models take `Model::extend` per token.
@@ -55,10 +57,7 @@ pub fn decode(model: &Model, cache: &mut Cache, logits: &Tensor, max_new: usize,
     }
     tch::manual_seed(sampling.seed as i64);
     let first = choose(logits, sampling);
-    match cache {
-        Cache::Neox(_) => tch::no_grad(|| device_steps(model, cache, first, max_new, sampling, stop, reserved)),
-        Cache::Llama(_) => tch::no_grad(|| host_steps(model, cache, first, max_new, sampling, stop)),
-    }
+    tch::no_grad(|| device_steps(model, cache, first, max_new, sampling, stop, reserved))
 }
 
 /// Rows of the chosen tokens `[B, n]` (device), each cut after its first stop; whether every row stopped.
@@ -110,11 +109,9 @@ fn device_steps(model: &Model, cache: &mut Cache, first: Tensor, max_new: usize,
     let pos = Tensor::from_slice(&[base]).to_device(device);
     // The step at position p writes its token into column p − base + 1.
     let step = |cache: &mut Cache, span: i64| -> bool {
-        let Cache::Neox(c) = cache else { unreachable!("device steps are GPT-NeoX's") };
-        let Model::Neox(m) = model else { unreachable!("a GPT-NeoX cache belongs to a GPT-NeoX model") };
         let at = StepAt { pos: pos.shallow_clone(), span };
-        let Some(h) = m.extend_hidden_at(c, &ids, &at) else { return false };
-        let next = choose(&m.logits(&h), sampling);
+        let Some(h) = model.extend_hidden_at(cache, &ids, &at) else { return false };
+        let next = choose(&model.logits(&h), sampling);
         let _ = ids.shallow_clone().copy_(&next);
         let _ = out.shallow_clone().index_copy_(1, &(&pos - (base - 1)), &next);
         let _ = pos.shallow_clone().g_add_scalar_(1);
@@ -135,6 +132,8 @@ fn device_steps(model: &Model, cache: &mut Cache, first: Tensor, max_new: usize,
         }
         let p = base + written as i64 - 1;
         let span = span_for(p, reserved);
+        // Outside the graph: what the step cannot do at fixed shapes (STILL / LoLCATs route a chunk).
+        model.prepare_step_at(cache, p, reserved);
         match &graph {
             Some((s, g)) if *s == span => {
                 g.replay().unwrap_or_else(|e| panic!("decode: replaying a CUDA graph: {e}"));
@@ -177,9 +176,7 @@ fn device_steps(model: &Model, cache: &mut Cache, first: Tensor, max_new: usize,
                 }
             }
         }
-        if let Cache::Neox(c) = cache {
-            c.advance(1);
-        }
+        cache.advance(1);
         written += 1;
     }
     drop(graph);

@@ -15,7 +15,7 @@
 //! attention projections are LoRA-capable (`lora::Linear`), so `attnlab linearize` adapts them
 //! in place (`crate::linearize::student`). Packed rows: `hidden_docs` takes per-token document ids
 //! (block-diagonal mask, positions restarting at every document).
-use crate::attention::cache::{CacheShape, DecodeCache};
+use crate::attention::cache::{CacheShape, DecodeCache, StepAt};
 use crate::attention::{self, Attention, AttentionSpec, Heads, KvMap, Layer, LayerDims, Positions};
 use crate::lora::Linear;
 use crate::{Error, Result};
@@ -481,6 +481,31 @@ impl Llama {
         }
         cache.len += n;
         self.final_norm(&x)
+    }
+
+    /// One token per row, `ids` `[B, 1]`, at the device-side position `at.pos`: final hidden states
+    /// `[B, 1, d]`, every layer's cache written in place (`LayerOp::decode_at`) and nothing counted
+    /// on the host (`DecodeCache::advance`), so that a CUDA graph captures it. None when the layers'
+    /// variant has no such step. [`Llama::prepare_at`] the position first.
+    pub fn extend_hidden_at(&self, cache: &mut LlamaCache, ids: &Tensor, at: &StepAt) -> Option<Tensor> {
+        let _guard = tch::no_grad_guard();
+        let (cos, sin) = self.rope_at(&at.pos);
+        let mut x = self.embed(ids);
+        for (i, b) in self.layers.iter().enumerate() {
+            let a = self.kv_input(i, &x);
+            let (q, k, v) = self.qkv(b, &a, &cos, &sin, Pass::Eval);
+            let kv = LayerKv { model: self, block: b, cos: &cos, sin: &sin };
+            let o = b.attn.decode_at(&mut cache.layers[i], &Heads { q, k, v, input: &a, seg: None, kv: &kv, train: false }, at)?;
+            x = self.layer_finish(i, &x, &o, Pass::Eval);
+        }
+        Some(self.final_norm(&x))
+    }
+
+    /// Before the device-side step at `pos`: every layer's `LayerOp::prepare_at`.
+    pub fn prepare_at(&self, cache: &mut LlamaCache, pos: i64, reserved: i64) {
+        for (b, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            b.attn.prepare_at(lc, pos, reserved);
+        }
     }
 
     pub fn logits(&self, hidden: &Tensor) -> Tensor {

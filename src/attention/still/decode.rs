@@ -23,6 +23,30 @@ pub struct HybridCache {
     /// C and κ per routed chunk: what bounds the window and the selected tokens (`bound`).
     chunk: i64,
     selection: Selection,
+    /// While device-side steps decode ([`Hybrid::step_at`]): the fixed-shape buffers that hold Sel
+    /// and the window instead of the fields above (S and z stay, updated in place).
+    fixed: Option<Fixed>,
+}
+
+/// A [`HybridCache`]'s Sel and window in buffers whose shapes never change, so that one CUDA graph
+/// replays a decode step at every position: the window as a ring of 2C slots (position p in slot
+/// p mod 2C, the slots of chunk c−2 reused by chunk c once it is routed), Sel in a buffer sized for
+/// the reserved tokens, its filled length on the device for the step's mask. Made from, and turned
+/// back into, the growing form by [`Hybrid::prepare_at`] / [`Hybrid::settle`].
+#[derive(Debug)]
+struct Fixed {
+    /// `[B, H, capacity, D]`: Sel in chunk order in the first `n_sel` slots.
+    sel_k: Tensor,
+    sel_v: Tensor,
+    n_sel: i64,
+    /// `n_sel` on the device `[1]` (i64).
+    n_sel_at: Tensor,
+    /// `[B, H, 2C, D]` and `[B, H, 2C]`.
+    win_k: Tensor,
+    win_v: Tensor,
+    win_scores: Tensor,
+    /// Chunks routed so far (0..routed): the window starts at routed·C.
+    routed: i64,
 }
 
 impl crate::attention::cache::KindCache for HybridCache {
@@ -47,6 +71,10 @@ impl crate::attention::cache::KindCache for HybridCache {
     fn set_padding(&mut self, _pad: &crate::attention::cache::Padding) {
         panic!("STILL / LoLCATs caches take one prompt per batch row without padding")
     }
+    fn advance(&mut self, n: i64) {
+        assert!(self.fixed.is_some(), "advance counts device-side steps, which write the fixed form");
+        self.pos += n;
+    }
 }
 
 impl HybridCache {
@@ -66,21 +94,30 @@ impl HybridCache {
             z: Tensor::zeros([b, h, f], (state, dev)),
             chunk,
             selection,
+            fixed: None,
         }
     }
 
-    /// Bytes held by the cache's tensors.
+    /// Bytes held by the cache's tensors (in the fixed form: by its filled slots, as the growing
+    /// form would hold them).
     pub fn bytes(&self) -> i64 {
-        [&self.sel_k, &self.sel_v, &self.win_k, &self.win_v, &self.win_scores, &self.s, &self.z]
-            .iter()
-            .map(|x| x.numel() as i64 * x.kind().elt_size_in_bytes() as i64)
-            .sum()
+        let size = |x: &Tensor| x.numel() as i64 * x.kind().elt_size_in_bytes() as i64;
+        let Some(f) = &self.fixed else {
+            return [&self.sel_k, &self.sel_v, &self.win_k, &self.win_v, &self.win_scores, &self.s, &self.z].iter().map(|x| size(x)).sum();
+        };
+        let kv = f.win_k.size();
+        let (b, h, d) = (kv[0], kv[1], kv[3]);
+        let n_win = self.pos - f.routed * self.chunk;
+        let (b_kv, b_state) = (f.win_k.kind().elt_size_in_bytes() as i64, self.s.kind().elt_size_in_bytes() as i64);
+        b * h * (2 * (f.n_sel + n_win) * d * b_kv + n_win * b_state) + size(&self.s) + size(&self.z)
     }
+
 }
 
 impl Hybrid<'_> {
     /// One decode step (§6): route chunk c−2 when chunk c starts, append, score, attend.
     pub fn step(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>) -> Tensor {
+        self.settle(cache);
         self.advance(cache, q, k, v, g)
     }
 
@@ -90,6 +127,7 @@ impl Hybrid<'_> {
     /// segment at a time (Sel, S and z only change at chunk starts), or one by one when sliding.
     pub fn extend(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>) -> Tensor {
         let n = q.size()[2];
+        self.settle(cache);
         if cache.pos == 0 && n > 1 {
             let (y, fresh) = tch::no_grad(|| self.prefill(q, k, v, g, true));
             *cache = fresh.expect("cache requested");
@@ -141,7 +179,7 @@ impl Hybrid<'_> {
         let valid = idx.ge(0);
         let s_w = s.narrow(-1, nsel, nw).gather(-1, &idx.clamp_min(0).expand([b, h, len, c], false), false).masked_fill(&valid.logical_not(), 0.0);
         let score = match self.scorer {
-            Some(sc) => sc.scores(&s_w, &valid, &k.to_kind(kind), t),
+            Some(sc) => sc.scores(&s_w, &valid, &k.to_kind(kind), &Tensor::from(t).to_device(dev)),
             None => Tensor::zeros([b, h, len], (kind, dev)),
         };
         cache.win_scores = Tensor::cat(&[&cache.win_scores, &score], 2);
@@ -149,40 +187,39 @@ impl Hybrid<'_> {
         // Output: softmax over Sel ∪ window (causal inside the window), linear over S, z.
         let col = Tensor::arange(nsel + nw, (Kind::Int64, dev)).view([1, nsel + nw]) - nsel;
         let s = s.masked_fill(&col.gt_tensor(&r), f64::NEG_INFINITY);
+        cache.pos += len;
+        self.mix(&s, &vals, &qf, g, &cache.s, &cache.z).to_kind(q.kind())
+    }
+
+    /// The output (§3) of queries `qf` from their logits over Sel ∪ window `s` (masked with −∞),
+    /// those keys' values `vals` and the linear state S, z; in the compute kind.
+    fn mix(&self, s: &Tensor, vals: &Tensor, qf: &Tensor, g: Option<&Tensor>, state: &Tensor, z: &Tensor) -> Tensor {
+        let kind = state.kind();
         let m = s.amax(-1, true);
-        let e = (&s - &m).exp();
-        let mut n_sm = e.matmul(&vals);
+        let e = (s - &m).exp();
+        let mut n_sm = e.matmul(vals);
         let mut z_sm = e.sum_dim_intlist(-1, true, kind);
         if let Some(gamma) = &self.gamma {
-            let gamma = gamma.to_kind(kind).view([1, h, 1, 1]);
+            let gamma = gamma.to_kind(kind).view([1, -1, 1, 1]);
             n_sm = n_sm * &gamma;
             z_sm = z_sm * gamma;
         }
-        let phi_q = self.fq.forward(&qf);
-        let mut n_lin = phi_q.matmul(&cache.s);
-        let z_lin = phi_q.matmul(&cache.z.unsqueeze(-1));
+        let phi_q = self.fq.forward(qf);
+        let mut n_lin = phi_q.matmul(state);
+        let z_lin = phi_q.matmul(&z.unsqueeze(-1));
         if let Some(g) = g {
             n_lin = n_lin * g.to_kind(kind);
         }
         let (n_lin, z_lin) = self.linear_terms(n_lin, z_lin, &m);
-        cache.pos += len;
-        ((n_sm + n_lin) / (z_sm + z_lin + self.eps)).to_kind(q.kind())
+        (n_sm + n_lin) / (z_sm + z_lin + self.eps)
     }
 
     /// Route chunk `chunk` = the first C window tokens: top-κ (or the oracle's) to Sel, the rest into S and z.
     fn route_step(&self, cache: &mut HybridCache, chunk: i64) {
         let c = self.chunk;
         let (b, h, d) = (cache.win_k.size()[0], cache.win_k.size()[1], cache.win_k.size()[3]);
-        let kappa = if self.scorer.is_some() { self.selection.kappa_for(chunk).min(c) } else { 0 };
         let mut lin = Tensor::ones([b, h, c, 1], (cache.s.kind(), cache.s.device()));
-        let idx = match &self.oracle {
-            Some(list) if kappa > 0 => {
-                let inside: Vec<i64> = list.iter().filter(|&&p| p / c == chunk && p >= 0).map(|&p| p - chunk * c).collect();
-                (!inside.is_empty()).then(|| Tensor::from_slice(&inside).to_device(cache.s.device()).view([1, 1, -1]).expand([b, h, inside.len() as i64], false).contiguous())
-            }
-            _ => (kappa > 0).then(|| top_kappa(&cache.win_scores.narrow(2, 0, c), kappa)), // [B, H, κ]
-        };
-        if let Some(idx) = idx {
+        if let Some(idx) = self.pick(chunk, &cache.win_scores.narrow(2, 0, c)) {
             let kappa = idx.size()[2];
             let take = |x: &Tensor| x.narrow(2, 0, c).gather(2, &idx.unsqueeze(-1).expand([b, h, kappa, d], false), false);
             cache.sel_k = Tensor::cat(&[&cache.sel_k, &take(&cache.win_k)], 2);
@@ -190,6 +227,178 @@ impl Hybrid<'_> {
             lin = lin.scatter_value(2, &idx.unsqueeze(-1), 0.0);
         }
         self.fold(cache, &lin, c);
+    }
+
+    /// Back to the growing form after device-side steps (nothing to do in it already): Sel and the
+    /// window in position order, as [`Hybrid::advance`] reads and appends them, and the scores the
+    /// steps left to the routing (random, uniform: by position) filled in.
+    fn settle(&self, cache: &mut HybridCache) {
+        let Some(f) = cache.fixed.take() else { return };
+        let start = f.routed * self.chunk;
+        let slots = Tensor::arange_start(start, cache.pos, (Kind::Int64, f.win_k.device())).remainder(2 * self.chunk);
+        cache.win_k = f.win_k.index_select(2, &slots);
+        cache.win_v = f.win_v.index_select(2, &slots);
+        let (b, h) = (f.win_k.size()[0], f.win_k.size()[1]);
+        let by_position = self.scorer.and_then(|sc| sc.position_scores(b, h, self.chunk, start, cache.pos - start, f.win_scores.kind(), f.win_scores.device()));
+        cache.win_scores = by_position.unwrap_or_else(|| f.win_scores.index_select(2, &slots));
+        cache.sel_k = f.sel_k.narrow(2, 0, f.n_sel).copy();
+        cache.sel_v = f.sel_v.narrow(2, 0, f.n_sel).copy();
+    }
+
+    /// The tokens chunk `chunk` sends to Sel `[B, H, κ']` (indices inside the chunk, ascending) by
+    /// its tokens' scores `[B, H, C]`: the top κ, or the oracle's positions in it; None: nothing.
+    fn pick(&self, chunk: i64, scores: &Tensor) -> Option<Tensor> {
+        let c = self.chunk;
+        let (b, h) = (scores.size()[0], scores.size()[1]);
+        let kappa = if self.scorer.is_some() { self.selection.kappa_for(chunk).min(c) } else { 0 };
+        match &self.oracle {
+            Some(list) if kappa > 0 => {
+                let inside: Vec<i64> = list.iter().filter(|&&p| p / c == chunk && p >= 0).map(|&p| p - chunk * c).collect();
+                (!inside.is_empty()).then(|| Tensor::from_slice(&inside).to_device(scores.device()).view([1, 1, -1]).expand([b, h, inside.len() as i64], false).contiguous())
+            }
+            _ => (kappa > 0).then(|| top_kappa(scores, kappa)),
+        }
+    }
+
+    /// How many tokens chunk `chunk` sends to Sel ([`Hybrid::pick`]'s count, known in advance).
+    fn selects(&self, chunk: i64) -> i64 {
+        let c = self.chunk;
+        let kappa = if self.scorer.is_some() { self.selection.kappa_for(chunk).min(c) } else { 0 };
+        match &self.oracle {
+            Some(list) if kappa > 0 => list.iter().filter(|&&p| p / c == chunk && p >= 0).count() as i64,
+            _ => kappa,
+        }
+    }
+
+    /// Whether this operator decodes in device-side steps ([`Hybrid::step_at`]): LoLCATs' sliding
+    /// compat window folds a token per step, which it does not do.
+    pub fn steps_on_device(&self) -> bool {
+        !self.sliding_decode
+    }
+
+    /// Before the device-side step at position `pos` (`cache.pos`), outside any CUDA graph: turn the
+    /// cache into its fixed form (Sel sized for `reserved` tokens in all) and, where chunk c starts,
+    /// route chunk c−2 (its top-κ into Sel, the rest folded into S and z), all in place.
+    pub fn prepare_at(&self, cache: &mut HybridCache, pos: i64, reserved: i64) {
+        let _guard = tch::no_grad_guard();
+        assert_eq!(cache.pos, pos, "prepare_at: the cache is at position {}, not {pos}", cache.pos);
+        let c = self.chunk;
+        if cache.fixed.is_none() {
+            self.fix(cache, reserved);
+        }
+        let f = cache.fixed.as_mut().expect("fixed above");
+        if pos % c != 0 || pos / c < 2 || f.routed >= pos / c - 1 {
+            return;
+        }
+        let chunk = pos / c - 2;
+        assert_eq!(f.routed, chunk, "prepare_at: chunks route in order");
+        // Chunk c−2 fills the ring's slots from (c−2)·C mod 2C (= 0 or C).
+        let first = (chunk * c) % (2 * c);
+        let (b, h, d) = (f.win_k.size()[0], f.win_k.size()[1], f.win_k.size()[3]);
+        let kind = cache.s.kind();
+        let scores = match self.scorer.and_then(|sc| sc.position_scores(b, h, c, chunk * c, c, kind, cache.s.device())) {
+            Some(by_position) => by_position,
+            None => f.win_scores.narrow(2, first, c),
+        };
+        let (keys, vals) = (f.win_k.narrow(2, first, c), f.win_v.narrow(2, first, c));
+        let mut lin = Tensor::ones([b, h, c, 1], (kind, cache.s.device()));
+        if let Some(idx) = self.pick(chunk, &scores) {
+            let kappa = idx.size()[2];
+            let at = idx.unsqueeze(-1).expand([b, h, kappa, d], false);
+            f.sel_k.narrow(2, f.n_sel, kappa).copy_(&keys.gather(2, &at, false));
+            f.sel_v.narrow(2, f.n_sel, kappa).copy_(&vals.gather(2, &at, false));
+            f.n_sel += kappa;
+            let _ = f.n_sel_at.fill_(f.n_sel);
+            lin = lin.scatter_value(2, &idx.unsqueeze(-1), 0.0);
+        }
+        let phi = self.fk.forward(&keys.to_kind(kind)) * lin;
+        let _ = cache.s.g_add_(&phi.transpose(-2, -1).matmul(&vals.to_kind(kind)));
+        let _ = cache.z.g_add_(&phi.sum_dim_intlist(2, false, kind));
+        f.routed += 1;
+    }
+
+    /// The growing form → the fixed one (see [`Fixed`]).
+    fn fix(&self, cache: &mut HybridCache, reserved: i64) {
+        assert!(self.steps_on_device(), "the sliding decode window has no device-side step");
+        let c = self.chunk;
+        let (b, h, d) = (cache.win_k.size()[0], cache.win_k.size()[1], cache.win_k.size()[3]);
+        let (kv_kind, dev) = (cache.win_k.kind(), cache.win_k.device());
+        let n_win = cache.win_k.size()[2];
+        let start = cache.pos - n_win;
+        assert!(start % c == 0, "the window starts at a chunk");
+        let routed = start / c;
+        // Chunks routed by the time the last reserved position (reserved − 1) is stepped.
+        let last = ((reserved - 1) / c - 1).max(routed);
+        let n_sel = cache.sel_k.size()[2];
+        let capacity = n_sel + (routed..last).map(|i| self.selects(i)).sum::<i64>();
+        let sel = |x: &Tensor| {
+            let buf = Tensor::zeros([b, h, capacity, d], (kv_kind, dev));
+            buf.narrow(2, 0, n_sel).copy_(x);
+            buf
+        };
+        let slots = Tensor::arange_start(start, cache.pos, (Kind::Int64, dev)).remainder(2 * c);
+        let ring = |x: &Tensor| {
+            let mut shape = x.size();
+            shape[2] = 2 * c;
+            Tensor::zeros(shape.as_slice(), (x.kind(), dev)).index_copy(2, &slots, x)
+        };
+        cache.fixed = Some(Fixed {
+            sel_k: sel(&cache.sel_k),
+            sel_v: sel(&cache.sel_v),
+            n_sel,
+            n_sel_at: Tensor::from_slice(&[n_sel]).to_device(dev),
+            win_k: ring(&cache.win_k),
+            win_v: ring(&cache.win_v),
+            win_scores: ring(&cache.win_scores),
+            routed,
+        });
+        // The growing form's tensors are stale while the fixed one is in use.
+        let empty = |x: &Tensor| x.narrow(2, 0, 0);
+        (cache.sel_k, cache.sel_v, cache.win_k, cache.win_v, cache.win_scores) =
+            (empty(&cache.sel_k), empty(&cache.sel_v), empty(&cache.win_k), empty(&cache.win_v), empty(&cache.win_scores));
+    }
+
+    /// One token per row at the device-side position `at.pos` (after [`Hybrid::prepare_at`] for it):
+    /// what [`Hybrid::step`] returns, with every shape fixed and nothing read back to the host, so
+    /// that a CUDA graph captures it. The ring's slot of chunk c−2 that this token takes was routed
+    /// by `prepare_at`; slots the window does not hold are masked.
+    pub fn step_at(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>, at: &crate::attention::cache::StepAt) -> Tensor {
+        let _guard = tch::no_grad_guard();
+        let c = self.chunk;
+        let (state, z) = (cache.s.shallow_clone(), cache.z.shallow_clone());
+        let f = cache.fixed.as_mut().expect("step_at: prepare_at first");
+        let (kind, dev, d) = (state.kind(), q.device(), q.size()[3]);
+        let slot = at.pos.remainder(2 * c);
+        let _ = f.win_k.index_copy_(2, &slot, &k.to_kind(f.win_k.kind()));
+        let _ = f.win_v.index_copy_(2, &slot, &v.to_kind(f.win_v.kind()));
+        let qf = q.to_kind(kind);
+        let scale = 1.0 / (d as f64).sqrt();
+        let s_win = qf.matmul(&f.win_k.to_kind(kind).transpose(-2, -1)) * scale; // [B, H, 1, 2C]
+
+        // The new token's score over its C most recent keys (positions pos − C + 1 .. pos).
+        let recent = Tensor::arange(c, (Kind::Int64, dev)) + (&at.pos - (c - 1));
+        let valid = recent.ge(0).view([1, c]);
+        let s_w = s_win.index_select(-1, &recent.remainder(2 * c)).masked_fill(&valid.logical_not(), 0.0);
+        let score = match self.scorer.filter(|sc| !sc.by_position()) {
+            Some(sc) => sc.scores(&s_w, &valid, &k.to_kind(kind), &at.pos),
+            None => Tensor::zeros([q.size()[0], q.size()[1], 1], (kind, dev)),
+        };
+        let _ = f.win_scores.index_copy_(2, &slot, &score.to_kind(f.win_scores.kind()));
+
+        // Slot s holds the latest position ≤ pos congruent to it; the window is chunks c − 1 and c.
+        let held = &at.pos - (&at.pos - Tensor::arange(2 * c, (Kind::Int64, dev))).remainder(2 * c);
+        let from = ((at.pos.divide_scalar_mode(c, "floor") - 1) * c).clamp_min(0);
+        let in_window = held.ge_tensor(&from);
+        let (s, vals, ok) = if f.sel_k.size()[2] == 0 {
+            (s_win, f.win_v.to_kind(kind), in_window)
+        } else {
+            let cap = f.sel_k.size()[2];
+            let s_sel = qf.matmul(&f.sel_k.to_kind(kind).transpose(-2, -1)) * scale;
+            let filled = Tensor::arange(cap, (Kind::Int64, dev)).lt_tensor(&f.n_sel_at);
+            (Tensor::cat(&[s_sel, s_win], -1), Tensor::cat(&[&f.sel_v, &f.win_v], 2).to_kind(kind), Tensor::cat(&[filled, in_window], 0))
+        };
+        let s = s.masked_fill(&ok.logical_not(), f64::NEG_INFINITY);
+        self.mix(&s, &vals, &qf, g, &state, &z).to_kind(q.kind())
     }
 
     /// Fold the first `count` window tokens (weighted by `lin` `[B, H, count, 1]`) into S, z and drop them.

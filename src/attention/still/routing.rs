@@ -112,7 +112,7 @@ fn window_scores(scorer: &Scorer, s_win: &Tensor, kf: &Tensor) -> Tensor {
     let s_w = s_win.gather(-1, &col.expand([b, h, n, c, c], false), false).reshape([b, h, n * c, c]);
     let first = Tensor::arange(n, (Kind::Int64, dev)).eq(0).view([n, 1, 1]);
     let valid = first.logical_and(&col.lt(c)).logical_not().reshape([n * c, c]);
-    scorer.scores(&s_w, &valid, kf, 0)
+    scorer.scores(&s_w, &valid, kf, &Tensor::from(0i64).to_device(dev))
 }
 
 /// Routing scores `[B, H, T]` (in q's kind, fp32 at least) that a STILL layer with options `cfg` at
@@ -141,23 +141,23 @@ pub(crate) struct Scorer {
 }
 
 impl Scorer {
-    /// Scores `[B, H, T']` of tokens at positions pos0.. from their window logits s_w `[B, H, T', C]`
-    /// (column w = position j−C+1+w, self last), `valid` `[T', C]` (position ≥ 0) and own keys `[B, H, T', D]`.
-    pub(super) fn scores(&self, s_w: &Tensor, valid: &Tensor, k_self: &Tensor, pos0: i64) -> Tensor {
+    /// Scores `[B, H, T']` of tokens at positions pos0.. (`pos0`: one i64 on s_w's device) from their
+    /// window logits s_w `[B, H, T', C]` (column w = position j−C+1+w, self last), `valid` `[T', C]`
+    /// (position ≥ 0) and own keys `[B, H, T', D]`. Only random and uniform routing read pos0 on the
+    /// host ([`Scorer::by_position`]), so the others can run inside a CUDA graph.
+    pub(super) fn scores(&self, s_w: &Tensor, valid: &Tensor, k_self: &Tensor, pos0: &Tensor) -> Tensor {
         let (b, h, tn, c) = dims4(s_w);
         let (kind, dev) = (s_w.kind(), s_w.device());
         let inf = f64::INFINITY;
+        if self.by_position() {
+            return self.position_scores(b, h, c, pos0.int64_value(&[]), tn, kind, dev).expect("a score by position");
+        }
         let a = s_w.masked_fill(&valid.logical_not(), -inf).softmax(-1, kind);
-        let per_position = |f: &dyn Fn(i64, i64) -> f64| {
-            let vals: Vec<f64> = (0..h).flat_map(|hh| (pos0..pos0 + tn).map(move |j| (hh, j))).map(|(hh, j)| f(hh, j)).collect();
-            Tensor::from_slice(&vals).view([1, h, tn]).to_kind(kind).to_device(dev).expand([b, h, tn], false)
-        };
         match self.routing {
             Routing::DiagAttention => a.select(-1, c - 1),
             Routing::SelfLogit => s_w.select(-1, c - 1),
             Routing::KeyNorm => k_self.norm_scalaropt_dim(2, -1, false),
-            Routing::Random => per_position(&|hh, j| random_score(self.seed, self.layer, hh, j / c, j % c)),
-            Routing::Uniform => per_position(&|_, j| uniform_score(j % c, c, self.kappa)),
+            Routing::Random | Routing::Uniform => unreachable!("scored by position above"),
             // The oracle routes by its list, not by scores.
             Routing::None | Routing::Oracle => Tensor::zeros([b, h, tn], (kind, dev)),
             Routing::SelfSaliency | Routing::SelfSaliencyReferenceCode => {
@@ -171,7 +171,7 @@ impl Scorer {
                     // §5.2. The overridden column C−1 holds the position ≡ C−1 (mod C), i.e. cC−1 for
                     // i < C−1 (w = C−2−i) and the token itself for i = C−1 (w = C−1).
                     let cf = c as f64;
-                    let i = (Tensor::arange(tn, (Kind::Int64, dev)) + pos0).remainder(c).view([tn, 1]);
+                    let i = (Tensor::arange(tn, (Kind::Int64, dev)) + pos0.reshape([1])).remainder(c).view([tn, 1]);
                     let over = Tensor::arange(c, (Kind::Int64, dev)).view([1, c]).eq_tensor(&(-i + (c - 2)).remainder(c));
                     let big_a = (&a + SCORE_EPS) / (1.0 + cf * SCORE_EPS);
                     let big_b = ((bb + SCORE_EPS) / (1.0 + cf * SCORE_EPS + 1.0 / cf)).masked_fill(&over, 1.0 / cf + SCORE_EPS);
@@ -180,6 +180,25 @@ impl Scorer {
                 }
             }
         }
+    }
+
+    /// Whether the score is a function of the position alone (random, uniform routing): computed on
+    /// the host, so a device-side decode step leaves it to the chunk's routing.
+    pub(super) fn by_position(&self) -> bool {
+        matches!(self.routing, Routing::Random | Routing::Uniform)
+    }
+
+    /// The scores `[B, H, n]` of positions pos0..pos0 + n in chunks of `c` where they depend on the
+    /// position alone (None for the other routings).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn position_scores(&self, b: i64, h: i64, c: i64, pos0: i64, n: i64, kind: Kind, dev: tch::Device) -> Option<Tensor> {
+        let f: Box<dyn Fn(i64, i64) -> f64> = match self.routing {
+            Routing::Random => Box::new(move |hh, j| random_score(self.seed, self.layer, hh, j / c, j % c)),
+            Routing::Uniform => Box::new(move |_, j| uniform_score(j % c, c, self.kappa)),
+            _ => return None,
+        };
+        let vals: Vec<f64> = (0..h).flat_map(|hh| (pos0..pos0 + n).map(move |j| (hh, j))).map(|(hh, j)| f(hh, j)).collect();
+        Some(Tensor::from_slice(&vals).view([1, h, n]).to_kind(kind).to_device(dev).expand([b, h, n], false))
     }
 }
 

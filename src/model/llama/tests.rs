@@ -409,3 +409,78 @@ fn linearized_prefill_at_once_equals_token_by_token() {
         assert_eq!(at_once.bytes(), one_by_one.bytes(), "{yaml}: the same cache");
     }
 }
+
+/// The device-side decode step of every Llama layer kind (what `eval::stepper` replays as a CUDA
+/// graph: position a device tensor, shapes fixed by the span; STILL / LoLCATs route each chunk in
+/// `prepare_at` before its first token and keep Sel and the window in fixed buffers): after prompts
+/// that end mid-chunk, on a chunk boundary and before any routing, every step's logits equal
+/// feeding the tokens one at a time through `extend` (the growing cache, itself equal to the
+/// prefill), in f64, with grouped-query heads, spans that change between steps and steps that cross
+/// several chunk starts. Then `extend` goes on from the fixed form (turned back), the cache's bytes
+/// the growing one's. LoLCATs' sliding compat window has no such step (None).
+#[test]
+fn device_side_steps_equal_token_by_token() {
+    use crate::attention::cache::StepAt;
+    use crate::attention::AttentionKind;
+    let _rng = crate::testutil::rng();
+    let t = 44i64;
+    let x = (Tensor::arange(2 * t, (Kind::Int64, Device::Cpu)).view([2, t]) * 13 + 5).remainder(128);
+    let mut variants: Vec<(String, Attention)> = [(AttentionKind::Vanilla, 0, 0), (AttentionKind::Window, 0, 5), (AttentionKind::Dar, 8, 5), (AttentionKind::Uniform, 8, 0)]
+        .into_iter()
+        .map(|(k, d, w)| (format!("{k:?}"), Attention::Softmax(crate::testutil::softmax(k, d, w))))
+        .collect();
+    let hybrids = [
+        "{kind: still, chunk: 8, tokens_per_chunk: 2}",
+        "{kind: still, chunk: 8, budget: {m: 28, max_len: 44}, routing: self_saliency_reference_code}",
+        "{kind: still, chunk: 8, tokens_per_chunk: 3, routing: random, gate: false}",
+        "{kind: still, chunk: 8, tokens_per_chunk: 2, routing: uniform, normalizer: max_compensated}",
+        "{kind: still, chunk: 8, tokens_per_chunk: 2, routing: key_norm, linear_branch: false}",
+        "{kind: still, chunk: 8, routing: oracle}",
+        "{kind: lolcats, window: 8}",
+    ];
+    variants.extend(hybrids.iter().map(|y| (y.to_string(), Attention::Linearized(serde_yaml::from_str(y).unwrap()))));
+    for (name, attention) in &variants {
+        let _rng = crate::testutil::seeded(11);
+        let mut cfg = crate::testutil::tiny_llama(128, Family::Llama);
+        cfg.attention = attention.clone();
+        let mut vs = tch::nn::VarStore::new(Device::Cpu);
+        let m = Llama::build(&vs.root(), cfg).unwrap();
+        vs.double();
+        for b in &m.layers {
+            if let Some(st) = b.attn.still() {
+                st.set_oracle(Some(vec![1, 3, 9, 17, 18, 30]));
+            }
+        }
+        let mut one_by_one = m.new_cache(2, Kind::Double, Device::Cpu);
+        let want: Vec<Tensor> = (0..t).map(|p| tch::no_grad(|| m.extend(&mut one_by_one, &x.narrow(1, p, 1)))).collect();
+        for prompt in [5i64, 16, 21] {
+            let mut cache = m.new_cache(2, Kind::Double, Device::Cpu);
+            cache.reserve(t);
+            let _ = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, prompt)));
+            let steps_to = t - 4;
+            for p in prompt..steps_to {
+                m.prepare_at(&mut cache, p, t);
+                let at = StepAt { pos: Tensor::from_slice(&[p]), span: if p % 2 == 0 { p + 1 } else { t } };
+                let h = m.extend_hidden_at(&mut cache, &x.narrow(1, p, 1), &at).unwrap_or_else(|| panic!("{name}: a device-side step"));
+                cache.advance(1);
+                let e = max_diff(&m.logits(&h), &want[p as usize]);
+                assert!(e < 1e-10, "{name} prompt {prompt} step {p}: {e}");
+            }
+            // The growing form again, from where the device-side steps left it.
+            for p in steps_to..t {
+                let e = max_diff(&tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, p, 1))), &want[p as usize]);
+                assert!(e < 1e-10, "{name} prompt {prompt}: extend at {p} after device-side steps: {e}");
+            }
+            assert_eq!(cache.bytes(), one_by_one.bytes(), "{name} prompt {prompt}: the same cache bytes");
+        }
+    }
+    // The sliding compat window folds a token per step: no device-side step, and the cache untouched.
+    let mut cfg = crate::testutil::tiny_llama(128, Family::Llama);
+    cfg.attention = Attention::Linearized(serde_yaml::from_str("{kind: lolcats, window: 8, decode_window: sliding}").unwrap());
+    let vs = tch::nn::VarStore::new(Device::Cpu);
+    let m = Llama::build(&vs.root(), cfg).unwrap();
+    let mut cache = m.new_cache(2, Kind::Float, Device::Cpu);
+    let _ = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, 5)));
+    m.prepare_at(&mut cache, 5, t);
+    assert!(m.extend_hidden_at(&mut cache, &x.narrow(1, 5, 1), &StepAt { pos: Tensor::from_slice(&[5i64]), span: t }).is_none());
+}

@@ -65,6 +65,13 @@ impl GptNeox {
         }
         Some(self.final_layer_norm.forward(&x))
     }
+
+    /// Before the device-side step at `pos`: every layer's `LayerOp::prepare_at`.
+    pub fn prepare_at(&self, cache: &mut NeoxCache, pos: i64, reserved: i64) {
+        for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            layer.attn.prepare_at(lc, pos, reserved);
+        }
+    }
 }
 
 #[cfg(test)]
