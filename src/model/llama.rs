@@ -16,7 +16,7 @@
 //! in place (`crate::linearize::student`). Packed rows: `hidden_docs` takes per-token document ids
 //! (block-diagonal mask, positions restarting at every document).
 use crate::attention::cache::{CacheShape, DecodeCache, StepAt};
-use crate::attention::{self, Attention, AttentionSpec, Heads, KvMap, Layer, LayerDims, Positions};
+use crate::attention::{self, AbsorbedKv, Attention, AttentionSpec, Heads, KvMap, Layer, LayerDims, Positions};
 use crate::lora::Linear;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -536,6 +536,25 @@ impl KvMap for LayerKv<'_> {
             }
         };
         (k, m.heads(&v, m.cfg.num_key_value_heads))
+    }
+
+    /// k_proj / v_proj per KV head with `w` folded in, the whole head rotated (HF's rotate_half
+    /// layout); None for OLMo 2, whose k_norm is not linear.
+    fn absorbed(&self, w: &Tensor) -> Option<AbsorbedKv> {
+        let (b, c) = (self.block, &self.model.cfg);
+        if b.qk_norm.is_some() {
+            return None;
+        }
+        let (kvh, hd) = (c.num_key_value_heads as i64, c.head_dim() as i64);
+        let per_head = |l: &Linear| l.weight.view([kvh, hd, -1]).matmul(w);
+        Some(AbsorbedKv { wk: per_head(&b.k_proj), bk: None, wv: per_head(&b.v_proj), bv: None, rotated: hd })
+    }
+
+    /// cos / sin of positions 0..n `[n, hd/2]`: HF's tables repeat their first half.
+    fn rotary_tables(&self, n: i64) -> Option<(Tensor, Tensor)> {
+        let half = self.model.cfg.head_dim() as i64 / 2;
+        let (cos, sin) = self.model.rope(0, n, self.cos.device());
+        Some((cos.narrow(1, 0, half), sin.narrow(1, 0, half)))
     }
 }
 

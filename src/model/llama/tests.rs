@@ -425,9 +425,12 @@ fn device_side_steps_equal_token_by_token() {
     let _rng = crate::testutil::rng();
     let t = 44i64;
     let x = (Tensor::arange(2 * t, (Kind::Int64, Device::Cpu)).view([2, t]) * 13 + 5).remainder(128);
-    let mut variants: Vec<(String, Attention)> = [(AttentionKind::Vanilla, 0, 0), (AttentionKind::Window, 0, 5), (AttentionKind::Dar, 8, 5), (AttentionKind::Uniform, 8, 0)]
+    // DAR / uniform twice: rebuilding the distant keys, and reading the latents through the
+    // absorbed k / v map (`KvMap::absorbed`, `dar::read_latents`) at every span.
+    let mut variants: Vec<(String, Attention)> = [(AttentionKind::Vanilla, 0, 0), (AttentionKind::Window, 0, 5), (AttentionKind::Dar, 8, 5), (AttentionKind::Uniform, 8, 0), (AttentionKind::Dar, 8, 5), (AttentionKind::Uniform, 8, 0)]
         .into_iter()
-        .map(|(k, d, w)| (format!("{k:?}"), Attention::Softmax(crate::testutil::softmax(k, d, w))))
+        .enumerate()
+        .map(|(i, (k, d, w))| (format!("{k:?}{}", if i >= 4 { " absorbed" } else { "" }), Attention::Softmax(crate::testutil::softmax(k, d, w))))
         .collect();
     let hybrids = [
         "{kind: still, chunk: 8, tokens_per_chunk: 2}",
@@ -456,6 +459,9 @@ fn device_side_steps_equal_token_by_token() {
         for prompt in [5i64, 16, 21] {
             let mut cache = m.new_cache(2, Kind::Double, Device::Cpu);
             cache.reserve(t);
+            if name.ends_with("absorbed") {
+                cache.layers.iter_mut().for_each(|l| l.state::<crate::attention::dar::DarCache>().set_absorb_from(0));
+            }
             let _ = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, prompt)));
             let steps_to = t - 4;
             for p in prompt..steps_to {
