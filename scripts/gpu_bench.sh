@@ -60,12 +60,12 @@ for what in "${@:-all}"; do
       done ;;&
     graphs)
       # Issue 34 item 2: the device-side decode step as CUDA-graph replays vs the same step eager
-      # (ATTNLAB_CUDA_GRAPHS=0), GPT-NeoX softmax kinds, interleaved; equal greedy tokens show as
-      # equal tokens_digest per (attention, context).
+      # (ATTNLAB_CUDA_GRAPHS=0), GPT-NeoX softmax kinds and the Llama STILL / LoLCATs students,
+      # interleaved; equal greedy tokens show as equal tokens_digest per (attention, context).
       GL=${GRAPH_LENGTHS:-1024,4096,16384,65536}
       for ((r = 0; r < ${GRAPH_REPEATS:-2}; r++)); do
         for g in 1 0; do
-          ATTNLAB_CUDA_GRAPHS=$g run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $GL --attention vanilla,dar,uniform,window --new-tokens 64 \
+          ATTNLAB_CUDA_GRAPHS=$g run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $GL --attention vanilla,dar,uniform,window,still-budget,lolcats --new-tokens 64 \
             | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/" >> "$OUT/decode_graphs$g.jsonl"
         done
       done ;;
