@@ -379,6 +379,20 @@ mod tests {
         (vs, Model::Neox(m))
     }
 
+    /// `n` greedy tokens after `prompt` by the host loop over full forward passes (argmax of the
+    /// last logits, appended, again): what cached generation must equal.
+    fn forward_loop(m: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+        let mut seq: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let logits = tch::no_grad(|| m.forward(&Tensor::from_slice(&seq).view([1, -1])));
+            let id = logits.select(1, -1).argmax(-1, false).int64_value(&[0]);
+            out.push(id as u32);
+            seq.push(id);
+        }
+        out
+    }
+
     /// Greedy generation with the token chosen on the device equals the host loop over full forward
     /// passes (argmax of the last logits, appended, again), for every softmax variant; with a stop
     /// token, the output ends at its first occurrence (read back every STOP_CHECK_EVERY steps).
@@ -388,14 +402,7 @@ mod tests {
         for (kind, d_down, w) in [(AttentionKind::Vanilla, 0, 0), (AttentionKind::Dar, 8, 3), (AttentionKind::Uniform, 8, 0), (AttentionKind::Window, 0, 4)] {
             let (_vs, m) = tiny(kind, d_down, w);
             let prompt: Vec<u32> = vec![3, 17, 42, 8, 8, 29, 1];
-            let mut seq: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
-            let mut want = Vec::new();
-            for _ in 0..40 {
-                let logits = tch::no_grad(|| m.forward(&Tensor::from_slice(&seq).view([1, -1])));
-                let id = logits.select(1, -1).argmax(-1, false).int64_value(&[0]);
-                want.push(id as u32);
-                seq.push(id);
-            }
+            let want = forward_loop(&m, &prompt, 40);
             let greedy = Sampling { temperature: 0.0, seed: 0 };
             let g = generate(&m, &prompt, 40, greedy, None, Device::Cpu);
             assert_eq!(g.tokens, want, "{kind:?}");
@@ -432,14 +439,7 @@ mod tests {
             let m = Model::Llama(crate::model::Llama::build(&vs.root(), cfg).unwrap());
             vs.double();
             let prompt: Vec<u32> = vec![3, 17, 42, 8, 8, 29, 1];
-            let mut seq: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
-            let mut want = Vec::new();
-            for _ in 0..40 {
-                let logits = tch::no_grad(|| m.forward(&Tensor::from_slice(&seq).view([1, -1])));
-                let id = logits.select(1, -1).argmax(-1, false).int64_value(&[0]);
-                want.push(id as u32);
-                seq.push(id);
-            }
+            let want = forward_loop(&m, &prompt, 40);
             let g = generate(&m, &prompt, 40, Sampling { temperature: 0.0, seed: 0 }, None, Device::Cpu);
             assert_eq!(g.tokens, want, "{yaml}");
             let pick = STOP_CHECK_EVERY + 9;
