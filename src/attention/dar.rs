@@ -407,8 +407,10 @@ pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, windo
         // and it passes bench --check on the GPU); without a gradient, flash needs no plan per shape.
         AttentionImpl::Auto if split_merge_supported(q) && super::needs_grad(&[q, kl, vl, kg, vg]) => AttentionImpl::SplitMergeFused,
         AttentionImpl::Auto if split_merge_supported(q) => AttentionImpl::SplitMerge,
+        AttentionImpl::Auto if band_split_supported(q) => AttentionImpl::BandSplit,
         AttentionImpl::Auto => AttentionImpl::Sdpa,
         AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn | AttentionImpl::SplitMergeFused if !split_merge_supported(q) => AttentionImpl::Sdpa,
+        AttentionImpl::BandSplit if !band_split_supported(q) => AttentionImpl::Sdpa,
         other => other,
     };
     if imp != AttentionImpl::Reference {
@@ -429,8 +431,16 @@ pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, windo
             let backend = if imp == AttentionImpl::SplitMerge { GlobalBackend::Flash } else { GlobalBackend::Cudnn };
             split_merge(q, kl, vl, kg, vg, window, backend, imp == AttentionImpl::SplitMergeFused)
         }
+        AttentionImpl::BandSplit => kernels::dar_band_split(q, kl, vl, kg, vg, window).unwrap_or_else(|e| panic!("DAR band-split failed: {e}")),
         _ => dar_sdpa(q, kl, vl, kg, vg, window),
     }
+}
+
+/// Whether the CPU band-split path takes these inputs (csrc/dar_band.cpp: CPU, fp32 / fp64). On the
+/// Table 1 smoke shape (B·H 64, T 128, hd 16, w 8) it trains the op in about half masked SDPA's time
+/// (issue 35; `attnlab bench --attention-only`), exact in fp64 (tests below).
+pub fn band_split_supported(q: &Tensor) -> bool {
+    q.device() == tch::Device::Cpu && matches!(q.kind(), tch::Kind::Float | tch::Kind::Double)
 }
 
 /// `kernels::dar_split_merge` on heads `[B, H, T, hd]` (the kernels take `[B, T, H, hd]`; the

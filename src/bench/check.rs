@@ -262,7 +262,7 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     let imps: &[AttentionImpl] = if device.is_cuda() {
         &[AttentionImpl::Sdpa, AttentionImpl::SplitMerge, AttentionImpl::SplitMergeCudnn, AttentionImpl::SplitMergeFused]
     } else {
-        &[AttentionImpl::Sdpa]
+        &[AttentionImpl::Sdpa, AttentionImpl::BandSplit]
     };
     let mut failed = 0;
     let mut note = |r: CheckRow| {
