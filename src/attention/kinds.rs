@@ -28,8 +28,8 @@ pub enum LineStyle {
 #[serde(rename_all = "kebab-case")]
 pub enum AttentionImpl {
     /// Fastest available: on CUDA (bf16/fp16, head dim a multiple of 8, ≤ 256) split-merge-fused when
-    /// training, split-merge (flash) at inference; on the CPU (fp32 / fp64, unpacked rows) band-split;
-    /// masked SDPA otherwise.
+    /// training, split-merge (flash) at inference; masked SDPA otherwise (band-split is exact on the
+    /// CPU but not yet faster there: issue 35).
     #[default]
     Auto,
     /// Explicit masked scores (slow, O(T²) memory): the oracle.

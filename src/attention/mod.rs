@@ -180,7 +180,8 @@ pub(crate) mod tests {
     /// The CPU band-split path (csrc/dar_band.cpp) equals the explicit oracle in fp64, outputs and all
     /// five input gradients: windows 0, 1, 4, T − 1, T, T + 5 and ones beside and beyond its block of
     /// 16 queries, ragged T (not a multiple of the block; shorter than one block), B > 1, and heads
-    /// handed over as the model does (transposed views of [B, T, H, hd]). `auto` takes it on the CPU.
+    /// handed over as the model does (transposed views of [B, T, H, hd]); `auto` (masked SDPA on the CPU)
+    /// likewise.
     #[test]
     fn band_split_matches_reference_forward_and_backward() {
         let _rng = crate::testutil::rng();
