@@ -18,6 +18,7 @@ fn main() {
         .flag("-DGLOG_USE_GLOG_EXPORT")
         .file("csrc/attn_ops.cpp")
         .file("csrc/dar_attention.cpp")
+        .file("csrc/dar_band.cpp")
         .file("csrc/distributed.cpp")
         .file("csrc/profile.cpp")
         .file("csrc/heads.cpp")
@@ -25,6 +26,7 @@ fn main() {
         .compile("attn_ops");
     println!("cargo:rerun-if-changed=csrc/attn_ops.cpp");
     println!("cargo:rerun-if-changed=csrc/dar_attention.cpp");
+    println!("cargo:rerun-if-changed=csrc/dar_band.cpp");
     println!("cargo:rerun-if-changed=csrc/distributed.cpp");
     println!("cargo:rerun-if-changed=csrc/profile.cpp");
     println!("cargo:rerun-if-changed=csrc/heads.cpp");

@@ -225,13 +225,13 @@ pub fn bench_all(spec: &Spec, reps: usize, mut each: impl FnMut(&OpBench, f64)) 
     let imps: Vec<AttentionImpl> = if device.is_cuda() {
         vec![AttentionImpl::Auto, AttentionImpl::SplitMergeFused, AttentionImpl::SplitMerge, AttentionImpl::Sdpa]
     } else {
-        vec![AttentionImpl::Auto, AttentionImpl::Reference]
+        vec![AttentionImpl::Auto, AttentionImpl::BandSplit, AttentionImpl::Sdpa, AttentionImpl::Reference]
     };
     let mut base_ms = None;
     // The table keeps vanilla and the bottleneck kinds (the DAR paper's); `attention_bench` times the others.
     for kind in AttentionKind::ALL.into_iter().filter(|k| k.is_vanilla() || k.has_bottleneck()) {
         for &imp in &imps {
-            if kind.is_vanilla() && imp != AttentionImpl::Auto && device.is_cuda() {
+            if kind.is_vanilla() && !matches!(imp, AttentionImpl::Auto | AttentionImpl::Reference) {
                 continue;
             }
             let r = attention_bench(kind, imp, shape, window, device, reps)?;

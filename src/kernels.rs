@@ -25,6 +25,7 @@ extern "C" {
     ) -> *mut libc::c_char;
     fn attnlab_clip_grad_norm(grads: *const *mut C_tensor, n: i64, max_norm: f64, norm_out: *mut *mut C_tensor) -> *mut libc::c_char;
     fn attnlab_dar_split_merge(q: *mut C_tensor, kl: *mut C_tensor, vl: *mut C_tensor, kg: *mut C_tensor, vg: *mut C_tensor, window: i64, backend: i64, fused: i32, out: *mut *mut C_tensor) -> *mut libc::c_char;
+    fn attnlab_dar_band_split(q: *mut C_tensor, kl: *mut C_tensor, vl: *mut C_tensor, kg: *mut C_tensor, vg: *mut C_tensor, window: i64, out: *mut *mut C_tensor) -> *mut libc::c_char;
     fn attnlab_cuda_peak_memory(device: i64, reset: i32, out: *mut i64) -> *mut libc::c_char;
     fn attnlab_profiler_start(cuda: i32) -> *mut libc::c_char;
     fn attnlab_profiler_stop(path: *const libc::c_char, device_events: *mut i64) -> *mut libc::c_char;
@@ -115,6 +116,17 @@ pub fn dar_split_merge(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &T
     let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
     let mut out: *mut C_tensor = std::ptr::null_mut();
     check(unsafe { attnlab_dar_split_merge(p(q), p(kl), p(vl), p(kg), p(vg), window, backend as i64, fused as i32, &mut out) })?;
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// DAR attention on the CPU by split-merge with an exact custom backward (csrc/dar_band.cpp): the
+/// local band by blocks against the keys their band touches, the distant keys by libtorch's CPU
+/// flash attention (causal, shifted), merged by log-sum-exp. Heads `[B, H, T, D]`, float or double,
+/// `0 < window < T`; the result carries its autograd graph.
+pub fn dar_band_split(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64) -> Result<Tensor> {
+    let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    check(unsafe { attnlab_dar_band_split(p(q), p(kl), p(vl), p(kg), p(vg), window, &mut out) })?;
     Ok(unsafe { Tensor::from_ptr(out) })
 }
 

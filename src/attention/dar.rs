@@ -407,8 +407,10 @@ pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, windo
         // and it passes bench --check on the GPU); without a gradient, flash needs no plan per shape.
         AttentionImpl::Auto if split_merge_supported(q) && super::needs_grad(&[q, kl, vl, kg, vg]) => AttentionImpl::SplitMergeFused,
         AttentionImpl::Auto if split_merge_supported(q) => AttentionImpl::SplitMerge,
+        AttentionImpl::Auto if band_split_pays(q, window) => AttentionImpl::BandSplit,
         AttentionImpl::Auto => AttentionImpl::Sdpa,
         AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn | AttentionImpl::SplitMergeFused if !split_merge_supported(q) => AttentionImpl::Sdpa,
+        AttentionImpl::BandSplit if !band_split_supported(q) => AttentionImpl::Sdpa,
         other => other,
     };
     if imp != AttentionImpl::Reference {
@@ -429,8 +431,24 @@ pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, windo
             let backend = if imp == AttentionImpl::SplitMerge { GlobalBackend::Flash } else { GlobalBackend::Cudnn };
             split_merge(q, kl, vl, kg, vg, window, backend, imp == AttentionImpl::SplitMergeFused)
         }
+        AttentionImpl::BandSplit => kernels::dar_band_split(q, kl, vl, kg, vg, window).unwrap_or_else(|e| panic!("DAR band-split failed: {e}")),
         _ => dar_sdpa(q, kl, vl, kg, vg, window),
     }
+}
+
+/// Whether the CPU band-split path takes these inputs (csrc/dar_band.cpp: CPU, fp32 / fp64).
+pub fn band_split_supported(q: &Tensor) -> bool {
+    q.device() == tch::Device::Cpu && matches!(q.kind(), tch::Kind::Float | tch::Kind::Double)
+}
+
+/// Whether `auto` takes band-split on the CPU: T ≥ 256 and w ≤ T/16, where it measured faster than
+/// masked SDPA, forward + backward, fp32, 2 threads of a quiet 2-core machine (BENCHMARKS.md "DAR on
+/// the CPU"): 1.41× at T 256 / w 16, 1.5–1.8× at T 512 (w 8, 32), 1.85× at T 1024 / w 64, 2.1× at
+/// T 2048 / w 128; at T 128 (the smoke sweep's w 8) it is 0.95× and with w ≥ T/4 0.8×, where the
+/// band's blocks cost more than the masked keys they skip.
+pub(crate) fn band_split_pays(q: &Tensor, window: i64) -> bool {
+    let t = q.size()[2];
+    band_split_supported(q) && t >= 256 && window > 0 && window * 16 <= t
 }
 
 /// `kernels::dar_split_merge` on heads `[B, H, T, hd]` (the kernels take `[B, T, H, hd]`; the

@@ -28,7 +28,8 @@ pub enum LineStyle {
 #[serde(rename_all = "kebab-case")]
 pub enum AttentionImpl {
     /// Fastest available: on CUDA (bf16/fp16, head dim a multiple of 8, ≤ 256) split-merge-fused when
-    /// training, split-merge (flash) at inference; masked SDPA otherwise.
+    /// training, split-merge (flash) at inference; on the CPU (fp32 / fp64) band-split where T ≥ 256
+    /// and w ≤ T/16 (measured faster there); masked SDPA otherwise.
     #[default]
     Auto,
     /// Explicit masked scores (slow, O(T²) memory): the oracle.
@@ -44,6 +45,10 @@ pub enum AttentionImpl {
     /// dK_g / dV_g by one padded write (issue 28); `auto`'s choice for training since it passes
     /// `bench --check` on the GPU (issue 33).
     SplitMergeFused,
+    /// CPU (fp32 / fp64): the local band by blocks of queries against the keys their band touches,
+    /// the distant keys by the CPU flash kernel (causal over the shifted sequences), merged by
+    /// log-sum-exp, exact custom backward (csrc/dar_band.cpp; issue 35). Elsewhere: masked SDPA.
+    BandSplit,
 }
 
 /// What commands and the report read of any kind's options (None: the kind has no such option, or

@@ -177,6 +177,62 @@ pub(crate) mod tests {
         }
     }
 
+    /// The CPU band-split path (csrc/dar_band.cpp) equals the explicit oracle in fp64, outputs and all
+    /// five input gradients: windows 0, 1, 4, T − 1, T, T + 5 and ones beside and beyond its block of
+    /// 16 queries, ragged T (not a multiple of the block; shorter than one block), B > 1, and heads
+    /// handed over as the model does (transposed views of [B, T, H, hd]); `auto` (band-split where
+    /// it pays, masked SDPA elsewhere) likewise.
+    #[test]
+    fn band_split_matches_reference_forward_and_backward() {
+        let _rng = crate::testutil::rng();
+        // T 260: `auto` takes band-split for w ≤ T/16 (1, 4, 15, 16), masked SDPA above.
+        for (b, h, t, hd) in [(2i64, 3i64, 13i64, 8i64), (2, 2, 37, 16), (1, 3, 64, 8), (1, 2, 260, 8)] {
+            for w in [0i64, 1, 4, 15, 16, 17, 20, t - 1, t, t + 5] {
+                // [B, T, H, hd] storage, [B, H, T, hd] views.
+                let inputs: Vec<Tensor> = (0..5).map(|s| rand(&[b, t, h, hd], 1000 * t + 10 * w + s)).collect();
+                let heads: Vec<Tensor> = inputs.iter().map(|x| x.transpose(1, 2)).collect();
+                let go = rand(&[b, h, t, hd], 77).detach();
+                let run = |imp| {
+                    let out = dar(&heads[0], &heads[1], &heads[2], &heads[3], &heads[4], w, imp);
+                    let grads = Tensor::run_backward(&[(&out * &go).sum(Kind::Double)], &inputs.iter().collect::<Vec<_>>(), false, false);
+                    let grads: Vec<Tensor> = grads.into_iter().zip(&inputs).map(|(g, x)| if g.defined() { g } else { x.zeros_like() }).collect();
+                    (out.detach(), grads)
+                };
+                let (o_ref, g_ref) = run(AttentionImpl::Reference);
+                for imp in [AttentionImpl::BandSplit, AttentionImpl::Auto] {
+                    let (o, g) = run(imp);
+                    assert!(max_diff(&o_ref, &o) < 1e-10, "{imp:?} T={t} w={w} forward: {}", max_diff(&o_ref, &o));
+                    for (i, (a, c)) in g_ref.iter().zip(&g).enumerate() {
+                        assert!(max_diff(a, c) < 1e-10, "{imp:?} T={t} w={w} grad of input {i}: {}", max_diff(a, c));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Band-split in fp32 (the CPU training dtype) against the fp64 oracle: within fp32 rounding, and
+    /// the kernel refuses what it does not take (w outside 0 < w < T, CUDA-only dtypes).
+    #[test]
+    fn band_split_fp32_and_refusals() {
+        let _rng = crate::testutil::rng();
+        let shape = [2, 4, 128, 16];
+        let x: Vec<Tensor> = (0..5).map(|s| rand(&shape, 500 + s).detach()).collect();
+        let f: Vec<Tensor> = x.iter().map(|t| t.to_kind(Kind::Float)).collect();
+        let want = dar(&x[0], &x[1], &x[2], &x[3], &x[4], 8, AttentionImpl::Reference);
+        let got = dar(&f[0], &f[1], &f[2], &f[3], &f[4], 8, AttentionImpl::BandSplit);
+        assert!(max_diff(&want, &got.to_kind(Kind::Double)) < 1e-5, "{}", max_diff(&want, &got.to_kind(Kind::Double)));
+        for w in [0, 128] {
+            assert!(crate::kernels::dar_band_split(&f[0], &f[1], &f[2], &f[3], &f[4], w).is_err(), "w {w}");
+        }
+        let hb: Vec<Tensor> = f.iter().map(|t| t.to_kind(Kind::BFloat16)).collect();
+        assert!(crate::kernels::dar_band_split(&hb[0], &hb[1], &hb[2], &hb[3], &hb[4], 8).is_err());
+        // `auto` takes it where it measured faster: T ≥ 256 with w ≤ T/16, CPU fp32 / fp64 only.
+        let q = |t: i64, kind: Kind| Tensor::zeros([1, 1, t, 16], (kind, tch::Device::Cpu));
+        use super::dar::band_split_pays as pays;
+        assert!(pays(&q(256, Kind::Float), 16) && pays(&q(2048, Kind::Double), 128));
+        assert!(!pays(&q(128, Kind::Float), 8) && !pays(&q(256, Kind::Float), 17) && !pays(&q(256, Kind::Float), 0) && !pays(&q(512, Kind::BFloat16), 8));
+    }
+
     /// Hand-computed case: T = 2, hd = 1, w = 1. Query 1 sees key 0 through the bottleneck version.
     #[test]
     fn reference_matches_hand_computation() {

@@ -262,7 +262,7 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     let imps: &[AttentionImpl] = if device.is_cuda() {
         &[AttentionImpl::Sdpa, AttentionImpl::SplitMerge, AttentionImpl::SplitMergeCudnn, AttentionImpl::SplitMergeFused]
     } else {
-        &[AttentionImpl::Sdpa]
+        &[AttentionImpl::Sdpa, AttentionImpl::BandSplit]
     };
     let mut failed = 0;
     let mut note = |r: CheckRow| {
@@ -322,8 +322,9 @@ mod tests {
         let spec = crate::spec::SpecSource { sets: vec!["train.device=cpu".into(), "data.seq_len=16".into()], ..Default::default() }.load().unwrap();
         let mut lines = Vec::new();
         let r = bench_command(&spec, BenchMode::Check, false, |l| lines.push(l));
-        // 2 shapes × (8 windows × 1 CPU implementation + 2 planted) + 2 loss-head rows + 2 heads rows.
-        assert_eq!(lines.len(), 24, "{lines:?}");
+        // 2 shapes × (8 windows × 2 CPU implementations (SDPA, band-split) + 2 planted) + 2 loss-head
+        // rows + 2 heads rows.
+        assert_eq!(lines.len(), 40, "{lines:?}");
         let failed = lines.iter().filter(|l| l.contains("FAIL")).count();
         assert_eq!(failed, 0, "{lines:?}");
         assert_eq!(lines.iter().filter(|l| l.ends_with("planted: fails as it must)")).count(), 5, "{lines:?}");
