@@ -157,7 +157,9 @@ fn data_prepare_and_bench_run_on_cpu() {
     let v: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0 && v["micro_batch"] == 16);
     let out = ok(&attnlab(&["bench", "--attention-only", "--steps", "1", "--set", "train.device=cpu", "--set", "train.batch_size=1"], cwd));
-    assert_eq!(out.lines().count(), 6, "{out}");
+    // Vanilla (auto, reference); DAR and uniform by auto, band-split, SDPA and the reference.
+    assert_eq!(out.lines().count(), 10, "{out}");
+    assert!(out.lines().any(|l| l.starts_with("dar") && l.contains("bandsplit")), "{out}");
     // Decode cache sizes follow dar.md §3: DAR ≈ (d_down + 2·d·w/T)/(2·d) of vanilla per token.
     let out = ok(&attnlab(&["bench-decode", "--json", "--lengths", "256", "--new-tokens", "2", "--vocab", "384", "--set", "train.device=cpu"], cwd));
     let rows: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
