@@ -21,17 +21,18 @@ use std::path::Path;
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
-/// Every kind, one line each: (name, its config as config.json records it, whether it takes packed rows).
-const KINDS: &[(&str, &str, bool)] = &[
-    ("vanilla", "{kind: vanilla}", true),
-    ("dar", "{kind: dar, d_down: 12, window: 3}", true),
-    ("dar-sigmoid", "{kind: dar, d_down: 12, window: 3, dar_act: sigmoid}", true),
-    ("uniform", "{kind: uniform, d_down: 12}", true),
-    ("window", "{kind: window, window: 3}", true),
-    ("sink", "{kind: sink, window: 3, sinks: 2}", true),
-    ("still", "{kind: still, chunk: 4, tokens_per_chunk: 1}", false),
-    ("lolcats", "{kind: lolcats, window: 4, feature_dim: 8}", false),
-    ("liger-gla", "{kind: liger-gla, window: 3, gate_temperature: 1.0}", false),
+/// Every kind, one line each: (name, its config as config.json records it, whether it takes packed
+/// rows, whether it has a device-side decode step, `LayerOp::decode_at`).
+const KINDS: &[(&str, &str, bool, bool)] = &[
+    ("vanilla", "{kind: vanilla}", true, true),
+    ("dar", "{kind: dar, d_down: 12, window: 3}", true, true),
+    ("dar-sigmoid", "{kind: dar, d_down: 12, window: 3, dar_act: sigmoid}", true, true),
+    ("uniform", "{kind: uniform, d_down: 12}", true, true),
+    ("window", "{kind: window, window: 3}", true, true),
+    ("sink", "{kind: sink, window: 3, sinks: 2}", true, false),
+    ("still", "{kind: still, chunk: 4, tokens_per_chunk: 1}", false, true),
+    ("lolcats", "{kind: lolcats, window: 4, feature_dim: 8}", false, true),
+    ("liger-gla", "{kind: liger-gla, window: 3, gate_temperature: 1.0}", false, false),
 ];
 
 const T: i64 = 13;
@@ -93,33 +94,40 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 fn decode_gap(model: &Model, x: &Tensor, prompt: i64) -> f64 {
     let full: Vec<Tensor> = (1..=T).map(|t| tch::no_grad(|| model.forward(&x.narrow(1, 0, t)))).collect();
     let mut worst = 0f64;
-    let mut step = |logits: Tensor, cache: &crate::attention::cache::DecodeCache, upto: i64, n: i64| {
-        worst = worst.max(max_diff(&logits, &full[upto as usize - 1].narrow(1, upto - n, n)));
-        if let Some(bound) = cache.bound(upto) {
-            assert!(cache.bytes() <= bound, "after {upto} tokens the cache holds {} bytes, over its declared {bound}", cache.bytes());
-        }
-    };
-    match model {
-        Model::Neox(m) => {
-            let mut cache = m.new_cache(2, Kind::Double, Device::Cpu);
-            let out = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, prompt)));
-            step(out, &cache, prompt, prompt);
-            for t in prompt..T {
-                let out = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, 1)));
-                step(out, &cache, t + 1, 1);
-            }
-        }
-        Model::Llama(m) => {
-            let mut cache = m.new_cache(2, Kind::Double, Device::Cpu);
-            let out = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, 0, prompt)));
-            step(out, &cache, prompt, prompt);
-            for t in prompt..T {
-                let out = tch::no_grad(|| m.extend(&mut cache, &x.narrow(1, t, 1)));
-                step(out, &cache, t + 1, 1);
-            }
+    let mut cache = model.new_cache(2, Kind::Double, Device::Cpu);
+    let mut at = 0;
+    for n in std::iter::once(prompt).chain(std::iter::repeat_n(1, (T - prompt) as usize)) {
+        let logits = model.extend(&mut cache, &x.narrow(1, at, n));
+        at += n;
+        worst = worst.max(max_diff(&logits, &full[at as usize - 1].narrow(1, at - n, n)));
+        if let Some(bound) = cache.bound(at) {
+            assert!(cache.bytes() <= bound, "after {at} tokens the cache holds {} bytes, over its declared {bound}", cache.bytes());
         }
     }
     worst
+}
+
+/// Prefill `prompt` tokens, then one at a time through the device-side step (`Model::prepare_step_at`,
+/// `Model::extend_hidden_at` with the reservation as its span, what a CUDA graph replays): the worst
+/// gap to the full forward of each prefix (the cache within its declared bound); None when the kind
+/// has no such step.
+fn device_step_gap(model: &Model, x: &Tensor, prompt: i64) -> Option<f64> {
+    use crate::attention::cache::StepAt;
+    let mut cache = model.new_cache(2, Kind::Double, Device::Cpu);
+    crate::eval::generate::reserve(&mut cache, T);
+    let _ = model.extend(&mut cache, &x.narrow(1, 0, prompt));
+    let mut worst = 0f64;
+    for t in prompt..T {
+        model.prepare_step_at(&mut cache, t, T);
+        let h = model.extend_hidden_at(&mut cache, &x.narrow(1, t, 1), &StepAt { pos: Tensor::from_slice(&[t]), span: T })?;
+        cache.advance(1);
+        if let Some(bound) = cache.bound(t + 1) {
+            assert!(cache.bytes() <= bound, "device-side steps: after {} tokens the cache holds {} bytes, over its declared {bound}", t + 1, cache.bytes());
+        }
+        let want = tch::no_grad(|| model.forward(&x.narrow(1, 0, t + 1))).narrow(1, t, 1);
+        worst = worst.max(max_diff(&model.logits(&h), &want));
+    }
+    Some(worst)
 }
 
 /// Logits and the gradient of ⟨logits, g⟩ for every parameter, by name.
@@ -140,7 +148,7 @@ fn every_kind_on_every_family() {
     let families = [Family::Neox, Family::Llama("llama_tiny"), Family::Llama("olmo2_tiny")];
     let mut checked = 0;
     for family in &families {
-        for &(kind, yaml, packs) in KINDS {
+        for &(kind, yaml, packs, device_step) in KINDS {
             let a = attention(yaml);
             let Some((vs, model)) = build(family, &a, 1) else { continue };
             let what = format!("{} {kind}", family.name());
@@ -150,6 +158,12 @@ fn every_kind_on_every_family() {
             for prompt in [1, 6] {
                 let gap = decode_gap(&model, &x, prompt);
                 assert!(gap < 1e-9, "{what}: decode after a {prompt}-token prompt differs from the forward by {gap}");
+                // The same through the device-side step, where the kind has one (OLMo 2's DAR reads
+                // its latents by rebuilding, its k_norm not being linear: the step still exists).
+                match device_step_gap(&model, &x, prompt) {
+                    Some(gap) => assert!(device_step && gap < 1e-9, "{what}: device-side step after a {prompt}-token prompt: {gap} (declared: {device_step})"),
+                    None => assert!(!device_step, "{what}: declared a device-side step, has none"),
+                }
             }
 
             // Left-padded prompts of several lengths in one batch = each prompt alone (softmax kinds;
@@ -226,11 +240,11 @@ fn every_kind_on_every_family() {
 #[test]
 fn every_registered_kind_is_checked() {
     for kind in AttentionKind::ALL {
-        let listed = KINDS.iter().any(|(_, yaml, _)| matches!(attention(yaml), Attention::Softmax(a) if a.kind() == kind));
+        let listed = KINDS.iter().any(|(_, yaml, _, _)| matches!(attention(yaml), Attention::Softmax(a) if a.kind() == kind));
         assert!(listed, "kind {} has no line in conformance::KINDS", kind.name());
     }
     for &name in Variant::NAMES {
-        let listed = KINDS.iter().any(|(_, yaml, _)| matches!(attention(yaml), Attention::Linearized(v) if v.name() == name));
+        let listed = KINDS.iter().any(|(_, yaml, _, _)| matches!(attention(yaml), Attention::Linearized(v) if v.name() == name));
         assert!(listed, "hybrid {name} has no line in conformance::KINDS");
     }
     // Every bench-decode model of a hybrid is that hybrid.

@@ -40,6 +40,13 @@ impl Cache {
         self.len() == 0
     }
 
+    /// The most bytes the layers declare they hold after `tokens` tokens (`DecodeCache::bound`).
+    pub fn bound(&self, tokens: i64) -> Option<i64> {
+        match self {
+            Cache::Neox(c) | Cache::Llama(c) => c.bound(tokens),
+        }
+    }
+
     /// Count `n` tokens written by device-side steps (`Model::extend_hidden_at`).
     pub fn advance(&mut self, n: i64) {
         match self {
