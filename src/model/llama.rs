@@ -441,7 +441,7 @@ impl Llama {
     fn attention_heads(&self, i: usize, a: &Tensor, cos: &Tensor, sin: &Tensor, seg: Option<&Tensor>, pass: Pass) -> Tensor {
         let b = &self.layers[i];
         let (q, k, v) = self.qkv(b, a, cos, sin, pass);
-        let kv = LayerKv { model: self, block: b, cos, sin };
+        let kv = LayerKv { model: self, block: b, cos, sin, span: None };
         Self::layer_variant(b, pass).forward(&Heads { q, k, v, input: a, seg, kv: &kv, train: pass == Pass::Train })
     }
 
@@ -475,7 +475,7 @@ impl Llama {
         for (i, b) in self.layers.iter().enumerate() {
             let a = self.kv_input(i, &x);
             let (q, k, v) = self.qkv(b, &a, &cos, &sin, Pass::Eval);
-            let kv = LayerKv { model: self, block: b, cos: &cos, sin: &sin };
+            let kv = LayerKv { model: self, block: b, cos: &cos, sin: &sin, span: None };
             let o = b.attn.decode(&mut cache.layers[i], &Heads { q, k, v, input: &a, seg: seg.as_ref(), kv: &kv, train: false }, p0);
             x = self.layer_finish(i, &x, &o, Pass::Eval);
         }
@@ -490,11 +490,13 @@ impl Llama {
     pub fn extend_hidden_at(&self, cache: &mut LlamaCache, ids: &Tensor, at: &StepAt) -> Option<Tensor> {
         let _guard = tch::no_grad_guard();
         let (cos, sin) = self.rope_at(&at.pos);
+        // Key positions 0..span, for DAR's distant keys: made once per step, not per layer.
+        let span = std::cell::OnceCell::new();
         let mut x = self.embed(ids);
         for (i, b) in self.layers.iter().enumerate() {
             let a = self.kv_input(i, &x);
             let (q, k, v) = self.qkv(b, &a, &cos, &sin, Pass::Eval);
-            let kv = LayerKv { model: self, block: b, cos: &cos, sin: &sin };
+            let kv = LayerKv { model: self, block: b, cos: &cos, sin: &sin, span: Some((&span, at.span)) };
             let o = b.attn.decode_at(&mut cache.layers[i], &Heads { q, k, v, input: &a, seg: None, kv: &kv, train: false }, at)?;
             x = self.layer_finish(i, &x, &o, Pass::Eval);
         }
@@ -521,6 +523,22 @@ struct LayerKv<'a> {
     /// The forward's RoPE tables.
     cos: &'a Tensor,
     sin: &'a Tensor,
+    /// A one-token decode step's tables for key positions 0..span (`extend_hidden_at`): made by the
+    /// first layer that asks, shared by the others.
+    span: Option<(&'a std::cell::OnceCell<(Tensor, Tensor)>, i64)>,
+}
+
+impl LayerKv<'_> {
+    /// RoPE tables `[n, hd]` for key positions 0..n: the step's own (made once for every layer) when they fit.
+    fn tables_from_zero(&self, n: i64) -> (Tensor, Tensor) {
+        match self.span {
+            Some((cell, span)) if span == n => {
+                let (c, s) = cell.get_or_init(|| self.model.rope(0, n, self.cos.device()));
+                (c.shallow_clone(), s.shallow_clone())
+            }
+            _ => self.model.rope(0, n, self.cos.device()),
+        }
+    }
 }
 
 impl KvMap for LayerKv<'_> {
@@ -530,6 +548,10 @@ impl KvMap for LayerKv<'_> {
         let v = x.linear::<Tensor>(&b.v_proj.weight.matmul(w), None);
         let k = match pos {
             Positions::Forward => m.keys(b, k, self.cos, self.sin),
+            Positions::From(0) => {
+                let (c, s) = self.tables_from_zero(x.size()[1]);
+                m.keys(b, k, &c, &s)
+            }
             Positions::From(start) => {
                 let (c, s) = m.rope(start, x.size()[1], x.device());
                 m.keys(b, k, &c, &s)
@@ -553,7 +575,7 @@ impl KvMap for LayerKv<'_> {
     /// cos / sin of positions 0..n `[n, hd/2]`: HF's tables repeat their first half.
     fn rotary_tables(&self, n: i64) -> Option<(Tensor, Tensor)> {
         let half = self.model.cfg.head_dim() as i64 / 2;
-        let (cos, sin) = self.model.rope(0, n, self.cos.device());
+        let (cos, sin) = self.tables_from_zero(n);
         Some((cos.narrow(1, 0, half), sin.narrow(1, 0, half)))
     }
 }
@@ -594,7 +616,7 @@ impl Llama {
     /// the heads the model computed from `a` (linearize's attention transfer compares the two).
     pub(crate) fn layer_attention(&self, i: usize, variant: &Layer, a: &Tensor, qkv: (Tensor, Tensor, Tensor), cos: &Tensor, sin: &Tensor, train: bool) -> Tensor {
         let (q, k, v) = qkv;
-        let kv = LayerKv { model: self, block: &self.layers[i], cos, sin };
+        let kv = LayerKv { model: self, block: &self.layers[i], cos, sin, span: None };
         variant.forward(&Heads { q, k, v, input: a, seg: None, kv: &kv, train })
     }
 

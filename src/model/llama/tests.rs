@@ -201,7 +201,7 @@ fn bottleneck_keys_equal_the_direct_form() {
         let a = m.kv_input(0, &m.embed(&x));
         let b = &m.layers[0];
         let bn = b.attn.bottleneck().unwrap();
-        let kv = LayerKv { model: &m, block: b, cos: &cos, sin: &sin };
+        let kv = LayerKv { model: &m, block: b, cos: &cos, sin: &sin, span: None };
         let (kg, vg) = bn.distant(&a, &kv, crate::attention::Positions::Forward);
         let h_prime = a.linear::<Tensor>(&bn.down, None).linear::<Tensor>(&bn.up, None);
         let (_, k, v) = m.qkv(b, &h_prime, &cos, &sin, Pass::Eval);
