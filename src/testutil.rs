@@ -47,6 +47,20 @@ pub fn tiny_llama(vocab: usize, family: crate::model::Family) -> crate::model::L
     }
 }
 
+/// A [`tiny_llama`] model in fp64 on the CPU, weights drawn from `seed`, with the linearized
+/// operator `yaml` (a hybrid's options with `kind:`) or, for "", vanilla attention.
+pub fn tiny_llama_model(yaml: &str, vocab: usize, seed: i64) -> (tch::nn::VarStore, crate::model::Model) {
+    let _rng = seeded(seed);
+    let mut cfg = tiny_llama(vocab, crate::model::Family::Llama);
+    if !yaml.is_empty() {
+        cfg.attention = crate::attention::Attention::Linearized(serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("{yaml}: {e}")));
+    }
+    let mut vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let m = crate::model::Llama::build(&vs.root(), cfg).unwrap_or_else(|e| panic!("{yaml}: {e}"));
+    vs.double();
+    (vs, crate::model::Model::Llama(m))
+}
+
 /// A softmax kind's options as a test writes them: `{kind, d_down (bottleneck kinds), window (all
 /// but vanilla)}`, read through the spec's own serde (so a kind's refusals hold here too).
 pub fn softmax(kind: crate::attention::AttentionKind, d_down: usize, window: usize) -> crate::attention::AttentionSpec {

@@ -428,23 +428,14 @@ mod tests {
         }
     }
 
-    /// The same for Llama models: vanilla, and STILL / LoLCATs students, whose device-side steps
-    /// route a chunk every C tokens before the step (`LayerOp::prepare_at`): 40 greedy tokens after
-    /// a 7-token prompt cross five chunk starts of C = 8, and equal the forward loop.
+    /// The same for Llama models: vanilla, and STILL / LoLCATs students: 40 greedy tokens after a
+    /// 7-token prompt cross five chunk starts of C = 8, and equal the forward loop.
     #[test]
     fn llama_greedy_generation_equals_the_forward_loop() {
-        use crate::attention::Attention;
         let _rng = crate::testutil::rng();
         let variants = ["", "{kind: still, chunk: 8, tokens_per_chunk: 2}", "{kind: still, chunk: 8, budget: {m: 20, max_len: 48}}", "{kind: lolcats, window: 8}"];
         for yaml in variants {
-            let _rng = crate::testutil::seeded(6);
-            let mut cfg = crate::testutil::tiny_llama(61, crate::model::Family::Llama);
-            if !yaml.is_empty() {
-                cfg.attention = Attention::Linearized(serde_yaml::from_str(yaml).unwrap());
-            }
-            let mut vs = VarStore::new(Device::Cpu);
-            let m = Model::Llama(crate::model::Llama::build(&vs.root(), cfg).unwrap());
-            vs.double();
+            let (_vs, m) = crate::testutil::tiny_llama_model(yaml, 61, 6);
             let prompt: Vec<u32> = vec![3, 17, 42, 8, 8, 29, 1];
             let want = forward_loop(&m, &prompt, 40);
             let g = generate(&m, &prompt, 40, Sampling { temperature: 0.0, seed: 0 }, None, Device::Cpu);

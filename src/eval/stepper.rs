@@ -212,7 +212,6 @@ fn device_steps(model: &Model, cache: &mut Cache, first: Tensor, max_new: usize,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::attention::Attention;
     use crate::eval::generate::{prefill, reserve};
     use crate::spec::AttentionKind;
     use tch::nn::VarStore;
@@ -264,14 +263,7 @@ mod tests {
             models.push((format!("{kind:?}"), vs, Model::Neox(m)));
         }
         for yaml in ["", "{kind: still, chunk: 8, tokens_per_chunk: 2}", "{kind: still, chunk: 8, budget: {m: 20, max_len: 48}, routing: random}", "{kind: lolcats, window: 8}", "{kind: lolcats, window: 8, decode_window: sliding}"] {
-            let _rng = crate::testutil::seeded(6);
-            let mut cfg = crate::testutil::tiny_llama(61, crate::model::Family::Llama);
-            if !yaml.is_empty() {
-                cfg.attention = Attention::Linearized(serde_yaml::from_str(yaml).unwrap());
-            }
-            let mut vs = VarStore::new(Device::Cpu);
-            let m = Model::Llama(crate::model::Llama::build(&vs.root(), cfg).unwrap());
-            vs.double();
+            let (vs, m) = crate::testutil::tiny_llama_model(yaml, 61, 6);
             scale_up(&vs);
             models.push((format!("llama {yaml}"), vs, m));
         }
