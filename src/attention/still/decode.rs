@@ -111,7 +111,6 @@ impl HybridCache {
         let (b_kv, b_state) = (f.win_k.kind().elt_size_in_bytes() as i64, self.s.kind().elt_size_in_bytes() as i64);
         b * h * (2 * (f.n_sel + n_win) * d * b_kv + n_win * b_state) + size(&self.s) + size(&self.z)
     }
-
 }
 
 impl Hybrid<'_> {
@@ -245,28 +244,30 @@ impl Hybrid<'_> {
         cache.sel_v = f.sel_v.narrow(2, 0, f.n_sel).copy();
     }
 
+    /// κ of chunk `chunk` (0 without a scorer) and, routing by a list (oracle), its positions
+    /// inside the chunk.
+    fn routing_of(&self, chunk: i64) -> (i64, Option<Vec<i64>>) {
+        let c = self.chunk;
+        let kappa = if self.scorer.is_some() { self.selection.kappa_for(chunk).min(c) } else { 0 };
+        let listed = self.oracle.as_ref().filter(|_| kappa > 0).map(|list| list.iter().filter(|&&p| p >= 0 && p / c == chunk).map(|&p| p - chunk * c).collect());
+        (kappa, listed)
+    }
+
     /// The tokens chunk `chunk` sends to Sel `[B, H, κ']` (indices inside the chunk, ascending) by
     /// its tokens' scores `[B, H, C]`: the top κ, or the oracle's positions in it; None: nothing.
     fn pick(&self, chunk: i64, scores: &Tensor) -> Option<Tensor> {
-        let c = self.chunk;
         let (b, h) = (scores.size()[0], scores.size()[1]);
-        let kappa = if self.scorer.is_some() { self.selection.kappa_for(chunk).min(c) } else { 0 };
-        match &self.oracle {
-            Some(list) if kappa > 0 => {
-                let inside: Vec<i64> = list.iter().filter(|&&p| p / c == chunk && p >= 0).map(|&p| p - chunk * c).collect();
-                (!inside.is_empty()).then(|| Tensor::from_slice(&inside).to_device(scores.device()).view([1, 1, -1]).expand([b, h, inside.len() as i64], false).contiguous())
-            }
-            _ => (kappa > 0).then(|| top_kappa(scores, kappa)),
+        match self.routing_of(chunk) {
+            (_, Some(inside)) => (!inside.is_empty()).then(|| Tensor::from_slice(&inside).to_device(scores.device()).view([1, 1, -1]).expand([b, h, inside.len() as i64], false).contiguous()),
+            (kappa, None) => (kappa > 0).then(|| top_kappa(scores, kappa)),
         }
     }
 
     /// How many tokens chunk `chunk` sends to Sel ([`Hybrid::pick`]'s count, known in advance).
     fn selects(&self, chunk: i64) -> i64 {
-        let c = self.chunk;
-        let kappa = if self.scorer.is_some() { self.selection.kappa_for(chunk).min(c) } else { 0 };
-        match &self.oracle {
-            Some(list) if kappa > 0 => list.iter().filter(|&&p| p / c == chunk && p >= 0).count() as i64,
-            _ => kappa,
+        match self.routing_of(chunk) {
+            (_, Some(inside)) => inside.len() as i64,
+            (kappa, None) => kappa,
         }
     }
 
