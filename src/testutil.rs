@@ -47,13 +47,13 @@ pub fn tiny_llama(vocab: usize, family: crate::model::Family) -> crate::model::L
     }
 }
 
-/// A [`tiny_llama`] model in fp64 on the CPU, weights drawn from `seed`, with the linearized
-/// operator `yaml` (a hybrid's options with `kind:`) or, for "", vanilla attention.
+/// A [`tiny_llama`] model in fp64 on the CPU, weights drawn from `seed`, with the attention `yaml`
+/// (any kind's options with `kind:`, as a config.json records them) or, for "", vanilla.
 pub fn tiny_llama_model(yaml: &str, vocab: usize, seed: i64) -> (tch::nn::VarStore, crate::model::Model) {
     let _rng = seeded(seed);
     let mut cfg = tiny_llama(vocab, crate::model::Family::Llama);
     if !yaml.is_empty() {
-        cfg.attention = crate::attention::Attention::Linearized(serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("{yaml}: {e}")));
+        cfg.attention = serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("{yaml}: {e}"));
     }
     let mut vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let m = crate::model::Llama::build(&vs.root(), cfg).unwrap_or_else(|e| panic!("{yaml}: {e}"));

@@ -245,7 +245,7 @@ mod tests {
     /// The device-side loop (`extend_hidden_at` per token, STILL / LoLCATs routing in `prepare_at`
     /// between steps, tokens written on the device, the stop token read every STOP_CHECK_EVERY
     /// steps) chooses what the host loop chooses, greedy and sampled, for GPT-NeoX's softmax kinds
-    /// (a left-padded batch) and Llama's vanilla, STILL and LoLCATs: 40 tokens after a 7-token
+    /// and Llama's vanilla and DAR (left-padded batches), STILL and LoLCATs: 40 tokens after a 7-token
     /// prompt cross five chunk starts of C = 8. With a stop token, both end the rows at its first
     /// occurrence. A sliding-window LoLCATs has no device-side step and takes host steps.
     #[test]
@@ -262,7 +262,7 @@ mod tests {
             scale_up(&vs);
             models.push((format!("{kind:?}"), vs, Model::Neox(m)));
         }
-        for yaml in ["", "{kind: still, chunk: 8, tokens_per_chunk: 2}", "{kind: still, chunk: 8, budget: {m: 20, max_len: 48}, routing: random}", "{kind: lolcats, window: 8}", "{kind: lolcats, window: 8, decode_window: sliding}"] {
+        for yaml in ["", "{kind: dar, d_down: 8, window: 3}", "{kind: still, chunk: 8, tokens_per_chunk: 2}", "{kind: still, chunk: 8, budget: {m: 20, max_len: 48}, routing: random}", "{kind: lolcats, window: 8}", "{kind: lolcats, window: 8, decode_window: sliding}"] {
             let (vs, m) = crate::testutil::tiny_llama_model(yaml, 61, 6);
             scale_up(&vs);
             models.push((format!("llama {yaml}"), vs, m));
