@@ -355,17 +355,8 @@ pub(crate) fn attend_newest(q: &Tensor, parts: &[(&Tensor, &Tensor, Option<Tenso
 fn newest_in_half(q: &Tensor, parts: &[(&Tensor, &Tensor, &Tensor)]) -> Tensor {
     let scale = 1.0 / (q.size()[3] as f64).sqrt();
     let scores: Vec<Tensor> = parts.iter().map(|(k, _, m)| (q.matmul(&k.transpose(-2, -1)) * scale).masked_fill(&m.logical_not(), f64::NEG_INFINITY)).collect();
-    let p = Tensor::cat(&scores, -1).softmax(-1, Kind::Float).to_kind(q.kind());
-    let mut at = 0;
-    let outs: Vec<Tensor> = parts
-        .iter()
-        .map(|(k, v, _)| {
-            let len = k.size()[2];
-            at += len;
-            p.narrow(-1, at - len, len).matmul(v)
-        })
-        .collect();
-    outs.into_iter().reduce(|a, b| a + b).expect("at least one part")
+    let p = super::joint_softmax(&scores, Kind::Float, q.kind());
+    p.iter().zip(parts).map(|(p, (_, v, _))| p.matmul(v)).reduce(|a, b| a + b).expect("at least one part")
 }
 
 /// `[n, len]`: query position (p0 ..) − key position (start ..).
@@ -519,5 +510,36 @@ impl DecodeCache {
     /// Preallocate every layer for `tokens` tokens in all (prompt + new tokens).
     pub fn reserve(&mut self, tokens: i64) {
         self.layers.iter_mut().for_each(|l| l.reserve(tokens));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 16-bit one-token step (`newest_in_half`: products in bf16, the joint softmax in fp32) over
+    /// two key sets of different lengths, grouped-query heads and per-row masks equals the fp32
+    /// masked softmax on the same bf16 numbers, to bf16 rounding; with the parts' masks swapped it
+    /// must not.
+    #[test]
+    fn half_precision_step_equals_the_fp32_softmax_over_its_parts() {
+        let _rng = crate::testutil::seeded(8);
+        let f = (Kind::Float, Device::Cpu);
+        let bf = |shape: &[i64]| Tensor::randn(shape, f).to_kind(Kind::BFloat16);
+        let (b, h, hkv, hd) = (2i64, 4i64, 2i64, 16i64);
+        let q = bf(&[b, h, 1, hd]);
+        let (k1, v1, k2, v2) = (bf(&[b, hkv, 5, hd]), bf(&[b, hkv, 5, hd]), bf(&[b, hkv, 7, hd]), bf(&[b, hkv, 7, hd]));
+        let m1 = Tensor::from_slice(&[true, false, true, true, false, true, true, true, false, true]).view([b, 1, 1, 5]);
+        let m2 = Tensor::rand([b, 1, 1, 7], f).gt(0.3);
+        let got = attend_newest(&q, &[(&k1, &v1, Some(m1.shallow_clone())), (&k2, &v2, Some(m2.shallow_clone()))]).to_kind(Kind::Float);
+        let want = |m1: &Tensor, m2: &Tensor| {
+            let r = |x: &Tensor| repeat_kv(&x.to_kind(Kind::Float), &q);
+            let qf = q.to_kind(Kind::Float);
+            masked_softmax_attention(&qf, &[(&r(&k1), &r(&v1), m1), (&r(&k2), &r(&v2), m2)])
+        };
+        let err = (&got - want(&m1, &m2)).abs().max().double_value(&[]);
+        assert!(err < 3e-2, "bf16 step vs fp32: {err}");
+        let swapped = (&got - want(&m1.logical_not(), &m2.logical_not().logical_or(&m1.narrow(3, 0, 1)))).abs().max().double_value(&[]);
+        assert!(swapped > 0.1, "other masks give the same output: {swapped}");
     }
 }

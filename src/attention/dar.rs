@@ -605,17 +605,16 @@ pub(crate) fn read_latents(q: &Tensor, ring: Option<&(Tensor, Tensor, Tensor)>, 
     if let Some((k, _, m)) = ring {
         scores.push((q.matmul(&k.transpose(-2, -1)) * scale).masked_fill(&m.logical_not(), f64::NEG_INFINITY));
     }
-    let near = scores.first().map_or(0, |s| s.size()[3]);
     scores.push(far_scores);
-    let p = Tensor::cat(&scores, -1).softmax(-1, soft).to_kind(kind);
-    let pf = p.narrow(-1, near, p.size()[3] - near);
+    let mut p = super::joint_softmax(&scores, soft, kind);
+    let pf = p.pop().expect("the distant part");
     // (p·c)·wvᵀ: [B, H_kv, g, r] · [H_kv, r, hd].
     let mut out = pf.matmul(&c4).matmul(&a.wv.transpose(1, 2));
     if let Some(bv) = &a.bv {
         out = out + pf.sum_dim_intlist(&[-1i64][..], true, kind) * bv.unsqueeze(1);
     }
-    if let Some((_, v, _)) = ring {
-        out = out + p.narrow(-1, 0, near).matmul(v);
+    if let (Some((_, v, _)), Some(pn)) = (ring, p.first()) {
+        out = out + pn.matmul(v);
     }
     out.reshape([b, h, 1, hd])
 }

@@ -123,19 +123,18 @@ pub fn masked_softmax_attention_in(q: &Tensor, parts: &[(&Tensor, &Tensor, &Tens
         .iter()
         .map(|(k, _, mask)| (qf.matmul(&k.to_kind(kind).transpose(-2, -1)) * scale).masked_fill(&mask.logical_not(), f64::NEG_INFINITY))
         .collect();
-    let p = Tensor::cat(&scores, -1).softmax(-1, kind);
-    let mut out: Option<Tensor> = None;
-    let mut at = 0;
-    for (k, v, _) in parts {
-        let len = k.size()[2];
-        let o = p.narrow(-1, at, len).matmul(&v.to_kind(kind));
-        at += len;
-        out = Some(match out {
-            Some(acc) => acc + o,
-            None => o,
-        });
-    }
+    let p = joint_softmax(&scores, kind, kind);
+    let out = p.iter().zip(parts).map(|(p, (_, v, _))| p.matmul(&v.to_kind(kind))).reduce(|a, b| a + b);
     out.expect("at least one part").to_kind(q.kind())
+}
+
+/// One softmax (computed in `kind`, returned in `out`) over score blocks `[.., S_p]` side by side,
+/// split back into one probability block per part: a joint softmax over key sets that are never
+/// copied into one.
+pub(crate) fn joint_softmax(scores: &[Tensor], kind: Kind, out: Kind) -> Vec<Tensor> {
+    let p = Tensor::cat(scores, -1).softmax(-1, kind).to_kind(out);
+    let lens: Vec<i64> = scores.iter().map(|s| *s.size().last().expect("scores have a key axis")).collect();
+    p.split_with_sizes(lens.as_slice(), -1)
 }
 
 #[cfg(test)]
