@@ -56,20 +56,22 @@ impl Hybrid<'_> {
             let nsel = r.pos.size()[2];
             let take = |x: &Tensor| x.gather(2, &r.pos.unsqueeze(-1).expand([b, h, nsel, d], false), false);
             let (ks, vs) = (take(&kf), take(&vf));
-            logits.insert(0, chunks(&qf).matmul(&ks.unsqueeze(2).transpose(-2, -1)) / (d as f64).sqrt());
+            logits.insert(0, (chunks(&qf) * (1.0 / (d as f64).sqrt())).matmul(&ks.unsqueeze(2).transpose(-2, -1)));
             let key_chunk = r.chunks(c).view([1, 1, nsel]);
             let q_chunk = Tensor::arange(n, (Kind::Int64, dev)).view([n, 1, 1]);
             ok.insert(0, (key_chunk + 2).le_tensor(&q_chunk).expand([n, c, nsel], false));
             sel_kv = Some(vs);
         }
-        let s_all = Tensor::cat(&logits, -1).masked_fill(&Tensor::cat(&ok, -1).logical_not(), f64::NEG_INFINITY);
-        let m = s_all.amax(-1, true); // over Sel ∪ Win only (and not compensated below, §3)
-        let e = (s_all - &m).exp();
-        let mut z_sm = e.sum_dim_intlist(-1, true, kind);
-        let n_sel = e.size()[4] - 2 * c;
-        let mut n_sm = e.narrow(-1, n_sel, 2 * c).matmul(&two_chunks(&chunks(&vf)));
-        if let Some(vs) = &sel_kv {
-            n_sm = n_sm + e.narrow(-1, 0, n_sel).matmul(&vs.unsqueeze(2));
+        // One softmax over Sel ∪ Win without copying the two logit blocks into one: the max over
+        // both, then each block's exponentials against it.
+        let masked: Vec<Tensor> = logits.iter().zip(&ok).map(|(l, o)| l.masked_fill(&o.logical_not(), f64::NEG_INFINITY)).collect();
+        let m = masked.iter().map(|x| x.amax(-1, true)).reduce(|a, b| a.maximum(&b)).expect("the window block"); // over Sel ∪ Win only (and not compensated below, §3)
+        let e: Vec<Tensor> = masked.iter().map(|x| (x - &m).exp()).collect();
+        let mut z_sm = e.iter().map(|x| x.sum_dim_intlist(-1, true, kind)).reduce(|a, b| a + b).expect("the window block");
+        let e_win = e.last().expect("the window block");
+        let mut n_sm = e_win.matmul(&two_chunks(&chunks(&vf)));
+        if let (Some(vs), [e_sel, _]) = (&sel_kv, e.as_slice()) {
+            n_sm = n_sm + e_sel.matmul(&vs.unsqueeze(2));
         }
         if let Some(gamma) = &self.gamma {
             let gamma = gamma.to_kind(kind).view([1, h, 1, 1, 1]);

@@ -168,7 +168,7 @@ impl Hybrid<'_> {
         let nw = cache.win_k.size()[2];
         let keys = Tensor::cat(&[&cache.sel_k, &cache.win_k], 2).to_kind(kind);
         let vals = Tensor::cat(&[&cache.sel_v, &cache.win_v], 2).to_kind(kind);
-        let s = qf.matmul(&keys.transpose(-2, -1)) * scale; // [B, H, len, nsel + nw]
+        let s = (&qf * scale).matmul(&keys.transpose(-2, -1)); // [B, H, len, nsel + nw]
         // New token r sits at window index nw − len + r.
         let r = Tensor::arange(len, (Kind::Int64, dev)).view([len, 1]) + (nw - len);
 
@@ -373,8 +373,8 @@ impl Hybrid<'_> {
         let _ = f.win_k.index_copy_(2, &slot, &k.to_kind(f.win_k.kind()));
         let _ = f.win_v.index_copy_(2, &slot, &v.to_kind(f.win_v.kind()));
         let qf = q.to_kind(kind);
-        let scale = 1.0 / (d as f64).sqrt();
-        let s_win = qf.matmul(&f.win_k.to_kind(kind).transpose(-2, -1)) * scale; // [B, H, 1, 2C]
+        let qs = &qf * (1.0 / (d as f64).sqrt());
+        let s_win = qs.matmul(&f.win_k.to_kind(kind).transpose(-2, -1)); // [B, H, 1, 2C]
 
         // The new token's score over its C most recent keys (positions pos − C + 1 .. pos).
         let recent = Tensor::arange(c, (Kind::Int64, dev)) + (&at.pos - (c - 1));
@@ -394,7 +394,7 @@ impl Hybrid<'_> {
             (s_win, f.win_v.to_kind(kind), in_window)
         } else {
             let cap = f.sel_k.size()[2];
-            let s_sel = qf.matmul(&f.sel_k.to_kind(kind).transpose(-2, -1)) * scale;
+            let s_sel = qs.matmul(&f.sel_k.to_kind(kind).transpose(-2, -1));
             let filled = Tensor::arange(cap, (Kind::Int64, dev)).lt_tensor(&f.n_sel_at);
             (Tensor::cat(&[s_sel, s_win], -1), Tensor::cat(&[&f.sel_v, &f.win_v], 2).to_kind(kind), Tensor::cat(&[filled, in_window], 0))
         };

@@ -96,9 +96,10 @@ impl Hybrid<'_> {
 fn window_logits(c: i64, qf: &Tensor, kf: &Tensor) -> Tensor {
     let (b, h, tp, d) = dims4(qf);
     let n = tp / c;
-    let qc = qf.reshape([b, h, n, c, d]);
+    // 1/√D on the queries (T·D numbers), not on the logits (T·2C).
+    let qc = (qf * (1.0 / (d as f64).sqrt())).reshape([b, h, n, c, d]);
     let kw = two_chunks(&kf.reshape([b, h, n, c, d]));
-    qc.matmul(&kw.transpose(-2, -1)) / (d as f64).sqrt()
+    qc.matmul(&kw.transpose(-2, -1))
 }
 
 /// Per-token scores `[B, H, Tp]` from the window logits `[B, H, n, C, 2C]`: each token's own window of
