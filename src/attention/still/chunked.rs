@@ -5,6 +5,12 @@ use super::{dims4, pad_to, two_chunks, HybridCache, Scorer, Selection};
 use crate::attention::feature_maps::FeatureMap;
 use tch::{Kind, Tensor};
 
+/// The prefill computes Sel's logits for groups of query chunks, each group against the selected
+/// slots its last chunk sees (about half of them on average): at most this many groups, ...
+const SEL_GROUPS: i64 = 8;
+/// ... of at least this many chunks each (fewer, larger blocks where the sequence is short).
+const SEL_GROUP_CHUNKS: i64 = 16;
+
 /// Everything the hybrid operator needs besides q, k, v and the gate: §3 for STILL, §7 for LoLCATs.
 pub(crate) struct Hybrid<'a> {
     pub chunk: i64,
@@ -49,30 +55,46 @@ impl Hybrid<'_> {
         }
         let scores = tch::no_grad(|| self.scores(&s_win.detach(), &kf.detach()));
         let routed = tch::no_grad(|| self.route(&scores));
-        let (mut logits, mut ok) = (vec![s_win], vec![win_ok]);
-        let mut sel_kv = None;
-        if let Some(r) = &routed {
-            // Sel: the κ tokens of every chunk ≤ c−2, visible from query chunk c.
+        // Sel: the κ tokens of every chunk ≤ c−2, visible from query chunk c. The selected slots are
+        // in chunk order, so a query chunk sees a prefix of them: query chunks go in groups, each
+        // against the prefix its last chunk sees, not against every slot behind a mask.
+        let sel = routed.as_ref().map(|r| {
             let nsel = r.pos.size()[2];
             let take = |x: &Tensor| x.gather(2, &r.pos.unsqueeze(-1).expand([b, h, nsel, d], false), false);
-            let (ks, vs) = (take(&kf), take(&vf));
-            logits.insert(0, (chunks(&qf) * (1.0 / (d as f64).sqrt())).matmul(&ks.unsqueeze(2).transpose(-2, -1)));
-            let key_chunk = r.chunks(c).view([1, 1, nsel]);
-            let q_chunk = Tensor::arange(n, (Kind::Int64, dev)).view([n, 1, 1]);
-            ok.insert(0, (key_chunk + 2).le_tensor(&q_chunk).expand([n, c, nsel], false));
-            sel_kv = Some(vs);
+            let key_chunk: Vec<i64> = Vec::try_from(r.chunks(c).to_device(tch::Device::Cpu)).expect("the selected slots' chunks");
+            (take(&kf), take(&vf), key_chunk)
+        });
+        let qs = chunks(&qf) * (1.0 / (d as f64).sqrt());
+        let v_win = two_chunks(&chunks(&vf));
+        let groups = if sel.is_some() { (n / SEL_GROUP_CHUNKS).clamp(1, SEL_GROUPS) } else { 1 };
+        // Per group of query chunks: the softmax numerator, denominator and max over Sel ∪ Win, one
+        // softmax without copying the logit blocks into one (the max over both, then each block's
+        // exponentials against it).
+        let mut per_group = Vec::with_capacity(groups as usize);
+        for g in 0..groups {
+            let (from, to) = (g * n / groups, (g + 1) * n / groups);
+            let len = to - from;
+            let mut logits = vec![s_win.narrow(2, from, len).masked_fill(&win_ok.narrow(0, from, len).logical_not(), f64::NEG_INFINITY)];
+            let mut values = vec![v_win.narrow(2, from, len)];
+            if let Some((ks, vs, key_chunk)) = &sel {
+                let seen = key_chunk.iter().take_while(|&&kc| kc + 2 < to).count() as i64;
+                if seen > 0 {
+                    let kc = Tensor::from_slice(&key_chunk[..seen as usize]).to_device(dev).view([1, 1, seen]);
+                    let qc = Tensor::arange_start(from, to, (Kind::Int64, dev)).view([len, 1, 1]);
+                    let ok = (kc + 2).le_tensor(&qc).expand([len, c, seen], false);
+                    let s_sel = qs.narrow(2, from, len).matmul(&ks.narrow(2, 0, seen).unsqueeze(2).transpose(-2, -1));
+                    logits.push(s_sel.masked_fill(&ok.logical_not(), f64::NEG_INFINITY));
+                    values.push(vs.narrow(2, 0, seen).unsqueeze(2));
+                }
+            }
+            let m = logits.iter().map(|x| x.amax(-1, true)).reduce(|x, y| x.maximum(&y)).expect("the window block"); // over Sel ∪ Win only (and not compensated below, §3)
+            let e: Vec<Tensor> = logits.iter().map(|x| (x - &m).exp()).collect();
+            let z = e.iter().map(|x| x.sum_dim_intlist(-1, true, kind)).reduce(|x, y| x + y).expect("the window block");
+            let num = e.iter().zip(&values).map(|(e, v)| e.matmul(v)).reduce(|x, y| x + y).expect("the window block");
+            per_group.push((num, z, m));
         }
-        // One softmax over Sel ∪ Win without copying the two logit blocks into one: the max over
-        // both, then each block's exponentials against it.
-        let masked: Vec<Tensor> = logits.iter().zip(&ok).map(|(l, o)| l.masked_fill(&o.logical_not(), f64::NEG_INFINITY)).collect();
-        let m = masked.iter().map(|x| x.amax(-1, true)).reduce(|a, b| a.maximum(&b)).expect("the window block"); // over Sel ∪ Win only (and not compensated below, §3)
-        let e: Vec<Tensor> = masked.iter().map(|x| (x - &m).exp()).collect();
-        let mut z_sm = e.iter().map(|x| x.sum_dim_intlist(-1, true, kind)).reduce(|a, b| a + b).expect("the window block");
-        let e_win = e.last().expect("the window block");
-        let mut n_sm = e_win.matmul(&two_chunks(&chunks(&vf)));
-        if let (Some(vs), [e_sel, _]) = (&sel_kv, e.as_slice()) {
-            n_sm = n_sm + e_sel.matmul(&vs.unsqueeze(2));
-        }
+        let joined = |pick: fn(&(Tensor, Tensor, Tensor)) -> &Tensor| Tensor::cat(&per_group.iter().map(pick).collect::<Vec<_>>(), 2);
+        let (mut n_sm, mut z_sm, m) = (joined(|p| &p.0), joined(|p| &p.1), joined(|p| &p.2));
         if let Some(gamma) = &self.gamma {
             let gamma = gamma.to_kind(kind).view([1, h, 1, 1, 1]);
             n_sm = n_sm * &gamma;

@@ -166,7 +166,8 @@ mod tests {
         for routing in ALL_ROUTINGS {
             let c = StillConfig { routing, ..StillConfig::default() };
             let (_, st) = layer(&c, 4, 16, 1);
-            for t in [1i64, 63, 64, 65, 127, 128, 129, 200, 1024] {
+            // T 2100 = 33 chunks: Sel's logits in two groups of query chunks.
+            for t in [1i64, 63, 64, 65, 127, 128, 129, 200, 1024, 2100] {
                 let x = inputs(2, 4, t, 16, t);
                 let g = st.gate(&x[3]);
                 let (fast, slow) = tch::no_grad(|| (st.forward(&x[0], &x[1], &x[2], g.as_ref()), st.reference(&x[0], &x[1], &x[2], g.as_ref())));
@@ -183,8 +184,9 @@ mod tests {
         }
     }
 
-    /// Gradients w.r.t. q, k, v, the gate input and every parameter agree (C = 8, κ = 2, many chunks),
-    /// also with a budget cap, the Hedgehog map, no gate and the phantom chunk-0 keys.
+    /// Gradients w.r.t. q, k, v, the gate input and every parameter agree (C = 8, κ = 2, many chunks,
+    /// enough for the grouped Sel logits), also with a budget cap, the Hedgehog map, no gate and the
+    /// phantom chunk-0 keys.
     #[test]
     fn fast_matches_reference_gradients() {
         let _rng = crate::testutil::rng();
@@ -203,7 +205,8 @@ mod tests {
         for (vi, y) in variants.iter().enumerate() {
             let (vs, st) = layer(&cfg(y), 3, 8, 10 + vi as i64);
             st.set_oracle(Some(vec![11, 0, 3, 9, 10, 17, 25, 3]));
-            for t in [5i64, 8, 13, 17, 40] {
+            // T 264 = 33 chunks: the prefill computes Sel's logits in two groups of query chunks.
+            for t in [5i64, 8, 13, 17, 40, 264] {
                 let x = inputs(2, 3, t, 8, 100 + t);
                 let go = Tensor::randn([2, 3, t, 8], (Kind::Double, Device::Cpu));
                 let mut wrt: Vec<Tensor> = x.iter().map(|t| t.shallow_clone()).collect();
