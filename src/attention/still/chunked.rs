@@ -1,6 +1,7 @@
 //! The shared hybrid operator (STILL, and LoLCATs with κ = 0 and γ): its vectorised prefill /
-//! training path over chunks (§3), the softmax part one masked `[C, κ·#chunks + 2C]` block per chunk,
-//! the linear part prefix sums of per-chunk states.
+//! training path over chunks (§3), the softmax part masked blocks per group of chunks (the window's
+//! 2C keys, and the selected tokens the group's chunks see), the linear part prefix sums of
+//! per-chunk states.
 use super::{dims4, pad_to, two_chunks, HybridCache, Scorer, Selection};
 use crate::attention::feature_maps::FeatureMap;
 use tch::{Kind, Tensor};
@@ -61,8 +62,7 @@ impl Hybrid<'_> {
         let sel = routed.as_ref().map(|r| {
             let nsel = r.pos.size()[2];
             let take = |x: &Tensor| x.gather(2, &r.pos.unsqueeze(-1).expand([b, h, nsel, d], false), false);
-            let key_chunk: Vec<i64> = Vec::try_from(r.chunks(c).to_device(tch::Device::Cpu)).expect("the selected slots' chunks");
-            (take(&kf), take(&vf), key_chunk)
+            (take(&kf), take(&vf), &r.chunk_of)
         });
         let qs = chunks(&qf) * (1.0 / (d as f64).sqrt());
         let v_win = two_chunks(&chunks(&vf));

@@ -46,13 +46,8 @@ pub(super) struct Routed {
     /// `[B, H, n_sel]` absolute positions of the selected tokens, ascending within each chunk. Slot i
     /// holds a token of the same chunk in every (sequence, head): κ per chunk, or the oracle's list.
     pub(super) pos: Tensor,
-}
-
-impl Routed {
-    /// The chunk of each slot `[n_sel]`.
-    pub(super) fn chunks(&self, c: i64) -> Tensor {
-        self.pos.select(0, 0).select(0, 0).divide_scalar_mode(c, "floor")
-    }
+    /// The chunk of each slot (ascending), known on the host.
+    pub(super) chunk_of: Vec<i64>,
 }
 
 impl Hybrid<'_> {
@@ -83,11 +78,11 @@ impl Hybrid<'_> {
                 return None;
             }
             let pos = Tensor::from_slice(&listed).to_device(scores.device()).view([1, 1, -1]).expand([b, h, listed.len() as i64], false).contiguous();
-            return Some(Routed { pos });
+            return Some(Routed { pos, chunk_of: listed.iter().map(|p| p / c).collect() });
         }
         let idx = top_kappa(&scores.narrow(2, 0, r * c).view([b, h, r, c]), kappa); // [B, H, R, κ]
         let pos = (idx + Tensor::arange(r, (Kind::Int64, scores.device())).view([r, 1]) * c).view([b, h, r * kappa]);
-        Some(Routed { pos })
+        Some(Routed { pos, chunk_of: (0..r * kappa).map(|i| i / kappa).collect() })
     }
 }
 
