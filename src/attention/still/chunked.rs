@@ -12,6 +12,17 @@ const SEL_GROUPS: i64 = 8;
 /// ... of at least this many chunks each (fewer, larger blocks where the sequence is short).
 const SEL_GROUP_CHUNKS: i64 = 16;
 
+/// One softmax's unnormalised sums over key blocks (logits masked with −∞, each with its values),
+/// without copying the blocks into one: Σ e^{s−m}·v, Σ e^{s−m} and the max m over all of them (the
+/// linear terms meet the softmax at this m, §3).
+fn softmax_sums(logits: &[Tensor], values: &[Tensor], kind: Kind) -> (Tensor, Tensor, Tensor) {
+    let m = logits.iter().map(|x| x.amax(-1, true)).reduce(|x, y| x.maximum(&y)).expect("a key block");
+    let e: Vec<Tensor> = logits.iter().map(|x| (x - &m).exp()).collect();
+    let z = e.iter().map(|x| x.sum_dim_intlist(-1, true, kind)).reduce(|x, y| x + y).expect("a key block");
+    let num = e.iter().zip(values).map(|(e, v)| e.matmul(v)).reduce(|x, y| x + y).expect("a key block");
+    (num, z, m)
+}
+
 /// Everything the hybrid operator needs besides q, k, v and the gate: §3 for STILL, §7 for LoLCATs.
 pub(crate) struct Hybrid<'a> {
     pub chunk: i64,
@@ -67,9 +78,7 @@ impl Hybrid<'_> {
         let qs = chunks(&qf) * (1.0 / (d as f64).sqrt());
         let v_win = two_chunks(&chunks(&vf));
         let groups = if sel.is_some() { (n / SEL_GROUP_CHUNKS).clamp(1, SEL_GROUPS) } else { 1 };
-        // Per group of query chunks: the softmax numerator, denominator and max over Sel ∪ Win, one
-        // softmax without copying the logit blocks into one (the max over both, then each block's
-        // exponentials against it).
+        // Per group of query chunks: the softmax numerator, denominator and max over Sel ∪ Win.
         let mut per_group = Vec::with_capacity(groups as usize);
         for g in 0..groups {
             let (from, to) = (g * n / groups, (g + 1) * n / groups);
@@ -87,11 +96,7 @@ impl Hybrid<'_> {
                     values.push(vs.narrow(2, 0, seen).unsqueeze(2));
                 }
             }
-            let m = logits.iter().map(|x| x.amax(-1, true)).reduce(|x, y| x.maximum(&y)).expect("the window block"); // over Sel ∪ Win only (and not compensated below, §3)
-            let e: Vec<Tensor> = logits.iter().map(|x| (x - &m).exp()).collect();
-            let z = e.iter().map(|x| x.sum_dim_intlist(-1, true, kind)).reduce(|x, y| x + y).expect("the window block");
-            let num = e.iter().zip(&values).map(|(e, v)| e.matmul(v)).reduce(|x, y| x + y).expect("the window block");
-            per_group.push((num, z, m));
+            per_group.push(softmax_sums(&logits, &values, kind));
         }
         let joined = |pick: fn(&(Tensor, Tensor, Tensor)) -> &Tensor| Tensor::cat(&per_group.iter().map(pick).collect::<Vec<_>>(), 2);
         let (mut n_sm, mut z_sm, m) = (joined(|p| &p.0), joined(|p| &p.1), joined(|p| &p.2));
@@ -158,6 +163,26 @@ impl Hybrid<'_> {
             cache
         });
         (y, Some(cache))
+    }
+
+    /// The output (§3) of queries `qf` from their logits over blocks of Sel ∪ Win (masked with −∞),
+    /// those keys' values and the linear state S, z; in the compute kind (a decode step's).
+    pub(super) fn mix(&self, logits: &[Tensor], values: &[Tensor], qf: &Tensor, g: Option<&Tensor>, state: &Tensor, z: &Tensor) -> Tensor {
+        let kind = state.kind();
+        let (mut n_sm, mut z_sm, m) = softmax_sums(logits, values, kind);
+        if let Some(gamma) = &self.gamma {
+            let gamma = gamma.to_kind(kind).view([1, -1, 1, 1]);
+            n_sm = n_sm * &gamma;
+            z_sm = z_sm * gamma;
+        }
+        let phi_q = self.fq.forward(qf);
+        let mut n_lin = phi_q.matmul(state);
+        let z_lin = phi_q.matmul(&z.unsqueeze(-1));
+        if let Some(g) = g {
+            n_lin = n_lin * g.to_kind(kind);
+        }
+        let (n_lin, z_lin) = self.linear_terms(n_lin, z_lin, &m);
+        (n_sm + n_lin) / (z_sm + z_lin + self.eps)
     }
 
     /// The linear numerator and denominator as they enter the output: dropped without the linear

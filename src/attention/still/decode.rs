@@ -187,30 +187,7 @@ impl Hybrid<'_> {
         let col = Tensor::arange(nsel + nw, (Kind::Int64, dev)).view([1, nsel + nw]) - nsel;
         let s = s.masked_fill(&col.gt_tensor(&r), f64::NEG_INFINITY);
         cache.pos += len;
-        self.mix(&s, &vals, &qf, g, &cache.s, &cache.z).to_kind(q.kind())
-    }
-
-    /// The output (§3) of queries `qf` from their logits over Sel ∪ window `s` (masked with −∞),
-    /// those keys' values `vals` and the linear state S, z; in the compute kind.
-    fn mix(&self, s: &Tensor, vals: &Tensor, qf: &Tensor, g: Option<&Tensor>, state: &Tensor, z: &Tensor) -> Tensor {
-        let kind = state.kind();
-        let m = s.amax(-1, true);
-        let e = (s - &m).exp();
-        let mut n_sm = e.matmul(vals);
-        let mut z_sm = e.sum_dim_intlist(-1, true, kind);
-        if let Some(gamma) = &self.gamma {
-            let gamma = gamma.to_kind(kind).view([1, -1, 1, 1]);
-            n_sm = n_sm * &gamma;
-            z_sm = z_sm * gamma;
-        }
-        let phi_q = self.fq.forward(qf);
-        let mut n_lin = phi_q.matmul(state);
-        let z_lin = phi_q.matmul(&z.unsqueeze(-1));
-        if let Some(g) = g {
-            n_lin = n_lin * g.to_kind(kind);
-        }
-        let (n_lin, z_lin) = self.linear_terms(n_lin, z_lin, &m);
-        (n_sm + n_lin) / (z_sm + z_lin + self.eps)
+        self.mix(&[s], &[vals], &qf, g, &cache.s, &cache.z).to_kind(q.kind())
     }
 
     /// Route chunk `chunk` = the first C window tokens: top-κ (or the oracle's) to Sel, the rest into S and z.
@@ -390,16 +367,15 @@ impl Hybrid<'_> {
         let held = &at.pos - (&at.pos - Tensor::arange(2 * c, (Kind::Int64, dev))).remainder(2 * c);
         let from = ((at.pos.divide_scalar_mode(c, "floor") - 1) * c).clamp_min(0);
         let in_window = held.ge_tensor(&from);
-        let (s, vals, ok) = if f.sel_k.size()[2] == 0 {
-            (s_win, f.win_v.to_kind(kind), in_window)
-        } else {
-            let cap = f.sel_k.size()[2];
-            let s_sel = qs.matmul(&f.sel_k.to_kind(kind).transpose(-2, -1));
+        let mut logits = vec![s_win.masked_fill(&in_window.logical_not(), f64::NEG_INFINITY)];
+        let mut values = vec![f.win_v.to_kind(kind)];
+        let cap = f.sel_k.size()[2];
+        if cap > 0 {
             let filled = Tensor::arange(cap, (Kind::Int64, dev)).lt_tensor(&f.n_sel_at);
-            (Tensor::cat(&[s_sel, s_win], -1), Tensor::cat(&[&f.sel_v, &f.win_v], 2).to_kind(kind), Tensor::cat(&[filled, in_window], 0))
-        };
-        let s = s.masked_fill(&ok.logical_not(), f64::NEG_INFINITY);
-        self.mix(&s, &vals, &qf, g, &state, &z).to_kind(q.kind())
+            logits.push(qs.matmul(&f.sel_k.to_kind(kind).transpose(-2, -1)).masked_fill(&filled.logical_not(), f64::NEG_INFINITY));
+            values.push(f.sel_v.to_kind(kind));
+        }
+        self.mix(&logits, &values, &qf, g, &state, &z).to_kind(q.kind())
     }
 
     /// Fold the first `count` window tokens (weighted by `lin` `[B, H, count, 1]`) into S, z and drop them.
