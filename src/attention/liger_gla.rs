@@ -255,6 +255,7 @@ impl LayerOp for LigerGla {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attention::tests::grads_of;
     use tch::Device;
 
     /// The registered layer (as a model builds it), in fp64, with gate biases that differ per head
@@ -292,11 +293,7 @@ mod tests {
             let go = qkv(2, 3, t, 4, 100 + t)[0].detach();
             let mut wrt: Vec<Tensor> = x.iter().map(Tensor::shallow_clone).collect();
             wrt.extend(vs.trainable_variables());
-            let run = |out: Tensor| {
-                let gs = Tensor::run_backward(&[(&out * &go).sum(Kind::Double)], &wrt.iter().collect::<Vec<_>>(), false, false);
-                // An input a path does not read (the gate when no token has left the window) has no gradient: zero.
-                (out.detach(), gs.into_iter().zip(&wrt).map(|(g, x)| if g.defined() { g } else { x.zeros_like() }).collect::<Vec<_>>())
-            };
+            let run = |out: Tensor| (out.detach(), grads_of(&out, &go, &wrt));
             let (o_f, g_f) = run(l.forward(&x[0], &x[1], &x[2]));
             let (o_r, g_r) = run(l.reference(&x[0], &x[1], &x[2]));
             assert!(max_diff(&o_f, &o_r) < 1e-10, "{yaml}: forward vs reference {}", max_diff(&o_f, &o_r));

@@ -239,6 +239,7 @@ impl super::LayerOp for Lolcats {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attention::tests::grads_of;
 
     fn layer(yaml: &str, h: i64, d: i64, seed: i64) -> (nn::VarStore, Lolcats) {
         let _rng = crate::testutil::seeded(seed);
@@ -297,10 +298,7 @@ mod tests {
             let go = Tensor::randn([2, 3, t, 8], (Kind::Double, Device::Cpu));
             let mut wrt: Vec<Tensor> = x.iter().map(|t| t.shallow_clone()).collect();
             wrt.extend(vs.trainable_variables());
-            let run = |out: Tensor| {
-                let gs = Tensor::run_backward(&[(&out * &go).sum(Kind::Double)], &wrt.iter().collect::<Vec<_>>(), false, false);
-                (out.detach(), gs.into_iter().zip(&wrt).map(|(g, x)| if g.defined() { g } else { x.zeros_like() }).collect::<Vec<_>>())
-            };
+            let run = |out: Tensor| (out.detach(), grads_of(&out, &go, &wrt));
             let (o_f, g_f) = run(l.forward(&x[0], &x[1], &x[2]));
             let (o_r, g_r) = run(l.reference(&x[0], &x[1], &x[2]));
             assert!(max_diff(&o_f, &o_r) < 1e-10, "T={t}");

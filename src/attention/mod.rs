@@ -151,6 +151,13 @@ pub(crate) mod tests {
         (a - b).abs().max().double_value(&[])
     }
 
+    /// The gradients of ⟨out, go⟩ w.r.t. `wrt`; an input the path does not read (k_l at w = 0, a
+    /// gate before any token left the window) has none: zero.
+    pub(crate) fn grads_of(out: &Tensor, go: &Tensor, wrt: &[Tensor]) -> Vec<Tensor> {
+        let gs = Tensor::run_backward(&[(out * go).sum(Kind::Double)], &wrt.iter().collect::<Vec<_>>(), true, false);
+        gs.into_iter().zip(wrt).map(|(g, x)| if g.defined() { g } else { x.zeros_like() }).collect()
+    }
+
     /// SDPA over concatenated keys equals the explicit oracle, outputs and every input gradient,
     /// for windows inside, at and beyond the sequence.
     #[test]
@@ -162,10 +169,7 @@ pub(crate) mod tests {
             let go = rand(&shape, 99).detach();
             let run = |imp| {
                 let out = dar(&inputs[0], &inputs[1], &inputs[2], &inputs[3], &inputs[4], w, imp);
-                let grads = Tensor::run_backward(&[(&out * &go).sum(Kind::Double)], &inputs.iter().collect::<Vec<_>>(), false, false);
-                // An input a path does not read (k_l at w = 0) has no gradient: it is zero.
-                let grads: Vec<Tensor> = grads.into_iter().zip(&inputs).map(|(g, x)| if g.defined() { g } else { x.zeros_like() }).collect();
-                (out.detach(), grads)
+                (out.detach(), grads_of(&out, &go, &inputs))
             };
             let (o_ref, g_ref) = run(AttentionImpl::Reference);
             let (o_fast, g_fast) = run(AttentionImpl::Sdpa);
@@ -193,9 +197,7 @@ pub(crate) mod tests {
                 let go = rand(&[b, h, t, hd], 77).detach();
                 let run = |imp| {
                     let out = dar(&heads[0], &heads[1], &heads[2], &heads[3], &heads[4], w, imp);
-                    let grads = Tensor::run_backward(&[(&out * &go).sum(Kind::Double)], &inputs.iter().collect::<Vec<_>>(), false, false);
-                    let grads: Vec<Tensor> = grads.into_iter().zip(&inputs).map(|(g, x)| if g.defined() { g } else { x.zeros_like() }).collect();
-                    (out.detach(), grads)
+                    (out.detach(), grads_of(&out, &go, &inputs))
                 };
                 let (o_ref, g_ref) = run(AttentionImpl::Reference);
                 for imp in [AttentionImpl::BandSplit, AttentionImpl::Auto] {

@@ -238,7 +238,7 @@ impl KindCache for SinkCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::attention::tests::{max_diff, rand};
+    use crate::attention::tests::{grads_of, max_diff, rand};
 
     /// Independent of the masks: for each query, a softmax over the keys it reads, picked by index.
     fn by_loops(q: &Tensor, k: &Tensor, v: &Tensor, window: i64, sinks: i64) -> Tensor {
@@ -266,8 +266,7 @@ mod tests {
             let go = rand(&shape, 99).detach();
             let run = |f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Tensor| {
                 let out = f(&inputs[0], &inputs[1], &inputs[2]);
-                let grads = Tensor::run_backward(&[(&out * &go).sum(Kind::Double)], &inputs.iter().collect::<Vec<_>>(), false, false);
-                (out.detach(), grads)
+                (out.detach(), grads_of(&out, &go, &inputs))
             };
             let (want, want_g) = run(&|q, k, v| by_loops(q, k, v, w, n));
             for imp in [AttentionImpl::Reference, AttentionImpl::Sdpa] {

@@ -150,7 +150,7 @@ pub fn new_cache(shape: &CacheShape, window: i64) -> Recent {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::attention::tests::{max_diff, rand};
+    use crate::attention::tests::{grads_of, max_diff, rand};
     use crate::attention::AttentionKind;
     use tch::{Device, Kind};
 
@@ -179,8 +179,7 @@ mod tests {
             let go = rand(&shape, 99).detach();
             let run = |f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Tensor| {
                 let out = f(&inputs[0], &inputs[1], &inputs[2]);
-                let grads = Tensor::run_backward(&[(&out * &go).sum(Kind::Double)], &inputs.iter().collect::<Vec<_>>(), false, false);
-                (out.detach(), grads)
+                (out.detach(), grads_of(&out, &go, &inputs))
             };
             let (o_loop, g_loop) = run(&|q, k, v| by_loops(q, k, v, w));
             for imp in [AttentionImpl::Reference, AttentionImpl::Sdpa, AttentionImpl::Auto] {

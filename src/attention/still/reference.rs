@@ -214,7 +214,7 @@ mod tests {
                 let run = |reference: bool| {
                     let g = st.gate(&x[3]);
                     let out = if reference { st.reference(&x[0], &x[1], &x[2], g.as_ref()) } else { st.forward(&x[0], &x[1], &x[2], g.as_ref()) };
-                    (out.detach(), grads(&out, &go, &wrt))
+                    (out.detach(), crate::attention::tests::grads_of(&out, &go, &wrt))
                 };
                 let ((o_f, g_f), (o_r, g_r)) = (run(false), run(true));
                 assert!(max_diff(&o_f, &o_r) < 1e-10, "{y} T={t}: output");

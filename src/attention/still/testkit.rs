@@ -46,12 +46,6 @@ pub(super) fn to_bools(x: &Tensor) -> Vec<bool> {
     Vec::<bool>::try_from(x.flatten(0, -1)).unwrap()
 }
 
-/// Output and the gradients of ⟨out, go⟩ w.r.t. `wrt` (undefined = zero).
-pub(super) fn grads(out: &Tensor, go: &Tensor, wrt: &[Tensor]) -> Vec<Tensor> {
-    let gs = Tensor::run_backward(&[(out * go).sum(Kind::Double)], &wrt.iter().collect::<Vec<_>>(), true, false);
-    gs.into_iter().zip(wrt).map(|(g, x)| if g.defined() { g } else { x.zeros_like() }).collect()
-}
-
 pub(super) fn decode(st: &Still, cache: &mut HybridCache, x: &[Tensor], from: i64, to: i64) -> Tensor {
     let outs: Vec<Tensor> = (from..to)
         .map(|p| {
