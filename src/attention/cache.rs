@@ -92,6 +92,13 @@ impl Slots {
     }
 }
 
+/// The position each of a ring's `slots` (of `w` in all; position p goes in slot p mod w) holds once
+/// position `newest` (an i64 tensor of one element, on the host or the device) is written: the
+/// latest position ≤ newest congruent to the slot, newest − ((newest − slot) mod w); negative: none yet.
+pub(crate) fn ring_positions(newest: &Tensor, slots: &Tensor, w: i64) -> Tensor {
+    newest - (newest - slots).remainder(w)
+}
+
 /// Where a one-token decode step runs when its position lives on the device (`LayerOp::decode_at`):
 /// every shape depends on `span` alone and nothing is read back to the host, so one CUDA graph
 /// captures the step and replays it at every position up to `span` (`eval::stepper`).
@@ -170,11 +177,7 @@ impl Recent {
     pub fn positions(&self, device: Device) -> Tensor {
         let slots = Tensor::arange(self.filled(), (Kind::Int64, device));
         match self.keep {
-            Some(w) if self.seen > w => {
-                // The latest position p < seen with p ≡ slot (mod w): last − ((last − slot) mod w).
-                let last = self.seen - 1;
-                (slots.neg() + last).remainder(w).neg() + last
-            }
+            Some(w) if self.seen > w => ring_positions(&Tensor::from(self.seen - 1), &slots, w),
             _ => slots,
         }
     }
@@ -230,9 +233,8 @@ impl Recent {
         self.k.write_at(&slot, k);
         self.v.write_at(&slot, v);
         let slots = Tensor::arange(span, (Kind::Int64, device));
-        // A ring's slot s holds the latest position ≤ pos congruent to s (negative: not yet written).
         let pos = match self.keep {
-            Some(w) => &at.pos - (&at.pos - &slots).remainder(w),
+            Some(w) => ring_positions(&at.pos, &slots, w),
             None => slots,
         };
         let visible = pos.ge(0).logical_and(&pos.le_tensor(&at.pos));

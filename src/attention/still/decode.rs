@@ -364,7 +364,7 @@ impl Hybrid<'_> {
         let _ = f.win_scores.index_copy_(2, &slot, &score.to_kind(f.win_scores.kind()));
 
         // Slot s holds the latest position ≤ pos congruent to it; the window is chunks c − 1 and c.
-        let held = &at.pos - (&at.pos - Tensor::arange(2 * c, (Kind::Int64, dev))).remainder(2 * c);
+        let held = crate::attention::cache::ring_positions(&at.pos, &Tensor::arange(2 * c, (Kind::Int64, dev)), 2 * c);
         let from = ((at.pos.divide_scalar_mode(c, "floor") - 1) * c).clamp_min(0);
         let in_window = held.ge_tensor(&from);
         let mut logits = vec![s_win.masked_fill(&in_window.logical_not(), f64::NEG_INFINITY)];
