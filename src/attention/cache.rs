@@ -110,6 +110,28 @@ pub struct StepAt {
     pub span: i64,
 }
 
+/// A device-side step's RoPE tables for key positions 0..span (DAR's distant keys, rebuilt or read
+/// through the absorbed map): made by the first layer that asks, shared by the others.
+pub struct SpanTables {
+    span: i64,
+    tables: std::cell::OnceCell<(Tensor, Tensor)>,
+}
+
+impl SpanTables {
+    pub fn new(span: i64) -> Self {
+        SpanTables { span, tables: std::cell::OnceCell::new() }
+    }
+
+    /// The tables of positions 0..n: the step's own when n is its span, else `make`'s.
+    pub fn get(&self, n: i64, make: impl Fn() -> (Tensor, Tensor)) -> (Tensor, Tensor) {
+        if n != self.span {
+            return make();
+        }
+        let (c, s) = self.tables.get_or_init(make);
+        (c.shallow_clone(), s.shallow_clone())
+    }
+}
+
 impl StepAt {
     /// `[1, 1, 1, len]` → the mask shape of `attend_newest`, with the padding of the rows.
     pub(crate) fn mask(pad: &Option<Padding>, visible: Tensor, pos: &Tensor) -> Tensor {

@@ -15,7 +15,7 @@
 //! attention projections are LoRA-capable (`lora::Linear`), so `attnlab linearize` adapts them
 //! in place (`crate::linearize::student`). Packed rows: `hidden_docs` takes per-token document ids
 //! (block-diagonal mask, positions restarting at every document).
-use crate::attention::cache::{CacheShape, DecodeCache, StepAt};
+use crate::attention::cache::{CacheShape, DecodeCache, SpanTables, StepAt};
 use crate::attention::{self, AbsorbedKv, Attention, AttentionSpec, Heads, KvMap, Layer, LayerDims, Positions};
 use crate::lora::Linear;
 use crate::{Error, Result};
@@ -491,12 +491,12 @@ impl Llama {
         let _guard = tch::no_grad_guard();
         let (cos, sin) = self.rope_at(&at.pos);
         // Key positions 0..span, for DAR's distant keys: made once per step, not per layer.
-        let span = std::cell::OnceCell::new();
+        let span = SpanTables::new(at.span);
         let mut x = self.embed(ids);
         for (i, b) in self.layers.iter().enumerate() {
             let a = self.kv_input(i, &x);
             let (q, k, v) = self.qkv(b, &a, &cos, &sin, Pass::Eval);
-            let kv = LayerKv { model: self, block: b, cos: &cos, sin: &sin, span: Some((&span, at.span)) };
+            let kv = LayerKv { model: self, block: b, cos: &cos, sin: &sin, span: Some(&span) };
             let o = b.attn.decode_at(&mut cache.layers[i], &Heads { q, k, v, input: &a, seg: None, kv: &kv, train: false }, at)?;
             x = self.layer_finish(i, &x, &o, Pass::Eval);
         }
@@ -525,19 +525,14 @@ struct LayerKv<'a> {
     sin: &'a Tensor,
     /// A one-token decode step's tables for key positions 0..span (`extend_hidden_at`): made by the
     /// first layer that asks, shared by the others.
-    span: Option<(&'a std::cell::OnceCell<(Tensor, Tensor)>, i64)>,
+    span: Option<&'a SpanTables>,
 }
 
 impl LayerKv<'_> {
     /// RoPE tables `[n, hd]` for key positions 0..n: the step's own (made once for every layer) when they fit.
     fn tables_from_zero(&self, n: i64) -> (Tensor, Tensor) {
-        match self.span {
-            Some((cell, span)) if span == n => {
-                let (c, s) = cell.get_or_init(|| self.model.rope(0, n, self.cos.device()));
-                (c.shallow_clone(), s.shallow_clone())
-            }
-            _ => self.model.rope(0, n, self.cos.device()),
-        }
+        let make = || self.model.rope(0, n, self.cos.device());
+        self.span.map_or_else(make, |t| t.get(n, make))
     }
 }
 

@@ -8,7 +8,7 @@ use crate::attention::{AbsorbedKv, Attention, AttentionSpec, Heads, KvMap, Layer
 use crate::kernels;
 use crate::spec::{Gelu, Spec};
 use tch::nn::{self, Init, Module};
-use std::cell::OnceCell;
+use crate::attention::cache::SpanTables;
 use tch::Tensor;
 
 /// Everything the model needs to know; built from a resolved spec plus the vocabulary size.
@@ -235,7 +235,7 @@ struct LayerKv<'a> {
     sin: &'a Tensor,
     /// A one-token decode step's tables for key positions 0..span (`extend_hidden_at`): made by the
     /// first layer that asks, shared by the others.
-    span: Option<(&'a OnceCell<(Tensor, Tensor)>, i64)>,
+    span: Option<&'a SpanTables>,
 }
 
 impl KvMap for LayerKv<'_> {
@@ -272,13 +272,8 @@ impl KvMap for LayerKv<'_> {
 impl LayerKv<'_> {
     /// RoPE tables for positions 0..n: the step's own (made once for every layer) when they fit.
     fn tables_from_zero(&self, n: i64) -> (Tensor, Tensor) {
-        match self.span {
-            Some((cell, span)) if span == n => {
-                let (c, s) = cell.get_or_init(|| self.model.rope.tables(0, n, self.cos.device()));
-                (c.shallow_clone(), s.shallow_clone())
-            }
-            _ => self.model.rope.tables(0, n, self.cos.device()),
-        }
+        let make = || self.model.rope.tables(0, n, self.cos.device());
+        self.span.map_or_else(make, |t| t.get(n, make))
     }
 }
 

@@ -5,7 +5,7 @@
 //! ((h^D)·(W_kv·W_up)ᵀ + b_kv, then RoPE at each key's own position). Decoding token by token equals
 //! the full forward pass on the growing sequence (tested).
 use super::{GptNeox, LayerKv};
-use crate::attention::cache::{CacheShape, DecodeCache, StepAt};
+use crate::attention::cache::{CacheShape, DecodeCache, SpanTables, StepAt};
 use crate::attention::Heads;
 use tch::nn::Module;
 use tch::{Kind, Tensor};
@@ -53,12 +53,12 @@ impl GptNeox {
     pub fn extend_hidden_at(&self, cache: &mut NeoxCache, ids: &Tensor, at: &StepAt) -> Option<Tensor> {
         let (cos, sin) = self.rope.tables_at(&at.pos);
         // Key positions 0..span, for DAR's distant keys: made once per step, not per layer.
-        let span = std::cell::OnceCell::new();
+        let span = SpanTables::new(at.span);
         let mut x = Tensor::embedding(&self.embed_in, ids, -1, false, false);
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let a = layer.input_layernorm.forward(&x);
             let (q, k, v) = self.qkv(layer, &a, &cos, &sin);
-            let kv = LayerKv { model: self, layer, cos: &cos, sin: &sin, span: Some((&span, at.span)) };
+            let kv = LayerKv { model: self, layer, cos: &cos, sin: &sin, span: Some(&span) };
             let o = layer.attn.decode_at(lc, &Heads { q, k, v, input: &a, seg: None, kv: &kv, train: false }, at)?;
             let mlp = self.mlp(layer, &layer.post_attention_layernorm.forward(&x));
             x = x + self.attention_out(layer, &o) + mlp;
