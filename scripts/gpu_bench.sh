@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|decode|graphs|absorb|ruler|prefill|peers|profile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|decode|graphs|absorb|fused|ruler|prefill|peers|profile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -78,6 +78,17 @@ for what in "${@:-all}"; do
         for g in 1 0; do
           ATTNLAB_DAR_ABSORB=$g run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $GL --attention vanilla,dar,uniform --new-tokens 64 \
             | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/" >> "$OUT/decode_absorb$g.jsonl"
+        done
+      done ;;
+    fused)
+      # Issue 34 item 3: DAR / uniform decode through the fused step (csrc/cuda/dar_decode.cu) vs the
+      # aten step (ATTNLAB_DAR_FUSED=0: rebuilt keys below 32K slots, the absorbed read above), both
+      # graphed, interleaved, vanilla beside them.
+      GL=${GRAPH_LENGTHS:-1024,4096,16384,65536}
+      for ((r = 0; r < ${GRAPH_REPEATS:-2}; r++)); do
+        for g in 1 0; do
+          ATTNLAB_DAR_FUSED=$g run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $GL --attention vanilla,dar,uniform --new-tokens 64 \
+            | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/" >> "$OUT/decode_fused$g.jsonl"
         done
       done ;;
     ruler)

@@ -245,23 +245,30 @@ impl Recent {
     /// slots (a ring: all of its slots), positions ≤ pos (and at distance < keep) that hold a real
     /// token. None for a ring of no slots. The buffer must hold `at.span` slots (`reserve`).
     pub(crate) fn write_at(&mut self, k: &Tensor, v: &Tensor, at: &StepAt) -> Option<(Tensor, Tensor, Tensor)> {
-        let device = k.device();
-        let (slot, span) = match self.keep {
-            Some(0) => return None,
-            Some(w) => (at.pos.remainder(w), self.k.capacity()),
-            None => (at.pos.shallow_clone(), at.span),
-        };
-        assert!(span <= self.k.capacity() && span > 0, "decode step: span {span} beyond the cache's {} slots (reserve first)", self.k.capacity());
-        self.k.write_at(&slot, k);
-        self.v.write_at(&slot, v);
-        let slots = Tensor::arange(span, (Kind::Int64, device));
+        let (k, v, _) = self.write_slot_at(k, v, at)?;
+        let span = k.size()[2];
+        let slots = Tensor::arange(span, (Kind::Int64, k.device()));
         let pos = match self.keep {
             Some(w) => ring_positions(&at.pos, &slots, w),
             None => slots,
         };
         let visible = pos.ge(0).logical_and(&pos.le_tensor(&at.pos));
         let mask = StepAt::mask(&self.pad, visible, &pos);
-        Some((self.k.view(span), self.v.view(span), mask))
+        Some((k, v, mask))
+    }
+
+    /// [`Recent::write_at`] without the mask: the key set's views and the ring's slot count (0: slot j
+    /// holds position j), for a step that works out what each slot holds itself (the fused step).
+    pub(crate) fn write_slot_at(&mut self, k: &Tensor, v: &Tensor, at: &StepAt) -> Option<(Tensor, Tensor, i64)> {
+        let (slot, span, keep) = match self.keep {
+            Some(0) => return None,
+            Some(w) => (at.pos.remainder(w), self.k.capacity(), w),
+            None => (at.pos.shallow_clone(), at.span, 0),
+        };
+        assert!(span <= self.k.capacity() && span > 0, "decode step: span {span} beyond the cache's {} slots (reserve first)", self.k.capacity());
+        self.k.write_at(&slot, k);
+        self.v.write_at(&slot, v);
+        Some((self.k.view(span), self.v.view(span), keep))
     }
 
     /// The held keys (slots, positions, mask of the ones the new queries at p0.. see) and the new
@@ -325,6 +332,11 @@ impl Padding {
     /// Pads per row `[B]`.
     pub fn new(pad: &Tensor) -> Self {
         Padding { pad: pad.to_kind(Kind::Int64).view([-1, 1, 1, 1]) }
+    }
+
+    /// The padding of each row `[B, 1, 1, 1]` i64 (a key at position p is real iff p ≥ it).
+    pub fn rows(&self) -> &Tensor {
+        &self.pad
     }
 
     /// The largest padding of any row: every row's real tokens have begun by this position.
@@ -472,7 +484,16 @@ impl KindCache for Recent {
 
 /// `LayerOp::decode_at` of a layer whose cache is a [`Recent`] (vanilla, window).
 pub(crate) fn decode_recent_at(cache: &mut LayerCache, h: &Heads, at: &StepAt) -> Tensor {
-    let part = cache.state::<Recent>().write_at(&h.k, &h.v, at).expect("a vanilla / window cache holds at least one slot");
+    let recent = cache.state::<Recent>();
+    if crate::kernels::cuda::step_enabled(&h.q) {
+        let (k, v, keep) = recent.write_slot_at(&h.k, &h.v, at).expect("a vanilla / window cache holds at least one slot");
+        let pad = recent.pad.as_ref().map(|p| p.rows());
+        let step = crate::kernels::cuda::Step { q: &h.q, pos: &at.pos, pad, full: Some(crate::kernels::cuda::FullWidth { k: &k, v: &v, keep }), distant: None };
+        if let Some(out) = crate::kernels::cuda::attend_step(&step) {
+            return out.unwrap_or_else(|e| panic!("fused decode step failed: {e}"));
+        }
+    }
+    let part = recent.write_at(&h.k, &h.v, at).expect("a vanilla / window cache holds at least one slot");
     attend_newest(&h.q, &[(&part.0, &part.1, Some(part.2))])
 }
 

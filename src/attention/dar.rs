@@ -684,6 +684,9 @@ impl DarCache {
     /// rebuilt (fewer kernels: faster at short spans, measured).
     pub fn attend_at(&mut self, h: &Heads, at: &StepAt, latent: &Tensor, up: &Tensor) -> Tensor {
         assert!(at.span <= self.latent.capacity(), "decode step: span {} beyond the latent cache's {} slots (reserve first)", at.span, self.latent.capacity());
+        if let Some(out) = self.fused_step(h, at, latent, up) {
+            return out;
+        }
         let q = &h.q;
         self.latent.write_at(&at.pos, latent);
         let ring = self.recent.write_at(&h.k, &h.v, at);
@@ -703,6 +706,31 @@ impl DarCache {
         }
         parts.push((&kg, &vg, Some(far)));
         attend_newest(q, &parts)
+    }
+
+    /// The step as csrc/cuda/attend_step.cu's two kernels (`kernels::cuda::step_enabled`): the ring
+    /// and the latents, read through the absorbed map, in one softmax, no mask made by aten ops.
+    /// `None`: the aten step.
+    fn fused_step(&mut self, h: &Heads, at: &StepAt, latent: &Tensor, up: &Tensor) -> Option<Tensor> {
+        use crate::kernels::cuda;
+        if !cuda::step_enabled(&h.q) {
+            return None;
+        }
+        let a = self.absorbed.get_or_insert_with(|| h.kv.absorbed(up)).as_ref()?;
+        let (cos, sin) = h.kv.rotary_tables(at.span)?;
+        let (cos, sin) = (cos.to_kind(tch::Kind::Float), sin.to_kind(tch::Kind::Float));
+        self.latent.write_at(&at.pos, latent);
+        let full = self.recent.write_slot_at(&h.k, &h.v, at).map(|(k, v, keep)| (k, v, keep));
+        let latents = self.latent.view(at.span);
+        let distant = cuda::Distant { latents: &latents, wk: &a.wk, wv: &a.wv, bk: a.bk.as_ref(), bv: a.bv.as_ref(), cos: &cos, sin: &sin, rotated: a.rotated, window: self.window };
+        let step = cuda::Step {
+            q: &h.q,
+            pos: &at.pos,
+            pad: self.pad.as_ref().map(|p| p.rows()),
+            full: full.as_ref().map(|(k, v, keep)| cuda::FullWidth { k, v, keep: *keep }),
+            distant: Some(distant),
+        };
+        Some(cuda::attend_step(&step)?.unwrap_or_else(|e| panic!("fused decode step failed: {e}")))
     }
 
     /// Read the latents through the absorbed map from `span` slots on (tests: 0, every step).

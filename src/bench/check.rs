@@ -250,6 +250,151 @@ pub fn heads_op_check(b: i64, t: i64, heads: i64, hd: i64, rot: i64, device: Dev
     CheckRow::new(name, &[b, t, heads, hd], None, kind, tensors, false)
 }
 
+/// One case of the fused decode step in the gate: batch, query heads, kv heads, head dim, rotated
+/// dims, d_down, slots (the span), window, whether the rows are left-padded and the k / v maps have
+/// biases; `latents`: DAR (a ring of `window` slots and the latents), else vanilla (full-width keys
+/// in every slot of the span).
+#[derive(Clone, Copy)]
+pub struct DecodeCase {
+    pub latents: bool,
+    pub b: i64,
+    pub h: i64,
+    pub hkv: i64,
+    pub hd: i64,
+    pub rot: i64,
+    pub r: i64,
+    pub span: i64,
+    pub window: i64,
+    pub padded: bool,
+    pub bias: bool,
+}
+
+/// DAR's one-token step by its definition (dar.md §3), in `kind`: every distant key and value rebuilt
+/// from its latent (k = RoPE_s(Wk·c + bk), v = Wv·c + bv), the ring's keys full width, one masked
+/// softmax (`attend_newest`). xs: q, c, wk, wv, bk, bv, cos, sin, pos, pad, ring k, v, mask.
+fn dar_decode_reference(xs: &[Tensor], c: DecodeCase, kind: Kind) -> Tensor {
+    let k = |t: &Tensor| t.to_kind(kind);
+    let (rk, rv) = (k(&xs[10]), k(&xs[11]));
+    let full = (&rk, &rv, Some(xs[12].shallow_clone()));
+    if !c.latents {
+        return crate::attention::cache::attend_newest(&k(&xs[0]), &[full]);
+    }
+    let (q, lat, wk, wv) = (k(&xs[0]), k(&xs[1]).unsqueeze(1), k(&xs[2]), k(&xs[3]));
+    let (hkv, hd, span) = (wk.size()[0], wk.size()[1], lat.size()[2]);
+    let half = xs[6].size()[1];
+    let keys = lat.matmul(&wk.transpose(1, 2)) + k(&xs[4]).view([1, hkv, 1, hd]);
+    let (cos, sin) = (k(&xs[6]), k(&xs[7]));
+    let (k1, k2, rest) = (keys.narrow(3, 0, half), keys.narrow(3, half, half), keys.narrow(3, 2 * half, hd - 2 * half));
+    let keys = Tensor::cat(&[&k1 * &cos - &k2 * &sin, &k2 * &cos + &k1 * &sin, rest], 3);
+    let values = lat.matmul(&wv.transpose(1, 2)) + k(&xs[5]).view([1, hkv, 1, hd]);
+    let slots = Tensor::arange(span, (Kind::Int64, q.device()));
+    let far = (&xs[8] - &slots).ge(c.window).view([1, 1, 1, -1]).logical_and(&slots.view([1, 1, 1, -1]).ge_tensor(&xs[9].view([-1, 1, 1, 1])));
+    let mut parts = vec![(&keys, &values, Some(far))];
+    if c.window > 0 {
+        parts.insert(0, full);
+    }
+    crate::attention::cache::attend_newest(&q, &parts)
+}
+
+/// Random inputs of one decode case (the order `dar_decode_reference` reads), the position three
+/// slots before the span's end.
+fn decode_inputs(c: DecodeCase, device: Device, kind: Kind) -> Vec<Tensor> {
+    tch::manual_seed(c.span + 13 * c.window + c.r);
+    let pos = c.span - 3;
+    let n = |shape: &[i64], s: f64| Tensor::randn(shape, (Kind::Float, device)) * s;
+    let w_scale = 1.0 / (c.r as f64).sqrt();
+    let bias = |s: f64| if c.bias { n(&[c.hkv, c.hd], s) } else { Tensor::zeros([c.hkv, c.hd], (Kind::Float, device)) };
+    let (cos, sin) = crate::model::rope::Rope { dims: c.rot, base: 10000.0 }.tables(0, c.span, device);
+    let pad_rows: Vec<i64> = (0..c.b).map(|i| if c.padded { 5 * i } else { 0 }).collect();
+    let pad = Tensor::from_slice(&pad_rows).to_device(device);
+    // The full-width slots: DAR's ring (slot j holds pos − ((pos − j) mod w)), or vanilla's span.
+    let w = if c.latents { c.window.max(1) } else { c.span };
+    let slot_pos = if c.latents { Tensor::from(pos) - (Tensor::from(pos) - Tensor::arange(w, (Kind::Int64, Device::Cpu))).remainder(w) } else { Tensor::arange(w, (Kind::Int64, Device::Cpu)) };
+    let slot_pos = slot_pos.to_device(device).view([1, 1, 1, -1]);
+    let ring_mask = slot_pos.ge_tensor(&pad.view([-1, 1, 1, 1])).logical_and(&slot_pos.le(pos));
+    vec![
+        n(&[c.b, c.h, 1, c.hd], 1.0).to_kind(kind),
+        n(&[c.b, c.span, c.r], 1.0).to_kind(kind),
+        n(&[c.hkv, c.hd, c.r], w_scale).to_kind(kind),
+        n(&[c.hkv, c.hd, c.r], w_scale).to_kind(kind),
+        bias(0.5).to_kind(kind),
+        bias(0.5).to_kind(kind),
+        cos,
+        sin,
+        Tensor::from_slice(&[pos]).to_device(device),
+        pad,
+        n(&[c.b, c.hkv, w, c.hd], 1.0).to_kind(kind),
+        n(&[c.b, c.hkv, w, c.hd], 1.0).to_kind(kind),
+        ring_mask,
+    ]
+}
+
+/// DAR's fused decode step (csrc/cuda/dar_decode.cu, `kernels::cuda::dar_decode`) in the gate: its
+/// output against the definition in fp32, at a position three slots before the span's end (so keys
+/// past the newest must be masked). `planted`: the kernel told window + 1 (the key at distance w
+/// dropped), the row being right when it fails.
+pub fn dar_decode_check(c: DecodeCase, device: Device, kind: Kind, planted: bool) -> Option<CheckRow> {
+    let xs = decode_inputs(c, device, kind);
+    use crate::kernels::cuda;
+    // Planted: DAR reads with window + 1 (the key at distance w dropped); vanilla one position on
+    // (a key from the future read).
+    let pos = if planted && !c.latents { &xs[8] + 1 } else { xs[8].shallow_clone() };
+    let distant = c.latents.then(|| cuda::Distant {
+        latents: &xs[1],
+        wk: &xs[2],
+        wv: &xs[3],
+        bk: c.bias.then_some(&xs[4]),
+        bv: c.bias.then_some(&xs[5]),
+        cos: &xs[6],
+        sin: &xs[7],
+        rotated: c.rot,
+        window: c.window + i64::from(planted),
+    });
+    let keep = if c.latents { c.window } else { 0 };
+    let step = cuda::Step {
+        q: &xs[0],
+        pos: &pos,
+        pad: c.padded.then_some(&xs[9]),
+        full: (keep > 0 || !c.latents).then(|| cuda::FullWidth { k: &xs[10], v: &xs[11], keep }),
+        distant,
+    };
+    let fast = cuda::attend_step(&step)?.unwrap_or_else(|e| panic!("fused decode step failed: {e}"));
+    let exact = dar_decode_reference(&xs, c, Kind::Float);
+    let baseline = dar_decode_reference(&xs, c, kind);
+    let tensors = vec![compare("out", &fast, &baseline, &exact, kind, c.h, 0.0)];
+    let name = match (c.latents, planted) {
+        (true, false) => "step-fused-dar",
+        (true, true) => "step-planted-dar",
+        (false, false) => "step-fused-full",
+        (false, true) => "step-planted-full",
+    };
+    Some(CheckRow::new(name, &[c.b, c.h, c.hkv, c.hd, c.rot, c.r, c.span], Some(c.window), kind, tensors, planted))
+}
+
+/// The fused decode step's cases: DAR at Pythia-70M's shape (a quarter of the dims rotated, biases)
+/// over several blocks, a padded grouped-query Llama shape (every dim rotated, no biases), uniform
+/// (no ring) over many blocks, a short span where one key's weight shows, and vanilla's full-width
+/// span, plain and padded grouped-query; the planted ones must fail.
+pub fn dar_decode_cases() -> Vec<(DecodeCase, bool)> {
+    let pythia = DecodeCase { latents: true, b: 1, h: 12, hkv: 12, hd: 64, rot: 16, r: 128, span: 1024, window: 128, padded: false, bias: true };
+    let llama = DecodeCase { latents: true, b: 2, h: 9, hkv: 3, hd: 64, rot: 64, r: 96, span: 300, window: 16, padded: true, bias: false };
+    let uniform = DecodeCase { latents: true, b: 1, h: 4, hkv: 4, hd: 32, rot: 8, r: 16, span: 2100, window: 0, padded: false, bias: true };
+    let short = DecodeCase { span: 40, window: 8, ..pythia };
+    let vanilla = DecodeCase { latents: false, span: 4096, ..pythia };
+    let vanilla_gqa = DecodeCase { latents: false, span: 50, ..llama };
+    vec![
+        (pythia, false),
+        (llama, false),
+        (uniform, false),
+        (short, false),
+        (short, true),
+        (DecodeCase { window: 0, ..short }, true),
+        (vanilla, false),
+        (vanilla_gqa, false),
+        (vanilla_gqa, true),
+    ]
+}
+
 /// Every fast path in the gate at the spec's shape and a ragged one, over windows inside, at and
 /// beyond the sequence (bf16 on CUDA, fp64 on CPU), the planted wrong windows, and the loss head.
 /// Calls `each` per row; returns how many rows did not come out as they should.
@@ -288,6 +433,13 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     for planted in [false, true] {
         note(loss_head_check(n, v, device, kind, planted));
     }
+    if device.is_cuda() {
+        for (case, planted) in dar_decode_cases() {
+            if let Some(row) = dar_decode_check(case, device, kind, planted) {
+                note(row);
+            }
+        }
+    }
     let (b, tt) = if device.is_cuda() { (4, 2048) } else { (2, 9) };
     for rot in [hd / 4, hd] {
         note(heads_op_check(b, tt, s.heads as i64, hd, rot, device, kind));
@@ -300,6 +452,30 @@ mod tests {
     use super::*;
     use crate::bench::{bench_command, json_line, BenchMode};
     use crate::kernels;
+
+    #[test]
+    fn the_decode_gates_reference_equals_dars_absorbed_step() {
+        // The fused kernel's reference (keys rebuilt) against `dar::read_latents` (the aten step the
+        // kernel fuses), fp64: so a GPU failure of the gate is the kernel's, not the reference's.
+        let _rng = crate::testutil::rng();
+        for (case, _) in dar_decode_cases().into_iter().filter(|(c, planted)| !planted && c.latents) {
+            let c = DecodeCase { span: case.span.min(70), window: case.window.min(9), ..case };
+            let xs = decode_inputs(c, Device::Cpu, Kind::Double);
+            let reference = dar_decode_reference(&xs, c, Kind::Double);
+            let a = crate::attention::AbsorbedKv { wk: xs[2].shallow_clone(), bk: Some(xs[4].shallow_clone()), wv: xs[3].shallow_clone(), bv: Some(xs[5].shallow_clone()), rotated: c.rot };
+            let slots = Tensor::arange(c.span, (Kind::Int64, Device::Cpu));
+            let far = (&xs[8] - &slots).ge(c.window).view([1, 1, 1, -1]).logical_and(&slots.view([1, 1, 1, -1]).ge_tensor(&xs[9].view([-1, 1, 1, 1])));
+            let ring = (xs[10].shallow_clone(), xs[11].shallow_clone(), xs[12].shallow_clone());
+            let aten = crate::attention::dar::read_latents(&xs[0], (c.window > 0).then_some(&ring), &xs[1], &far, &a, &xs[6].to_kind(Kind::Double), &xs[7].to_kind(Kind::Double));
+            let d = (&reference - &aten).abs().max().double_value(&[]);
+            assert!(d < 1e-10, "case h {} hkv {} rot {} w {}: reference vs read_latents {d:e}", c.h, c.hkv, c.rot, c.window);
+            // And the case is not degenerate: the distant keys move the output.
+            let ring_only = crate::attention::cache::attend_newest(&xs[0], &[(&xs[10], &xs[11], Some(xs[12].shallow_clone()))]);
+            if c.window > 0 {
+                assert!((&reference - ring_only).abs().max().double_value(&[]) > 1e-2);
+            }
+        }
+    }
 
     #[test]
     fn check_lines_say_ok_or_fail_and_json_lines_parse() {

@@ -11,6 +11,7 @@ use torch_sys::C_tensor;
 type CeGradInPlace = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> *mut libc::c_char;
 type Err = *mut libc::c_char;
 type Handle = *mut libc::c_void;
+type AttendStepFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 
 /// The CUDA-graph entry points (csrc/cuda/graph.cu).
 struct GraphFns {
@@ -26,6 +27,8 @@ struct Library {
     ce_grad_in_place: CeGradInPlace,
     /// None in a library built before the graphs (decoding then runs eagerly).
     graph: Option<GraphFns>,
+    /// None in a library built before the fused decode step (csrc/cuda/attend_step.cu).
+    attend_step: Option<AttendStepFn>,
 }
 
 /// The file name `make gpu-kernels` writes (into `.gpu/`, beside the lean binary).
@@ -65,7 +68,8 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
                 free: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(Handle)>(find(c"attnlab_graph_free")?),
             })
         })();
-        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph })
+        let attend_step = find(c"attnlab_attend_step").map(|p| std::mem::transmute::<*mut libc::c_void, AttendStepFn>(p));
+        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step })
     }
 }
 
@@ -105,6 +109,90 @@ pub fn ce_grad_in_place(logits: &mut Tensor, targets: &Tensor, scale: f64) -> Op
     let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
     // SAFETY: valid tensor handles; on success the shim hands over a new tensor we then own.
     Some(check(unsafe { (lib.ce_grad_in_place)(p(logits), p(targets), scale, &mut out) }).map(|_| unsafe { Tensor::from_ptr(out) }))
+}
+
+/// The full-width keys / values a fused decode step reads: `[B, H_kv, W, hd]` views of a cache's
+/// buffers, slot j holding position j (`keep` 0) or a ring of `keep` slots.
+pub struct FullWidth<'a> {
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub keep: i64,
+}
+
+/// DAR's distant part of a fused decode step: the latents `[B, S, r]` of key positions 0..S, read
+/// through the absorbed map (`wk`, `wv` `[H_kv, hd, r]`, biases `[H_kv, hd]`; its first `rotated`
+/// key dims rebuilt and turned by RoPE's fp32 tables `[S, rotated/2]`); slot s is distant, and
+/// visible, iff pos − s ≥ `window`.
+pub struct Distant<'a> {
+    pub latents: &'a Tensor,
+    pub wk: &'a Tensor,
+    pub wv: &'a Tensor,
+    pub bk: Option<&'a Tensor>,
+    pub bv: Option<&'a Tensor>,
+    pub cos: &'a Tensor,
+    pub sin: &'a Tensor,
+    pub rotated: i64,
+    pub window: i64,
+}
+
+/// One new query `[B, H, 1, hd]` at the device-side position `pos` (`[1]` i64) over full-width
+/// slots and / or DAR's latents, as one softmax (csrc/cuda/attend_step.cu; `cache::attend_newest`
+/// and `dar::read_latents` are its aten forms). `pad` `[B]`: the rows' left padding (no key before
+/// it is read).
+pub struct Step<'a> {
+    pub q: &'a Tensor,
+    pub pos: &'a Tensor,
+    pub pad: Option<&'a Tensor>,
+    pub full: Option<FullWidth<'a>>,
+    pub distant: Option<Distant<'a>>,
+}
+
+/// Whether the fused decode step is there and not switched off (`ATTNLAB_FUSED_STEP=0` times or
+/// checks the aten step against it), for a query on CUDA in bf16 / fp16.
+pub fn step_enabled(q: &Tensor) -> bool {
+    q.device().is_cuda()
+        && matches!(q.kind(), tch::Kind::BFloat16 | tch::Kind::Half)
+        && std::env::var("ATTNLAB_FUSED_STEP").map_or(true, |v| v != "0")
+        && library().is_some_and(|l| l.attend_step.is_some())
+}
+
+/// Slots per block: about eight blocks of four warps per SM of an H200 (132 SMs), whole warps.
+fn slots_per_block(slots: i64, rows: i64) -> i64 {
+    let per = (slots * rows + 1055) / 1056;
+    (per.max(32) + 31) / 32 * 32
+}
+
+/// The fused step's output `[B, H, 1, hd]`; `None` when it is not enabled ([`step_enabled`]).
+pub fn attend_step(x: &Step) -> Option<Result<Tensor>> {
+    if !step_enabled(x.q) {
+        return None;
+    }
+    let f = library()?.attend_step?;
+    let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
+    let o = |t: Option<&Tensor>| t.map_or(std::ptr::null_mut(), p);
+    let (full, d) = (x.full.as_ref(), x.distant.as_ref());
+    let ts = [
+        p(x.q),
+        p(x.pos),
+        o(x.pad),
+        o(full.map(|f| f.k)),
+        o(full.map(|f| f.v)),
+        o(d.map(|d| d.latents)),
+        o(d.map(|d| d.wk)),
+        o(d.map(|d| d.wv)),
+        o(d.and_then(|d| d.bk)),
+        o(d.and_then(|d| d.bv)),
+        o(d.map(|d| d.cos)),
+        o(d.map(|d| d.sin)),
+    ];
+    let rows = x.q.size()[0] * full.map_or_else(|| d.map_or(1, |d| d.wk.size()[0]), |f| f.k.size()[1]);
+    let chunk = d.map_or(32, |d| slots_per_block(d.latents.size()[1], rows));
+    let ring_chunk = full.map_or(32, |f| slots_per_block(f.k.size()[2], rows));
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: valid tensor handles (or null where absent), read during the call; on success the
+    // shim hands over a new tensor we then own.
+    let r = unsafe { f(ts.as_ptr(), d.map_or(0, |d| d.rotated), d.map_or(0, |d| d.window), full.map_or(0, |f| f.keep), chunk, ring_chunk, &mut out) };
+    Some(check(r).map(|_| unsafe { Tensor::from_ptr(out) }))
 }
 
 /// Whether decode steps may be captured as CUDA graphs: the library has them and

@@ -257,9 +257,10 @@ impl KvMap for LayerKv<'_> {
         let bias = self.layer.query_key_value.bs.as_ref().map(|b| b.view([h, 3, hd]));
         Some(AbsorbedKv {
             wk: qkv.select(1, 1).matmul(w),
-            bk: bias.as_ref().map(|b| b.select(1, 1)),
+            // Contiguous once here, not per step in the fused decode step.
+            bk: bias.as_ref().map(|b| b.select(1, 1).contiguous()),
             wv: qkv.select(1, 2).matmul(w),
-            bv: bias.as_ref().map(|b| b.select(1, 2)),
+            bv: bias.as_ref().map(|b| b.select(1, 2).contiguous()),
             rotated: m.rope.dims,
         })
     }
