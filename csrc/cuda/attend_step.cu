@@ -24,6 +24,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 namespace {
@@ -66,6 +67,7 @@ struct Params {
   const void* rv;
   int64_t r_sb, r_sh, r_ss, keep;
   int W;
+  int vec;  // full-width rows read as 16-byte packs (hd in {32, 64, 128, 256}, aligned)
   int S, r, hd, rot, g, hkv, chunk, nchunks, ring_chunk, nring;
   float scale;
   float* ml;    // [B, H, nchunks + nring, 2]
@@ -78,6 +80,98 @@ struct Params {
 __host__ __device__ inline int64_t smem_floats(int g, int r, int hd) {
   const int width = r > hd ? r : hd;
   return (int64_t)g * hd + (int64_t)g * r + g + (int64_t)kWarps * g * width + 2 * kWarps * g;
+}
+
+// Eight 16-bit values as one 16-byte load.
+struct alignas(16) Pack8 {
+  uint16_t v[8];
+};
+
+template <typename T>
+__device__ __forceinline__ float pack_at(const Pack8& x, int e) {
+  return to_f(*reinterpret_cast<const T*>(&x.v[e]));
+}
+
+// Full-width slots [begin, end) of one warp's share, memory-bound: each slot read by a group of
+// hd/8 lanes with one 16-byte load of its key and one of its value per lane, several slots in
+// flight per lane (kUnroll), q and the running output in registers. On return every lane holds the
+// warp's (m, l) per head, and lanes of the first group have written the warp's Σ p·v (unnormalised)
+// to acc[h * width + d].
+template <typename T, int G>
+__device__ void full_width_slots(const Params& p, int b, int kvh, int begin, int end, int64_t newest, int64_t pad, const float* qs,
+                                 float* m, float* l, float* acc, int width) {
+  constexpr int kUnroll = 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int L = p.hd / 8, groups = 32 / L, gi = lane / L, e0 = (lane % L) * 8;
+  float q[G][8], o[G][8];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      q[h][e] = qs[h * p.hd + e0 + e];
+      o[h][e] = 0.f;
+    }
+  }
+  const T* rk = static_cast<const T*>(p.rk) + b * p.r_sb + (int64_t)kvh * p.r_sh + e0;
+  const T* rv = static_cast<const T*>(p.rv) + b * p.r_sb + (int64_t)kvh * p.r_sh + e0;
+  const int stride = kWarps * groups;
+  for (int base = begin + warp * groups + gi; base < end; base += stride * kUnroll) {
+    Pack8 k[kUnroll], v[kUnroll];
+    bool vis[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int s = base + u * stride;
+      const int64_t at = p.keep > 0 ? newest - (((newest - s) % p.keep) + p.keep) % p.keep : s;
+      vis[u] = s < end && at >= pad && at <= newest;
+      if (vis[u]) {
+        k[u] = *reinterpret_cast<const Pack8*>(rk + (int64_t)s * p.r_ss);
+        v[u] = *reinterpret_cast<const Pack8*>(rv + (int64_t)s * p.r_ss);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        float part = 0.f;
+        if (vis[u]) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) part += q[h][e] * pack_at<T>(k[u], e);
+        }
+        for (int off = 1; off < L; off <<= 1) part += __shfl_xor_sync(0xffffffff, part, off);
+        if (!vis[u]) continue;
+        const float score = part * p.scale;
+        float f = 1.f, w;
+        if (score > m[h]) {
+          f = __expf(m[h] - score);
+          l[h] = l[h] * f + 1.f;
+          m[h] = score;
+          w = 1.f;
+        } else {
+          w = __expf(score - m[h]);
+          l[h] += w;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[h][e] = o[h][e] * f + w * pack_at<T>(v[u], e);
+      }
+    }
+  }
+  // Merge the groups of the warp (lanes e0 apart by multiples of L hold the same columns).
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    for (int off = L; off < 32; off <<= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffff, m[h], off), l2 = __shfl_xor_sync(0xffffffff, l[h], off);
+      const float M = fmaxf(m[h], m2);
+      const float a = m[h] == -INFINITY ? 0.f : __expf(m[h] - M), c = m2 == -INFINITY ? 0.f : __expf(m2 - M);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[h][e] = o[h][e] * a + __shfl_xor_sync(0xffffffff, o[h][e], off) * c;
+      l[h] = l[h] * a + l2 * c;
+      m[h] = M;
+    }
+    if (gi == 0) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[h * width + e0 + e] = o[h][e];
+    }
+  }
 }
 
 template <typename T, int G>
@@ -133,7 +227,8 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
   const int64_t pad = p.pad ? p.pad[b] : 0;
   const int half = p.rot / 2;
   const T* bk = p.bk ? static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd : nullptr;
-  for (int s = begin + warp; s < end; s += kWarps) {
+  if (ring && p.vec) full_width_slots<T, G>(p, b, kvh, begin, end, newest, pad, qs, m, l, my_acc, width);
+  for (int s = begin + warp; s < end && !(ring && p.vec); s += kWarps) {
     float part[G];
 #pragma unroll
     for (int h = 0; h < G; ++h) part[h] = 0.f;
@@ -348,6 +443,9 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
       p.r_sh = rkc.stride(1);
       p.r_ss = rkc.stride(2);
       p.W = rkc.size(2);
+      const bool aligned = p.r_sb % 8 == 0 && p.r_sh % 8 == 0 && p.r_ss % 8 == 0 && reinterpret_cast<uintptr_t>(p.rk) % 16 == 0 &&
+                           reinterpret_cast<uintptr_t>(p.rv) % 16 == 0;
+      p.vec = aligned && (hd == 32 || hd == 64 || hd == 128 || hd == 256) && std::getenv("ATTNLAB_STEP_SCALAR") == nullptr;
       p.keep = keep;
       p.ring_chunk = ring_chunk;
       p.nring = (p.W + ring_chunk - 1) / ring_chunk;

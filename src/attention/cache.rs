@@ -485,7 +485,7 @@ impl KindCache for Recent {
 /// `LayerOp::decode_at` of a layer whose cache is a [`Recent`] (vanilla, window).
 pub(crate) fn decode_recent_at(cache: &mut LayerCache, h: &Heads, at: &StepAt) -> Tensor {
     let recent = cache.state::<Recent>();
-    if crate::kernels::cuda::step_enabled(&h.q) {
+    if crate::kernels::cuda::step_enabled(&h.q, h.k.size()[1], 0) {
         let (k, v, keep) = recent.write_slot_at(&h.k, &h.v, at).expect("a vanilla / window cache holds at least one slot");
         let pad = recent.pad.as_ref().map(|p| p.rows());
         let step = crate::kernels::cuda::Step { q: &h.q, pos: &at.pos, pad, full: Some(crate::kernels::cuda::FullWidth { k: &k, v: &v, keep }), distant: None };

@@ -713,7 +713,7 @@ impl DarCache {
     /// `None`: the aten step.
     fn fused_step(&mut self, h: &Heads, at: &StepAt, latent: &Tensor, up: &Tensor) -> Option<Tensor> {
         use crate::kernels::cuda;
-        if !cuda::step_enabled(&h.q) {
+        if !cuda::step_enabled(&h.q, h.k.size()[1], latent.size()[2]) {
             return None;
         }
         let a = self.absorbed.get_or_insert_with(|| h.kv.absorbed(up)).as_ref()?;

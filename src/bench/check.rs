@@ -434,10 +434,20 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         note(loss_head_check(n, v, device, kind, planted));
     }
     if device.is_cuda() {
-        for (case, planted) in dar_decode_cases() {
-            if let Some(row) = dar_decode_check(case, device, kind, planted) {
-                note(row);
+        // Full-width slots have a 16-byte-load path and a scalar one (ATTNLAB_STEP_SCALAR): both.
+        for scalar in [false, true] {
+            if scalar {
+                std::env::set_var("ATTNLAB_STEP_SCALAR", "1");
             }
+            for (case, planted) in dar_decode_cases() {
+                if let Some(mut row) = dar_decode_check(case, device, kind, planted) {
+                    if scalar {
+                        row.implementation += "-scalar";
+                    }
+                    note(row);
+                }
+            }
+            std::env::remove_var("ATTNLAB_STEP_SCALAR");
         }
     }
     let (b, tt) = if device.is_cuda() { (4, 2048) } else { (2, 9) };

@@ -148,10 +148,18 @@ pub struct Step<'a> {
 }
 
 /// Whether the fused decode step is there and not switched off (`ATTNLAB_FUSED_STEP=0` times or
-/// checks the aten step against it), for a query on CUDA in bf16 / fp16.
-pub fn step_enabled(q: &Tensor) -> bool {
+/// checks the aten step against it), for a query `[B, H, 1, hd]` on CUDA in bf16 / fp16 over
+/// `kv_heads` kv heads, latents `d_down` wide (0: none): query heads per kv head the kernel is built
+/// for, and shared memory within an H200's block.
+pub fn step_enabled(q: &Tensor, kv_heads: i64, d_down: i64) -> bool {
+    let (h, hd) = (q.size()[1], q.size()[3]);
+    let g = if kv_heads > 0 && h % kv_heads == 0 { h / kv_heads } else { 0 };
+    // csrc/cuda/attend_step.cu: smem_floats, and the G it is instantiated for.
+    let smem_floats = g * hd + g * d_down.max(1) + g + 4 * g * d_down.max(hd) + 8 * g;
     q.device().is_cuda()
         && matches!(q.kind(), tch::Kind::BFloat16 | tch::Kind::Half)
+        && matches!(g, 1 | 2 | 3 | 4 | 6 | 8)
+        && smem_floats * 4 <= 200 * 1024
         && std::env::var("ATTNLAB_FUSED_STEP").map_or(true, |v| v != "0")
         && library().is_some_and(|l| l.attend_step.is_some())
 }
@@ -164,13 +172,14 @@ fn slots_per_block(slots: i64, rows: i64) -> i64 {
 
 /// The fused step's output `[B, H, 1, hd]`; `None` when it is not enabled ([`step_enabled`]).
 pub fn attend_step(x: &Step) -> Option<Result<Tensor>> {
-    if !step_enabled(x.q) {
+    let (full, d) = (x.full.as_ref(), x.distant.as_ref());
+    let kv_heads = full.map_or_else(|| d.map_or(0, |d| d.wk.size()[0]), |f| f.k.size()[1]);
+    if !step_enabled(x.q, kv_heads, d.map_or(0, |d| d.wk.size()[2])) {
         return None;
     }
     let f = library()?.attend_step?;
     let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
     let o = |t: Option<&Tensor>| t.map_or(std::ptr::null_mut(), p);
-    let (full, d) = (x.full.as_ref(), x.distant.as_ref());
     let ts = [
         p(x.q),
         p(x.pos),
