@@ -16,6 +16,8 @@ OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
 PY=${PY:-/opt/torch/.venv/bin/python}
 A=.gpu/attnlab
+# The fused decode step (csrc/cuda/attend_step.cu) in every decode phase unless the caller says 0.
+export ATTNLAB_FUSED_STEP=${ATTNLAB_FUSED_STEP:-1}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 run() { echo "+ $*" | tee -a "$OUT/log.txt"; "$@" 2>&1 | tee -a "$OUT/log.txt"; }
 for what in "${@:-all}"; do

@@ -434,7 +434,9 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         note(loss_head_check(n, v, device, kind, planted));
     }
     if device.is_cuda() {
-        // Full-width slots have a 16-byte-load path and a scalar one (ATTNLAB_STEP_SCALAR): both.
+        // Full-width slots have a 16-byte-load path and a scalar one (ATTNLAB_STEP_SCALAR): both,
+        // whether or not decoding takes the fused step by default.
+        std::env::set_var("ATTNLAB_FUSED_STEP", "1");
         for scalar in [false, true] {
             if scalar {
                 std::env::set_var("ATTNLAB_STEP_SCALAR", "1");
@@ -449,6 +451,7 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
             }
             std::env::remove_var("ATTNLAB_STEP_SCALAR");
         }
+        std::env::remove_var("ATTNLAB_FUSED_STEP");
     }
     let (b, tt) = if device.is_cuda() { (4, 2048) } else { (2, 9) };
     for rot in [hd / 4, hd] {

@@ -147,8 +147,12 @@ pub struct Step<'a> {
     pub distant: Option<Distant<'a>>,
 }
 
-/// Whether the fused decode step is there and not switched off (`ATTNLAB_FUSED_STEP=0` times or
-/// checks the aten step against it), for a query `[B, H, 1, hd]` on CUDA in bf16 / fp16 over
+/// Whether decode steps take the fused kernel when `ATTNLAB_FUSED_STEP` is unset: not until it has
+/// passed `bench --check` on a GPU (set `ATTNLAB_FUSED_STEP=1` to use it before).
+const FUSED_STEP_BY_DEFAULT: bool = false;
+
+/// Whether the fused decode step is there and switched on (`ATTNLAB_FUSED_STEP=1` / `0`, else
+/// [`FUSED_STEP_BY_DEFAULT`]; `0` times or checks the aten step against it), for a query `[B, H, 1, hd]` on CUDA in bf16 / fp16 over
 /// `kv_heads` kv heads, latents `d_down` wide (0: none): query heads per kv head the kernel is built
 /// for, and shared memory within an H200's block.
 pub fn step_enabled(q: &Tensor, kv_heads: i64, d_down: i64) -> bool {
@@ -160,7 +164,7 @@ pub fn step_enabled(q: &Tensor, kv_heads: i64, d_down: i64) -> bool {
         && matches!(q.kind(), tch::Kind::BFloat16 | tch::Kind::Half)
         && matches!(g, 1 | 2 | 3 | 4 | 6 | 8)
         && smem_floats * 4 <= 200 * 1024
-        && std::env::var("ATTNLAB_FUSED_STEP").map_or(true, |v| v != "0")
+        && std::env::var("ATTNLAB_FUSED_STEP").map_or(FUSED_STEP_BY_DEFAULT, |v| v != "0")
         && library().is_some_and(|l| l.attend_step.is_some())
 }
 
