@@ -98,7 +98,7 @@ __device__ __forceinline__ float pack_at(const Pack8& x, int e) {
 // warp's (m, l) per head, and lanes of the first group have written the warp's Σ p·v (unnormalised)
 // to acc[h * width + d].
 template <typename T, int G>
-__device__ void full_width_slots(const Params& p, int b, int kvh, int begin, int end, int64_t newest, int64_t pad, const float* qs,
+__device__ __forceinline__ void full_width_slots(const Params& p, int b, int kvh, int begin, int end, int64_t newest, int64_t pad, const float* qs,
                                  float* m, float* l, float* acc, int width) {
   constexpr int kUnroll = 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -115,12 +115,13 @@ __device__ void full_width_slots(const Params& p, int b, int kvh, int begin, int
   const T* rk = static_cast<const T*>(p.rk) + b * p.r_sb + (int64_t)kvh * p.r_sh + e0;
   const T* rv = static_cast<const T*>(p.rv) + b * p.r_sb + (int64_t)kvh * p.r_sh + e0;
   const int stride = kWarps * groups;
-  for (int base = begin + warp * groups + gi; base < end; base += stride * kUnroll) {
+  // The loop's bound is the warp's (not the group's): every lane takes part in every shuffle.
+  for (int base = begin + warp * groups; base < end; base += stride * kUnroll) {
     Pack8 k[kUnroll], v[kUnroll];
     bool vis[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int s = base + u * stride;
+      const int s = base + gi + u * stride;
       const int64_t at = p.keep > 0 ? newest - (((newest - s) % p.keep) + p.keep) % p.keep : s;
       vis[u] = s < end && at >= pad && at <= newest;
       if (vis[u]) {
