@@ -126,8 +126,11 @@ PYEOF
     prefill)
       # Issue 34 item 1: the fixed prefill cost. Two repeats in one process (the second finds every
       # per-shape plan already built) for vanilla / DAR / window, then hf_decode.py once.
+      # Hugging Face's prefill is timed after two warm-up calls at the same length: compare with
+      # repeat 1 (warm), not repeat 0 (a process's first call at that length).
       PL=${PREFILL_LENGTHS:-1024,4096,16384,65536}
-      run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $PL --attention vanilla,dar,window --new-tokens 16 --repeats 2 \
+      PA=${PREFILL_ATTENTION:-vanilla,dar,uniform,window,still-budget,lolcats}
+      run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $PL --attention $PA --new-tokens 16 --repeats 2 \
         | grep '^{' >> "$OUT/prefill.jsonl"
       (cd .gpu/bench && PYTHONUNBUFFERED=1 run $PY hf_decode.py --lengths $PL --new 16) | grep '^{' >> "$OUT/prefill_peer.jsonl" ;;
     smprobe)
