@@ -147,9 +147,10 @@ pub struct Step<'a> {
     pub distant: Option<Distant<'a>>,
 }
 
-/// Whether decode steps take the fused kernel when `ATTNLAB_FUSED_STEP` is unset: not until it has
-/// passed `bench --check` on a GPU (set `ATTNLAB_FUSED_STEP=1` to use it before).
-const FUSED_STEP_BY_DEFAULT: bool = false;
+/// Whether decode steps take the fused kernel when `ATTNLAB_FUSED_STEP` is unset: yes since it
+/// passed `bench --check` on one H200 and measured faster for vanilla, the window and DAR at 1K–64K
+/// (BENCHMARKS.md, results/bench/2026-12-05; uniform at 64K is the exception: 362 vs 405 tok/s).
+const FUSED_STEP_BY_DEFAULT: bool = true;
 
 /// Whether the fused decode step is there and switched on (`ATTNLAB_FUSED_STEP=1` / `0`, else
 /// [`FUSED_STEP_BY_DEFAULT`]; `0` times or checks the aten step against it), for a query `[B, H, 1, hd]` on CUDA in bf16 / fp16 over
