@@ -68,6 +68,7 @@ struct Params {
   int64_t r_sb, r_sh, r_ss, keep;
   int W;
   int vec;  // full-width rows read as 16-byte packs (hd in {32, 64, 128, 256}, aligned)
+  int batched;  // latents four slots per warp at a time (else one: ATTNLAB_STEP_SCALAR)
   int S, r, hd, rot, g, hkv, chunk, nchunks, ring_chunk, nring;
   float scale;
   float* ml;    // [B, H, nchunks + nring, 2]
@@ -175,6 +176,86 @@ __device__ __forceinline__ void full_width_slots(const Params& p, int b, int kvh
   }
 }
 
+// Distant slots [begin, end) of one warp's share: four slots per iteration, their latents' loads
+// issued together (lanes over d_down), their scores reduced, then one online-softmax update per head
+// for the four, which reads and writes the warp's Σ p·c (acc, in shared memory) once.
+template <typename T, int G>
+__device__ __forceinline__ void latent_slots(const Params& p, int b, int kvh, int begin, int end, int64_t newest, int64_t pad, const float* qs,
+                                             const float* qw, const float* beta, float* m, float* l, float* acc, int width) {
+  constexpr int U = 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, half = p.rot / 2;
+  const T* c = static_cast<const T*>(p.c) + b * p.c_sb;
+  const T* kr = static_cast<const T*>(p.kr) + b * p.kr_sb + (int64_t)kvh * p.rot;
+  const T* bk = p.bk ? static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd : nullptr;
+  for (int base = begin + warp; base < end; base += kWarps * U) {
+    int s[U];
+    bool vis[U], any = false;
+    float part[U][G];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      s[u] = base + u * kWarps;
+      vis[u] = s[u] < end && newest - s[u] >= p.window && s[u] >= pad;
+      any |= vis[u];
+#pragma unroll
+      for (int h = 0; h < G; ++h) part[u][h] = 0.f;
+    }
+    if (!any) continue;  // the same for every lane of the warp
+    if (p.rot < p.hd) {
+      for (int j = lane; j < p.r; j += 32) {
+        float x[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) x[u] = vis[u] ? to_f(c[(int64_t)s[u] * p.c_ss + j]) : 0.f;
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          const float w = qw[h * p.r + j];
+#pragma unroll
+          for (int u = 0; u < U; ++u) part[u][h] += w * x[u];
+        }
+      }
+    }
+    for (int i = lane; i < half; i += 32) {
+      const float b1 = bk ? to_f(bk[i]) : 0.f, b2 = bk ? to_f(bk[i + half]) : 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (!vis[u]) continue;
+        const T* k = kr + (int64_t)s[u] * p.kr_ss;
+        const float k1 = to_f(k[i]) + b1, k2 = to_f(k[i + half]) + b2;
+        const float cs = p.cos[(int64_t)s[u] * p.cs_s + i], sn = p.sin[(int64_t)s[u] * p.cs_s + i];
+        const float r1 = k1 * cs - k2 * sn, r2 = k2 * cs + k1 * sn;
+#pragma unroll
+        for (int h = 0; h < G; ++h) part[u][h] += qs[h * p.hd + i] * r1 + qs[h * p.hd + i + half] * r2;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float score[U], mx = m[h];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        score[u] = (warp_sum(part[u][h]) + beta[h]) * p.scale;
+        if (vis[u]) mx = fmaxf(mx, score[u]);
+      }
+      const float f = __expf(m[h] - mx);  // 0 while nothing was seen (m = −inf)
+      float e[U], sum = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        e[u] = vis[u] ? __expf(score[u] - mx) : 0.f;
+        sum += e[u];
+      }
+      l[h] = l[h] * f + sum;
+      m[h] = mx;
+      float* a = acc + h * width;
+      for (int j = lane; j < p.r; j += 32) {
+        float v = a[j] * f;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (vis[u]) v += e[u] * to_f(c[(int64_t)s[u] * p.c_ss + j]);
+        }
+        a[j] = v;
+      }
+    }
+  }
+}
+
 template <typename T, int G>
 __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
   extern __shared__ float sh[];
@@ -228,8 +309,10 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
   const int64_t pad = p.pad ? p.pad[b] : 0;
   const int half = p.rot / 2;
   const T* bk = p.bk ? static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd : nullptr;
+  const bool scalar = ring ? !p.vec : !p.batched;
   if (ring && p.vec) full_width_slots<T, G>(p, b, kvh, begin, end, newest, pad, qs, m, l, my_acc, width);
-  for (int s = begin + warp; s < end && !(ring && p.vec); s += kWarps) {
+  if (!ring && p.batched) latent_slots<T, G>(p, b, kvh, begin, end, newest, pad, qs, qw, beta, m, l, my_acc, width);
+  for (int s = begin + warp; s < end && scalar; s += kWarps) {
     float part[G];
 #pragma unroll
     for (int h = 0; h < G; ++h) part[h] = 0.f;
@@ -421,6 +504,11 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     c10::cuda::CUDAGuard guard(q.device());
     auto stream = c10::cuda::getCurrentCUDAStream();
     Params p{};
+    // One slot per warp at a time everywhere (the first version of the kernels; timing and checks).
+    const bool scalar_loops = std::getenv("ATTNLAB_STEP_SCALAR") != nullptr;
+    // Latents four slots per warp at a time: not yet run on a GPU, so only when asked for
+    // (ATTNLAB_STEP_BATCHED=1) until bench --check and the decode timings say it may be the default.
+    p.batched = !scalar_loops && std::getenv("ATTNLAB_STEP_BATCHED") != nullptr;
     p.q = q.data_ptr();
     p.q_sb = q.stride(0);
     p.q_sh = q.stride(1);
@@ -446,7 +534,7 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
       p.W = rkc.size(2);
       const bool aligned = p.r_sb % 8 == 0 && p.r_sh % 8 == 0 && p.r_ss % 8 == 0 && reinterpret_cast<uintptr_t>(p.rk) % 16 == 0 &&
                            reinterpret_cast<uintptr_t>(p.rv) % 16 == 0;
-      p.vec = aligned && (hd == 32 || hd == 64 || hd == 128 || hd == 256) && std::getenv("ATTNLAB_STEP_SCALAR") == nullptr;
+      p.vec = aligned && (hd == 32 || hd == 64 || hd == 128 || hd == 256) && !scalar_loops;
       p.keep = keep;
       p.ring_chunk = ring_chunk;
       p.nring = (p.W + ring_chunk - 1) / ring_chunk;

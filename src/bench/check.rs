@@ -434,22 +434,23 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         note(loss_head_check(n, v, device, kind, planted));
     }
     if device.is_cuda() {
-        // Full-width slots have a 16-byte-load path and a scalar one (ATTNLAB_STEP_SCALAR): both,
-        // whether or not decoding takes the fused step by default.
+        // The step's loops (csrc/cuda/attend_step.cu): the default, one slot per warp everywhere
+        // (ATTNLAB_STEP_SCALAR), and the latents four slots at a time (ATTNLAB_STEP_BATCHED), whether
+        // or not decoding takes the fused step by default.
         std::env::set_var("ATTNLAB_FUSED_STEP", "1");
-        for scalar in [false, true] {
-            if scalar {
-                std::env::set_var("ATTNLAB_STEP_SCALAR", "1");
+        for (suffix, var) in [("", None), ("-scalar", Some("ATTNLAB_STEP_SCALAR")), ("-batched", Some("ATTNLAB_STEP_BATCHED"))] {
+            if let Some(v) = var {
+                std::env::set_var(v, "1");
             }
             for (case, planted) in dar_decode_cases() {
                 if let Some(mut row) = dar_decode_check(case, device, kind, planted) {
-                    if scalar {
-                        row.implementation += "-scalar";
-                    }
+                    row.implementation += suffix;
                     note(row);
                 }
             }
-            std::env::remove_var("ATTNLAB_STEP_SCALAR");
+            if let Some(v) = var {
+                std::env::remove_var(v);
+            }
         }
         std::env::remove_var("ATTNLAB_FUSED_STEP");
     }
