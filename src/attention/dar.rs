@@ -720,7 +720,7 @@ impl DarCache {
         let (cos, sin) = h.kv.rotary_tables(at.span)?;
         let (cos, sin) = (cos.to_kind(tch::Kind::Float), sin.to_kind(tch::Kind::Float));
         self.latent.write_at(&at.pos, latent);
-        let full = self.recent.write_slot_at(&h.k, &h.v, at).map(|(k, v, keep)| (k, v, keep));
+        let full = self.recent.write_slot_at(&h.k, &h.v, at);
         let latents = self.latent.view(at.span);
         let distant = cuda::Distant { latents: &latents, wk: &a.wk, wv: &a.wv, bk: a.bk.as_ref(), bv: a.bv.as_ref(), cos: &cos, sin: &sin, rotated: a.rotated, window: self.window };
         let step = cuda::Step {

@@ -395,6 +395,42 @@ pub fn dar_decode_cases() -> Vec<(DecodeCase, bool)> {
     ]
 }
 
+/// A model's decode end to end: `name` (a `bench-decode --attention` name) built random at `base`'s
+/// size (bf16 on CUDA), a 256-token prefill, then 64 device-side steps (`Model::extend_hidden_at`,
+/// the spans the stepper uses, the fused step where it is on) fed the same tokens; their logits
+/// against the full forward's in fp32 (the model cast up), with the full forward in the model's own
+/// dtype as the baseline. `planted`: each step's span one slot short, so the newest key is not read.
+pub fn decode_model_check(base: &Spec, name: &str, device: Device, planted: bool) -> Result<CheckRow> {
+    use crate::attention::cache::StepAt;
+    use crate::eval::generate::reserve;
+    let (prompt, total) = (256i64, 320i64);
+    let vocab = base.model.vocab.unwrap_or(50304);
+    tch::manual_seed(0);
+    let (mut vs, model) = crate::eval::decode_bench::bench_model(base, name, vocab, device)?;
+    let x = Tensor::randint(vocab as i64, [1, total], (Kind::Int64, device));
+    let kind = model.head_weight().kind();
+    let mut cache = model.new_cache(1, kind, device);
+    reserve(&mut cache, total);
+    let _ = model.extend(&mut cache, &x.narrow(1, 0, prompt));
+    let mut steps = Vec::new();
+    for p in prompt..total {
+        model.prepare_step_at(&mut cache, p, total);
+        let span = if planted { p } else { crate::eval::stepper::span_for(p, total) };
+        let at = StepAt { pos: Tensor::from_slice(&[p]).to_device(device), span };
+        let h = model.extend_hidden_at(&mut cache, &x.narrow(1, p, 1), &at).ok_or_else(|| crate::Error::Other(format!("{name}: no device-side decode step")))?;
+        cache.advance(1);
+        steps.push(tch::no_grad(|| model.logits(&h)));
+    }
+    let got = Tensor::cat(&steps, 1);
+    let full = |m: &crate::model::Model| tch::no_grad(|| m.forward(&x)).narrow(1, prompt, total - prompt);
+    let baseline = full(&model);
+    vs.float();
+    let exact = full(&model);
+    let tensors = vec![compare("logits", &got, &baseline, &exact, kind, total - prompt, 0.0)];
+    let label = format!("decode-{name}{}", if planted { "-planted" } else { "" });
+    Ok(CheckRow::new(&label, &[1, total], None, kind, tensors, planted))
+}
+
 /// Every fast path in the gate at the spec's shape and a ragged one, over windows inside, at and
 /// beyond the sequence (bf16 on CUDA, fp64 on CPU), the planted wrong windows, and the loss head.
 /// Calls `each` per row; returns how many rows did not come out as they should.
@@ -454,6 +490,12 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         }
         std::env::remove_var("ATTNLAB_FUSED_STEP");
     }
+    if device.is_cuda() {
+        for name in ["vanilla", "window", "dar", "uniform", "still-budget", "lolcats"] {
+            note(decode_model_check(spec, name, device, false)?);
+        }
+        note(decode_model_check(spec, "vanilla", device, true)?);
+    }
     let (b, tt) = if device.is_cuda() { (4, 2048) } else { (2, 9) };
     for rot in [hd / 4, hd] {
         note(heads_op_check(b, tt, s.heads as i64, hd, rot, device, kind));
@@ -489,6 +531,20 @@ mod tests {
                 assert!((&reference - ring_only).abs().max().double_value(&[]) > 1e-2);
             }
         }
+    }
+
+    #[test]
+    fn decode_model_rows_pass_and_the_planted_short_span_fails() {
+        // On the CPU the model is fp32 and so is its baseline: the bound is the floor, which the
+        // device-side steps meet and a step that misses the newest key does not.
+        let _rng = crate::testutil::rng();
+        let spec = crate::spec::SpecSource { sets: vec!["train.device=cpu".into(), "model.vocab=64".into()], ..Default::default() }.load().unwrap();
+        for name in ["vanilla", "dar"] {
+            let row = decode_model_check(&spec, name, Device::Cpu, false).unwrap();
+            assert!(row.ok && row.within, "{}", row.line());
+        }
+        let planted = decode_model_check(&spec, "vanilla", Device::Cpu, true).unwrap();
+        assert!(planted.ok && !planted.within, "{}", planted.line());
     }
 
     #[test]

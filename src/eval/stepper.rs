@@ -44,7 +44,7 @@ pub fn choose(logits: &Tensor, sampling: Sampling) -> Tensor {
 
 /// The cache slots a device-side step at position `pos` reads: one span serves every position
 /// below it, so a graph is captured about log2(length) times at most.
-fn span_for(pos: i64, reserved: i64) -> i64 {
+pub(crate) fn span_for(pos: i64, reserved: i64) -> i64 {
     ((pos + 1).max(256) as u64).next_power_of_two().min(reserved as u64) as i64
 }
 
