@@ -431,6 +431,36 @@ pub fn decode_model_check(base: &Spec, name: &str, device: Device, planted: bool
     Ok(CheckRow::new(&label, &[1, total], None, kind, tensors, planted))
 }
 
+/// The LayerNorm kernel (`kernels::cuda::layer_norm_half`, under bf16 autocast) against aten's
+/// fp32 LayerNorm on `[n, d]`: the output and the gradients of x, γ and β for one bf16 upstream
+/// gradient. The baseline is autocast's own path (the fp32 output cast down; its gradients are the
+/// fp32 ones). None where the kernel is not loaded.
+pub fn layer_norm_check(n: i64, d: i64, device: Device) -> Option<CheckRow> {
+    tch::manual_seed(n + d);
+    let f32 = (Kind::Float, device);
+    let x = Tensor::randn([n, d], f32) * 3.0 + 1.0;
+    let (w, b) = (Tensor::randn([d], f32), Tensor::randn([d], f32));
+    let go = Tensor::randn([n, d], (Kind::BFloat16, device)).to_kind(Kind::Float);
+    let leaves = || [&x, &w, &b].map(|t| t.detach().set_requires_grad(true));
+    let grads = |y: &Tensor, l: &[Tensor; 3]| Tensor::run_backward(&[(y.to_kind(Kind::Float) * &go).sum(Kind::Float)], &l.iter().collect::<Vec<_>>(), false, false);
+    let exact_in = leaves();
+    let exact = exact_in[0].layer_norm([d], Some(&exact_in[1]), Some(&exact_in[2]), 1e-5, false);
+    let exact_g = grads(&exact, &exact_in);
+    crate::kernels::set_autocast_bf16().ok()?;
+    std::env::set_var("ATTNLAB_LN_KERNEL", "1");
+    let fast_in = leaves();
+    let fast = crate::kernels::autocast(true, || crate::kernels::cuda::layer_norm_half(&fast_in[0], &fast_in[1], &fast_in[2], 1e-5));
+    std::env::remove_var("ATTNLAB_LN_KERNEL");
+    let fast = fast?.unwrap_or_else(|e| panic!("LayerNorm kernel failed: {e}"));
+    let fast_g = grads(&fast, &fast_in);
+    let kind = fast.kind();
+    let mut tensors = vec![compare("out", &fast, &exact.to_kind(kind), &exact, kind, n, 0.0)];
+    for (i, name) in ["dx", "dgamma", "dbeta"].into_iter().enumerate() {
+        tensors.push(compare(name, &fast_g[i], &exact_g[i], &exact_g[i], kind, n, 0.0));
+    }
+    Some(CheckRow::new("layer-norm-kernel", &[n, d], None, kind, tensors, false))
+}
+
 /// A row for a check that could not run: its error on stderr, an infinite error in the row.
 fn failed_row(label: &str, why: &str, planted: bool) -> CheckRow {
     eprintln!("{label}: could not run: {why}");
@@ -508,6 +538,13 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
                 Ok(Err(e)) => failed_row(&format!("decode-{name}"), &e.to_string(), planted),
                 Err(_) => failed_row(&format!("decode-{name}"), "panicked (message above)", planted),
             });
+        }
+    }
+    if device.is_cuda() {
+        for (n, d) in [(4096, s.d_model as i64), (1000, 768)] {
+            if let Some(row) = layer_norm_check(n, d, device) {
+                note(row);
+            }
         }
     }
     let (b, tt) = if device.is_cuda() { (4, 2048) } else { (2, 9) };

@@ -11,6 +11,7 @@ use torch_sys::C_tensor;
 type CeGradInPlace = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> *mut libc::c_char;
 type Err = *mut libc::c_char;
 type Handle = *mut libc::c_void;
+type LayerNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> Err;
 type AttendStepFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 
 /// The CUDA-graph entry points (csrc/cuda/graph.cu).
@@ -29,6 +30,8 @@ struct Library {
     graph: Option<GraphFns>,
     /// None in a library built before the fused decode step (csrc/cuda/attend_step.cu).
     attend_step: Option<AttendStepFn>,
+    /// None in a library built before csrc/cuda/layer_norm.cu.
+    layer_norm_half: Option<LayerNormHalfFn>,
 }
 
 /// The file name `make gpu-kernels` writes (into `.gpu/`, beside the lean binary).
@@ -69,7 +72,8 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
             })
         })();
         let attend_step = find(c"attnlab_attend_step").map(|p| std::mem::transmute::<*mut libc::c_void, AttendStepFn>(p));
-        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step })
+        let layer_norm_half = find(c"attnlab_layer_norm_half").map(|p| std::mem::transmute::<*mut libc::c_void, LayerNormHalfFn>(p));
+        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step, layer_norm_half })
     }
 }
 
@@ -207,6 +211,27 @@ pub fn attend_step(x: &Step) -> Option<Result<Tensor>> {
     // shim hands over a new tensor we then own.
     let r = unsafe { f(ts.as_ptr(), d.map_or(0, |d| d.rotated), d.map_or(0, |d| d.window), full.map_or(0, |f| f.keep), chunk, ring_chunk, &mut out) };
     Some(check(r).map(|_| unsafe { Tensor::from_ptr(out) }))
+}
+
+/// LayerNorm of the fp32 residual stream `x` `[.., d]` with fp32 `weight` / `bias` `[d]`, written
+/// straight in autocast's half dtype (csrc/cuda/layer_norm.cu: no fp32 output, no cast after it).
+/// Not yet run on a GPU, so only with `ATTNLAB_LN_KERNEL=1`; `None` (the caller's aten LayerNorm)
+/// without it, off CUDA, outside autocast, or for other dtypes.
+pub fn layer_norm_half(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Option<Result<Tensor>> {
+    if !x.device().is_cuda() || x.kind() != tch::Kind::Float || std::env::var("ATTNLAB_LN_KERNEL").map_or(true, |v| v != "1") {
+        return None;
+    }
+    let f = library()?.layer_norm_half?;
+    let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: valid tensor handles read during the call; on success the shim hands over a new
+    // tensor we then own, or leaves `out` null when it does not apply.
+    let r = check(unsafe { f(p(x), p(weight), p(bias), eps, &mut out) });
+    match r {
+        Err(e) => Some(Err(e)),
+        Ok(()) if out.is_null() => None,
+        Ok(()) => Some(Ok(unsafe { Tensor::from_ptr(out) })),
+    }
 }
 
 /// Whether decode steps may be captured as CUDA graphs: the library has them and

@@ -131,12 +131,23 @@ impl GptNeox {
         let (cos, sin) = self.rope.tables(0, t, ids.device());
         let mut x = Tensor::embedding(&self.embed_in, ids, -1, false, false);
         for layer in &self.layers {
-            let attn = self.attention(layer, &layer.input_layernorm.forward(&x), &cos, &sin);
-            let mlp = self.mlp(layer, &layer.post_attention_layernorm.forward(&x));
+            let attn = self.attention(layer, &self.norm(&layer.input_layernorm, &x), &cos, &sin);
+            let mlp = self.mlp(layer, &self.norm(&layer.post_attention_layernorm, &x));
             // Parallel residual: both branches read the same x.
             x = x + attn + mlp;
         }
-        self.final_layer_norm.forward(&x)
+        self.norm(&self.final_layer_norm, &x)
+    }
+
+    /// A LayerNorm of the full forward: straight from the fp32 residual stream to autocast's half
+    /// dtype where `kernels::cuda::layer_norm_half` applies (`ATTNLAB_LN_KERNEL=1`), else aten's.
+    fn norm(&self, ln: &nn::LayerNorm, x: &Tensor) -> Tensor {
+        if let (Some(w), Some(b)) = (&ln.ws, &ln.bs) {
+            if let Some(y) = crate::kernels::cuda::layer_norm_half(x, w, b, self.cfg.ln_eps) {
+                return y.unwrap_or_else(|e| panic!("LayerNorm kernel failed: {e}"));
+            }
+        }
+        ln.forward(x)
     }
 
     /// Logits `[B, T, V]`.
