@@ -152,6 +152,7 @@ struct LayerNormHalf : public torch::autograd::Function<LayerNormHalf> {
     auto stream = c10::cuda::getCurrentCUDAStream();
     Tensor dx = at::empty(x.sizes(), x.options());
     const int64_t chunks = (n + kRowsPerChunk - 1) / kRowsPerChunk;
+    TORCH_CHECK(chunks <= 65535, "layer_norm_half: ", n, " rows are more than one launch of the column sums takes");
     Tensor dg = at::empty({std::max<int64_t>(chunks, 1), d}, x.options()), db = at::empty({std::max<int64_t>(chunks, 1), d}, x.options());
     if (n > 0) {
       const dim3 pgrid((d + kThreads - 1) / kThreads, chunks);
