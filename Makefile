@@ -38,7 +38,7 @@ $(CUDATK)/bin/nvcc:
 	python3 -m pip install --quiet --disable-pip-version-check --no-deps --no-compile --target .cudatk $(CUDA_PINS)
 	ln -sfn lib $(CUDATK)/lib64
 	ln -sf libcudart.so.13 $(CUDATK)/lib/libcudart.so
-.gpu/libattnlab_kernels.so: csrc/cuda/*.cu $(CUDATK)/bin/nvcc | setup
+.gpu/libattnlab_kernels.so: csrc/cuda/*.cu csrc/cuda/*.cuh $(CUDATK)/bin/nvcc | setup
 	mkdir -p .gpu
 	$(CUDATK)/bin/nvcc -O3 -std=c++17 -arch=sm_90 -cudart shared -shared -Xcompiler -fPIC -D_GLIBCXX_USE_CXX11_ABI=1 \
 		-I.libtorch/torch/include -I.libtorch/torch/include/torch/csrc/api/include csrc/cuda/*.cu \

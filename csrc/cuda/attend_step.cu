@@ -21,8 +21,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "half.cuh"
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -31,12 +30,6 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -83,14 +76,31 @@ __host__ __device__ inline int64_t smem_floats(int g, int r, int hd) {
   return (int64_t)g * hd + (int64_t)g * r + g + (int64_t)kWarps * g * width + 2 * kWarps * g;
 }
 
-// Eight 16-bit values as one 16-byte load.
-struct alignas(16) Pack8 {
-  uint16_t v[8];
-};
+// The position full-width slot s holds once position `newest` is written: s itself, or for a ring of
+// `keep` slots the latest position ≤ newest congruent to s (cache::ring_positions on the host).
+__device__ __forceinline__ int64_t slot_position(int64_t newest, int64_t s, int64_t keep) {
+  return keep > 0 ? newest - (((newest - s) % keep) + keep) % keep : s;
+}
 
-template <typename T>
-__device__ __forceinline__ float pack_at(const Pack8& x, int e) {
-  return to_f(*reinterpret_cast<const T*>(&x.v[e]));
+// Fold one score into a running (max m, sum l) of exponentials: f scales what was accumulated
+// (0 on the first score, m = −inf), w weighs the new slot.
+__device__ __forceinline__ void fold_score(float& m, float& l, float score, float& f, float& w) {
+  if (score > m) {
+    f = __expf(m - score);
+    l = l * f + 1.f;
+    m = score;
+    w = 1.f;
+  } else {
+    f = 1.f;
+    w = __expf(score - m);
+    l += w;
+  }
+}
+
+// q_h · RoPE(k) over one rotated pair (i, i + half) of a head's query qh: k's halves k1, k2 turned
+// by (cs, sn).
+__device__ __forceinline__ float rope_pair_dot(const float* qh, int i, int half, float k1, float k2, float cs, float sn) {
+  return qh[i] * (k1 * cs - k2 * sn) + qh[i + half] * (k2 * cs + k1 * sn);
 }
 
 // Full-width slots [begin, end) of one warp's share, memory-bound: each slot read by a group of
@@ -123,7 +133,7 @@ __device__ __forceinline__ void full_width_slots(const Params& p, int b, int kvh
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int s = base + gi + u * stride;
-      const int64_t at = p.keep > 0 ? newest - (((newest - s) % p.keep) + p.keep) % p.keep : s;
+      const int64_t at = slot_position(newest, s, p.keep);
       vis[u] = s < end && at >= pad && at <= newest;
       if (vis[u]) {
         k[u] = *reinterpret_cast<const Pack8*>(rk + (int64_t)s * p.r_ss);
@@ -141,17 +151,8 @@ __device__ __forceinline__ void full_width_slots(const Params& p, int b, int kvh
         }
         for (int off = 1; off < L; off <<= 1) part += __shfl_xor_sync(0xffffffff, part, off);
         if (!vis[u]) continue;
-        const float score = part * p.scale;
-        float f = 1.f, w;
-        if (score > m[h]) {
-          f = __expf(m[h] - score);
-          l[h] = l[h] * f + 1.f;
-          m[h] = score;
-          w = 1.f;
-        } else {
-          w = __expf(score - m[h]);
-          l[h] += w;
-        }
+        float f, w;
+        fold_score(m[h], l[h], part * p.scale, f, w);
 #pragma unroll
         for (int e = 0; e < 8; ++e) o[h][e] = o[h][e] * f + w * pack_at<T>(v[u], e);
       }
@@ -221,9 +222,8 @@ __device__ __forceinline__ void latent_slots(const Params& p, int b, int kvh, in
         const T* k = kr + (int64_t)s[u] * p.kr_ss;
         const float k1 = to_f(k[i]) + b1, k2 = to_f(k[i + half]) + b2;
         const float cs = p.cos[(int64_t)s[u] * p.cs_s + i], sn = p.sin[(int64_t)s[u] * p.cs_s + i];
-        const float r1 = k1 * cs - k2 * sn, r2 = k2 * cs + k1 * sn;
 #pragma unroll
-        for (int h = 0; h < G; ++h) part[u][h] += qs[h * p.hd + i] * r1 + qs[h * p.hd + i + half] * r2;
+        for (int h = 0; h < G; ++h) part[u][h] += rope_pair_dot(qs + h * p.hd, i, half, k1, k2, cs, sn);
       }
     }
 #pragma unroll
@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
     const T* sv;  // what the scores read (key or latent), and what the block accumulates (value or latent)
     const T* av;
     if (ring) {
-      const int64_t at = p.keep > 0 ? newest - (((newest - s) % p.keep) + p.keep) % p.keep : s;
+      const int64_t at = slot_position(newest, s, p.keep);
       if (at < pad || at > newest) continue;
       const int64_t o = b * p.r_sb + (int64_t)kvh * p.r_sh + (int64_t)s * p.r_ss;
       sv = static_cast<const T*>(p.rk) + o;
@@ -348,24 +348,14 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
           k2 += to_f(bk[i + half]);
         }
         const float cs = p.cos[(int64_t)s * p.cs_s + i], sn = p.sin[(int64_t)s * p.cs_s + i];
-        const float r1 = k1 * cs - k2 * sn, r2 = k2 * cs + k1 * sn;
 #pragma unroll
-        for (int h = 0; h < G; ++h) part[h] += qs[h * p.hd + i] * r1 + qs[h * p.hd + i + half] * r2;
+        for (int h = 0; h < G; ++h) part[h] += rope_pair_dot(qs + h * p.hd, i, half, k1, k2, cs, sn);
       }
     }
 #pragma unroll
     for (int h = 0; h < G; ++h) {
-      const float score = (warp_sum(part[h]) + (ring ? 0.f : beta[h])) * p.scale;
-      float f = 1.f, e;
-      if (score > m[h]) {
-        f = __expf(m[h] - score);  // 0 on the first visible slot (m = −inf)
-        l[h] = l[h] * f + 1.f;
-        m[h] = score;
-        e = 1.f;
-      } else {
-        e = __expf(score - m[h]);
-        l[h] += e;
-      }
+      float f, e;
+      fold_score(m[h], l[h], (warp_sum(part[h]) + (ring ? 0.f : beta[h])) * p.scale, f, e);
       float* a = my_acc + h * width;
       for (int j = lane; j < n_acc; j += 32) a[j] = a[j] * f + e * to_f(av[j]);
     }

@@ -13,8 +13,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "half.cuh"
 #include <torch/csrc/autograd/custom_function.h>
 #include <cstring>
 
@@ -26,12 +25,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kRowsPerChunk = 128;
-
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
 
 // The block's sum of x (every thread gets it).
 __device__ float block_sum(float x, float* shared) {

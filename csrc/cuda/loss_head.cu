@@ -13,20 +13,13 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "half.cuh"
 #include <cmath>
 #include <cstring>
 
 namespace {
 
 constexpr int kThreads = 512;
-
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
 
 // (m, s) represents s·e^m; merging keeps the larger max.
 __device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
@@ -47,11 +40,6 @@ __device__ __forceinline__ void add(float& m, float& s, float x) {
   }
 }
 
-// Eight 16-bit values as one 16-byte load.
-struct alignas(16) Pack8 {
-  uint16_t v[8];
-};
-
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads) ce_grad_in_place(T* logits, int64_t ld, const int64_t* targets,
                                                             int64_t V, float scale, float* nll) {
@@ -64,7 +52,7 @@ __global__ void __launch_bounds__(kThreads) ce_grad_in_place(T* logits, int64_t 
     for (int64_t i = tid; i < V / 8; i += kThreads) {
       Pack8 p = xv[i];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) add(m, s, to_f(*reinterpret_cast<const T*>(&p.v[j])));
+      for (int j = 0; j < 8; ++j) add(m, s, pack_at<T>(p, j));
     }
   } else {
     for (int64_t i = tid; i < V; i += kThreads) add(m, s, to_f(x[i]));
@@ -108,7 +96,7 @@ __global__ void __launch_bounds__(kThreads) ce_grad_in_place(T* logits, int64_t 
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int64_t col = i * 8 + j;
-        float g = __expf(to_f(*reinterpret_cast<const T*>(&p.v[j])) - lse) * scale;
+        float g = __expf(pack_at<T>(p, j) - lse) * scale;
         if (col == t) g -= scale;
         T out = from_f<T>(g);
         p.v[j] = *reinterpret_cast<uint16_t*>(&out);

@@ -1,0 +1,23 @@
+// 16-bit floats in the kernels (csrc/cuda/*.cu): conversions to and from fp32 for bf16 and fp16,
+// and eight of them as one 16-byte load. One copy for every kernel file (all inline).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
+
+// Eight 16-bit values as one 16-byte load.
+struct alignas(16) Pack8 {
+  uint16_t v[8];
+};
+
+// Entry e of a pack, as fp32 (T: the values' 16-bit type).
+template <typename T>
+__device__ __forceinline__ float pack_at(const Pack8& x, int e) {
+  return to_f(*reinterpret_cast<const T*>(&x.v[e]));
+}
