@@ -269,10 +269,11 @@ pub struct DecodeCase {
     pub bias: bool,
 }
 
-/// DAR's one-token step by its definition (dar.md §3), in `kind`: every distant key and value rebuilt
-/// from its latent (k = RoPE_s(Wk·c + bk), v = Wv·c + bv), the ring's keys full width, one masked
-/// softmax (`attend_newest`). xs: q, c, wk, wv, bk, bv, cos, sin, pos, pad, ring k, v, mask.
-fn dar_decode_reference(xs: &[Tensor], c: DecodeCase, kind: Kind) -> Tensor {
+/// A one-token step by its definition, in `kind`: vanilla's full-width keys under their mask, or
+/// DAR's (dar.md §3) with every distant key and value rebuilt from its latent (k = RoPE_s(Wk·c + bk),
+/// v = Wv·c + bv) beside the ring's full-width keys; one masked softmax (`attend_newest`).
+/// xs: q, c, wk, wv, bk, bv, cos, sin, pos, pad, full-width k, v, mask.
+fn step_reference(xs: &[Tensor], c: DecodeCase, kind: Kind) -> Tensor {
     let k = |t: &Tensor| t.to_kind(kind);
     let (rk, rv) = (k(&xs[10]), k(&xs[11]));
     let full = (&rk, &rv, Some(xs[12].shallow_clone()));
@@ -287,8 +288,7 @@ fn dar_decode_reference(xs: &[Tensor], c: DecodeCase, kind: Kind) -> Tensor {
     let (k1, k2, rest) = (keys.narrow(3, 0, half), keys.narrow(3, half, half), keys.narrow(3, 2 * half, hd - 2 * half));
     let keys = Tensor::cat(&[&k1 * &cos - &k2 * &sin, &k2 * &cos + &k1 * &sin, rest], 3);
     let values = lat.matmul(&wv.transpose(1, 2)) + k(&xs[5]).view([1, hkv, 1, hd]);
-    let slots = Tensor::arange(span, (Kind::Int64, q.device()));
-    let far = (&xs[8] - &slots).ge(c.window).view([1, 1, 1, -1]).logical_and(&slots.view([1, 1, 1, -1]).ge_tensor(&xs[9].view([-1, 1, 1, 1])));
+    let far = distant_mask(&xs, c.window, span);
     let mut parts = vec![(&keys, &values, Some(far))];
     if c.window > 0 {
         parts.insert(0, full);
@@ -296,7 +296,14 @@ fn dar_decode_reference(xs: &[Tensor], c: DecodeCase, kind: Kind) -> Tensor {
     crate::attention::cache::attend_newest(&q, &parts)
 }
 
-/// Random inputs of one decode case (the order `dar_decode_reference` reads), the position three
+/// `[B, 1, 1, span]`: the latent slots a decode case's token reads, at distance ≥ `window` from its
+/// position (xs[8]) and not before its row's padding (xs[9]).
+fn distant_mask(xs: &[Tensor], window: i64, span: i64) -> Tensor {
+    let slots = Tensor::arange(span, (Kind::Int64, xs[8].device()));
+    (&xs[8] - &slots).ge(window).view([1, 1, 1, -1]).logical_and(&slots.view([1, 1, 1, -1]).ge_tensor(&xs[9].view([-1, 1, 1, 1])))
+}
+
+/// Random inputs of one decode case (the order `step_reference` reads), the position three
 /// slots before the span's end.
 fn decode_inputs(c: DecodeCase, device: Device, kind: Kind) -> Vec<Tensor> {
     tch::manual_seed(c.span + 13 * c.window + c.r);
@@ -309,8 +316,9 @@ fn decode_inputs(c: DecodeCase, device: Device, kind: Kind) -> Vec<Tensor> {
     let pad = Tensor::from_slice(&pad_rows).to_device(device);
     // The full-width slots: DAR's ring (slot j holds pos − ((pos − j) mod w)), or vanilla's span.
     let w = if c.latents { c.window.max(1) } else { c.span };
-    let slot_pos = if c.latents { Tensor::from(pos) - (Tensor::from(pos) - Tensor::arange(w, (Kind::Int64, Device::Cpu))).remainder(w) } else { Tensor::arange(w, (Kind::Int64, Device::Cpu)) };
-    let slot_pos = slot_pos.to_device(device).view([1, 1, 1, -1]);
+    let slots = Tensor::arange(w, (Kind::Int64, device));
+    let slot_pos = if c.latents { crate::attention::cache::ring_positions(&Tensor::from(pos).to_device(device), &slots, w) } else { slots };
+    let slot_pos = slot_pos.view([1, 1, 1, -1]);
     let ring_mask = slot_pos.ge_tensor(&pad.view([-1, 1, 1, 1])).logical_and(&slot_pos.le(pos));
     vec![
         n(&[c.b, c.h, 1, c.hd], 1.0).to_kind(kind),
@@ -329,15 +337,13 @@ fn decode_inputs(c: DecodeCase, device: Device, kind: Kind) -> Vec<Tensor> {
     ]
 }
 
-/// DAR's fused decode step (csrc/cuda/dar_decode.cu, `kernels::cuda::dar_decode`) in the gate: its
+/// The fused decode step (csrc/cuda/attend_step.cu, `kernels::cuda::attend_step`) in the gate: its
 /// output against the definition in fp32, at a position three slots before the span's end (so keys
-/// past the newest must be masked). `planted`: the kernel told window + 1 (the key at distance w
-/// dropped), the row being right when it fails.
-pub fn dar_decode_check(c: DecodeCase, device: Device, kind: Kind, planted: bool) -> Option<CheckRow> {
+/// past the newest must be masked). `planted`: DAR told window + 1 (the key at distance w dropped),
+/// vanilla one position on (a key from the future read), the row being right when it fails.
+pub fn step_check(c: DecodeCase, device: Device, kind: Kind, planted: bool) -> Option<CheckRow> {
     let xs = decode_inputs(c, device, kind);
     use crate::kernels::cuda;
-    // Planted: DAR reads with window + 1 (the key at distance w dropped); vanilla one position on
-    // (a key from the future read).
     let pos = if planted && !c.latents { &xs[8] + 1 } else { xs[8].shallow_clone() };
     let distant = c.latents.then(|| cuda::Distant {
         latents: &xs[1],
@@ -359,8 +365,8 @@ pub fn dar_decode_check(c: DecodeCase, device: Device, kind: Kind, planted: bool
         distant,
     };
     let fast = cuda::attend_step(&step)?.unwrap_or_else(|e| panic!("fused decode step failed: {e}"));
-    let exact = dar_decode_reference(&xs, c, Kind::Float);
-    let baseline = dar_decode_reference(&xs, c, kind);
+    let exact = step_reference(&xs, c, Kind::Float);
+    let baseline = step_reference(&xs, c, kind);
     let tensors = vec![compare("out", &fast, &baseline, &exact, kind, c.h, 0.0)];
     let name = match (c.latents, planted) {
         (true, false) => "step-fused-dar",
@@ -375,7 +381,7 @@ pub fn dar_decode_check(c: DecodeCase, device: Device, kind: Kind, planted: bool
 /// over several blocks, a padded grouped-query Llama shape (every dim rotated, no biases), uniform
 /// (no ring) over many blocks, a short span where one key's weight shows, and vanilla's full-width
 /// span, plain and padded grouped-query; the planted ones must fail.
-pub fn dar_decode_cases() -> Vec<(DecodeCase, bool)> {
+pub fn step_cases() -> Vec<(DecodeCase, bool)> {
     let pythia = DecodeCase { latents: true, b: 1, h: 12, hkv: 12, hd: 64, rot: 16, r: 128, span: 1024, window: 128, padded: false, bias: true };
     let llama = DecodeCase { latents: true, b: 2, h: 9, hkv: 3, hd: 64, rot: 64, r: 96, span: 300, window: 16, padded: true, bias: false };
     let uniform = DecodeCase { latents: true, b: 1, h: 4, hkv: 4, hd: 32, rot: 8, r: 16, span: 2100, window: 0, padded: false, bias: true };
@@ -515,8 +521,8 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
             if let Some(v) = var {
                 std::env::set_var(v, "1");
             }
-            for (case, planted) in dar_decode_cases() {
-                if let Some(mut row) = dar_decode_check(case, device, kind, planted) {
+            for (case, planted) in step_cases() {
+                if let Some(mut row) = step_check(case, device, kind, planted) {
                     row.implementation += suffix;
                     note(row);
                 }
@@ -565,13 +571,12 @@ mod tests {
         // The fused kernel's reference (keys rebuilt) against `dar::read_latents` (the aten step the
         // kernel fuses), fp64: so a GPU failure of the gate is the kernel's, not the reference's.
         let _rng = crate::testutil::rng();
-        for (case, _) in dar_decode_cases().into_iter().filter(|(c, planted)| !planted && c.latents) {
+        for (case, _) in step_cases().into_iter().filter(|(c, planted)| !planted && c.latents) {
             let c = DecodeCase { span: case.span.min(70), window: case.window.min(9), ..case };
             let xs = decode_inputs(c, Device::Cpu, Kind::Double);
-            let reference = dar_decode_reference(&xs, c, Kind::Double);
+            let reference = step_reference(&xs, c, Kind::Double);
             let a = crate::attention::AbsorbedKv { wk: xs[2].shallow_clone(), bk: Some(xs[4].shallow_clone()), wv: xs[3].shallow_clone(), bv: Some(xs[5].shallow_clone()), rotated: c.rot };
-            let slots = Tensor::arange(c.span, (Kind::Int64, Device::Cpu));
-            let far = (&xs[8] - &slots).ge(c.window).view([1, 1, 1, -1]).logical_and(&slots.view([1, 1, 1, -1]).ge_tensor(&xs[9].view([-1, 1, 1, 1])));
+            let far = distant_mask(&xs, c.window, c.span);
             let ring = (xs[10].shallow_clone(), xs[11].shallow_clone(), xs[12].shallow_clone());
             let aten = crate::attention::dar::read_latents(&xs[0], (c.window > 0).then_some(&ring), &xs[1], &far, &a, &xs[6].to_kind(Kind::Double), &xs[7].to_kind(Kind::Double));
             let d = (&reference - &aten).abs().max().double_value(&[]);
