@@ -415,15 +415,50 @@ mod tests {
         assert!(e.contains("state.json: step 4 but the checkpoint folder is named 5"), "{e}");
     }
 
+    /// The environment variable that makes `a_hundred_kills…` a checkpoint writer instead of the test:
+    /// `RUN_DIR,FIRST_STEP,STAGE_OR_-,SAVES_BEFORE_STAGE`.
+    const WRITER: &str = "ATTNLAB_TEST_CHECKPOINT_WRITER";
+
+    /// The child side of the kill test: save steps FIRST_STEP.. into RUN_DIR (keep 2) until killed,
+    /// arming `checkpoint-die-at=STAGE` after SAVES_BEFORE_STAGE saves. It says "writing" on stdout
+    /// before its first save, so the parent times its kills from there and not from process start.
+    fn write_until_killed(args: &str) -> ! {
+        let f: Vec<&str> = args.split(',').collect();
+        let (run, next, before): (&Path, u64, u64) = (Path::new(f[0]), f[1].parse().unwrap(), f[3].parse().unwrap());
+        let stage = (f[2] != "-").then_some(f[2]);
+        println!("writing");
+        use std::io::Write;
+        std::io::stdout().flush().unwrap();
+        for step in next.. {
+            if let (Some(stage), true) = (stage, step == next + before) {
+                // This process runs this one test on one thread: nothing else reads the environment.
+                std::env::set_var("ATTNLAB_FAULT_INJECT", format!("checkpoint-die-at={stage}"));
+            }
+            let (vs, opt) = model(step as f64);
+            if save(run, &vs, &opt, &State { step, tokens: step * 10, elapsed_s: 1.0 }, 2).is_err() || step > next + 10_000 {
+                std::process::exit(3);
+            }
+        }
+        unreachable!()
+    }
+
     /// 100 SIGKILLs of a process writing checkpoints (keep 2), every one inside or around a write:
     /// 40 aimed at each stage of the write in turn (`checkpoint-die-at`, on the writer's first to
     /// third save), 60 at random times of a loop of saves. After each: every numbered checkpoint is
     /// complete and verifies, none is renamed corrupt, no temporary folder is left once a writer
     /// starts (`resume_point`), the newest holds exactly what was saved for its step, and the next
     /// writer resumes after it; at the end the writes reach the last step.
+    ///
+    /// The writer is this test binary run again (this test, with `WRITER` set), not a fork: a fork
+    /// of the multi-threaded test harness can inherit a lock another test's thread held, and hang.
     #[test]
     fn a_hundred_kills_inside_checkpoint_writes_leave_only_complete_checkpoints() {
         use rand::{Rng, SeedableRng};
+        use std::io::BufRead;
+        use std::os::unix::process::ExitStatusExt;
+        if let Ok(args) = std::env::var(WRITER) {
+            write_until_killed(&args);
+        }
         let tmp = tempfile::tempdir().unwrap();
         let run = tmp.path();
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(38);
@@ -437,45 +472,46 @@ mod tests {
             v.sort_by(f64::total_cmp);
             v
         };
+        let this_test = "train::checkpoint::tests::a_hundred_kills_inside_checkpoint_writes_leave_only_complete_checkpoints";
         for kill in 0..100 {
             let next = resume_point(run).unwrap().map_or(1, |(s, _)| s + 1);
             let stage = (kill < 40).then(|| super::super::fault::CHECKPOINT_STAGES[kill % 7]);
             let before = rng.random_range(0..3u64);
             let delay = std::time::Duration::from_micros(rng.random_range(0..6000));
-            // SAFETY: the child only writes checkpoints of a tiny model (no torch thread pool at
-            // these sizes) and leaves by _exit or by the kill.
-            let pid = unsafe { libc::fork() };
-            assert!(pid >= 0, "fork failed");
-            if pid == 0 {
-                for step in next.. {
-                    if stage.is_some() && step == next + before {
-                        std::env::set_var("ATTNLAB_FAULT_INJECT", format!("checkpoint-die-at={}", stage.unwrap()));
-                    }
-                    let (vs, opt) = model(step as f64);
-                    if save(run, &vs, &opt, &State { step, tokens: step * 10, elapsed_s: 1.0 }, 2).is_err() || step > next + 10_000 {
-                        unsafe { libc::_exit(3) };
-                    }
-                }
+            let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", this_test, "--nocapture", "--test-threads=1", "-q"])
+                .env(WRITER, format!("{},{next},{},{before}", run.display(), stage.unwrap_or("-")))
+                .env_remove("ATTNLAB_FAULT_INJECT")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap();
+            let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+            let mut line = String::new();
+            while !line.contains("writing") {
+                line.clear();
+                assert!(out.read_line(&mut line).unwrap() > 0, "kill {kill}: the writer ended before it started writing");
             }
-            let mut status = 0;
-            let mut reaped = false;
-            if stage.is_none() {
+            let status = if stage.is_none() {
                 std::thread::sleep(delay);
+                child.kill().unwrap();
+                child.wait().unwrap()
             } else {
-                // It kills itself; a writer that does not within 20 s is stopped and fails the test.
+                // It kills itself; a writer that does not within 60 s is stopped and fails the test.
                 let t0 = std::time::Instant::now();
-                while !reaped && t0.elapsed().as_secs() < 20 {
-                    reaped = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid;
-                    std::thread::sleep(std::time::Duration::from_micros(200));
+                loop {
+                    if let Some(s) = child.try_wait().unwrap() {
+                        break s;
+                    }
+                    if t0.elapsed().as_secs() >= 60 {
+                        child.kill().unwrap();
+                        child.wait().unwrap();
+                        panic!("kill {kill} ({stage:?}): the writer did not reach the stage in 60 s");
+                    }
+                    std::thread::sleep(std::time::Duration::from_micros(500));
                 }
-            }
-            if !reaped {
-                // Our own child, not reaped yet: the pid is still its.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-                assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-                assert!(stage.is_none(), "kill {kill} ({stage:?}): the writer did not reach the stage in 20 s");
-            }
-            assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL, "kill {kill} ({stage:?}): the writer ended with status {status}");
+            };
+            assert_eq!(status.signal(), Some(libc::SIGKILL), "kill {kill} ({stage:?}): the writer ended with {status}");
             if stage.is_some() { aimed += 1 } else { timed += 1 }
             // What a kill leaves: complete numbered checkpoints, and maybe temporary folders.
             for (step, dir) in list(run) {
