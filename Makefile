@@ -1,6 +1,6 @@
 # attnlab set-up and everyday commands. Everything builds in release mode (GPU.md §8: one cold
 # release build is ~32 min on 2 cores, measured from a fresh clone; tests reuse it).
-.PHONY: demo test setup build gpu-bin gpu-kernels fixture clean-results notebook smollm2 gguf-venv hf-parity
+.PHONY: demo test setup build gpu-bin gpu-kernels cuda-emu-test fixture clean-results notebook smollm2 gguf-venv hf-parity
 
 setup:
 	@./scripts/setup-libtorch.sh
@@ -15,7 +15,7 @@ demo: build
 # Library tests run in parallel threads, as cargo runs them: a test that draws from libtorch's
 # process-wide random generator holds testutil::rng() / seeded() (one lock) for its whole run, so
 # seeded tests never interleave (lib suite on 2 cores: 47-60 s in parallel, 77 s one at a time).
-test: setup smollm2
+test: setup smollm2 cuda-emu-test
 	cargo test --release --lib
 	cargo test --release --test cli
 	$(MAKE) notebook
@@ -43,6 +43,14 @@ $(CUDATK)/bin/nvcc:
 	$(CUDATK)/bin/nvcc -O3 -std=c++17 -arch=sm_90 -cudart shared -shared -Xcompiler -fPIC -D_GLIBCXX_USE_CXX11_ABI=1 \
 		-I.libtorch/torch/include -I.libtorch/torch/include/torch/csrc/api/include csrc/cuda/*.cu \
 		-L.libtorch/torch/lib -lc10 -lc10_cuda -ltorch_cpu -ltorch_cuda -o $@
+
+# Our CUDA kernels' own code (csrc/cuda/*.cuh) run on the CPU by csrc/cuda/emu/cuda_emu.h against
+# references in double, with g++ alone (no CUDA toolkit): kernels are right before a GPU sees them.
+cuda-emu-test: target/cuda-emu-test
+	./target/cuda-emu-test
+target/cuda-emu-test: csrc/cuda/*.cuh csrc/cuda/emu/*
+	mkdir -p target
+	$(CXX) -std=c++20 -O2 -pthread -fno-strict-aliasing -Wall -Wno-unknown-pragmas -o $@ csrc/cuda/emu/*.cpp
 
 # Regenerate the Hugging Face parity fixture (needs torch + transformers in .venv-fixture).
 fixture:

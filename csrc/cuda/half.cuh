@@ -1,8 +1,13 @@
 // 16-bit floats in the kernels (csrc/cuda/*.cu): conversions to and from fp32 for bf16 and fp16,
-// and eight of them as one 16-byte load. One copy for every kernel file (all inline).
+// and eight of them as one 16-byte load. One copy for every kernel file (all inline). Under
+// ATTNLAB_CUDA_EMU (csrc/cuda/emu/cuda_emu.h, included first) the CPU emulation supplies the types.
 #pragma once
+#ifndef ATTNLAB_CUDA_EMU
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+// A kernel's dynamically sized shared memory (the launch's third argument), as an array `name`.
+#define ATTNLAB_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
 #include <cstdint>
 
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }

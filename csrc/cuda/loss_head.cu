@@ -1,116 +1,13 @@
-// The loss head's one kernel (issue 33): cross-entropy over bf16 / fp16 logits rows, the rows
-// overwritten in place with the loss's gradient, so the fp32 logits never exist.
-//
-// Per row r of `logits` [N, V] (row stride `ld`): lse_r = log Σ_j exp(x_rj) computed online in fp32
-// (a running max and sum per thread, then a block reduction), nll_r = lse_r − x_r,t_r, and then
-// x_rj ← scale·(exp(x_rj − lse_r) − [j = t_r]). The caller's two matmuls (dh = G·W, dW = Gᵀ·h) are
-// the whole backward. A target outside [0, V) gives nll = NaN (the trainer's divergence check
-// names it) and no −scale term.
-//
-// Built by `make gpu-kernels` with nvcc from PyPI into .gpu/libattnlab_kernels.so, loaded at run
-// time by src/kernels/cuda.rs (dlopen); the CPU build never needs it.
+// The loss head kernel's launch (csrc/cuda/loss_head.cuh says what it computes).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
-#include "half.cuh"
 #include <cmath>
 #include <cstring>
+#include "loss_head.cuh"
 
 namespace {
-
-constexpr int kThreads = 512;
-
-// (m, s) represents s·e^m; merging keeps the larger max.
-__device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
-  if (m2 > m) {
-    s = s * __expf(m - m2) + s2;
-    m = m2;
-  } else if (m2 != -INFINITY) {
-    s += s2 * __expf(m2 - m);
-  }
-}
-
-__device__ __forceinline__ void add(float& m, float& s, float x) {
-  if (x > m) {
-    s = s * __expf(m - x) + 1.f;
-    m = x;
-  } else {
-    s += __expf(x - m);
-  }
-}
-
-template <typename T, bool kVec>
-__global__ void __launch_bounds__(kThreads) ce_grad_in_place(T* logits, int64_t ld, const int64_t* targets,
-                                                            int64_t V, float scale, float* nll) {
-  const int64_t row = blockIdx.x;
-  T* x = logits + row * ld;
-  const int tid = threadIdx.x;
-  float m = -INFINITY, s = 0.f;
-  if (kVec) {
-    const Pack8* xv = reinterpret_cast<const Pack8*>(x);
-    for (int64_t i = tid; i < V / 8; i += kThreads) {
-      Pack8 p = xv[i];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) add(m, s, pack_at<T>(p, j));
-    }
-  } else {
-    for (int64_t i = tid; i < V; i += kThreads) add(m, s, to_f(x[i]));
-  }
-  // Warp, then block reduction of (m, s).
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    float m2 = __shfl_xor_sync(0xffffffff, m, off), s2 = __shfl_xor_sync(0xffffffff, s, off);
-    merge(m, s, m2, s2);
-  }
-  __shared__ float sm[kThreads / 32], ss[kThreads / 32];
-  __shared__ float lse_s;
-  if ((tid & 31) == 0) {
-    sm[tid >> 5] = m;
-    ss[tid >> 5] = s;
-  }
-  __syncthreads();
-  if (tid < 32) {
-    m = tid < kThreads / 32 ? sm[tid] : -INFINITY;
-    s = tid < kThreads / 32 ? ss[tid] : 0.f;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      float m2 = __shfl_xor_sync(0xffffffff, m, off), s2 = __shfl_xor_sync(0xffffffff, s, off);
-      merge(m, s, m2, s2);
-    }
-    if (tid == 0) {
-      const float lse = m + logf(s);
-      lse_s = lse;
-      const int64_t t = targets[row];
-      // Read before any thread overwrites the row (the barrier below orders it).
-      nll[row] = (t >= 0 && t < V) ? lse - to_f(x[t]) : NAN;
-    }
-  }
-  __syncthreads();
-  const float lse = lse_s;
-  const int64_t t = targets[row];
-  if (kVec) {
-    Pack8* xv = reinterpret_cast<Pack8*>(x);
-    for (int64_t i = tid; i < V / 8; i += kThreads) {
-      Pack8 p = xv[i];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int64_t col = i * 8 + j;
-        float g = __expf(pack_at<T>(p, j) - lse) * scale;
-        if (col == t) g -= scale;
-        T out = from_f<T>(g);
-        p.v[j] = *reinterpret_cast<uint16_t*>(&out);
-      }
-      xv[i] = p;
-    }
-  } else {
-    for (int64_t i = tid; i < V; i += kThreads) {
-      float g = __expf(to_f(x[i]) - lse) * scale;
-      if (i == t) g -= scale;
-      x[i] = from_f<T>(g);
-    }
-  }
-}
 
 template <typename T>
 void launch(at::Tensor& logits, const at::Tensor& targets, double scale, at::Tensor& nll) {

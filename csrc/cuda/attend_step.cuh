@@ -1,0 +1,448 @@
+// A one-token decode step as two kernels (issue 34 items 2-3): the new query attends full-width
+// cached keys / values (vanilla's whole cache, or the window's / DAR's ring of recent ones) and, for
+// DAR / uniform, the latents of every distant token, in one softmax, the latents read through the
+// absorbed k / v map (dar.md §3; `dar::read_latents` and `cache::attend_newest` are the aten forms).
+//
+// Per query head h (of kv head k = h / g) at the step's position p:
+//   distant slot s (visible iff p − s ≥ w and s ≥ pad[b]):
+//     score = scale · (qw_h · c_s + β_h + q_rot,h · RoPE_s(kr_s + bk_rot)),
+//     qw_h = q_h[rot:] · Wk[k][rot:, :] (the unrotated dims folded into latent space), β_h = q_h[rot:] · bk[rot:],
+//     kr_s = Wk[k][:rot, :] · c_s (one cuBLAS matmul before the kernel: tensor cores, every slot);
+//   full-width slot j: score = scale · q_h · k_j, visible iff the position it holds (j itself, or for
+//   a ring of `keep` slots p − ((p − j) mod keep)) is in [pad[b], p].
+// The partial kernel: one block per (row b, kv head, chunk of slots, distant or full-width); four
+// warps each take every fourth slot with an online softmax, then merge. It writes (max, sum) and
+// Σ p·c_s (distant, r wide) or Σ p·v_j (full width, hd wide), unnormalised.
+// The combine kernel merges the chunks: pc_h = Σ p·c / L and extra_h = (Σ p_far / L)·bv + Σ p·v / L,
+// and the output is pc · Wvᵀ + extra (one batched matmul; extra alone without latents). Nothing is
+// read back to the host, and
+// every shape depends on the span alone, so a CUDA graph captures it.
+//
+// Device code only (no ATen, no launches): csrc/cuda/emu runs it on the CPU in `make test`;
+// csrc/cuda/attend_step.cu launches it.
+#pragma once
+#include "half.cuh"
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffff, x, off);
+  return x;
+}
+
+struct Params {
+  // q [B, H, hd]: strides of b and h, unit d stride.
+  const void* q;
+  int64_t q_sb, q_sh;
+  // Latents [B, S, r] and their rotated keys kr [B, S, Hkv·rot]: unit last stride.
+  const void* c;
+  int64_t c_sb, c_ss;
+  const void* kr;
+  int64_t kr_sb, kr_ss;
+  const void* wk;  // [Hkv, hd, r] contiguous
+  const void* bk;  // [Hkv, hd] contiguous, or null
+  const float* cos;  // [S, rot/2], row stride cs_s, unit column stride
+  const float* sin;
+  int64_t cs_s;
+  const int64_t* pos;  // [1]: the new token's position
+  const int64_t* pad;  // [B] left padding, or null
+  int64_t window;
+  // Full-width keys / values [B, Hkv, W, hd] (unit d stride): slot j holds position j (keep 0) or
+  // is a ring of `keep` slots.
+  const void* rk;
+  const void* rv;
+  int64_t r_sb, r_sh, r_ss, keep;
+  int W;
+  int vec;  // full-width rows read as 16-byte packs (hd in {32, 64, 128, 256}, aligned)
+  int batched;  // latents four slots per warp at a time (else one: ATTNLAB_STEP_SCALAR)
+  int S, r, hd, rot, g, hkv, chunk, nchunks, ring_chunk, nring;
+  float scale;
+  float* ml;    // [B, H, nchunks + nring, 2]
+  float* acc;   // [B, H, nchunks, r]
+  float* accv;  // [B, H, nring, hd]
+};
+
+// Dynamic shared memory, in floats: qs [G][hd], qw [G][r], beta [G], wacc [kWarps][G][width],
+// wm / wl [kWarps][G].
+__host__ __device__ inline int64_t smem_floats(int g, int r, int hd) {
+  const int width = r > hd ? r : hd;
+  return (int64_t)g * hd + (int64_t)g * r + g + (int64_t)kWarps * g * width + 2 * kWarps * g;
+}
+
+// The position full-width slot s holds once position `newest` is written: s itself, or for a ring of
+// `keep` slots the latest position ≤ newest congruent to s (cache::ring_positions on the host).
+__device__ __forceinline__ int64_t slot_position(int64_t newest, int64_t s, int64_t keep) {
+  return keep > 0 ? newest - (((newest - s) % keep) + keep) % keep : s;
+}
+
+// Fold one score into a running (max m, sum l) of exponentials: f scales what was accumulated
+// (0 on the first score, m = −inf), w weighs the new slot.
+__device__ __forceinline__ void fold_score(float& m, float& l, float score, float& f, float& w) {
+  if (score > m) {
+    f = __expf(m - score);
+    l = l * f + 1.f;
+    m = score;
+    w = 1.f;
+  } else {
+    f = 1.f;
+    w = __expf(score - m);
+    l += w;
+  }
+}
+
+// q_h · RoPE(k) over one rotated pair (i, i + half) of a head's query qh: k's halves k1, k2 turned
+// by (cs, sn).
+__device__ __forceinline__ float rope_pair_dot(const float* qh, int i, int half, float k1, float k2, float cs, float sn) {
+  return qh[i] * (k1 * cs - k2 * sn) + qh[i + half] * (k2 * cs + k1 * sn);
+}
+
+// Full-width slots [begin, end) of one warp's share, memory-bound: each slot read by a group of
+// hd/8 lanes with one 16-byte load of its key and one of its value per lane, several slots in
+// flight per lane (kUnroll), q and the running output in registers. On return every lane holds the
+// warp's (m, l) per head, and lanes of the first group have written the warp's Σ p·v (unnormalised)
+// to acc[h * width + d].
+template <typename T, int G>
+__device__ __forceinline__ void full_width_slots(const Params& p, int b, int kvh, int begin, int end, int64_t newest, int64_t pad, const float* qs,
+                                 float* m, float* l, float* acc, int width) {
+  constexpr int kUnroll = 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int L = p.hd / 8, groups = 32 / L, gi = lane / L, e0 = (lane % L) * 8;
+  float q[G][8], o[G][8];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      q[h][e] = qs[h * p.hd + e0 + e];
+      o[h][e] = 0.f;
+    }
+  }
+  const T* rk = static_cast<const T*>(p.rk) + b * p.r_sb + (int64_t)kvh * p.r_sh + e0;
+  const T* rv = static_cast<const T*>(p.rv) + b * p.r_sb + (int64_t)kvh * p.r_sh + e0;
+  const int stride = kWarps * groups;
+  // The loop's bound is the warp's (not the group's): every lane takes part in every shuffle.
+  for (int base = begin + warp * groups; base < end; base += stride * kUnroll) {
+    Pack8 k[kUnroll], v[kUnroll];
+    bool vis[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int s = base + gi + u * stride;
+      const int64_t at = slot_position(newest, s, p.keep);
+      vis[u] = s < end && at >= pad && at <= newest;
+      if (vis[u]) {
+        k[u] = *reinterpret_cast<const Pack8*>(rk + (int64_t)s * p.r_ss);
+        v[u] = *reinterpret_cast<const Pack8*>(rv + (int64_t)s * p.r_ss);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        float part = 0.f;
+        if (vis[u]) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) part += q[h][e] * pack_at<T>(k[u], e);
+        }
+        for (int off = 1; off < L; off <<= 1) part += __shfl_xor_sync(0xffffffff, part, off);
+        if (!vis[u]) continue;
+        float f, w;
+        fold_score(m[h], l[h], part * p.scale, f, w);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[h][e] = o[h][e] * f + w * pack_at<T>(v[u], e);
+      }
+    }
+  }
+  // Merge the groups of the warp (lanes e0 apart by multiples of L hold the same columns).
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    for (int off = L; off < 32; off <<= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffff, m[h], off), l2 = __shfl_xor_sync(0xffffffff, l[h], off);
+      const float M = fmaxf(m[h], m2);
+      const float a = m[h] == -INFINITY ? 0.f : __expf(m[h] - M), c = m2 == -INFINITY ? 0.f : __expf(m2 - M);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[h][e] = o[h][e] * a + __shfl_xor_sync(0xffffffff, o[h][e], off) * c;
+      l[h] = l[h] * a + l2 * c;
+      m[h] = M;
+    }
+    if (gi == 0) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[h * width + e0 + e] = o[h][e];
+    }
+  }
+}
+
+// Distant slots [begin, end) of one warp's share: four slots per iteration, their latents' loads
+// issued together (lanes over d_down), their scores reduced, then one online-softmax update per head
+// for the four, which reads and writes the warp's Σ p·c (acc, in shared memory) once.
+template <typename T, int G>
+__device__ __forceinline__ void latent_slots(const Params& p, int b, int kvh, int begin, int end, int64_t newest, int64_t pad, const float* qs,
+                                             const float* qw, const float* beta, float* m, float* l, float* acc, int width) {
+  constexpr int U = 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, half = p.rot / 2;
+  const T* c = static_cast<const T*>(p.c) + b * p.c_sb;
+  const T* kr = static_cast<const T*>(p.kr) + b * p.kr_sb + (int64_t)kvh * p.rot;
+  const T* bk = p.bk ? static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd : nullptr;
+  for (int base = begin + warp; base < end; base += kWarps * U) {
+    int s[U];
+    bool vis[U], any = false;
+    float part[U][G];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      s[u] = base + u * kWarps;
+      vis[u] = s[u] < end && newest - s[u] >= p.window && s[u] >= pad;
+      any |= vis[u];
+#pragma unroll
+      for (int h = 0; h < G; ++h) part[u][h] = 0.f;
+    }
+    if (!any) continue;  // the same for every lane of the warp
+    if (p.rot < p.hd) {
+      for (int j = lane; j < p.r; j += 32) {
+        float x[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) x[u] = vis[u] ? to_f(c[(int64_t)s[u] * p.c_ss + j]) : 0.f;
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          const float w = qw[h * p.r + j];
+#pragma unroll
+          for (int u = 0; u < U; ++u) part[u][h] += w * x[u];
+        }
+      }
+    }
+    for (int i = lane; i < half; i += 32) {
+      const float b1 = bk ? to_f(bk[i]) : 0.f, b2 = bk ? to_f(bk[i + half]) : 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (!vis[u]) continue;
+        const T* k = kr + (int64_t)s[u] * p.kr_ss;
+        const float k1 = to_f(k[i]) + b1, k2 = to_f(k[i + half]) + b2;
+        const float cs = p.cos[(int64_t)s[u] * p.cs_s + i], sn = p.sin[(int64_t)s[u] * p.cs_s + i];
+#pragma unroll
+        for (int h = 0; h < G; ++h) part[u][h] += rope_pair_dot(qs + h * p.hd, i, half, k1, k2, cs, sn);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float score[U], mx = m[h];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        score[u] = (warp_sum(part[u][h]) + beta[h]) * p.scale;
+        if (vis[u]) mx = fmaxf(mx, score[u]);
+      }
+      const float f = __expf(m[h] - mx);  // 0 while nothing was seen (m = −inf)
+      float e[U], sum = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        e[u] = vis[u] ? __expf(score[u] - mx) : 0.f;
+        sum += e[u];
+      }
+      l[h] = l[h] * f + sum;
+      m[h] = mx;
+      float* a = acc + h * width;
+      for (int j = lane; j < p.r; j += 32) {
+        float v = a[j] * f;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (vis[u]) v += e[u] * to_f(c[(int64_t)s[u] * p.c_ss + j]);
+        }
+        a[j] = v;
+      }
+    }
+  }
+}
+
+template <typename T, int G>
+__global__ void __launch_bounds__(kThreads) step_partial(Params p) {
+  ATTNLAB_DYNAMIC_SHARED(float, sh);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int kvh = blockIdx.y % p.hkv, b = blockIdx.y / p.hkv;
+  const bool ring = (int)blockIdx.x >= p.nchunks;
+  const int H = p.hkv * G, width = p.r > p.hd ? p.r : p.hd;
+  float* qs = sh;
+  float* qw = qs + G * p.hd;
+  float* beta = qw + G * p.r;
+  float* wacc = beta + G;
+  float* wm = wacc + kWarps * G * width;
+  float* wl = wm + kWarps * G;
+  const T* q = static_cast<const T*>(p.q);
+  for (int i = tid; i < G * p.hd; i += kThreads) {
+    const int h = i / p.hd, d = i % p.hd;
+    qs[i] = to_f(q[b * p.q_sb + (int64_t)(kvh * G + h) * p.q_sh + d]);
+  }
+  for (int i = tid; i < kWarps * G * width; i += kThreads) wacc[i] = 0.f;
+  __syncthreads();
+  const int n_acc = ring ? p.hd : p.r;  // the width of what the block accumulates
+  if (!ring) {
+    // qw_h = q_h[rot:] · Wk[kvh][rot:, :], β_h = q_h[rot:] · bk[kvh][rot:].
+    const T* wk = static_cast<const T*>(p.wk) + (int64_t)kvh * p.hd * p.r;
+    for (int i = tid; i < G * p.r; i += kThreads) {
+      const int h = i / p.r, j = i % p.r;
+      float s = 0.f;
+      for (int d = p.rot; d < p.hd; ++d) s += qs[h * p.hd + d] * to_f(wk[(int64_t)d * p.r + j]);
+      qw[i] = s;
+    }
+    if (tid < G) {
+      float s = 0.f;
+      if (p.bk) {
+        const T* bk = static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd;
+        for (int d = p.rot; d < p.hd; ++d) s += qs[tid * p.hd + d] * to_f(bk[d]);
+      }
+      beta[tid] = s;
+    }
+    __syncthreads();
+  }
+  float m[G], l[G];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0.f;
+  }
+  float* my_acc = wacc + warp * G * width;
+  const int begin = ring ? (blockIdx.x - p.nchunks) * p.ring_chunk : blockIdx.x * p.chunk;
+  const int end = ring ? min(p.W, begin + p.ring_chunk) : min(p.S, begin + p.chunk);
+  const int64_t newest = *p.pos;
+  const int64_t pad = p.pad ? p.pad[b] : 0;
+  const int half = p.rot / 2;
+  const T* bk = p.bk ? static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd : nullptr;
+  const bool scalar = ring ? !p.vec : !p.batched;
+  if (ring && p.vec) full_width_slots<T, G>(p, b, kvh, begin, end, newest, pad, qs, m, l, my_acc, width);
+  if (!ring && p.batched) latent_slots<T, G>(p, b, kvh, begin, end, newest, pad, qs, qw, beta, m, l, my_acc, width);
+  for (int s = begin + warp; s < end && scalar; s += kWarps) {
+    float part[G];
+#pragma unroll
+    for (int h = 0; h < G; ++h) part[h] = 0.f;
+    const T* sv;  // what the scores read (key or latent), and what the block accumulates (value or latent)
+    const T* av;
+    if (ring) {
+      const int64_t at = slot_position(newest, s, p.keep);
+      if (at < pad || at > newest) continue;
+      const int64_t o = b * p.r_sb + (int64_t)kvh * p.r_sh + (int64_t)s * p.r_ss;
+      sv = static_cast<const T*>(p.rk) + o;
+      av = static_cast<const T*>(p.rv) + o;
+      for (int d = lane; d < p.hd; d += 32) {
+        const float k = to_f(sv[d]);
+#pragma unroll
+        for (int h = 0; h < G; ++h) part[h] += qs[h * p.hd + d] * k;
+      }
+    } else {
+      if (newest - s < p.window || s < pad) continue;
+      sv = static_cast<const T*>(p.c) + b * p.c_sb + (int64_t)s * p.c_ss;
+      av = sv;
+      if (p.rot < p.hd) {
+        for (int j = lane; j < p.r; j += 32) {
+          const float c = to_f(sv[j]);
+#pragma unroll
+          for (int h = 0; h < G; ++h) part[h] += qw[h * p.r + j] * c;
+        }
+      }
+      const T* kr = static_cast<const T*>(p.kr) + b * p.kr_sb + (int64_t)s * p.kr_ss + (int64_t)kvh * p.rot;
+      for (int i = lane; i < half; i += 32) {
+        float k1 = to_f(kr[i]), k2 = to_f(kr[i + half]);
+        if (bk) {
+          k1 += to_f(bk[i]);
+          k2 += to_f(bk[i + half]);
+        }
+        const float cs = p.cos[(int64_t)s * p.cs_s + i], sn = p.sin[(int64_t)s * p.cs_s + i];
+#pragma unroll
+        for (int h = 0; h < G; ++h) part[h] += rope_pair_dot(qs + h * p.hd, i, half, k1, k2, cs, sn);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float f, e;
+      fold_score(m[h], l[h], (warp_sum(part[h]) + (ring ? 0.f : beta[h])) * p.scale, f, e);
+      float* a = my_acc + h * width;
+      for (int j = lane; j < n_acc; j += 32) a[j] = a[j] * f + e * to_f(av[j]);
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      wm[warp * G + h] = m[h];
+      wl[warp * G + h] = l[h];
+    }
+  }
+  __syncthreads();
+  // Merge the warps: each (head, column) by one thread.
+  for (int i = tid; i < G * n_acc; i += kThreads) {
+    const int h = i / n_acc, j = i % n_acc;
+    float M = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wm[w * G + h]);
+    float sum = 0.f;
+    if (M != -INFINITY) {
+      for (int w = 0; w < kWarps; ++w) {
+        const float mw = wm[w * G + h];
+        if (mw != -INFINITY) sum += __expf(mw - M) * wacc[(w * G + h) * width + j];
+      }
+    }
+    const int64_t head = (int64_t)b * H + kvh * G + h;
+    if (ring) {
+      p.accv[(head * p.nring + blockIdx.x - p.nchunks) * p.hd + j] = sum;
+    } else {
+      p.acc[(head * p.nchunks + blockIdx.x) * p.r + j] = sum;
+    }
+  }
+  if (tid < G) {
+    const int h = tid;
+    float M = -INFINITY, L = 0.f;
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wm[w * G + h]);
+    if (M != -INFINITY) {
+      for (int w = 0; w < kWarps; ++w) {
+        const float mw = wm[w * G + h];
+        if (mw != -INFINITY) L += __expf(mw - M) * wl[w * G + h];
+      }
+    }
+    const int64_t head = (int64_t)b * H + kvh * G + h;
+    float* o = p.ml + (head * (p.nchunks + p.nring) + blockIdx.x) * 2;
+    o[0] = M;
+    o[1] = L;
+  }
+}
+
+// One block per (b, head): the chunks merged. pc [Hkv, B, g, r] and extra [Hkv, B, g, hd] (the
+// layout of the batched matmul by Wv per kv head that follows).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) step_combine(const float* ml, const float* acc, const float* accv, const void* bv_,
+                                                               int B, int H, int g, int r, int hd, int nchunks, int nring, T* pc, T* extra) {
+  const int head = blockIdx.x;  // b * H + h
+  const int b = head / H, h = head % H, kvh = h / g, hg = h % g;
+  const int n = nchunks + nring;
+  const float* m = ml + (int64_t)head * n * 2;
+  float M = -INFINITY;
+  for (int c = 0; c < n; ++c) M = fmaxf(M, m[2 * c]);
+  float L = 0.f, far = 0.f;
+  for (int c = 0; c < n; ++c) {
+    const float f = m[2 * c] == -INFINITY ? 0.f : __expf(m[2 * c] - M) * m[2 * c + 1];
+    L += f;
+    if (c < nchunks) far += f;
+  }
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  const int64_t out = (((int64_t)kvh * B + b) * g + hg);
+  if (pc) {
+    for (int j = threadIdx.x; j < r; j += kThreads) {
+      float s = 0.f;
+      for (int c = 0; c < nchunks; ++c) {
+        const float mc = m[2 * c];
+        if (mc != -INFINITY) s += __expf(mc - M) * acc[((int64_t)head * nchunks + c) * r + j];
+      }
+      pc[out * r + j] = from_f<T>(s * inv);
+    }
+  }
+  const T* bv = static_cast<const T*>(bv_);
+  for (int d = threadIdx.x; d < hd; d += kThreads) {
+    float e = 0.f;
+    for (int c = 0; c < nring; ++c) {
+      const float mc = m[2 * (nchunks + c)];
+      if (mc != -INFINITY) e += __expf(mc - M) * accv[((int64_t)head * nring + c) * hd + d];
+    }
+    e *= inv;
+    if (bv) e += far * inv * to_f(bv[(int64_t)kvh * hd + d]);
+    extra[out * hd + d] = from_f<T>(e);
+  }
+}
+
+}  // namespace

@@ -1,0 +1,253 @@
+// The fused decode step's kernels (csrc/cuda/attend_step.cuh) on the CPU against the step's
+// definition in double: every distant key and value rebuilt from its latent (RoPE on the rotated
+// dims), one masked softmax over the visible full-width slots and latents. Both loops of each part
+// (full-width: 16-byte packs and one slot per warp; latents: four slots per warp and one), the
+// shapes the models give (vanilla, a wrapped window ring, Pythia's DAR with biases and a quarter of
+// the dims rotated, Llama's grouped heads with every dim rotated, uniform), left padding, bf16 and fp16.
+#include "emu_test.h"
+#include "../attend_step.cuh"
+
+namespace {
+
+using emu_test::Half;
+
+struct Case {
+  const char* name;
+  int B, H, Hkv, hd;
+  int W = 0, keep = 0;  // full-width slots (0: none) and the ring's slot count (0: slot j holds position j)
+  int S = 0, r = 0, rot = 0, window = 0;  // latents (S = 0: none)
+  bool bias = false;
+  int64_t newest = 0;
+  std::vector<int64_t> pad;
+  int chunk = 32, ring_chunk = 32;
+};
+
+template <typename T>
+struct Inputs {
+  Half<T> q, rk, rv, c, wk, wv, bk, bv;
+  std::vector<float> cos, sin;  // [S, rot/2]
+  std::vector<T> kr;            // [B, S, Hkv·rot], rounded as the launcher's matmul rounds it
+};
+
+template <typename T>
+Inputs<T> make(const Case& k, std::mt19937& rng) {
+  Inputs<T> in;
+  in.q = emu_test::normal<T>(rng, size_t(k.B) * k.H * k.hd, 1.5);
+  if (k.W) {
+    in.rk = emu_test::normal<T>(rng, size_t(k.B) * k.Hkv * k.W * k.hd, 1.0);
+    in.rv = emu_test::normal<T>(rng, size_t(k.B) * k.Hkv * k.W * k.hd, 1.0);
+  }
+  if (k.S) {
+    in.c = emu_test::normal<T>(rng, size_t(k.B) * k.S * k.r, 1.0);
+    in.wk = emu_test::normal<T>(rng, size_t(k.Hkv) * k.hd * k.r, 1.0 / std::sqrt(double(k.r)));
+    in.wv = emu_test::normal<T>(rng, size_t(k.Hkv) * k.hd * k.r, 1.0 / std::sqrt(double(k.r)));
+    if (k.bias) {
+      in.bk = emu_test::normal<T>(rng, size_t(k.Hkv) * k.hd, 0.5);
+      in.bv = emu_test::normal<T>(rng, size_t(k.Hkv) * k.hd, 0.5);
+    }
+    const int half = k.rot / 2;
+    for (int s = 0; s < k.S; ++s)
+      for (int i = 0; i < half; ++i) {
+        const double a = s * std::pow(10000.0, -2.0 * i / k.rot);
+        in.cos.push_back(float(std::cos(a)));
+        in.sin.push_back(float(std::sin(a)));
+      }
+    for (int b = 0; b < k.B; ++b)
+      for (int s = 0; s < k.S; ++s)
+        for (int h = 0; h < k.Hkv; ++h)
+          for (int d = 0; d < k.rot; ++d) {
+            double x = 0;
+            for (int j = 0; j < k.r; ++j) x += in.c.ref[(size_t(b) * k.S + s) * k.r + j] * in.wk.ref[(size_t(h) * k.hd + d) * k.r + j];
+            in.kr.push_back(emu_test::to_half<T>(float(x)));
+          }
+  }
+  return in;
+}
+
+int64_t ring_position(int64_t newest, int64_t s, int64_t keep) { return keep > 0 ? newest - (((newest - s) % keep) + keep) % keep : s; }
+
+// The step's output [B, H, hd] by its definition; `window_shift` / `newest_shift` plant a mask one
+// slot off (the test's own check that it can fail).
+template <typename T>
+std::vector<double> reference(const Case& k, const Inputs<T>& in, int window_shift, int newest_shift) {
+  const int g = k.H / k.Hkv, half = k.rot / 2;
+  const double scale = 1.0 / std::sqrt(double(k.hd));
+  std::vector<double> out;
+  for (int b = 0; b < k.B; ++b)
+    for (int h = 0; h < k.H; ++h) {
+      const int kv = h / g;
+      const double* q = &in.q.ref[(size_t(b) * k.H + h) * k.hd];
+      std::vector<double> score, val;  // val: one hd-row per visible slot
+      const int64_t newest = k.newest - newest_shift;
+      for (int j = 0; j < k.W; ++j) {
+        const int64_t at = ring_position(k.newest, j, k.keep);
+        if (at < k.pad[b] || at > newest) continue;
+        const size_t o = ((size_t(b) * k.Hkv + kv) * k.W + j) * k.hd;
+        double s = 0;
+        for (int d = 0; d < k.hd; ++d) s += q[d] * in.rk.ref[o + d];
+        score.push_back(s * scale);
+        val.insert(val.end(), in.rv.ref.begin() + o, in.rv.ref.begin() + o + k.hd);
+      }
+      for (int s = 0; s < k.S; ++s) {
+        if (k.newest - s < k.window + window_shift || s < k.pad[b]) continue;
+        std::vector<double> key(k.hd), v(k.hd);
+        for (int d = 0; d < k.hd; ++d) {
+          double x = k.bias ? in.bk.ref[size_t(kv) * k.hd + d] : 0, y = k.bias ? in.bv.ref[size_t(kv) * k.hd + d] : 0;
+          for (int j = 0; j < k.r; ++j) {
+            const double c = in.c.ref[(size_t(b) * k.S + s) * k.r + j];
+            x += in.wk.ref[(size_t(kv) * k.hd + d) * k.r + j] * c;
+            y += in.wv.ref[(size_t(kv) * k.hd + d) * k.r + j] * c;
+          }
+          key[d] = x;
+          v[d] = y;
+        }
+        std::vector<double> rk = key;
+        for (int i = 0; i < half; ++i) {
+          const double cs = in.cos[size_t(s) * half + i], sn = in.sin[size_t(s) * half + i];
+          rk[i] = key[i] * cs - key[i + half] * sn;
+          rk[i + half] = key[i + half] * cs + key[i] * sn;
+        }
+        double x = 0;
+        for (int d = 0; d < k.hd; ++d) x += q[d] * rk[d];
+        score.push_back(x * scale);
+        val.insert(val.end(), v.begin(), v.end());
+      }
+      double m = -INFINITY, z = 0;
+      for (double s : score) m = std::max(m, s);
+      std::vector<double> o(k.hd, 0.0);
+      for (size_t i = 0; i < score.size(); ++i) {
+        const double e = std::exp(score[i] - m);
+        z += e;
+        for (int d = 0; d < k.hd; ++d) o[d] += e * val[i * k.hd + d];
+      }
+      for (int d = 0; d < k.hd; ++d) out.push_back(z > 0 ? o[d] / z : 0.0);
+    }
+  return out;
+}
+
+template <typename T, int G>
+std::vector<double> run(const Case& k, const Inputs<T>& in, bool batched, bool vec) {
+  Params p{};
+  p.q = in.q.dev.data();
+  p.q_sb = int64_t(k.H) * k.hd;
+  p.q_sh = k.hd;
+  p.pos = &k.newest;
+  p.pad = k.pad.data();
+  p.batched = batched;
+  if (k.W) {
+    p.rk = in.rk.dev.data();
+    p.rv = in.rv.dev.data();
+    p.r_ss = k.hd;
+    p.r_sh = int64_t(k.W) * k.hd;
+    p.r_sb = int64_t(k.Hkv) * p.r_sh;
+    p.W = k.W;
+    p.vec = vec;
+    p.keep = k.keep;
+    p.ring_chunk = k.ring_chunk;
+    p.nring = (k.W + k.ring_chunk - 1) / k.ring_chunk;
+  }
+  p.r = 1;
+  if (k.S) {
+    p.c = in.c.dev.data();
+    p.c_ss = k.r;
+    p.c_sb = int64_t(k.S) * k.r;
+    p.kr = in.kr.data();
+    p.kr_ss = int64_t(k.Hkv) * k.rot;
+    p.kr_sb = int64_t(k.S) * p.kr_ss;
+    p.cos = in.cos.data();
+    p.sin = in.sin.data();
+    p.cs_s = k.rot / 2;
+    p.wk = in.wk.dev.data();
+    p.bk = k.bias ? in.bk.dev.data() : nullptr;
+    p.window = k.window;
+    p.S = k.S;
+    p.chunk = k.chunk;
+    p.nchunks = (k.S + k.chunk - 1) / k.chunk;
+    p.r = k.r;
+  }
+  p.hd = k.hd;
+  p.rot = k.rot;
+  p.g = G;
+  p.hkv = k.Hkv;
+  p.scale = 1.f / std::sqrt(float(k.hd));
+  std::vector<float> ml(size_t(k.B) * k.H * (p.nchunks + p.nring) * 2), acc(size_t(k.B) * k.H * std::max(p.nchunks, 1) * p.r),
+      accv(size_t(k.B) * k.H * std::max(p.nring, 1) * k.hd);
+  p.ml = ml.data();
+  p.acc = acc.data();
+  p.accv = accv.data();
+  emu::launch(step_partial<T, G>, dim3(p.nchunks + p.nring, k.B * k.Hkv), dim3(kThreads), smem_floats(G, p.r, k.hd) * sizeof(float), p);
+  std::vector<T> pc(size_t(k.Hkv) * k.B * G * p.r), extra(size_t(k.Hkv) * k.B * G * k.hd);
+  emu::launch(step_combine<T>, dim3(k.B * k.H), dim3(kThreads), 0, (const float*)p.ml, (const float*)p.acc, (const float*)p.accv,
+              (const void*)(k.bias ? in.bv.dev.data() : nullptr), k.B, k.H, G, p.r, k.hd, p.nchunks, p.nring, k.S ? pc.data() : (T*)nullptr,
+              extra.data());
+  // The launcher's baddbmm: [Hkv, B·g, hd] = extra + pc · Wvᵀ, in the 16-bit type, then [B, H, hd].
+  std::vector<double> out(size_t(k.B) * k.H * k.hd);
+  for (int kv = 0; kv < k.Hkv; ++kv)
+    for (int b = 0; b < k.B; ++b)
+      for (int hg = 0; hg < G; ++hg)
+        for (int d = 0; d < k.hd; ++d) {
+          const size_t row = (size_t(kv) * k.B + b) * G + hg;
+          double x = emu_test::from_half(extra[row * k.hd + d]);
+          for (int j = 0; k.S && j < k.r; ++j) x += emu_test::from_half(pc[row * p.r + j]) * in.wv.ref[(size_t(kv) * k.hd + d) * k.r + j];
+          out[(size_t(b) * k.H + kv * G + hg) * k.hd + d] = emu_test::from_half(emu_test::to_half<T>(float(x)));
+        }
+  return out;
+}
+
+template <typename T>
+std::vector<double> run_g(const Case& k, const Inputs<T>& in, bool batched, bool vec) {
+  switch (k.H / k.Hkv) {
+    case 1: return run<T, 1>(k, in, batched, vec);
+    case 2: return run<T, 2>(k, in, batched, vec);
+    case 3: return run<T, 3>(k, in, batched, vec);
+    case 4: return run<T, 4>(k, in, batched, vec);
+    default: std::abort();
+  }
+}
+
+template <typename T>
+bool check(const Case& k, const char* dtype, unsigned seed) {
+  std::mt19937 rng(seed);
+  const Inputs<T> in = make<T>(k, rng);
+  const auto want = reference(k, in, 0, 0);
+  // A window one slot wider where there are latents, else the newest slot left out.
+  const auto planted = k.S ? reference(k, in, 1, 0) : reference(k, in, 0, 1);
+  const double bound = std::is_same_v<T, __half> ? 4e-3 : 1.6e-2;
+  bool ok = true;
+  for (int batched = 0; batched <= (k.S ? 1 : 0); ++batched)
+    for (int vec = 0; vec <= (k.W ? 1 : 0); ++vec) {
+      const auto got = run_g<T>(k, in, batched, vec);
+      const std::string what = std::string(k.name) + " " + dtype + (k.S ? (batched ? " latents×4" : " latents×1") : "") +
+                               (k.W ? (vec ? " packs" : " scalar") : "");
+      ok &= emu_test::verdict(what, emu_test::rel_err(got, want), emu_test::rel_err(planted, want), bound);
+    }
+  return ok;
+}
+
+bool all_cases() {
+  const std::vector<Case> cases = {
+      // Vanilla: slot j holds position j; slots past the newest are empty; row 1 left-padded.
+      {.name = "vanilla", .B = 2, .H = 4, .Hkv = 4, .hd = 64, .W = 70, .keep = 0, .newest = 65, .pad = {0, 5}},
+      // Grouped heads, a wrapped window ring, padding inside the ring.
+      {.name = "window ring, 2 heads per kv head", .B = 2, .H = 4, .Hkv = 2, .hd = 32, .W = 16, .keep = 16, .newest = 40, .pad = {0, 30}},
+      // Pythia's DAR: biases, a quarter of the dims rotated, the ring of the last w, several chunks.
+      {.name = "DAR (Pythia)", .B = 2, .H = 4, .Hkv = 4, .hd = 64, .W = 8, .keep = 8, .S = 75, .r = 32, .rot = 16, .window = 8, .bias = true,
+       .newest = 74, .pad = {0, 7}},
+      // Llama's DAR: grouped heads (3 per kv head), every dim rotated, no biases, r wider than hd.
+      {.name = "DAR (Llama, grouped)", .B = 1, .H = 6, .Hkv = 2, .hd = 32, .W = 4, .keep = 4, .S = 50, .r = 48, .rot = 32, .window = 4,
+       .newest = 49, .pad = {0}},
+      // Uniform: latents only (window 0), no full-width slots, unrotated keys.
+      {.name = "uniform", .B = 2, .H = 2, .Hkv = 2, .hd = 64, .S = 40, .r = 16, .rot = 0, .window = 0, .bias = true, .newest = 37, .pad = {3, 0}},
+  };
+  bool ok = true;
+  unsigned seed = 1;
+  for (const auto& k : cases) {
+    ok &= check<__nv_bfloat16>(k, "bf16", seed++);
+  }
+  ok &= check<__half>(cases[2], "fp16", seed++);
+  return ok;
+}
+
+emu_test::Register reg("attend_step: fused decode step vs its definition", all_cases);
+
+}  // namespace

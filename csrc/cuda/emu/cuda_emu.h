@@ -1,0 +1,182 @@
+// The CUDA subset our kernels use (csrc/cuda/*.cuh), emulated on the CPU so that `make test` runs
+// the kernels' own code against references on a machine without a GPU (csrc/cuda/emu/*_test.cpp).
+//
+// Every CUDA thread of a block is an OS thread; blocks run one after another. That gives the
+// semantics the kernels rely on, and catches what breaks them:
+// - __syncthreads() is a barrier of the block's threads (a thread that returns drops out of it, as on
+//   the GPU); shared memory is a function's `static` (one block at a time) or, dynamic, a per-block
+//   buffer filled with NaNs, so a read before any write shows;
+// - __shfl_*_sync are barriers of the warp's 32 lanes: a shuffle that not every lane of the warp
+//   reaches deadlocks here (the runner's alarm ends it), the divergence bug it is on a GPU;
+// - 16-bit floats round to nearest even, as the device's conversions do.
+// Not emulated: timing, memory coherence beyond the barriers, warp-synchronous code without a
+// shuffle or __syncwarp (none of ours), and anything not declared below (it fails to compile).
+#pragma once
+#define ATTNLAB_CUDA_EMU 1
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+// One block runs at a time, so a function's static is its block's shared memory.
+#define __shared__ static
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+inline thread_local dim3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;
+
+// 16-bit floats: the bits, converted as the device converts (round to nearest even).
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+struct __half {
+  uint16_t bits;
+};
+
+inline float __bfloat162float(__nv_bfloat16 h) {
+  const uint32_t u = uint32_t(h.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline __nv_bfloat16 __float2bfloat16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {uint16_t((u >> 16) | 0x40)};  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return {uint16_t(u >> 16)};
+}
+inline float __half2float(__half h) {
+  _Float16 v;
+  std::memcpy(&v, &h.bits, 2);
+  return static_cast<float>(v);
+}
+inline __half __float2half(float f) {
+  const _Float16 v = static_cast<_Float16>(f);
+  __half h;
+  std::memcpy(&h.bits, &v, 2);
+  return h;
+}
+
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+template <typename A, typename B>
+inline std::common_type_t<A, B> min(A a, B b) {
+  return a < b ? a : b;
+}
+template <typename A, typename B>
+inline std::common_type_t<A, B> max(A a, B b) {
+  return a < b ? b : a;
+}
+
+namespace emu {
+
+struct Warp {
+  std::unique_ptr<std::barrier<>> bar;
+  uint64_t slot[32];
+};
+
+struct Block {
+  std::unique_ptr<std::barrier<>> all;
+  std::vector<Warp> warps;
+  std::vector<unsigned char> shared;
+};
+
+inline Block* block = nullptr;  // the running block (one at a time)
+inline thread_local int tid = 0;  // this thread's linear index in its block
+
+inline Warp& warp() { return block->warps[tid / 32]; }
+
+template <typename T>
+T* dynamic_shared() {
+  return reinterpret_cast<T*>(block->shared.data());
+}
+
+// Threads of a 1-D, 2-D or 3-D block in order x, y, z; blocks likewise, one after another.
+template <typename... P, typename... A>
+void launch(void (*kernel)(P...), dim3 grid, dim3 threads, size_t shared_bytes, A... args) {
+  gridDim = grid;
+  blockDim = threads;
+  const int n = int(threads.x * threads.y * threads.z);
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        Block b;
+        b.all = std::make_unique<std::barrier<>>(n);
+        b.warps.resize((n + 31) / 32);
+        for (int w = 0; w < (n + 31) / 32; ++w) b.warps[w].bar = std::make_unique<std::barrier<>>(std::min(32, n - 32 * w));
+        b.shared.assign(shared_bytes + 16, 0xff);  // NaN in every float: a read before a write shows
+        block = &b;
+        std::vector<std::thread> ts;
+        ts.reserve(n);
+        for (int t = 0; t < n; ++t) {
+          ts.emplace_back([&, t] {
+            tid = t;
+            threadIdx = dim3(t % threads.x, (t / threads.x) % threads.y, t / (threads.x * threads.y));
+            blockIdx = dim3(bx, by, bz);
+            kernel(args...);
+            // A returned thread no longer holds the others at a barrier (as on the GPU).
+            warp().bar->arrive_and_drop();
+            block->all->arrive_and_drop();
+          });
+        }
+        for (auto& t : ts) t.join();
+        block = nullptr;
+      }
+}
+
+template <typename T>
+T exchange(T v, int src) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
+  Warp& w = warp();
+  const int lane = tid % 32;
+  std::memcpy(&w.slot[lane], &v, sizeof(T));
+  w.bar->arrive_and_wait();
+  T r;
+  std::memcpy(&r, &w.slot[src], sizeof(T));
+  w.bar->arrive_and_wait();
+  return r;
+}
+
+}  // namespace emu
+
+inline void __syncthreads() { emu::block->all->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp().bar->arrive_and_wait(); }
+
+// Only full-warp masks are used (and emulated): every lane takes part.
+template <typename T>
+T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
+  const int lane = emu::tid % 32;
+  const int src = (lane ^ lane_mask) < ((lane / width) + 1) * width ? lane ^ lane_mask : lane;
+  return emu::exchange(v, src);
+}
+template <typename T>
+T __shfl_sync(unsigned, T v, int src_lane, int width = 32) {
+  const int lane = emu::tid % 32;
+  return emu::exchange(v, (lane / width) * width + src_lane % width);
+}
+template <typename T>
+T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
+  const int lane = emu::tid % 32;
+  const int src = lane % width + int(delta) < width ? lane + int(delta) : lane;
+  return emu::exchange(v, src);
+}
+
+#define ATTNLAB_DYNAMIC_SHARED(T, name) T* name = emu::dynamic_shared<T>()

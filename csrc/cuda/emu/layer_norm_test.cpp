@@ -1,0 +1,96 @@
+// The LayerNorm kernels (csrc/cuda/layer_norm.cuh) on the CPU against LayerNorm's formulas in
+// double: y from the fp32 residual stream in the 16-bit type, dx in fp32, dγ and dβ summed over
+// chunks of rows; rows of fewer and of more elements than a block has threads, more rows than one
+// chunk of the column sums.
+#include "emu_test.h"
+#include "../layer_norm.cuh"
+
+namespace {
+
+struct Ref {
+  std::vector<double> y, dx, dg, db;
+};
+
+// LayerNorm of x [n, d] and its gradients for dy; the `planted` one drops β from y and the
+// x̂·mean(g·x̂) term from dx, and sums dy·x for dγ.
+Ref reference(const std::vector<float>& x, const std::vector<float>& g, const std::vector<float>& b, const std::vector<double>& dy, int n, int d,
+              double eps, bool planted) {
+  Ref r{std::vector<double>(size_t(n) * d), std::vector<double>(size_t(n) * d), std::vector<double>(d), std::vector<double>(d)};
+  for (int i = 0; i < n; ++i) {
+    const float* xr = &x[size_t(i) * d];
+    double mu = 0, var = 0;
+    for (int j = 0; j < d; ++j) mu += xr[j];
+    mu /= d;
+    for (int j = 0; j < d; ++j) var += (xr[j] - mu) * (xr[j] - mu);
+    const double rs = 1.0 / std::sqrt(var / d + eps);
+    double mg = 0, mgx = 0;
+    for (int j = 0; j < d; ++j) {
+      const double xh = (xr[j] - mu) * rs, gr = dy[size_t(i) * d + j] * g[j];
+      r.y[size_t(i) * d + j] = xh * g[j] + (planted ? 0.0 : b[j]);
+      mg += gr / d;
+      mgx += gr * xh / d;
+      r.dg[j] += dy[size_t(i) * d + j] * (planted ? xr[j] : xh);
+      r.db[j] += dy[size_t(i) * d + j];
+    }
+    for (int j = 0; j < d; ++j) {
+      const double xh = (xr[j] - mu) * rs;
+      r.dx[size_t(i) * d + j] = rs * (dy[size_t(i) * d + j] * g[j] - mg - (planted ? 0.0 : xh * mgx));
+    }
+  }
+  return r;
+}
+
+template <typename T>
+bool check(int n, int d, const char* dtype, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> N(0.f, 1.f);
+  std::vector<float> x(size_t(n) * d), g(d), b(d);
+  for (auto& v : x) v = 3.f + 2.f * N(rng);  // an offset: the mean must come out
+  for (auto& v : g) v = 1.f + 0.3f * N(rng);
+  for (auto& v : b) v = 0.2f * N(rng);
+  const auto dy = emu_test::normal<T>(rng, size_t(n) * d, 1.0);
+  const double eps = 1e-5;
+  const Ref want = reference(x, g, b, dy.ref, n, d, eps, false), bad = reference(x, g, b, dy.ref, n, d, eps, true);
+
+  std::vector<T> y(size_t(n) * d);
+  std::vector<float> mean(n), rstd(n), dx(size_t(n) * d);
+  emu::launch(ln_forward<T>, dim3(n), dim3(kThreads), 0, (const float*)x.data(), (const float*)g.data(), (const float*)b.data(), (int64_t)d, (float)eps,
+              y.data(), mean.data(), rstd.data());
+  emu::launch(ln_backward_dx<T>, dim3(n), dim3(kThreads), 0, (const T*)dy.dev.data(), (const float*)x.data(), (const float*)g.data(),
+              (const float*)mean.data(), (const float*)rstd.data(), (int64_t)d, dx.data());
+  const int chunks = (n + kRowsPerChunk - 1) / kRowsPerChunk;
+  std::vector<float> dgp(size_t(chunks) * d), dbp(size_t(chunks) * d);
+  emu::launch(ln_backward_params<T>, dim3((d + kThreads - 1) / kThreads, chunks), dim3(kThreads), 0, (const T*)dy.dev.data(), (const float*)x.data(),
+              (const float*)mean.data(), (const float*)rstd.data(), (int64_t)n, (int64_t)d, dgp.data(), dbp.data());
+
+  std::vector<double> gy, gdx(dx.begin(), dx.end()), gdg(d, 0.0), gdb(d, 0.0);
+  for (auto v : y) gy.push_back(emu_test::from_half(v));
+  for (int c = 0; c < chunks; ++c)
+    for (int j = 0; j < d; ++j) {
+      gdg[j] += dgp[size_t(c) * d + j];
+      gdb[j] += dbp[size_t(c) * d + j];
+    }
+  const double half_bound = std::is_same_v<T, __half> ? 2e-3 : 1e-2;
+  const std::string at = std::string(dtype) + " " + std::to_string(n) + "×" + std::to_string(d);
+  using emu_test::rel_err;
+  using emu_test::verdict;
+  bool ok = verdict("y " + at, rel_err(gy, want.y), rel_err(bad.y, want.y), half_bound);
+  ok &= verdict("dx " + at, rel_err(gdx, want.dx), rel_err(bad.dx, want.dx), 1e-4);
+  ok &= verdict("dγ " + at, rel_err(gdg, want.dg), rel_err(bad.dg, want.dg), 1e-4);
+  // dβ = Σ dy has no planted variant of its own: the same sums with a row left out must fail.
+  std::vector<double> short_db = want.db;
+  for (int j = 0; j < d; ++j) short_db[j] -= dy.ref[size_t(n - 1) * d + j];
+  ok &= verdict("dβ " + at, rel_err(gdb, want.db), rel_err(short_db, want.db), 1e-4);
+  return ok;
+}
+
+bool all_cases() {
+  bool ok = check<__nv_bfloat16>(300, 200, "bf16", 11);  // 3 chunks of rows; rows shorter than a block
+  ok &= check<__nv_bfloat16>(5, 1024, "bf16", 12);       // rows longer than a block
+  ok &= check<__half>(130, 96, "fp16", 13);
+  return ok;
+}
+
+emu_test::Register reg("layer_norm: forward and backward vs the formulas", all_cases);
+
+}  // namespace
