@@ -61,16 +61,38 @@ inline __nv_bfloat16 __float2bfloat16(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return {uint16_t(u >> 16)};
 }
+// fp16 by bits (no _Float16: g++ before 12 lacks it on x86).
 inline float __half2float(__half h) {
-  _Float16 v;
-  std::memcpy(&v, &h.bits, 2);
-  return static_cast<float>(v);
+  const uint32_t sign = uint32_t(h.bits & 0x8000u) << 16, e = (h.bits >> 10) & 0x1fu, m = h.bits & 0x3ffu;
+  uint32_t u;
+  if (e == 0) {
+    const float f = std::ldexp(float(m), -24);  // zero or subnormal, exact
+    return sign ? -f : f;
+  }
+  u = e == 31 ? sign | 0x7f800000u | (m << 13) : sign | ((e + 112) << 23) | (m << 13);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 inline __half __float2half(float f) {
-  const _Float16 v = static_cast<_Float16>(f);
-  __half h;
-  std::memcpy(&h.bits, &v, 2);
-  return h;
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = uint16_t((x >> 16) & 0x8000u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return {uint16_t(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u))};
+  if (ax >= 0x477ff000u) return {uint16_t(sign | 0x7c00u)};  // from 65520 on: inf
+  if (ax < 0x38800000u) {                                    // below 2^-14: a subnormal half, or zero
+    if (ax < 0x33000000u) return {sign};                     // at most 2^-25: zero (the tie rounds to even)
+    const uint32_t e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u, shift = 126 - e;
+    uint32_t h = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (h & 1u))) ++h;
+    return {uint16_t(sign | h)};
+  }
+  uint32_t h = (ax >> 13) - (112u << 10);
+  const uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry into the exponent is right
+  return {uint16_t(sign | h)};
 }
 
 inline float __expf(float x) { return std::exp(x); }

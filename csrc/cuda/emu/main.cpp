@@ -13,6 +13,27 @@ std::vector<Test>& registry() {
 }
 }  // namespace emu_test
 
+// The emulated 16-bit conversions against known bit patterns: every kernel test rests on them.
+static bool conversions() {
+  struct {
+    float f;
+    uint16_t half, bf16;
+  } known[] = {{1.f, 0x3c00, 0x3f80},   {-2.f, 0xc000, 0xc000},          {0.1f, 0x2e66, 0x3dcd},        {65504.f, 0x7bff, 0x4780},
+               {65520.f, 0x7c00, 0x4780}, {0x1p-24f, 0x0001, 0x3380},   {0x1p-25f, 0x0000, 0x3300},    {0x1.8p-25f, 0x0001, 0x3340},
+               {3.0e-5f, 0x01f7, 0x37fc}, {INFINITY, 0x7c00, 0x7f80},  {1.00048828125f, 0x3c00, 0x3f80}, {1.00146484375f, 0x3c02, 0x3f80}};
+  bool ok = true;
+  for (auto k : known) {
+    const uint16_t h = __float2half(k.f).bits, b = __float2bfloat16(k.f).bits;
+    const float back = __half2float(__half{k.half});
+    const bool good = h == k.half && b == k.bf16 && (k.f > 65504.f || std::abs(back - k.f) <= std::abs(k.f) * 0x1p-11f + 0x1p-25f);
+    if (!good) std::printf("  FAILED: %g → half %#06x (want %#06x), bf16 %#06x (want %#06x), half back %g\n", k.f, h, k.half, b, k.bf16, back);
+    ok &= good;
+  }
+  std::printf("  16-bit conversions of %zu known values  %s\n", sizeof(known) / sizeof(known[0]), ok ? "ok" : "FAILED");
+  return ok;
+}
+static emu_test::Register conversions_test("cuda_emu: bf16 / fp16 conversions by their bits", conversions);
+
 static const char* running = "";
 
 static void on_alarm(int) {
