@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|decode|graphs|absorb|fused|ruler|prefill|peers|profile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|ln|decode|graphs|absorb|fused|ruler|prefill|peers|profile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -36,6 +36,19 @@ for what in "${@:-all}"; do
             --set train.batch_size=$b --set "attention=$att" | grep '^{' >> "$OUT/train.jsonl"
         done
       done ;;&
+    ln)
+      # Issue 33: vanilla training with csrc/cuda/layer_norm.cu (ATTNLAB_LN_KERNEL=1, fp32 residual →
+      # bf16 in one kernel) against aten's LayerNorm, interleaved, LN_REPEATS (2) rounds at 70M / 160M
+      # / 410M; rows tagged "ln_kernel": 0 / 1 in train_ln.jsonl. Run `check` first (its layer-norm rows).
+      for ((r = 0; r < ${LN_REPEATS:-2}; r++)); do
+        for size in 70m:64 160m:32 410m:32; do
+          IFS=: read -r f b <<< "$size"
+          for ln in 0 1; do
+            ATTNLAB_LN_KERNEL=$ln run $A bench experiments/pythia-70m-vanilla.yaml --json --steps 20 --warmup 5 --set model.flavor=pythia-$f \
+              --set train.batch_size=$b --set "attention={kind: vanilla}" | grep '^{' | sed "s/^{/{\"ln_kernel\":$ln,\"repeat\":$r,/" >> "$OUT/train_ln.jsonl"
+          done
+        done
+      done ;;
     decode|all)
       # Issue 29: KV-cache memory, prefill time and decode speed at Pythia-70M size beside Hugging Face
       # GPT-NeoX of the same shape (.gpu/bench/hf_decode.py: eager, and static cache + torch.compile up

@@ -60,8 +60,9 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     Params p{};
     // One slot per warp at a time everywhere (the first version of the kernels; timing and checks).
     const bool scalar_loops = std::getenv("ATTNLAB_STEP_SCALAR") != nullptr;
-    // Latents four slots per warp at a time: not yet run on a GPU, so only when asked for
-    // (ATTNLAB_STEP_BATCHED=1) until bench --check and the decode timings say it may be the default.
+    // Latents four slots per warp at a time: right on the CPU (make cuda-emu-test), not yet run on a
+    // GPU, so only when asked for (ATTNLAB_STEP_BATCHED=1) until bench --check and the decode
+    // timings say it may be the default.
     p.batched = !scalar_loops && std::getenv("ATTNLAB_STEP_BATCHED") != nullptr;
     p.q = q.data_ptr();
     p.q_sb = q.stride(0);

@@ -6,7 +6,7 @@
 // reads dy (half) and x, writes dx in fp32 (the residual stream's dtype), and sums dγ, dβ by column
 // over chunks of rows (fp32 partials, then one aten sum).
 //
-// Not yet run on a GPU: only taken with ATTNLAB_LN_KERNEL=1 (src/kernels/cuda.rs), and held by
+// Right on the CPU (make cuda-emu-test), not yet run on a GPU: only taken with ATTNLAB_LN_KERNEL=1 (src/kernels/cuda.rs), and held by
 // `bench --check` (the layer-norm rows) against aten's fp32 LayerNorm.
 //
 // Device code only (no ATen, no launches): csrc/cuda/emu runs it on the CPU in `make test`;

@@ -215,7 +215,7 @@ pub fn attend_step(x: &Step) -> Option<Result<Tensor>> {
 
 /// LayerNorm of the fp32 residual stream `x` `[.., d]` with fp32 `weight` / `bias` `[d]`, written
 /// straight in autocast's half dtype (csrc/cuda/layer_norm.cu: no fp32 output, no cast after it).
-/// Not yet run on a GPU, so only with `ATTNLAB_LN_KERNEL=1`; `None` (the caller's aten LayerNorm)
+/// Right on the CPU (`make cuda-emu-test`) but not yet run on a GPU, so only with `ATTNLAB_LN_KERNEL=1`; `None` (the caller's aten LayerNorm)
 /// without it, off CUDA, outside autocast, or for other dtypes.
 pub fn layer_norm_half(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Option<Result<Tensor>> {
     if !x.device().is_cuda() || x.kind() != tch::Kind::Float || std::env::var("ATTNLAB_LN_KERNEL").map_or(true, |v| v != "1") {
