@@ -177,6 +177,35 @@ T exchange(T v, int src) {
   return r;
 }
 
+// mma.sync m16n8k16 (bf16 in, fp32 accumulate) from the 32 lanes' fragments, laid out as the PTX
+// ISA says (csrc/cuda/mma.cuh): each lane publishes its registers, then computes its own outputs.
+struct MmaFragments {
+  uint32_t a[32][4], b[32][2];
+};
+inline float bf16_half_of(uint32_t reg, int k) {
+  const uint32_t u = (k & 1 ? reg >> 16 : reg & 0xffffu) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  static MmaFragments frag[64];  // one per warp of the running block
+  MmaFragments& f = frag[tid / 32];
+  const int lane = tid % 32, group = lane / 4, t = lane % 4;
+  std::memcpy(f.a[lane], a, sizeof(f.a[lane]));
+  std::memcpy(f.b[lane], b, sizeof(f.b[lane]));
+  warp().bar->arrive_and_wait();
+  auto A = [&](int row, int k) { return bf16_half_of(f.a[(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k); };
+  auto B = [&](int k, int n) { return bf16_half_of(f.b[n * 4 + (k % 8) / 2][k >= 8 ? 1 : 0], k); };
+  for (int e = 0; e < 4; ++e) {
+    const int row = group + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
+    double acc = c[e];
+    for (int k = 0; k < 16; ++k) acc += double(A(row, k)) * B(k, col);
+    c[e] = float(acc);
+  }
+  warp().bar->arrive_and_wait();
+}
+
 }  // namespace emu
 
 inline void __syncthreads() { emu::block->all->arrive_and_wait(); }

@@ -1,0 +1,40 @@
+// One warp-wide tensor-core product, D = A·B + C with A 16×16 and B 16×8 in bf16, C and D 16×8 in
+// fp32 (PTX mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32), with the PTX ISA's fragment
+// layout: lane = 4·group + t (group = lane / 4, t = lane % 4);
+//   a[0] = A[group][2t, 2t+1], a[1] = A[group+8][2t, 2t+1], a[2] = A[group][2t+8, 2t+9],
+//   a[3] = A[group+8][2t+8, 2t+9]; b[0] = B[2t, 2t+1][group], b[1] = B[2t+8, 2t+9][group];
+//   c[0..1] = C[group][2t, 2t+1], c[2..3] = C[group+8][2t, 2t+1];
+// a 32-bit register holds two bf16, the lower index in its low half. Under ATTNLAB_CUDA_EMU the
+// product is computed from every lane's fragments as laid out above (cuda_emu.h).
+#pragma once
+#include "half.cuh"
+#include <cstring>
+
+// Two bf16 in one 32-bit register, `lo` in the low half.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat16 a = from_f<__nv_bfloat16>(lo), b = from_f<__nv_bfloat16>(hi);
+  uint16_t x, y;
+  memcpy(&x, &a, 2);
+  memcpy(&y, &b, 2);
+  return uint32_t(x) | (uint32_t(y) << 16);
+}
+
+// Two bf16 already in memory (adjacent, the first at the lower address) as one register.
+__device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) {
+  uint16_t x, y;
+  memcpy(&x, p, 2);
+  memcpy(&y, p + 1, 2);
+  return uint32_t(x) | (uint32_t(y) << 16);
+}
+
+#ifndef ATTNLAB_CUDA_EMU
+__device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#else
+__device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) { emu::mma_bf16_16816(c, a, b); }
+#endif
