@@ -8,6 +8,10 @@
 // kernels' conventions, so that the glue (merge, seeds, scatter) is tested exactly in fp64 on CPU.
 // `fused` (experimental, off by default; issue 28): the merge in one pass in place into the local
 // part's output (no fp32 copies) and dK_g / dV_g by one padded write in the backward.
+// Backend 3 (issue 35): cuDNN for the distant part, and the local band with the merge in its
+// epilogue, forward and backward, by our kernels (csrc/cuda/dar_band.cu, in the CUDA kernel library:
+// src/kernels/cuda.rs hands their entry points over by attnlab_set_band_kernels when it loads it);
+// dQ's scatter-add is in the band's dQ kernel, dK_g / dV_g one padded write.
 #include <ATen/TensorOperators.h>
 #include <ATen/record_function.h>
 #include <ATen/core/Tensor.h>
@@ -33,9 +37,32 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+typedef at::Tensor* tensor;
+
 namespace {
 
 using Part = AttnParts;
+
+// Backend 3's kernels (csrc/cuda/dar_band.cu), null until the kernel library is loaded.
+using BandMergeFn = char* (*)(tensor q, tensor k, tensor v, tensor far, tensor far_lse, int64_t window, tensor* out, tensor* lse);
+using BandBwdFn = char* (*)(tensor q, tensor k, tensor v, tensor out, tensor dout, tensor lse, tensor far_dq, int64_t window, tensor* dq, tensor* dk,
+                            tensor* dv);
+BandMergeFn band_merge_fn = nullptr;
+BandBwdFn band_bwd_fn = nullptr;
+
+// A kernel library call's error as an exception, its new tensors taken over.
+void library_call(char* err) {
+  if (err) {
+    std::string e(err);
+    free(err);
+    TORCH_CHECK(false, e);
+  }
+}
+Tensor take(tensor t) {
+  Tensor x = *t;
+  delete t;
+  return x;
+}
 
 // cuDNN takes [B, H, L, D]-shaped tensors; we hand it transposed views of [B, L, H, D] storage and
 // return its outputs in the [B, L, H, D] / [B, H, L] convention of the flash calls.
@@ -101,39 +128,53 @@ struct DarSplitMerge : public torch::autograd::Function<DarSplitMerge> {
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
     // Each piece in a named scope: `attnlab bench --profile` attributes its kernels by these names.
     Part loc, glo;
-    {
-      RECORD_USER_SCOPE("dar.local_fwd");
-      loc = backend == 2 ? math_fwd(q, kl, vl, scale, w - 1) : flash_causal_fwd(q, kl, vl, scale, w - 1);
-    }
-    Tensor q2 = q.narrow(1, w, L), k2 = kg.narrow(1, 0, L), v2 = vg.narrow(1, 0, L);
-    {
-      RECORD_USER_SCOPE("dar.distant_fwd");
-      glo = backend == 2   ? math_fwd(q2, k2, v2, scale, -1)
-            : backend == 1 ? cudnn_fwd(q2, k2, v2, scale)
-                           : flash_causal_fwd(q2.contiguous(), k2.contiguous(), v2.contiguous(), scale, -1);
-    }
     Tensor lse, out;
-    {
-      RECORD_USER_SCOPE("dar.merge");
-      Tensor lse1 = loc.lse.narrow(2, 0, T);  // flash may pad lse; keep T entries
-      Tensor lse2 = glo.lse.narrow(2, 0, L), lse1t = lse1.narrow(2, w, L);
-      Tensor tail = at::logaddexp(lse1t, lse2);
-      lse = at::cat({lse1.narrow(2, 0, w), tail}, 2).contiguous();  // [B, H, T] f32 (f64 in fp64)
-      if (fused) {
-        // O[w:] = O_1[w:] + a·(O_2 − O_1[w:]), a = e^{lse_2 − lse} = σ(lse_2 − lse_1), in one pass in
-        // place into the local part's output; lerp takes a weight of the output's dtype (computes in
-        // fp32), so a carries one bf16 rounding, the size of the output's own.
-        Tensor a = at::sigmoid(lse2 - lse1t).transpose(1, 2).unsqueeze(-1).to(q.scalar_type());
-        out = loc.out;
-        out.narrow(1, w, L).lerp_(glo.out, a);
-      } else {
-        const auto acc = at::promote_types(q.scalar_type(), at::kFloat);
-        auto weight = [](const Tensor& part, const Tensor& full) {
-          return at::exp(part - full).transpose(1, 2).unsqueeze(-1);  // [B, T, H, 1]
-        };
-        Tensor o = loc.out.to(acc) * weight(lse1, lse);
-        o.narrow(1, w, L).add_(glo.out.to(acc) * weight(lse2, tail));
-        out = o.to(q.scalar_type()).contiguous();
+    Tensor q2 = q.narrow(1, w, L), k2 = kg.narrow(1, 0, L), v2 = vg.narrow(1, 0, L);
+    if (backend == 3) {
+      TORCH_CHECK(band_merge_fn, "split-merge backend 3: the CUDA kernel library (dar_band) is not loaded");
+      {
+        RECORD_USER_SCOPE("dar.distant_fwd");
+        glo = cudnn_fwd(q2, k2, v2, scale);
+      }
+      RECORD_USER_SCOPE("dar.band_merge_fwd");
+      Tensor lse2 = glo.lse.narrow(2, 0, L);
+      tensor o = nullptr, l = nullptr;
+      library_call(band_merge_fn(&q, &kl, &vl, &glo.out, &lse2, w, &o, &l));
+      out = take(o);
+      lse = take(l);
+    } else {
+      {
+        RECORD_USER_SCOPE("dar.local_fwd");
+        loc = backend == 2 ? math_fwd(q, kl, vl, scale, w - 1) : flash_causal_fwd(q, kl, vl, scale, w - 1);
+      }
+      {
+        RECORD_USER_SCOPE("dar.distant_fwd");
+        glo = backend == 2   ? math_fwd(q2, k2, v2, scale, -1)
+              : backend == 1 ? cudnn_fwd(q2, k2, v2, scale)
+                             : flash_causal_fwd(q2.contiguous(), k2.contiguous(), v2.contiguous(), scale, -1);
+      }
+      {
+        RECORD_USER_SCOPE("dar.merge");
+        Tensor lse1 = loc.lse.narrow(2, 0, T);  // flash may pad lse; keep T entries
+        Tensor lse2 = glo.lse.narrow(2, 0, L), lse1t = lse1.narrow(2, w, L);
+        Tensor tail = at::logaddexp(lse1t, lse2);
+        lse = at::cat({lse1.narrow(2, 0, w), tail}, 2).contiguous();  // [B, H, T] f32 (f64 in fp64)
+        if (fused) {
+          // O[w:] = O_1[w:] + a·(O_2 − O_1[w:]), a = e^{lse_2 − lse} = σ(lse_2 − lse_1), in one pass in
+          // place into the local part's output; lerp takes a weight of the output's dtype (computes in
+          // fp32), so a carries one bf16 rounding, the size of the output's own.
+          Tensor a = at::sigmoid(lse2 - lse1t).transpose(1, 2).unsqueeze(-1).to(q.scalar_type());
+          out = loc.out;
+          out.narrow(1, w, L).lerp_(glo.out, a);
+        } else {
+          const auto acc = at::promote_types(q.scalar_type(), at::kFloat);
+          auto weight = [](const Tensor& part, const Tensor& full) {
+            return at::exp(part - full).transpose(1, 2).unsqueeze(-1);  // [B, T, H, 1]
+          };
+          Tensor o = loc.out.to(acc) * weight(lse1, lse);
+          o.narrow(1, w, L).add_(glo.out.to(acc) * weight(lse2, tail));
+          out = o.to(q.scalar_type()).contiguous();
+        }
       }
     }
     ctx->save_for_backward({q, kl, vl, kg, vg, out, lse, loc.rng, loc.unused, glo.rng, glo.unused});
@@ -159,7 +200,7 @@ struct DarSplitMerge : public torch::autograd::Function<DarSplitMerge> {
     }
     Tensor undef;
     std::tuple<Tensor, Tensor, Tensor> loc;
-    {
+    if (backend != 3) {
       RECORD_USER_SCOPE("dar.local_bwd");
       loc = backend == 2 ? math_bwd(dout, q, kl, vl, out, lse, scale, w - 1)
                          : at::_flash_attention_backward(dout, q, kl, vl, out, lse, undef, undef, T, T,
@@ -181,7 +222,7 @@ struct DarSplitMerge : public torch::autograd::Function<DarSplitMerge> {
       RECORD_USER_SCOPE("dar.distant_bwd");
       if (backend == 2) {
         std::tie(dq2, dk2, dv2) = math_bwd(do2, q2, k2, v2, o2, lse2, scale, -1);
-      } else if (backend == 1) {
+      } else if (backend == 1 || backend == 3) {
         auto r = at::_scaled_dot_product_cudnn_attention_backward(
             bhld(do2), bhld(q2), bhld(k2), bhld(v2), bhld(o2), lse2.unsqueeze(-1), s[9], s[10],
             undef, undef, undef, L, L, 0.0, true, scale);
@@ -194,11 +235,19 @@ struct DarSplitMerge : public torch::autograd::Function<DarSplitMerge> {
             0.0, true, s[9], s[10], scale, -1, 0);
       }
     }
+    if (backend == 3) {
+      // The band's gradients, dQ with the distant part's added in the same kernel.
+      RECORD_USER_SCOPE("dar.band_bwd");
+      TORCH_CHECK(band_bwd_fn, "split-merge backend 3: the CUDA kernel library (dar_band) is not loaded");
+      tensor gq = nullptr, gk = nullptr, gv = nullptr;
+      library_call(band_bwd_fn(&q, &kl, &vl, &out, &dout, &lse, &dq2, w, &gq, &gk, &gv));
+      loc = {take(gq), take(gk), take(gv)};
+    }
     Tensor dq = std::get<0>(loc), dkg, dvg;
     {
       RECORD_USER_SCOPE("dar.bwd_scatter");
-      dq.narrow(1, w, L).add_(dq2);
-      if (fused) {
+      if (backend != 3) dq.narrow(1, w, L).add_(dq2);
+      if (fused || backend == 3) {
         // dK_g = [dK_g'; 0_w]: one padded write instead of zeros and a copy.
         dkg = at::constant_pad_nd(dk2, {0, 0, 0, 0, 0, w});
         dvg = at::constant_pad_nd(dv2, {0, 0, 0, 0, 0, w});
@@ -215,13 +264,17 @@ struct DarSplitMerge : public torch::autograd::Function<DarSplitMerge> {
 
 }  // namespace
 
-typedef at::Tensor* tensor;
+// Backend 3's kernels, from the CUDA kernel library (src/kernels/cuda.rs, when it loads it).
+extern "C" void attnlab_set_band_kernels(void* merge, void* bwd) {
+  band_merge_fn = reinterpret_cast<BandMergeFn>(merge);
+  band_bwd_fn = reinterpret_cast<BandBwdFn>(bwd);
+}
 
 extern "C" char* attnlab_dar_split_merge(tensor q, tensor kl, tensor vl, tensor kg, tensor vg,
                                          int64_t window, int64_t backend, int fused, tensor* out) {
   try {
     TORCH_CHECK(window > 0 && window < q->size(1), "split-merge needs 0 < window < T");
-    TORCH_CHECK(backend >= 0 && backend <= 2, "split-merge backend ", backend, " is not 0, 1 or 2");
+    TORCH_CHECK(backend >= 0 && backend <= 3, "split-merge backend ", backend, " is not 0, 1, 2 or 3");
     *out = new at::Tensor(DarSplitMerge::apply(*q, *kl, *vl, *kg, *vg, window, backend, fused != 0));
     return nullptr;
   } catch (const std::exception& e) {

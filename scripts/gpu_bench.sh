@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|ln|decode|graphs|absorb|fused|ruler|prefill|peers|profile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|ln|band|decode|graphs|absorb|fused|ruler|prefill|peers|profile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -49,6 +49,24 @@ for what in "${@:-all}"; do
           done
         done
       done ;;
+    band)
+      # Issue 35: DAR training with the local band by csrc/cuda/dar_band.cu (impl split-merge-band)
+      # against auto's split-merge-fused, interleaved, BAND_REPEATS (2) rounds at 70M / 160M / 410M
+      # (train_band.jsonl, rows tagged "impl"), then a profile of one band step into $OUT/profile_band.md.
+      # Run `check` first (its split-merge-band rows).
+      for ((r = 0; r < ${BAND_REPEATS:-2}; r++)); do
+        for size in 70m:64:128 160m:32:192 410m:32:256; do
+          IFS=: read -r f b dd <<< "$size"
+          for impl in split-merge-fused split-merge-band; do
+            run $A bench experiments/pythia-70m-vanilla.yaml --json --steps 20 --warmup 5 --set model.flavor=pythia-$f --set train.batch_size=$b \
+              --set "attention={kind: dar, d_down: $dd, window: 128, impl: $impl}" | grep '^{' | sed "s/^{/{\"impl\":\"$impl\",\"repeat\":$r,/" >> "$OUT/train_band.jsonl"
+          done
+        done
+      done
+      P=${PROFILE_DIR:-/tmp/attnlab-profile}/band; rm -rf "$P"; mkdir -p "$P"
+      run $A bench experiments/pythia-70m-vanilla.yaml --profile "$P" --steps 3 --warmup 3 --set model.flavor=pythia-70m \
+        --set train.batch_size=64 --set "attention={kind: dar, d_down: 128, window: 128, impl: split-merge-band}" \
+        && $PY scripts/profile_table.py "$P" > "$OUT/profile_band.md" ;;
     decode|all)
       # Issue 29: KV-cache memory, prefill time and decode speed at Pythia-70M size beside Hugging Face
       # GPT-NeoX of the same shape (.gpu/bench/hf_decode.py: eager, and static cache + torch.compile up

@@ -223,7 +223,7 @@ pub fn bench_all(spec: &Spec, reps: usize, mut each: impl FnMut(&OpBench, f64)) 
     let shape = [spec.batch_size() as i64, s.heads as i64, spec.seq_len() as i64, hd];
     let window = spec.attention.window_len().unwrap_or(128) as i64;
     let imps: Vec<AttentionImpl> = if device.is_cuda() {
-        vec![AttentionImpl::Auto, AttentionImpl::SplitMergeFused, AttentionImpl::SplitMerge, AttentionImpl::Sdpa]
+        vec![AttentionImpl::Auto, AttentionImpl::SplitMergeFused, AttentionImpl::SplitMergeBand, AttentionImpl::SplitMerge, AttentionImpl::Sdpa]
     } else {
         vec![AttentionImpl::Auto, AttentionImpl::BandSplit, AttentionImpl::Sdpa, AttentionImpl::Reference]
     };

@@ -25,6 +25,7 @@ extern "C" {
     ) -> *mut libc::c_char;
     fn attnlab_clip_grad_norm(grads: *const *mut C_tensor, n: i64, max_norm: f64, norm_out: *mut *mut C_tensor) -> *mut libc::c_char;
     fn attnlab_dar_split_merge(q: *mut C_tensor, kl: *mut C_tensor, vl: *mut C_tensor, kg: *mut C_tensor, vg: *mut C_tensor, window: i64, backend: i64, fused: i32, out: *mut *mut C_tensor) -> *mut libc::c_char;
+    fn attnlab_set_band_kernels(merge: *mut libc::c_void, bwd: *mut libc::c_void);
     fn attnlab_dar_band_split(q: *mut C_tensor, kl: *mut C_tensor, vl: *mut C_tensor, kg: *mut C_tensor, vg: *mut C_tensor, window: i64, out: *mut *mut C_tensor) -> *mut libc::c_char;
     fn attnlab_cuda_peak_memory(device: i64, reset: i32, out: *mut i64) -> *mut libc::c_char;
     fn attnlab_profiler_start(cuda: i32) -> *mut libc::c_char;
@@ -106,6 +107,17 @@ pub enum GlobalBackend {
     /// Explicit matmuls with the kernels' conventions, any device and dtype: the split-merge glue
     /// (merge, backward seeds, scatter) tested exactly in fp64 on CPU.
     Math = 2,
+    /// cuDNN for the global part, our band kernels for the local part with the merge in their
+    /// epilogue (csrc/cuda/dar_band.cu; CUDA, bf16, head dim 64 / 128, the kernel library loaded:
+    /// [`cuda::band_available`]).
+    Band = 3,
+}
+
+/// Hands the split-merge op (csrc/dar_attention.cpp, backend 3) the band kernels' entry points of
+/// the CUDA kernel library (`cuda`, when it loads it).
+pub(crate) fn set_band_kernels(merge: *mut libc::c_void, bwd: *mut libc::c_void) {
+    // SAFETY: two function pointers of the library, which is never unloaded.
+    unsafe { attnlab_set_band_kernels(merge, bwd) }
 }
 
 /// DAR attention by split-merge with an exact custom backward (csrc/dar_attention.cpp). Inputs

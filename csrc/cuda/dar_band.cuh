@@ -14,8 +14,8 @@
 // quad), P packed to bf16 as the A operand of O += P·V. Inputs [B, T, H, D] with any b / t / h
 // strides and unit d stride, bf16, D ∈ {64, 128}.
 //
-// Right on the CPU (make cuda-emu-test against the band-and-merge definition in double); not yet
-// run on a GPU nor called by the split-merge op: issue 35's next step.
+// The backward (band_bwd_dkdv, band_bwd_dq) below. Right on the CPU (make cuda-emu-test: output,
+// lse and the gradients against DAR's definition in double); not yet run on a GPU.
 #pragma once
 #include "mma.cuh"
 #include <cmath>
@@ -28,78 +28,134 @@ constexpr int kBandThreads = 32 * kBandWarps;
 constexpr int kBandRows = 16 * kBandWarps;  // queries a block
 constexpr int kBandKeys = 64;               // keys a tile
 
+// A [B, T, H, D] bf16 tensor by its b / t / h strides (unit d stride).
+struct View {
+  const __nv_bfloat16* p;
+  int64_t sb, st, sh;
+  __device__ __forceinline__ const __nv_bfloat16* at(int b, int64_t t, int h) const { return p + b * sb + t * st + h * sh; }
+};
+
 struct BandParams {
-  const __nv_bfloat16* q;
-  const __nv_bfloat16* k;
-  const __nv_bfloat16* v;
-  int64_t q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh;
-  // The distant part, rows i ≥ w as rows i − w: its output [B, T − w, H, D] and lse [B, H, T − w];
-  // null for no merge (the band alone).
-  const __nv_bfloat16* far;
-  int64_t f_sb, f_st, f_sh;
+  View q, k, v;
+  // The distant part, rows i ≥ w as rows i − w: its output [B, T − w, H, D] and lse [B, H, T − w]
+  // (row stride fl_sh, batch stride fl_sb); far.p null for no merge (the band alone).
+  View far;
   const float* far_lse;
   int64_t fl_sb, fl_sh;
-  __nv_bfloat16* out;  // [B, T, H, D], strides o_*
-  int64_t o_sb, o_st, o_sh;
-  float* lse;  // [B, H, T] contiguous
+  __nv_bfloat16* out;  // [B, T, H, D] contiguous
+  float* lse;          // [B, H, T] contiguous
   int T, H, w;
   float scale;
 };
 
-// Shared memory of one block: K and V tiles, each row padded by 8 values (bank spread).
+// Shared memory of one block: two tiles of kBandKeys rows, each row padded by 8 values (bank spread).
 __host__ __device__ inline int64_t band_smem_bytes(int D) { return 2 * (int64_t)kBandKeys * (D + 8) * 2; }
+
+// A fragments (16 rows × D) of rows row0, row0 + 8 of a [T, D] view at (b, h); zero past T.
+template <int D>
+__device__ __forceinline__ void load_a_rows(const View& x, int b, int h, int row0, int T, uint32_t a[D / 16][4]) {
+  const int t = (threadIdx.x % 32) % 4;
+  for (int kk = 0; kk < D / 16; ++kk)
+    for (int r = 0; r < 4; ++r) {
+      const int row = row0 + (r & 1 ? 8 : 0), col = kk * 16 + 2 * t + (r & 2 ? 8 : 0);
+      a[kk][r] = row < T ? load_pair(x.at(b, row, h) + col) : 0u;
+    }
+}
+
+// Rows n0.. of two [T, D] views into shared tiles of kBandKeys rows (zero past T).
+template <int D>
+__device__ __forceinline__ void load_tiles(const View& x, const View& y, int b, int h, int n0, int T, __nv_bfloat16* xs, __nv_bfloat16* ys) {
+  constexpr int LD = D + 8;
+  for (int i = threadIdx.x; i < kBandKeys * D / 2; i += kBandThreads) {
+    const int r = i / (D / 2), c = 2 * (i % (D / 2)), j = n0 + r;
+    uint32_t xv = 0u, yv = 0u;
+    if (j < T) {
+      xv = load_pair(x.at(b, j, h) + c);
+      yv = load_pair(y.at(b, j, h) + c);
+    }
+    memcpy(xs + r * LD + c, &xv, 4);
+    memcpy(ys + r * LD + c, &yv, 4);
+  }
+}
+
+// acc (16 × D) += P (16 × 64, as eight C fragments of 8 columns) · X (64 × D rows of a shared tile).
+template <int D>
+__device__ __forceinline__ void mma_p_x(float acc[D / 8][4], const float p[kBandKeys / 8][4], const __nv_bfloat16* xs) {
+  constexpr int LD = D + 8;
+  const int lane = threadIdx.x % 32, group = lane / 4, t = lane % 4;
+  for (int kc = 0; kc < kBandKeys / 16; ++kc) {
+    const uint32_t pa[4] = {pack_bf16(p[2 * kc][0], p[2 * kc][1]), pack_bf16(p[2 * kc][2], p[2 * kc][3]), pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]),
+                            pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3])};
+    for (int d = 0; d < D / 8; ++d) {
+      const __nv_bfloat16* xc = xs + (kc * 16 + 2 * t) * LD + d * 8 + group;
+      const uint32_t xb[2] = {pack_bf16(to_f(xc[0]), to_f(xc[LD])), pack_bf16(to_f(xc[8 * LD]), to_f(xc[9 * LD]))};
+      mma_bf16_16816(acc[d], pa, xb);
+    }
+  }
+}
+
+// s (16 × 64, eight C fragments) = A (16 × D, registers) · Xᵀ (X: 64 × D rows of a shared tile).
+template <int D>
+__device__ __forceinline__ void mma_a_xt(float s[kBandKeys / 8][4], const uint32_t a[D / 16][4], const __nv_bfloat16* xs) {
+  constexpr int LD = D + 8;
+  const int lane = threadIdx.x % 32, group = lane / 4, t = lane % 4;
+  for (int nt = 0; nt < kBandKeys / 8; ++nt) {
+    for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const __nv_bfloat16* xr = xs + (nt * 8 + group) * LD + kk * 16 + 2 * t;
+      const uint32_t xb[2] = {load_pair(xr), load_pair(xr + 8)};
+      mma_bf16_16816(s[nt], a[kk], xb);
+    }
+  }
+}
+
+// Rows row0, row0 + 8 of acc (16 × D C fragments) times `scale`, plus `add` (a row view or null),
+// to a contiguous [B, T, H, D] output in bf16.
+template <int D>
+__device__ __forceinline__ void store_rows(const float acc[D / 8][4], float scale, const View* add, int add_from, __nv_bfloat16* dst, int b, int h, int row0,
+                                           int T, int H) {
+  const int t = (threadIdx.x % 32) % 4;
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    if (row >= T) continue;
+    const __nv_bfloat16* extra = add && add->p && row >= add_from ? add->at(b, row - add_from, h) : nullptr;
+    __nv_bfloat16* o = dst + (((int64_t)b * T + row) * H + h) * D;
+    for (int d = 0; d < D / 8; ++d) {
+      const int col = d * 8 + 2 * t;
+      float x0 = acc[d][2 * r] * scale, x1 = acc[d][2 * r + 1] * scale;
+      if (extra) {
+        x0 += to_f(extra[col]);
+        x1 += to_f(extra[col + 1]);
+      }
+      o[col] = from_f<__nv_bfloat16>(x0);
+      o[col + 1] = from_f<__nv_bfloat16>(x1);
+    }
+  }
+}
 
 template <int D>
 __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
   ATTNLAB_DYNAMIC_SHARED(__nv_bfloat16, smem);
-  constexpr int LD = D + 8, KS = D / 16, DT = D / 8, NT = kBandKeys / 8;
+  constexpr int LD = D + 8, NT = kBandKeys / 8;
   __nv_bfloat16* ks = smem;
   __nv_bfloat16* vs = smem + kBandKeys * LD;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, group = lane / 4, t = lane % 4;
   const int b = blockIdx.y / p.H, h = blockIdx.y % p.H;
   const int q0 = blockIdx.x * kBandRows;
   const int row0 = q0 + warp * 16 + group;  // this lane's rows: row0 and row0 + 8
-  const __nv_bfloat16* q = p.q + b * p.q_sb + h * p.q_sh;
-  const __nv_bfloat16* kg = p.k + b * p.k_sb + h * p.k_sh;
-  const __nv_bfloat16* vg = p.v + b * p.v_sb + h * p.v_sh;
-
-  // Q's A fragments for every 16 columns of D, zero past T.
-  uint32_t qa[KS][4];
-  for (int kk = 0; kk < KS; ++kk)
-    for (int r = 0; r < 4; ++r) {
-      const int row = row0 + (r & 1 ? 8 : 0), col = kk * 16 + 2 * t + (r & 2 ? 8 : 0);
-      qa[kk][r] = row < p.T ? load_pair(q + row * p.q_st + col) : 0u;
-    }
-  float o[DT][4];
-  for (int d = 0; d < DT; ++d)
+  uint32_t qa[D / 16][4];
+  load_a_rows<D>(p.q, b, h, row0, p.T, qa);
+  float o[D / 8][4];
+  for (int d = 0; d < D / 8; ++d)
     for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-
   const int first = max(0, q0 - (p.w - 1)), last = min(p.T, q0 + kBandRows);  // keys the block's band touches
   for (int n0 = first - first % kBandKeys; n0 < last; n0 += kBandKeys) {
     __syncthreads();  // the previous tile is no longer read
-    for (int i = tid; i < kBandKeys * D / 2; i += kBandThreads) {
-      const int r = i / (D / 2), c = 2 * (i % (D / 2));
-      const int j = n0 + r;
-      uint32_t kx = 0u, vx = 0u;
-      if (j < p.T) {
-        kx = load_pair(kg + j * p.k_st + c);
-        vx = load_pair(vg + j * p.v_st + c);
-      }
-      memcpy(ks + r * LD + c, &kx, 4);
-      memcpy(vs + r * LD + c, &vx, 4);
-    }
+    load_tiles<D>(p.k, p.v, b, h, n0, p.T, ks, vs);
     __syncthreads();
-    // S = Q·Kᵀ: 16 rows × 64 keys a warp, eight n-tiles of 8 keys.
     float s[NT][4];
-    for (int nt = 0; nt < NT; ++nt) {
-      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
-      for (int kk = 0; kk < KS; ++kk) {
-        const __nv_bfloat16* kr = ks + (nt * 8 + group) * LD + kk * 16 + 2 * t;
-        const uint32_t kb[2] = {load_pair(kr), load_pair(kr + 8)};
-        mma_bf16_16816(s[nt], qa[kk], kb);
-      }
-    }
+    mma_a_xt<D>(s, qa, ks);  // S = Q·Kᵀ: 16 rows × 64 keys a warp
     // Band mask and the online softmax, per row (e < 2: row0, else row0 + 8).
     float mx[2] = {m[0], m[1]};
     for (int nt = 0; nt < NT; ++nt)
@@ -117,7 +173,7 @@ __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
       m[r] = mx[r];
       l[r] *= f[r];
     }
-    for (int d = 0; d < DT; ++d)
+    for (int d = 0; d < D / 8; ++d)
       for (int e = 0; e < 4; ++e) o[d][e] *= f[e / 2];
     for (int nt = 0; nt < NT; ++nt)
       for (int e = 0; e < 4; ++e) {
@@ -125,17 +181,7 @@ __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
         s[nt][e] = pe;
         l[e / 2] += pe;
       }
-    // O += P·V: P's 16 × 64 as four A fragments of 16 keys; V's B fragments from shared memory.
-    for (int kc = 0; kc < kBandKeys / 16; ++kc) {
-      const uint32_t pa[4] = {pack_bf16(s[2 * kc][0], s[2 * kc][1]), pack_bf16(s[2 * kc][2], s[2 * kc][3]), pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                              pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
-      for (int d = 0; d < DT; ++d) {
-        const __nv_bfloat16* vc = vs + (kc * 16 + 2 * t) * LD + d * 8 + group;
-        const __nv_bfloat16 v0 = vc[0], v1 = vc[LD], v8 = vc[8 * LD], v9 = vc[9 * LD];
-        const uint32_t vb[2] = {pack_bf16(to_f(v0), to_f(v1)), pack_bf16(to_f(v8), to_f(v9))};
-        mma_bf16_16816(o[d], pa, vb);
-      }
-    }
+    mma_p_x<D>(o, s, vs);  // O += P·V
   }
   // The rows' sums over the quad, the band's lse, and the merge with the distant part.
   for (int r = 0; r < 2; ++r) {
@@ -148,16 +194,16 @@ __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
     const float lse_band = m[r] + logf(l[r]);
     float a = 1.f / l[r], c = 0.f, lse = lse_band;
     const __nv_bfloat16* far = nullptr;
-    if (p.far && i >= p.w) {
+    if (p.far.p && i >= p.w) {
       const float lf = p.far_lse[b * p.fl_sb + h * p.fl_sh + (i - p.w)];
       const float top = fmaxf(lse_band, lf);
       lse = top + logf(__expf(lse_band - top) + __expf(lf - top));
       a = __expf(lse_band - lse) / l[r];
       c = __expf(lf - lse);
-      far = p.far + b * p.f_sb + (int64_t)(i - p.w) * p.f_st + h * p.f_sh;
+      far = p.far.at(b, i - p.w, h);
     }
-    __nv_bfloat16* out = p.out + b * p.o_sb + (int64_t)i * p.o_st + h * p.o_sh;
-    for (int d = 0; d < DT; ++d) {
+    __nv_bfloat16* out = p.out + (((int64_t)b * p.T + i) * p.H + h) * D;
+    for (int d = 0; d < D / 8; ++d) {
       const int col = d * 8 + 2 * t;
       float x0 = o[d][2 * r] * a, x1 = o[d][2 * r + 1] * a;
       if (far) {
@@ -169,6 +215,126 @@ __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
     }
     if (t == 0) p.lse[((int64_t)b * p.H + h) * p.T + i] = lse;
   }
+}
+
+// The backward of the band given the merged output O and lse (the split route's identity: with the
+// final O and lse, each part's stock backward is exact for its own keys): D_i = Σ dO_i·O_i,
+// P_ij = e^{s_ij − lse_i} on the band, dS_ij = P_ij·(dO_i·v_j − D_i);
+//   dV_j = Σ_i P_ij·dO_i and dK_j = scale·Σ_i dS_ij·q_i (band_bwd_dkdv: a block per 64 keys, the
+//   query tiles that see them), dQ_i = scale·Σ_j dS_ij·k_j plus the distant part's dQ for i ≥ w
+//   (band_bwd_dq: a block per 64 queries, the key tiles of their band; the split route's scatter-add
+//   in its epilogue). No atomics: every gradient row is written once, in bf16.
+struct BandBwdParams {
+  View q, k, v, out, dout;
+  const float* lse;  // [B, H, T] contiguous (the merged one)
+  View far_dq;       // the distant part's dQ [B, T − w, H, D] (rows i ≥ w as i − w), or p = null
+  __nv_bfloat16 *dq, *dk, *dv;  // [B, T, H, D] contiguous
+  int T, H, w;
+  float scale;
+};
+
+// Shared memory of the backward: two tiles, and the tile's lse and D (dkdv).
+__host__ __device__ inline int64_t band_bwd_smem_bytes(int D) { return band_smem_bytes(D) + 2 * kBandKeys * (int64_t)sizeof(float); }
+
+template <int D>
+__global__ void __launch_bounds__(kBandThreads) band_bwd_dkdv(BandBwdParams p) {
+  ATTNLAB_DYNAMIC_SHARED(__nv_bfloat16, smem);
+  constexpr int LD = D + 8, NT = kBandKeys / 8;
+  __nv_bfloat16* qs = smem;
+  __nv_bfloat16* dos = smem + kBandKeys * LD;
+  float* lse_s = reinterpret_cast<float*>(smem + 2 * kBandKeys * LD);
+  float* dd_s = lse_s + kBandKeys;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, group = lane / 4, t = lane % 4;
+  const int b = blockIdx.y / p.H, h = blockIdx.y % p.H;
+  const int k0 = blockIdx.x * kBandKeys, key0 = k0 + warp * 16 + group;  // this lane's keys: key0, key0 + 8
+  uint32_t ka[D / 16][4], va[D / 16][4];
+  load_a_rows<D>(p.k, b, h, key0, p.T, ka);
+  load_a_rows<D>(p.v, b, h, key0, p.T, va);
+  float dk[D / 8][4], dv[D / 8][4];
+  for (int d = 0; d < D / 8; ++d)
+    for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
+  const int last = min(p.T, k0 + kBandKeys + p.w - 1);  // queries that see a key of the block
+  for (int n0 = k0; n0 < last; n0 += kBandKeys) {
+    __syncthreads();
+    load_tiles<D>(p.q, p.dout, b, h, n0, p.T, qs, dos);
+    for (int r = tid; r < kBandKeys; r += kBandThreads) {
+      const int i = n0 + r;
+      float dd = 0.f;
+      if (i < p.T) {
+        const __nv_bfloat16 *o = p.out.at(b, i, h), *g = p.dout.at(b, i, h);
+        for (int d = 0; d < D; ++d) dd += to_f(o[d]) * to_f(g[d]);
+      }
+      dd_s[r] = dd;
+      lse_s[r] = i < p.T ? p.lse[((int64_t)b * p.H + h) * p.T + i] : 0.f;
+    }
+    __syncthreads();
+    float s[NT][4], dp[NT][4];
+    mma_a_xt<D>(s, ka, qs);   // Sᵀ: keys × queries
+    mma_a_xt<D>(dp, va, dos); // dPᵀ = V·dOᵀ
+    for (int nt = 0; nt < NT; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int j = key0 + (e >= 2 ? 8 : 0), c = nt * 8 + 2 * t + (e & 1), i = n0 + c;
+        const bool in_band = j <= i && i - j < p.w && i < p.T && j < p.T;
+        const float pe = in_band ? __expf(s[nt][e] * p.scale - lse_s[c]) : 0.f;
+        s[nt][e] = pe;
+        dp[nt][e] = pe * (dp[nt][e] - dd_s[c]);
+      }
+    mma_p_x<D>(dv, s, dos);  // dV += Pᵀ·dO
+    mma_p_x<D>(dk, dp, qs);  // dK += dSᵀ·Q (scaled at the end)
+  }
+  store_rows<D>(dv, 1.f, nullptr, 0, p.dv, b, h, key0, p.T, p.H);
+  store_rows<D>(dk, p.scale, nullptr, 0, p.dk, b, h, key0, p.T, p.H);
+}
+
+template <int D>
+__global__ void __launch_bounds__(kBandThreads) band_bwd_dq(BandBwdParams p) {
+  ATTNLAB_DYNAMIC_SHARED(__nv_bfloat16, smem);
+  constexpr int LD = D + 8, NT = kBandKeys / 8;
+  __nv_bfloat16* ks = smem;
+  __nv_bfloat16* vs = smem + kBandKeys * LD;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, group = lane / 4, t = lane % 4;
+  const int b = blockIdx.y / p.H, h = blockIdx.y % p.H;
+  const int q0 = blockIdx.x * kBandRows, row0 = q0 + warp * 16 + group;
+  uint32_t qa[D / 16][4], da[D / 16][4];
+  load_a_rows<D>(p.q, b, h, row0, p.T, qa);
+  load_a_rows<D>(p.dout, b, h, row0, p.T, da);
+  // The rows' lse and D = Σ dO·O: each lane sums its columns, the quad adds them up.
+  float lse[2], dd[2];
+  for (int r = 0; r < 2; ++r) {
+    const int i = row0 + 8 * r;
+    float x = 0.f;
+    if (i < p.T) {
+      const __nv_bfloat16 *o = p.out.at(b, i, h), *g = p.dout.at(b, i, h);
+      const int cols[4] = {0, 1, 8, 9};  // this lane's columns of each 16 (the A fragments')
+      for (int kk = 0; kk < D / 16; ++kk)
+        for (int c = 0; c < 4; ++c) x += to_f(o[kk * 16 + 2 * t + cols[c]]) * to_f(g[kk * 16 + 2 * t + cols[c]]);
+    }
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    x += __shfl_xor_sync(0xffffffff, x, 2);
+    dd[r] = x;
+    lse[r] = i < p.T ? p.lse[((int64_t)b * p.H + h) * p.T + i] : 0.f;
+  }
+  float dq[D / 8][4];
+  for (int d = 0; d < D / 8; ++d)
+    for (int e = 0; e < 4; ++e) dq[d][e] = 0.f;
+  const int first = max(0, q0 - (p.w - 1)), last = min(p.T, q0 + kBandRows);
+  for (int n0 = first - first % kBandKeys; n0 < last; n0 += kBandKeys) {
+    __syncthreads();
+    load_tiles<D>(p.k, p.v, b, h, n0, p.T, ks, vs);
+    __syncthreads();
+    float s[NT][4], dp[NT][4];
+    mma_a_xt<D>(s, qa, ks);   // S = Q·Kᵀ
+    mma_a_xt<D>(dp, da, vs);  // dP = dO·Vᵀ
+    for (int nt = 0; nt < NT; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >= 2 ? 1 : 0, i = row0 + 8 * r, j = n0 + nt * 8 + 2 * t + (e & 1);
+        const bool in_band = j <= i && i - j < p.w && i < p.T && j < p.T;
+        const float pe = in_band ? __expf(s[nt][e] * p.scale - lse[r]) : 0.f;
+        dp[nt][e] = pe * (dp[nt][e] - dd[r]);
+      }
+    mma_p_x<D>(dq, dp, ks);  // dQ += dS·K (scaled at the end)
+  }
+  store_rows<D>(dq, p.scale, &p.far_dq, p.w, p.dq, b, h, row0, p.T, p.H);
 }
 
 }  // namespace

@@ -411,6 +411,8 @@ pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, windo
         AttentionImpl::Auto => AttentionImpl::Sdpa,
         AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn | AttentionImpl::SplitMergeFused if !split_merge_supported(q) => AttentionImpl::Sdpa,
         AttentionImpl::BandSplit if !band_split_supported(q) => AttentionImpl::Sdpa,
+        AttentionImpl::SplitMergeBand if !split_merge_supported(q) => AttentionImpl::Sdpa,
+        AttentionImpl::SplitMergeBand if !kernels::cuda::band_available(q) => AttentionImpl::SplitMergeFused,
         other => other,
     };
     if imp != AttentionImpl::Reference {
@@ -431,6 +433,7 @@ pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, windo
             let backend = if imp == AttentionImpl::SplitMerge { GlobalBackend::Flash } else { GlobalBackend::Cudnn };
             split_merge(q, kl, vl, kg, vg, window, backend, imp == AttentionImpl::SplitMergeFused)
         }
+        AttentionImpl::SplitMergeBand => split_merge(q, kl, vl, kg, vg, window, GlobalBackend::Band, true),
         AttentionImpl::BandSplit => kernels::dar_band_split(q, kl, vl, kg, vg, window).unwrap_or_else(|e| panic!("DAR band-split failed: {e}")),
         _ => dar_sdpa(q, kl, vl, kg, vg, window),
     }

@@ -45,6 +45,11 @@ pub enum AttentionImpl {
     /// dK_g / dV_g by one padded write (issue 28); `auto`'s choice for training since it passes
     /// `bench --check` on the GPU (issue 33).
     SplitMergeFused,
+    /// Split-merge with cuDNN for the distant part and our band kernels for the local part, the merge
+    /// in the band's epilogue and dQ's scatter-add in its backward (csrc/cuda/dar_band.cu; issue 35;
+    /// CUDA, bf16, head dim 64 / 128, with the kernel library; else split-merge-fused). Not `auto`'s
+    /// choice until `bench --check` passes it on a GPU and it measures faster.
+    SplitMergeBand,
     /// CPU (fp32 / fp64): the local band by blocks of queries against the keys their band touches,
     /// the distant keys by the CPU flash kernel (causal over the shifted sequences), merged by
     /// log-sum-exp, exact custom backward (csrc/dar_band.cpp; issue 35). Elsewhere: masked SDPA.

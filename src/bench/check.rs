@@ -484,7 +484,7 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     let (t, hd) = (spec.seq_len() as i64, (s.d_model / s.heads) as i64);
     let shapes = [[spec.batch_size() as i64, s.heads as i64, t, hd], [1, 3, t / 2 + 3, hd]];
     let imps: &[AttentionImpl] = if device.is_cuda() {
-        &[AttentionImpl::Sdpa, AttentionImpl::SplitMerge, AttentionImpl::SplitMergeCudnn, AttentionImpl::SplitMergeFused]
+        &[AttentionImpl::Sdpa, AttentionImpl::SplitMerge, AttentionImpl::SplitMergeCudnn, AttentionImpl::SplitMergeFused, AttentionImpl::SplitMergeBand]
     } else {
         &[AttentionImpl::Sdpa, AttentionImpl::BandSplit]
     };

@@ -32,6 +32,8 @@ struct Library {
     attend_step: Option<AttendStepFn>,
     /// None in a library built before csrc/cuda/layer_norm.cu.
     layer_norm_half: Option<LayerNormHalfFn>,
+    /// DAR's band kernels (csrc/cuda/dar_band.cu), handed to the split-merge op when found.
+    band: bool,
 }
 
 /// The file name `make gpu-kernels` writes (into `.gpu/`, beside the lean binary).
@@ -73,7 +75,14 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
         })();
         let attend_step = find(c"attnlab_attend_step").map(|p| std::mem::transmute::<*mut libc::c_void, AttendStepFn>(p));
         let layer_norm_half = find(c"attnlab_layer_norm_half").map(|p| std::mem::transmute::<*mut libc::c_void, LayerNormHalfFn>(p));
-        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step, layer_norm_half })
+        let band = match (find(c"attnlab_dar_band_merge"), find(c"attnlab_dar_band_bwd")) {
+            (Some(merge), Some(bwd)) => {
+                super::set_band_kernels(merge, bwd);
+                true
+            }
+            _ => false,
+        };
+        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step, layer_norm_half, band })
     }
 }
 
@@ -232,6 +241,14 @@ pub fn layer_norm_half(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> 
         Ok(()) if out.is_null() => None,
         Ok(()) => Some(Ok(unsafe { Tensor::from_ptr(out) })),
     }
+}
+
+/// Whether DAR's split-merge can take its local part from our band kernels (`GlobalBackend::Band`):
+/// heads `q` `[B, H, T, hd]` on CUDA in bf16, hd 64 or 128, B·H within one launch, the library
+/// loaded with them (csrc/cuda/dar_band.cu).
+pub fn band_available(q: &Tensor) -> bool {
+    let s = q.size();
+    q.device().is_cuda() && q.kind() == tch::Kind::BFloat16 && matches!(s[3], 64 | 128) && s[0] * s[1] <= 65535 && library().is_some_and(|l| l.band)
 }
 
 /// Whether decode steps may be captured as CUDA graphs: the library has them and
