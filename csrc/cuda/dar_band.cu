@@ -17,11 +17,19 @@ void launch(K kernel, const P& p, int64_t blocks, int64_t B, size_t smem, cudaSt
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Rows that start on 16 bytes: strides of b, t, h multiples of 8 elements and an aligned start.
+void check_aligned(const char* what, const at::Tensor& t) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0, what,
+              ": rows must start on 16 bytes (strides ", t.strides(), ")");
+}
+
 View view(const at::Tensor& x) {
   return View{reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0), x.stride(1), x.stride(2)};
 }
 
-// q, k, v (and others of their shape): CUDA bf16 [B, T, H, D], D 64 or 128, unit last stride.
+// q, k, v (and others of their shape): CUDA bf16 [B, T, H, D], D 64 or 128, unit last stride, rows
+// 16-byte aligned (the kernels load them 16 bytes at a time; src/kernels/cuda.rs::band_available
+// sends other layouts elsewhere).
 void check_inputs(const char* what, std::initializer_list<const at::Tensor*> ts) {
   const at::Tensor& q = **ts.begin();
   TORCH_CHECK(q.is_cuda() && q.dim() == 4 && q.scalar_type() == at::kBFloat16, what, ": q must be CUDA bf16 [B, T, H, D]");
@@ -29,6 +37,7 @@ void check_inputs(const char* what, std::initializer_list<const at::Tensor*> ts)
   TORCH_CHECK(q.size(0) * q.size(2) <= 65535, what, ": B·H ≤ 65535");
   for (const at::Tensor* t : ts) {
     TORCH_CHECK(t->sizes() == q.sizes() && t->scalar_type() == q.scalar_type() && t->stride(3) == 1, what, ": every [B, T, H, D] input must be q's shape and dtype, unit last stride");
+    check_aligned(what, *t);
   }
 }
 
@@ -56,6 +65,7 @@ extern "C" char* attnlab_dar_band_merge(tensor q, tensor k, tensor v, tensor far
       const at::Tensor &F = *far, &FL = *far_lse;
       TORCH_CHECK(F.scalar_type() == at::kBFloat16 && F.size(0) == B && F.size(1) == L && F.size(2) == H && F.size(3) == D && F.stride(3) == 1,
                   "dar_band_merge: far must be bf16 [B, T − w, H, D] with unit last stride");
+      check_aligned("dar_band_merge: far", F);
       TORCH_CHECK(FL.scalar_type() == at::kFloat && FL.dim() == 3 && FL.size(0) == B && FL.size(1) == H && FL.size(2) >= L && FL.stride(2) == 1,
                   "dar_band_merge: far_lse must be fp32 [B, H, ≥ T − w] with unit last stride");
       p.far = view(F);
@@ -108,6 +118,7 @@ extern "C" char* attnlab_dar_band_bwd(tensor q, tensor k, tensor v, tensor out, 
       const at::Tensor& F = *far_dq;
       TORCH_CHECK(F.scalar_type() == at::kBFloat16 && F.dim() == 4 && F.size(0) == B && F.size(1) == T - window && F.size(2) == H && F.size(3) == D &&
                       F.stride(3) == 1, "dar_band_bwd: far_dq must be bf16 [B, T − w, H, D] with unit last stride");
+      check_aligned("dar_band_bwd: far_dq", F);
       p.far_dq = view(F);
     }
     at::Tensor gq = at::empty({B, T, H, D}, Q.options()), gk = at::empty({B, T, H, D}, Q.options()), gv = at::empty({B, T, H, D}, Q.options());

@@ -11,8 +11,9 @@
 // One block per (64 queries, b, h), four warps of 16 queries each. Per key tile: K and V in shared
 // memory; S = Q·Kᵀ on the tensor cores (mma m16n8k16, Q's fragments held in registers), masked to
 // the band, an online softmax per row in fp32 (each row's 64 scores spread over the four lanes of a
-// quad), P packed to bf16 as the A operand of O += P·V. Inputs [B, T, H, D] with any b / t / h
-// strides and unit d stride, bf16, D ∈ {64, 128}.
+// quad), P packed to bf16 as the A operand of O += P·V. Inputs [B, T, H, D] bf16, D ∈ {64, 128},
+// with any b / t / h strides that keep rows 16-byte aligned (multiples of 8, an aligned start) and a
+// unit d stride.
 //
 // The backward (band_bwd_dkdv, band_bwd_dq) below. Right on the CPU (make cuda-emu-test: output,
 // lse and the gradients against DAR's definition in double); not yet run on a GPU.
@@ -62,19 +63,29 @@ __device__ __forceinline__ void load_a_rows(const View& x, int b, int h, int row
     }
 }
 
-// Rows n0.. of two [T, D] views into shared tiles of kBandKeys rows (zero past T).
+// A fragments (16 rows × D) of rows r0, r0 + 8 of a shared tile.
+template <int D>
+__device__ __forceinline__ void load_a_shared(const __nv_bfloat16* xs, int r0, uint32_t a[D / 16][4]) {
+  constexpr int LD = D + 8;
+  const int t = (threadIdx.x % 32) % 4;
+  for (int kk = 0; kk < D / 16; ++kk)
+    for (int r = 0; r < 4; ++r) a[kk][r] = load_pair(xs + (r0 + (r & 1 ? 8 : 0)) * LD + kk * 16 + 2 * t + (r & 2 ? 8 : 0));
+}
+
+// Rows n0.. of two [T, D] views into shared tiles of kBandKeys rows (zero past T), 16 bytes a load
+// (the launcher requires 16-byte aligned rows).
 template <int D>
 __device__ __forceinline__ void load_tiles(const View& x, const View& y, int b, int h, int n0, int T, __nv_bfloat16* xs, __nv_bfloat16* ys) {
   constexpr int LD = D + 8;
-  for (int i = threadIdx.x; i < kBandKeys * D / 2; i += kBandThreads) {
-    const int r = i / (D / 2), c = 2 * (i % (D / 2)), j = n0 + r;
-    uint32_t xv = 0u, yv = 0u;
+  for (int i = threadIdx.x; i < kBandKeys * D / 8; i += kBandThreads) {
+    const int r = i / (D / 8), c = 8 * (i % (D / 8)), j = n0 + r;
+    Pack8 xv{}, yv{};
     if (j < T) {
-      xv = load_pair(x.at(b, j, h) + c);
-      yv = load_pair(y.at(b, j, h) + c);
+      xv = *reinterpret_cast<const Pack8*>(x.at(b, j, h) + c);
+      yv = *reinterpret_cast<const Pack8*>(y.at(b, j, h) + c);
     }
-    memcpy(xs + r * LD + c, &xv, 4);
-    memcpy(ys + r * LD + c, &yv, 4);
+    *reinterpret_cast<Pack8*>(xs + r * LD + c) = xv;
+    *reinterpret_cast<Pack8*>(ys + r * LD + c) = yv;
   }
 }
 
@@ -88,7 +99,7 @@ __device__ __forceinline__ void mma_p_x(float acc[D / 8][4], const float p[kBand
                             pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3])};
     for (int d = 0; d < D / 8; ++d) {
       const __nv_bfloat16* xc = xs + (kc * 16 + 2 * t) * LD + d * 8 + group;
-      const uint32_t xb[2] = {pack_bf16(to_f(xc[0]), to_f(xc[LD])), pack_bf16(to_f(xc[8 * LD]), to_f(xc[9 * LD]))};
+      const uint32_t xb[2] = {join_pair(xc, xc + LD), join_pair(xc + 8 * LD, xc + 9 * LD)};
       mma_bf16_16816(acc[d], pa, xb);
     }
   }
@@ -233,23 +244,25 @@ struct BandBwdParams {
   float scale;
 };
 
-// Shared memory of the backward: two tiles, and the tile's lse and D (dkdv).
-__host__ __device__ inline int64_t band_bwd_smem_bytes(int D) { return band_smem_bytes(D) + 2 * kBandKeys * (int64_t)sizeof(float); }
+// Shared memory of the backward (dkdv's, the larger): four tiles, and a query tile's lse and D.
+__host__ __device__ inline int64_t band_bwd_smem_bytes(int D) { return 2 * band_smem_bytes(D) + 2 * kBandKeys * (int64_t)sizeof(float); }
 
 template <int D>
 __global__ void __launch_bounds__(kBandThreads) band_bwd_dkdv(BandBwdParams p) {
   ATTNLAB_DYNAMIC_SHARED(__nv_bfloat16, smem);
   constexpr int LD = D + 8, NT = kBandKeys / 8;
-  __nv_bfloat16* qs = smem;
-  __nv_bfloat16* dos = smem + kBandKeys * LD;
-  float* lse_s = reinterpret_cast<float*>(smem + 2 * kBandKeys * LD);
+  // The block's own keys and values (read as A fragments when needed, not held in registers), then
+  // each query tile's Q and dO, its lse and D.
+  __nv_bfloat16* ks = smem;
+  __nv_bfloat16* vs = ks + kBandKeys * LD;
+  __nv_bfloat16* qs = vs + kBandKeys * LD;
+  __nv_bfloat16* dos = qs + kBandKeys * LD;
+  float* lse_s = reinterpret_cast<float*>(dos + kBandKeys * LD);
   float* dd_s = lse_s + kBandKeys;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, group = lane / 4, t = lane % 4;
   const int b = blockIdx.y / p.H, h = blockIdx.y % p.H;
   const int k0 = blockIdx.x * kBandKeys, key0 = k0 + warp * 16 + group;  // this lane's keys: key0, key0 + 8
-  uint32_t ka[D / 16][4], va[D / 16][4];
-  load_a_rows<D>(p.k, b, h, key0, p.T, ka);
-  load_a_rows<D>(p.v, b, h, key0, p.T, va);
+  load_tiles<D>(p.k, p.v, b, h, k0, p.T, ks, vs);
   float dk[D / 8][4], dv[D / 8][4];
   for (int d = 0; d < D / 8; ++d)
     for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
@@ -262,15 +275,23 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dkdv(BandBwdParams p) {
       float dd = 0.f;
       if (i < p.T) {
         const __nv_bfloat16 *o = p.out.at(b, i, h), *g = p.dout.at(b, i, h);
-        for (int d = 0; d < D; ++d) dd += to_f(o[d]) * to_f(g[d]);
+        for (int d = 0; d < D; d += 8) {
+          const Pack8 x = *reinterpret_cast<const Pack8*>(o + d), y = *reinterpret_cast<const Pack8*>(g + d);
+          for (int e = 0; e < 8; ++e) dd += pack_at<__nv_bfloat16>(x, e) * pack_at<__nv_bfloat16>(y, e);
+        }
       }
       dd_s[r] = dd;
       lse_s[r] = i < p.T ? p.lse[((int64_t)b * p.H + h) * p.T + i] : 0.f;
     }
     __syncthreads();
     float s[NT][4], dp[NT][4];
-    mma_a_xt<D>(s, ka, qs);   // Sᵀ: keys × queries
-    mma_a_xt<D>(dp, va, dos); // dPᵀ = V·dOᵀ
+    {
+      uint32_t a[D / 16][4];
+      load_a_shared<D>(ks, warp * 16 + group, a);
+      mma_a_xt<D>(s, a, qs);  // Sᵀ: keys × queries
+      load_a_shared<D>(vs, warp * 16 + group, a);
+      mma_a_xt<D>(dp, a, dos);  // dPᵀ = V·dOᵀ
+    }
     for (int nt = 0; nt < NT; ++nt)
       for (int e = 0; e < 4; ++e) {
         const int j = key0 + (e >= 2 ? 8 : 0), c = nt * 8 + 2 * t + (e & 1), i = n0 + c;

@@ -19,11 +19,15 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return uint32_t(x) | (uint32_t(y) << 16);
 }
 
-// Two bf16 already in memory (adjacent, the first at the lower address) as one register.
-__device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) {
+// Two bf16 already in memory (adjacent, the first at the lower address, 4-byte aligned) as one
+// register, by one 32-bit load.
+__device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Two bf16 from anywhere (`lo`'s bits in the low half): B fragments gathered down a column.
+__device__ __forceinline__ uint32_t join_pair(const __nv_bfloat16* lo, const __nv_bfloat16* hi) {
   uint16_t x, y;
-  memcpy(&x, p, 2);
-  memcpy(&y, p + 1, 2);
+  memcpy(&x, lo, 2);
+  memcpy(&y, hi, 2);
   return uint32_t(x) | (uint32_t(y) << 16);
 }
 

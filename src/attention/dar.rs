@@ -412,7 +412,7 @@ pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, windo
         AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn | AttentionImpl::SplitMergeFused if !split_merge_supported(q) => AttentionImpl::Sdpa,
         AttentionImpl::BandSplit if !band_split_supported(q) => AttentionImpl::Sdpa,
         AttentionImpl::SplitMergeBand if !split_merge_supported(q) => AttentionImpl::Sdpa,
-        AttentionImpl::SplitMergeBand if !kernels::cuda::band_available(q) => AttentionImpl::SplitMergeFused,
+        AttentionImpl::SplitMergeBand if !kernels::cuda::band_available(&[q, kl, vl, kg, vg]) => AttentionImpl::SplitMergeFused,
         other => other,
     };
     if imp != AttentionImpl::Reference {
