@@ -63,7 +63,12 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     // Latents four slots per warp at a time: right on the CPU (make cuda-emu-test), not yet run on a
     // GPU, so only when asked for (ATTNLAB_STEP_BATCHED=1) until bench --check and the decode
     // timings say it may be the default.
-    p.batched = !scalar_loops && std::getenv("ATTNLAB_STEP_BATCHED") != nullptr;
+    // ATTNLAB_STEP_ROPE=absorbed (implies the batched loop): the latents' rotated dims scored through
+    // per-pair query vectors (attend_step.cuh: rope_terms), no kr matmul; right on the CPU, not yet
+    // on a GPU.
+    const char* rope = std::getenv("ATTNLAB_STEP_ROPE");
+    const bool absorb_rope = !scalar_loops && rope && std::strcmp(rope, "absorbed") == 0;
+    p.batched = !scalar_loops && (absorb_rope || std::getenv("ATTNLAB_STEP_BATCHED") != nullptr);
     p.q = q.data_ptr();
     p.q_sb = q.stride(0);
     p.q_sh = q.stride(1);
@@ -108,15 +113,20 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
       p.c = c.data_ptr();
       p.c_sb = c.stride(0);
       p.c_ss = c.stride(1);
+      // The batched loop holds a slot's latent in its lanes' registers: r ≤ 256.
+      if (r > 256) p.batched = 0;
+      p.rope_absorbed = p.batched && absorb_rope && rotated > 0 && smem_floats(g, r, hd, rotated) * sizeof(float) <= 200 * 1024;
       if (rotated > 0) {
         const at::Tensor& cos = *cosp;
         TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.size(0) >= S && cos.size(1) == rotated / 2 && cos.stride(1) == 1 && cos.strides() == sinp->strides() &&
                         sinp->scalar_type() == at::kFloat, "attend_step: cos / sin must be fp32 [S, rot/2]");
-        // kr [B, S, Hkv·rot] = c · Wk[:, :rot, :]ᵀ: one matmul on the tensor cores.
-        kr = at::matmul(c, wk.narrow(1, 0, rotated).reshape({hkv * rotated, r}).t());
-        p.kr = kr.data_ptr();
-        p.kr_sb = kr.stride(0);
-        p.kr_ss = kr.stride(1);
+        if (!p.rope_absorbed) {
+          // kr [B, S, Hkv·rot] = c · Wk[:, :rot, :]ᵀ: one matmul on the tensor cores.
+          kr = at::matmul(c, wk.narrow(1, 0, rotated).reshape({hkv * rotated, r}).t());
+          p.kr = kr.data_ptr();
+          p.kr_sb = kr.stride(0);
+          p.kr_ss = kr.stride(1);
+        }
         p.cos = cos.data_ptr<float>();
         p.sin = sinp->data_ptr<float>();
         p.cs_s = cos.stride(0);
@@ -143,7 +153,7 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     p.ml = ml.data_ptr<float>();
     p.acc = acc.data_ptr<float>();
     p.accv = accv.data_ptr<float>();
-    const size_t smem = smem_floats(g, r, hd) * sizeof(float);
+    const size_t smem = smem_floats(g, r, hd, p.rope_absorbed ? rotated : 0) * sizeof(float);
     TORCH_CHECK(smem <= 200 * 1024, "attend_step: ", smem, " bytes of shared memory (g, r or hd too large)");
     at::Tensor pc = cp ? at::empty({hkv, B * g, r}, q.options()) : at::Tensor();
     at::Tensor extra = at::empty({hkv, B * g, hd}, q.options());

@@ -7,7 +7,8 @@
 //   distant slot s (visible iff p − s ≥ w and s ≥ pad[b]):
 //     score = scale · (qw_h · c_s + β_h + q_rot,h · RoPE_s(kr_s + bk_rot)),
 //     qw_h = q_h[rot:] · Wk[k][rot:, :] (the unrotated dims folded into latent space), β_h = q_h[rot:] · bk[rot:],
-//     kr_s = Wk[k][:rot, :] · c_s (one cuBLAS matmul before the kernel: tensor cores, every slot);
+//     kr_s = Wk[k][:rot, :] · c_s (one cuBLAS matmul before the kernel: tensor cores, every slot;
+//     or, ATTNLAB_STEP_ROPE=absorbed, no kr: the rotated dims through per-pair query vectors, rope_terms);
 //   full-width slot j: score = scale · q_h · k_j, visible iff the position it holds (j itself, or for
 //   a ring of `keep` slots p − ((p − j) mod keep)) is in [pad[b], p].
 // The partial kernel: one block per (row b, kv head, chunk of slots, distant or full-width); four
@@ -60,7 +61,10 @@ struct Params {
   int64_t r_sb, r_sh, r_ss, keep;
   int W;
   int vec;  // full-width rows read as 16-byte packs (hd in {32, 64, 128, 256}, aligned)
-  int batched;  // latents four slots per warp at a time (else one: ATTNLAB_STEP_SCALAR)
+  int batched;  // latents four slots per warp at a time (else one: ATTNLAB_STEP_SCALAR); needs r ≤ 256
+  // Batched loop only: a distant key's rotated dims scored through per-pair query vectors in shared
+  // memory (rope_terms) instead of kr, which is then not read (nor computed by the launcher).
+  int rope_absorbed;
   int S, r, hd, rot, g, hkv, chunk, nchunks, ring_chunk, nring;
   float scale;
   float* ml;    // [B, H, nchunks + nring, 2]
@@ -69,10 +73,37 @@ struct Params {
 };
 
 // Dynamic shared memory, in floats: qs [G][hd], qw [G][r], beta [G], wacc [kWarps][G][width],
-// wm / wl [kWarps][G].
-__host__ __device__ inline int64_t smem_floats(int g, int r, int hd) {
+// wm / wl [kWarps][G]; with the rotated dims absorbed (`absorbed_rot` = rot, else 0) also
+// rq [G][rot][r] and rb [G][rot] (rope_terms).
+__host__ __device__ inline int64_t smem_floats(int g, int r, int hd, int absorbed_rot = 0) {
   const int width = r > hd ? r : hd;
-  return (int64_t)g * hd + (int64_t)g * r + g + (int64_t)kWarps * g * width + 2 * kWarps * g;
+  return (int64_t)g * hd + (int64_t)g * r + g + (int64_t)kWarps * g * width + 2 * kWarps * g + (int64_t)g * absorbed_rot * r + (int64_t)g * absorbed_rot;
+}
+
+// The rotated dims of a distant key read without rebuilding it (dar.md §3, RoPE's half-split pairs):
+// with k = Wk·c + bk and pair (i, i + half) turned by angle θ_i(s),
+//   q·RoPE_s(k) over the pair = cos θ_i(s)·(a_i·c + α_i) + sin θ_i(s)·(b_i·c + β_i),
+//   a_i = q_i·W_i + q_{i+half}·W_{i+half},  b_i = q_{i+half}·W_i − q_i·W_{i+half}  (rows of Wk, r wide),
+//   α_i = q_i·bk_i + q_{i+half}·bk_{i+half},  β_i = q_{i+half}·bk_i − q_i·bk_{i+half};
+// rq[h] holds a_0.. a_{half−1}, b_0.. b_{half−1}, rb[h] the α and β, computed once per block. Each
+// slot then costs rot·r FMAs spread over the lanes that hold its latent, and no kr.
+template <typename T, int G>
+__device__ __forceinline__ void rope_terms(const Params& p, int kvh, const float* qs, float* rq, float* rb) {
+  const int half = p.rot / 2;
+  const T* wk = static_cast<const T*>(p.wk) + (int64_t)kvh * p.hd * p.r;
+  const T* bk = p.bk ? static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd : nullptr;
+  for (int idx = threadIdx.x; idx < G * p.rot * p.r; idx += kThreads) {
+    const int h = idx / (p.rot * p.r), i = (idx / p.r) % p.rot, j = idx % p.r, pi = i % half;
+    const float qa = qs[h * p.hd + pi], qb = qs[h * p.hd + pi + half];
+    const float wa = to_f(wk[(int64_t)pi * p.r + j]), wb = to_f(wk[(int64_t)(pi + half) * p.r + j]);
+    rq[idx] = i < half ? qa * wa + qb * wb : qb * wa - qa * wb;
+  }
+  for (int idx = threadIdx.x; idx < G * p.rot; idx += kThreads) {
+    const int h = idx / p.rot, i = idx % p.rot, pi = i % half;
+    const float qa = qs[h * p.hd + pi], qb = qs[h * p.hd + pi + half];
+    const float ba = bk ? to_f(bk[pi]) : 0.f, bb = bk ? to_f(bk[pi + half]) : 0.f;
+    rb[idx] = i < half ? qa * ba + qb * bb : qb * ba - qa * bb;
+  }
 }
 
 // The position full-width slot s holds once position `newest` is written: s itself, or for a ring of
@@ -176,16 +207,19 @@ __device__ __forceinline__ void full_width_slots(const Params& p, int b, int kvh
   }
 }
 
-// Distant slots [begin, end) of one warp's share: four slots per iteration, their latents' loads
-// issued together (lanes over d_down), their scores reduced, then one online-softmax update per head
-// for the four, which reads and writes the warp's Σ p·c (acc, in shared memory) once.
+// Distant slots [begin, end) of one warp's share: four slots per iteration, their latents loaded
+// into registers together (lanes over d_down, r ≤ 256) and read there for the scores and for Σ p·c,
+// the scores reduced, then one online-softmax update per head for the four, which reads and writes
+// the warp's Σ p·c (acc, in shared memory) once. The rotated dims come from kr, or with
+// p.rope_absorbed from the latents through rq / rb (rope_terms).
 template <typename T, int G>
 __device__ __forceinline__ void latent_slots(const Params& p, int b, int kvh, int begin, int end, int64_t newest, int64_t pad, const float* qs,
-                                             const float* qw, const float* beta, float* m, float* l, float* acc, int width) {
-  constexpr int U = 4;
+                                             const float* qw, const float* beta, const float* rq, const float* rb, float* m, float* l, float* acc,
+                                             int width) {
+  constexpr int U = 4, JL = 8;  // slots at a time; latent dims a lane holds (r ≤ 32·JL)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, half = p.rot / 2;
   const T* c = static_cast<const T*>(p.c) + b * p.c_sb;
-  const T* kr = static_cast<const T*>(p.kr) + b * p.kr_sb + (int64_t)kvh * p.rot;
+  const T* kr = p.rope_absorbed ? nullptr : static_cast<const T*>(p.kr) + b * p.kr_sb + (int64_t)kvh * p.rot;
   const T* bk = p.bk ? static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd : nullptr;
   for (int base = begin + warp; base < end; base += kWarps * U) {
     int s[U];
@@ -200,29 +234,66 @@ __device__ __forceinline__ void latent_slots(const Params& p, int b, int kvh, in
       for (int h = 0; h < G; ++h) part[u][h] = 0.f;
     }
     if (!any) continue;  // the same for every lane of the warp
-    if (p.rot < p.hd) {
-      for (int j = lane; j < p.r; j += 32) {
-        float x[U];
+    float x[U][JL];  // x[u][jj] = c[s_u][lane + 32·jj]
 #pragma unroll
-        for (int u = 0; u < U; ++u) x[u] = vis[u] ? to_f(c[(int64_t)s[u] * p.c_ss + j]) : 0.f;
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int jj = 0; jj < JL; ++jj) {
+        const int j = lane + 32 * jj;
+        x[u][jj] = vis[u] && j < p.r ? to_f(c[(int64_t)s[u] * p.c_ss + j]) : 0.f;
+      }
+    if (p.rot < p.hd) {
+#pragma unroll
+      for (int jj = 0; jj < JL; ++jj) {
+        const int j = lane + 32 * jj;
+        if (j >= p.r) break;
 #pragma unroll
         for (int h = 0; h < G; ++h) {
           const float w = qw[h * p.r + j];
 #pragma unroll
-          for (int u = 0; u < U; ++u) part[u][h] += w * x[u];
+          for (int u = 0; u < U; ++u) part[u][h] += w * x[u][jj];
         }
       }
     }
-    for (int i = lane; i < half; i += 32) {
-      const float b1 = bk ? to_f(bk[i]) : 0.f, b2 = bk ? to_f(bk[i + half]) : 0.f;
+    if (p.rope_absorbed) {
+      for (int i = 0; i < half; ++i) {
+        float cs[U], sn[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (!vis[u]) continue;
-        const T* k = kr + (int64_t)s[u] * p.kr_ss;
-        const float k1 = to_f(k[i]) + b1, k2 = to_f(k[i + half]) + b2;
-        const float cs = p.cos[(int64_t)s[u] * p.cs_s + i], sn = p.sin[(int64_t)s[u] * p.cs_s + i];
+        for (int u = 0; u < U; ++u) {
+          cs[u] = vis[u] ? p.cos[(int64_t)s[u] * p.cs_s + i] : 0.f;
+          sn[u] = vis[u] ? p.sin[(int64_t)s[u] * p.cs_s + i] : 0.f;
+        }
 #pragma unroll
-        for (int h = 0; h < G; ++h) part[u][h] += rope_pair_dot(qs + h * p.hd, i, half, k1, k2, cs, sn);
+        for (int h = 0; h < G; ++h) {
+          const float* a = rq + ((int64_t)h * p.rot + i) * p.r;
+          const float* bq = a + (int64_t)half * p.r;
+#pragma unroll
+          for (int jj = 0; jj < JL; ++jj) {
+            const int j = lane + 32 * jj;
+            if (j >= p.r) break;
+            const float aj = a[j], bj = bq[j];
+#pragma unroll
+            for (int u = 0; u < U; ++u) part[u][h] += x[u][jj] * (cs[u] * aj + sn[u] * bj);
+          }
+          // The biases' share, once per slot (lane 0; the warp sum adds it in).
+          if (lane == 0) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) part[u][h] += cs[u] * rb[h * p.rot + i] + sn[u] * rb[h * p.rot + half + i];
+          }
+        }
+      }
+    } else {
+      for (int i = lane; i < half; i += 32) {
+        const float b1 = bk ? to_f(bk[i]) : 0.f, b2 = bk ? to_f(bk[i + half]) : 0.f;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (!vis[u]) continue;
+          const T* k = kr + (int64_t)s[u] * p.kr_ss;
+          const float k1 = to_f(k[i]) + b1, k2 = to_f(k[i + half]) + b2;
+          const float cs = p.cos[(int64_t)s[u] * p.cs_s + i], sn = p.sin[(int64_t)s[u] * p.cs_s + i];
+#pragma unroll
+          for (int h = 0; h < G; ++h) part[u][h] += rope_pair_dot(qs + h * p.hd, i, half, k1, k2, cs, sn);
+        }
       }
     }
 #pragma unroll
@@ -243,12 +314,13 @@ __device__ __forceinline__ void latent_slots(const Params& p, int b, int kvh, in
       l[h] = l[h] * f + sum;
       m[h] = mx;
       float* a = acc + h * width;
-      for (int j = lane; j < p.r; j += 32) {
+#pragma unroll
+      for (int jj = 0; jj < JL; ++jj) {
+        const int j = lane + 32 * jj;
+        if (j >= p.r) break;
         float v = a[j] * f;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          if (vis[u]) v += e[u] * to_f(c[(int64_t)s[u] * p.c_ss + j]);
-        }
+        for (int u = 0; u < U; ++u) v += e[u] * x[u][jj];
         a[j] = v;
       }
     }
@@ -268,6 +340,8 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
   float* wacc = beta + G;
   float* wm = wacc + kWarps * G * width;
   float* wl = wm + kWarps * G;
+  float* rq = wl + kWarps * G;         // with p.rope_absorbed: [G][rot][r]
+  float* rb = rq + G * p.rot * p.r;    // and [G][rot]
   const T* q = static_cast<const T*>(p.q);
   for (int i = tid; i < G * p.hd; i += kThreads) {
     const int h = i / p.hd, d = i % p.hd;
@@ -293,6 +367,7 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
       }
       beta[tid] = s;
     }
+    if (p.rope_absorbed) rope_terms<T, G>(p, kvh, qs, rq, rb);
     __syncthreads();
   }
   float m[G], l[G];
@@ -310,7 +385,7 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
   const T* bk = p.bk ? static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd : nullptr;
   const bool scalar = ring ? !p.vec : !p.batched;
   if (ring && p.vec) full_width_slots<T, G>(p, b, kvh, begin, end, newest, pad, qs, m, l, my_acc, width);
-  if (!ring && p.batched) latent_slots<T, G>(p, b, kvh, begin, end, newest, pad, qs, qw, beta, m, l, my_acc, width);
+  if (!ring && p.batched) latent_slots<T, G>(p, b, kvh, begin, end, newest, pad, qs, qw, beta, rq, rb, m, l, my_acc, width);
   for (int s = begin + warp; s < end && scalar; s += kWarps) {
     float part[G];
 #pragma unroll

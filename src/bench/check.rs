@@ -514,12 +514,14 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     }
     if device.is_cuda() {
         // The step's loops (csrc/cuda/attend_step.cu): the default, one slot per warp everywhere
-        // (ATTNLAB_STEP_SCALAR), and the latents four slots at a time (ATTNLAB_STEP_BATCHED), whether
-        // or not decoding takes the fused step by default.
+        // (ATTNLAB_STEP_SCALAR), the latents four slots at a time (ATTNLAB_STEP_BATCHED), and those
+        // with RoPE absorbed into the query (ATTNLAB_STEP_ROPE=absorbed), whether or not decoding
+        // takes the fused step by default.
         std::env::set_var("ATTNLAB_FUSED_STEP", "1");
-        for (suffix, var) in [("", None), ("-scalar", Some("ATTNLAB_STEP_SCALAR")), ("-batched", Some("ATTNLAB_STEP_BATCHED"))] {
-            if let Some(v) = var {
-                std::env::set_var(v, "1");
+        let loops = [("", None), ("-scalar", Some(("ATTNLAB_STEP_SCALAR", "1"))), ("-batched", Some(("ATTNLAB_STEP_BATCHED", "1"))), ("-rope-absorbed", Some(("ATTNLAB_STEP_ROPE", "absorbed")))];
+        for (suffix, var) in loops {
+            if let Some((v, value)) = var {
+                std::env::set_var(v, value);
             }
             for (case, planted) in step_cases() {
                 if let Some(mut row) = step_check(case, device, kind, planted) {
@@ -527,7 +529,7 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
                     note(row);
                 }
             }
-            if let Some(v) = var {
+            if let Some((v, _)) = var {
                 std::env::remove_var(v);
             }
         }

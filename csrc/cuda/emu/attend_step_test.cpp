@@ -1,7 +1,8 @@
 // The fused decode step's kernels (csrc/cuda/attend_step.cuh) on the CPU against the step's
 // definition in double: every distant key and value rebuilt from its latent (RoPE on the rotated
-// dims), one masked softmax over the visible full-width slots and latents. Both loops of each part
-// (full-width: 16-byte packs and one slot per warp; latents: four slots per warp and one), the
+// dims), one masked softmax over the visible full-width slots and latents. Every loop of each part
+// (full-width: 16-byte packs and one slot per warp; latents: one slot per warp, four with kr, four
+// with RoPE absorbed into the query), the
 // shapes the models give (vanilla, a wrapped window ring, Pythia's DAR with biases and a quarter of
 // the dims rotated, Llama's grouped heads with every dim rotated, uniform), left padding, bf16 and fp16.
 #include "emu_test.h"
@@ -126,14 +127,15 @@ std::vector<double> reference(const Case& k, const Inputs<T>& in, int window_shi
 }
 
 template <typename T, int G>
-std::vector<double> run(const Case& k, const Inputs<T>& in, bool batched, bool vec) {
+std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool vec) {
   Params p{};
   p.q = in.q.dev.data();
   p.q_sb = int64_t(k.H) * k.hd;
   p.q_sh = k.hd;
   p.pos = &k.newest;
   p.pad = k.pad.data();
-  p.batched = batched;
+  p.batched = batched > 0;
+  p.rope_absorbed = batched == 2;
   if (k.W) {
     p.rk = in.rk.dev.data();
     p.rv = in.rv.dev.data();
@@ -175,7 +177,7 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, bool batched, bool v
   p.ml = ml.data();
   p.acc = acc.data();
   p.accv = accv.data();
-  emu::launch(step_partial<T, G>, dim3(p.nchunks + p.nring, k.B * k.Hkv), dim3(kThreads), smem_floats(G, p.r, k.hd) * sizeof(float), p);
+  emu::launch(step_partial<T, G>, dim3(p.nchunks + p.nring, k.B * k.Hkv), dim3(kThreads), smem_floats(G, p.r, k.hd, p.rope_absorbed ? k.rot : 0) * sizeof(float), p);
   std::vector<T> pc(size_t(k.Hkv) * k.B * G * p.r), extra(size_t(k.Hkv) * k.B * G * k.hd);
   emu::launch(step_combine<T>, dim3(k.B * k.H), dim3(kThreads), 0, (const float*)p.ml, (const float*)p.acc, (const float*)p.accv,
               (const void*)(k.bias ? in.bv.dev.data() : nullptr), k.B, k.H, G, p.r, k.hd, p.nchunks, p.nring, k.S ? pc.data() : (T*)nullptr,
@@ -195,7 +197,7 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, bool batched, bool v
 }
 
 template <typename T>
-std::vector<double> run_g(const Case& k, const Inputs<T>& in, bool batched, bool vec) {
+std::vector<double> run_g(const Case& k, const Inputs<T>& in, int batched, bool vec) {
   switch (k.H / k.Hkv) {
     case 1: return run<T, 1>(k, in, batched, vec);
     case 2: return run<T, 2>(k, in, batched, vec);
@@ -214,11 +216,12 @@ bool check(const Case& k, const char* dtype, unsigned seed) {
   const auto planted = k.S ? reference(k, in, 1, 0) : reference(k, in, 0, 1);
   const double bound = std::is_same_v<T, __half> ? 4e-3 : 1.6e-2;
   bool ok = true;
-  for (int batched = 0; batched <= (k.S ? 1 : 0); ++batched)
+  // Latent loops: 0 one slot per warp, 1 four at a time (kr), 2 four at a time with RoPE absorbed.
+  const char* loops[] = {" latents×1", " latents×4", " latents×4 rope-absorbed"};
+  for (int batched = 0; batched <= (k.S ? 2 : 0); ++batched)
     for (int vec = 0; vec <= (k.W ? 1 : 0); ++vec) {
       const auto got = run_g<T>(k, in, batched, vec);
-      const std::string what = std::string(k.name) + " " + dtype + (k.S ? (batched ? " latents×4" : " latents×1") : "") +
-                               (k.W ? (vec ? " packs" : " scalar") : "");
+      const std::string what = std::string(k.name) + " " + dtype + (k.S ? loops[batched] : "") + (k.W ? (vec ? " packs" : " scalar") : "");
       ok &= emu_test::verdict(what, emu_test::rel_err(got, want), emu_test::rel_err(planted, want), bound);
     }
   return ok;
