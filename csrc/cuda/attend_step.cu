@@ -115,7 +115,7 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
       p.c_ss = c.stride(1);
       // The batched loop holds a slot's latent in its lanes' registers: r ≤ 256.
       if (r > 256) p.batched = 0;
-      p.rope_absorbed = p.batched && absorb_rope && rotated > 0 && smem_floats(g, r, hd, rotated) * sizeof(float) <= 200 * 1024;
+      p.rope_absorbed = p.batched && absorb_rope && wvp->is_contiguous() && smem_floats(g, r, hd, rotated) * sizeof(float) <= 200 * 1024;
       if (rotated > 0) {
         const at::Tensor& cos = *cosp;
         TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.size(0) >= S && cos.size(1) == rotated / 2 && cos.stride(1) == 1 && cos.strides() == sinp->strides() &&
@@ -155,27 +155,35 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     p.accv = accv.data_ptr<float>();
     const size_t smem = smem_floats(g, r, hd, p.rope_absorbed ? rotated : 0) * sizeof(float);
     TORCH_CHECK(smem <= 200 * 1024, "attend_step: ", smem, " bytes of shared memory (g, r or hd too large)");
-    at::Tensor pc = cp ? at::empty({hkv, B * g, r}, q.options()) : at::Tensor();
-    at::Tensor extra = at::empty({hkv, B * g, hd}, q.options());
+    // With the RoPE-absorbed loop the combine kernel also applies Wv and writes [B, H, 1, hd] itself.
+    const bool out_in_combine = p.rope_absorbed;
+    at::Tensor pc = cp && !out_in_combine ? at::empty({hkv, B * g, r}, q.options()) : at::Tensor();
+    at::Tensor extra = out_in_combine ? at::Tensor() : at::empty({hkv, B * g, hd}, q.options());
+    at::Tensor o = out_in_combine ? at::empty({B, H, 1, hd}, q.options()) : at::Tensor();
     const int grid = B * H;
     const void* bvptr = bv && cp ? bvc.data_ptr() : nullptr;
+    const void* wvptr = out_in_combine && cp ? wvp->data_ptr() : nullptr;
+    const size_t combine_smem = out_in_combine ? r * sizeof(float) : 0;
+    auto ptr_or_null = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
     if (q.scalar_type() == at::kBFloat16) {
       using T = __nv_bfloat16;
       if (p.nchunks + p.nring > 0) launch_partial_g<T>(p, B, smem, stream);
-      step_combine<T><<<grid, kThreads, 0, stream>>>(p.ml, p.acc, p.accv, bvptr, B, H, g, r, hd, p.nchunks, p.nring,
-                                                           cp ? reinterpret_cast<T*>(pc.data_ptr()) : nullptr, reinterpret_cast<T*>(extra.data_ptr()));
+      step_combine<T><<<grid, kThreads, combine_smem, stream>>>(p.ml, p.acc, p.accv, bvptr, B, H, g, r, hd, p.nchunks, p.nring, static_cast<T*>(ptr_or_null(pc)),
+                                                                static_cast<T*>(ptr_or_null(extra)), wvptr, static_cast<T*>(ptr_or_null(o)));
     } else if (q.scalar_type() == at::kHalf) {
       using T = __half;
       if (p.nchunks + p.nring > 0) launch_partial_g<T>(p, B, smem, stream);
-      step_combine<T><<<grid, kThreads, 0, stream>>>(p.ml, p.acc, p.accv, bvptr, B, H, g, r, hd, p.nchunks, p.nring,
-                                                           cp ? reinterpret_cast<T*>(pc.data_ptr()) : nullptr, reinterpret_cast<T*>(extra.data_ptr()));
+      step_combine<T><<<grid, kThreads, combine_smem, stream>>>(p.ml, p.acc, p.accv, bvptr, B, H, g, r, hd, p.nchunks, p.nring, static_cast<T*>(ptr_or_null(pc)),
+                                                                static_cast<T*>(ptr_or_null(extra)), wvptr, static_cast<T*>(ptr_or_null(o)));
     } else {
       TORCH_CHECK(false, "attend_step: q must be bf16 or fp16, not ", q.scalar_type());
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    // [Hkv, B·g, hd] = extra (+ pc · Wvᵀ), then [B, H, 1, hd].
-    at::Tensor o = cp ? at::baddbmm(extra, pc, wvp->transpose(1, 2)) : extra;
-    o = o.view({hkv, B, g, hd}).permute({1, 0, 2, 3}).reshape({B, H, 1, hd});
+    if (!out_in_combine) {
+      // [Hkv, B·g, hd] = extra (+ pc · Wvᵀ), then [B, H, 1, hd].
+      o = cp ? at::baddbmm(extra, pc, wvp->transpose(1, 2)) : extra;
+      o = o.view({hkv, B, g, hd}).permute({1, 0, 2, 3}).reshape({B, H, 1, hd});
+    }
     *out_ = new at::Tensor(o);
     return nullptr;
   } catch (const std::exception& e) {

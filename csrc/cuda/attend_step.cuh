@@ -15,8 +15,8 @@
 // warps each take every fourth slot with an online softmax, then merge. It writes (max, sum) and
 // Σ p·c_s (distant, r wide) or Σ p·v_j (full width, hd wide), unnormalised.
 // The combine kernel merges the chunks: pc_h = Σ p·c / L and extra_h = (Σ p_far / L)·bv + Σ p·v / L,
-// and the output is pc · Wvᵀ + extra (one batched matmul; extra alone without latents). Nothing is
-// read back to the host, and
+// and the output is pc · Wvᵀ + extra (one batched matmul after it; extra alone without latents; in
+// the combine kernel itself with ATTNLAB_STEP_ROPE=absorbed). Nothing is read back to the host, and
 // every shape depends on the span alone, so a CUDA graph captures it.
 //
 // Device code only (no ATen, no launches): csrc/cuda/emu runs it on the CPU in `make test`;
@@ -478,11 +478,15 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
   }
 }
 
-// One block per (b, head): the chunks merged. pc [Hkv, B, g, r] and extra [Hkv, B, g, hd] (the
-// layout of the batched matmul by Wv per kv head that follows).
+// One block per (b, head): the chunks merged. Either pc [Hkv, B, g, r] and extra [Hkv, B, g, hd]
+// (the layout of the batched matmul by Wv per kv head that the launcher runs after), or, with `out`,
+// the step's output [B, H, hd] itself: extra + pc · Wv[kv]ᵀ here, pc kept in fp32 in shared memory
+// (r floats of dynamic shared memory; wv [Hkv, hd, r] contiguous, null without latents).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) step_combine(const float* ml, const float* acc, const float* accv, const void* bv_,
-                                                               int B, int H, int g, int r, int hd, int nchunks, int nring, T* pc, T* extra) {
+                                                               int B, int H, int g, int r, int hd, int nchunks, int nring, T* pc, T* extra,
+                                                               const void* wv_, T* out) {
+  ATTNLAB_DYNAMIC_SHARED(float, pcs);
   const int head = blockIdx.x;  // b * H + h
   const int b = head / H, h = head % H, kvh = h / g, hg = h % g;
   const int n = nchunks + nring;
@@ -496,16 +500,19 @@ __global__ void __launch_bounds__(kThreads) step_combine(const float* ml, const 
     if (c < nchunks) far += f;
   }
   const float inv = L > 0.f ? 1.f / L : 0.f;
-  const int64_t out = (((int64_t)kvh * B + b) * g + hg);
-  if (pc) {
+  const int64_t row = (((int64_t)kvh * B + b) * g + hg);
+  const T* wv = static_cast<const T*>(wv_);
+  if (pc || wv) {
     for (int j = threadIdx.x; j < r; j += kThreads) {
       float s = 0.f;
       for (int c = 0; c < nchunks; ++c) {
         const float mc = m[2 * c];
         if (mc != -INFINITY) s += __expf(mc - M) * acc[((int64_t)head * nchunks + c) * r + j];
       }
-      pc[out * r + j] = from_f<T>(s * inv);
+      if (out) pcs[j] = s * inv;
+      else pc[row * r + j] = from_f<T>(s * inv);
     }
+    if (out) __syncthreads();
   }
   const T* bv = static_cast<const T*>(bv_);
   for (int d = threadIdx.x; d < hd; d += kThreads) {
@@ -516,7 +523,15 @@ __global__ void __launch_bounds__(kThreads) step_combine(const float* ml, const 
     }
     e *= inv;
     if (bv) e += far * inv * to_f(bv[(int64_t)kvh * hd + d]);
-    extra[out * hd + d] = from_f<T>(e);
+    if (!out) {
+      extra[row * hd + d] = from_f<T>(e);
+      continue;
+    }
+    if (wv) {
+      const T* w = wv + ((int64_t)kvh * hd + d) * r;
+      for (int j = 0; j < r; ++j) e += pcs[j] * to_f(w[j]);
+    }
+    out[(int64_t)head * hd + d] = from_f<T>(e);
   }
 }
 
