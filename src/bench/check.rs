@@ -712,6 +712,94 @@ mod tests {
         kernels::dar_split_merge(&bthd(&xs[0]), &bthd(&xs[1]), &bthd(&xs[2]), &bthd(&xs[3]), &bthd(&xs[4]), w, kernels::GlobalBackend::Math, fused).unwrap().transpose(1, 2)
     }
 
+    /// Stand-ins for csrc/cuda/dar_band.cu's two entry points, on CPU in fp64 with their contract
+    /// (inputs [B, T, H, D]; the band is the keys at distance < w; the distant part given as its
+    /// output [B, T − w, H, D] and lse [B, H, T − w], merged by log-sum-exp; the backward from the
+    /// merged output and lse, the distant dQ added to rows ≥ w), by explicit masked scores.
+    mod band_standin {
+        use tch::{Kind, Tensor};
+        use torch_sys::C_tensor;
+
+        fn arg(p: *mut C_tensor) -> Option<Tensor> {
+            // SAFETY: the op hands over pointers to live tensors (or null), read during the call.
+            (!p.is_null()).then(|| unsafe { Tensor::clone_from_ptr(p) })
+        }
+        fn give(mut t: Tensor, out: *mut *mut C_tensor) {
+            // SAFETY: the op takes the new at::Tensor over (and deletes it).
+            unsafe { *out = t.as_mut_ptr() };
+            std::mem::forget(t);
+        }
+        /// Band scores [B, H, T, T] (−inf outside 0 ≤ i − j < w) of heads-first q, k.
+        fn band_scores(q: &Tensor, k: &Tensor, w: i64) -> Tensor {
+            let t = q.size()[2];
+            let i = Tensor::arange(t, (Kind::Int64, q.device())).view([t, 1]);
+            let dist = &i - i.view([1, t]);
+            let band = dist.ge(0).logical_and(&dist.lt(w));
+            (q.matmul(&k.transpose(-2, -1)) / (q.size()[3] as f64).sqrt()).masked_fill(&band.logical_not(), f64::NEG_INFINITY)
+        }
+        pub extern "C" fn merge(q: *mut C_tensor, k: *mut C_tensor, v: *mut C_tensor, far: *mut C_tensor, far_lse: *mut C_tensor, w: i64, out: *mut *mut C_tensor, lse: *mut *mut C_tensor) -> *mut libc::c_char {
+            let h = |p| arg(p).unwrap().transpose(1, 2);
+            let (q, k, v) = (h(q), h(k), h(v));
+            let s = band_scores(&q, &k, w);
+            let l_band = s.logsumexp([-1], false);
+            let mut o = s.softmax(-1, Kind::Double).matmul(&v);
+            let mut l = l_band.copy();
+            if let (Some(far), Some(far_lse)) = (arg(far), arg(far_lse)) {
+                let n = far.size()[1];
+                let (lb, ob) = (l_band.narrow(2, w, n), o.narrow(2, w, n));
+                let merged = lb.logaddexp(&far_lse);
+                let mixed = &ob * (&lb - &merged).exp().unsqueeze(-1) + far.transpose(1, 2) * (&far_lse - &merged).exp().unsqueeze(-1);
+                o = Tensor::cat(&[o.narrow(2, 0, w), mixed], 2);
+                l = Tensor::cat(&[l_band.narrow(2, 0, w), merged], 2);
+            }
+            give(o.transpose(1, 2).contiguous(), out);
+            give(l.contiguous(), lse);
+            std::ptr::null_mut()
+        }
+        #[allow(clippy::too_many_arguments)]
+        pub extern "C" fn bwd(q: *mut C_tensor, k: *mut C_tensor, v: *mut C_tensor, out: *mut C_tensor, dout: *mut C_tensor, lse: *mut C_tensor, far_dq: *mut C_tensor, w: i64, dq: *mut *mut C_tensor, dk: *mut *mut C_tensor, dv: *mut *mut C_tensor) -> *mut libc::c_char {
+            let h = |p| arg(p).unwrap().transpose(1, 2);
+            let (q, k, v, o, g) = (h(q), h(k), h(v), h(out), h(dout));
+            let scale = 1.0 / (q.size()[3] as f64).sqrt();
+            let p = (band_scores(&q, &k, w) - arg(lse).unwrap().unsqueeze(-1)).exp();
+            let dd = (&g * &o).sum_dim_intlist([-1i64].as_slice(), true, Kind::Double);
+            let ds = &p * (g.matmul(&v.transpose(-2, -1)) - dd);
+            let mut gq = ds.matmul(&k) * scale;
+            if let Some(f) = arg(far_dq) {
+                let n = f.size()[1];
+                gq = Tensor::cat(&[gq.narrow(2, 0, w), gq.narrow(2, w, n) + f.transpose(1, 2)], 2);
+            }
+            give(gq.transpose(1, 2).contiguous(), dq);
+            give((ds.transpose(-2, -1).matmul(&q) * scale).transpose(1, 2).contiguous(), dk);
+            give(p.transpose(-2, -1).matmul(&g).transpose(1, 2).contiguous(), dv);
+            std::ptr::null_mut()
+        }
+    }
+
+    /// Backend 3's glue in csrc/dar_attention.cpp (the distant part first, the band-and-merge
+    /// kernel's out and lse kept for the backward, the distant backward fed them, the distant dQ
+    /// handed to the band's dQ, dK_g / dV_g padded) with stand-in band kernels of the CUDA ones'
+    /// contract, on CPU in fp64: output and all five gradients equal the reference, and one key off
+    /// fails.
+    #[test]
+    fn split_merge_band_glue_is_exact_in_fp64() {
+        let _rng = crate::testutil::rng();
+        kernels::set_band_kernels(band_standin::merge as *mut libc::c_void, band_standin::bwd as *mut libc::c_void);
+        let band = |w: i64| {
+            move |xs: &[Tensor]| {
+                let bthd = |x: &Tensor| x.transpose(1, 2);
+                kernels::dar_split_merge(&bthd(&xs[0]), &bthd(&xs[1]), &bthd(&xs[2]), &bthd(&xs[3]), &bthd(&xs[4]), w, kernels::GlobalBackend::Band, true).unwrap().transpose(1, 2)
+            }
+        };
+        let (t, shape) = (11i64, [2, 3, 11, 8]);
+        for w in [1, 4, t - 1] {
+            let r = attention_check_with("split-merge-band (stand-in kernels)", &band(w), shape, w, Device::Cpu, Kind::Double, false);
+            assert!(r.ok, "{}", r.line());
+        }
+        let r = attention_check_with("split-merge-band at w 3", &band(3), shape, 4, Device::Cpu, Kind::Double, false);
+        assert!(!r.ok, "{}", r.line());
+    }
+
     /// The split-merge glue of csrc/dar_attention.cpp (log-sum-exp merge, each part's backward fed
     /// the merged O and lse, dQ summed, dK_g / dV_g scattered), unfused and fused, with the kernels'
     /// math on CPU in fp64: output and all five input gradients equal the reference, for w at both
