@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|ln|band|decode|graphs|absorb|fused|ruler|prefill|peers|profile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|kernels|band|decode|graphs|absorb|fused|ruler|prefill|peers|profile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -36,16 +36,20 @@ for what in "${@:-all}"; do
             --set train.batch_size=$b --set "attention=$att" | grep '^{' >> "$OUT/train.jsonl"
         done
       done ;;&
-    ln)
-      # Issue 33: vanilla training with csrc/cuda/layer_norm.cu (ATTNLAB_LN_KERNEL=1, fp32 residual →
-      # bf16 in one kernel) against aten's LayerNorm, interleaved, LN_REPEATS (2) rounds at 70M / 160M
-      # / 410M; rows tagged "ln_kernel": 0 / 1 in train_ln.jsonl. Run `check` first (its layer-norm rows).
-      for ((r = 0; r < ${LN_REPEATS:-2}; r++)); do
+    kernels)
+      # Issue 33: vanilla training with our LayerNorm (ATTNLAB_LN_KERNEL=1: fp32 residual → bf16 in one
+      # kernel) and heads op (ATTNLAB_HEADS_KERNEL=1: the fused projection's pieces and RoPE in one
+      # kernel each way) against aten's, alone and together, interleaved, KERNEL_REPEATS (1) rounds at
+      # 70M / 160M / 410M; rows tagged "ln_kernel" / "heads_kernel" in train_kernels.jsonl. Run
+      # `check` first (its layer-norm-kernel and heads-op-kernel rows).
+      for ((r = 0; r < ${KERNEL_REPEATS:-1}; r++)); do
         for size in 70m:64 160m:32 410m:32; do
           IFS=: read -r f b <<< "$size"
-          for ln in 0 1; do
-            ATTNLAB_LN_KERNEL=$ln run $A bench experiments/pythia-70m-vanilla.yaml --json --steps 20 --warmup 5 --set model.flavor=pythia-$f \
-              --set train.batch_size=$b --set "attention={kind: vanilla}" | grep '^{' | sed "s/^{/{\"ln_kernel\":$ln,\"repeat\":$r,/" >> "$OUT/train_ln.jsonl"
+          for combo in 0:0 1:0 0:1 1:1; do
+            IFS=: read -r ln heads <<< "$combo"
+            ATTNLAB_LN_KERNEL=$ln ATTNLAB_HEADS_KERNEL=$heads run $A bench experiments/pythia-70m-vanilla.yaml --json --steps 20 --warmup 5 \
+              --set model.flavor=pythia-$f --set train.batch_size=$b --set "attention={kind: vanilla}" | grep '^{' \
+              | sed "s/^{/{\"ln_kernel\":$ln,\"heads_kernel\":$heads,\"repeat\":$r,/" >> "$OUT/train_kernels.jsonl"
           done
         done
       done ;;

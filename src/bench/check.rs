@@ -559,6 +559,17 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     for rot in [hd / 4, hd] {
         note(heads_op_check(b, tt, s.heads as i64, hd, rot, device, kind));
     }
+    if device.is_cuda() {
+        // The same op by csrc/cuda/heads.cu's kernels (ATTNLAB_HEADS_KERNEL=1), whether or not
+        // training takes them by default.
+        std::env::set_var("ATTNLAB_HEADS_KERNEL", "1");
+        for rot in [hd / 4, hd] {
+            let mut row = heads_op_check(b, tt, s.heads as i64, hd, rot, device, kind);
+            row.implementation += "-kernel";
+            note(row);
+        }
+        std::env::remove_var("ATTNLAB_HEADS_KERNEL");
+    }
     Ok(failed)
 }
 

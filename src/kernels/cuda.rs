@@ -13,6 +13,7 @@ type Err = *mut libc::c_char;
 type Handle = *mut libc::c_void;
 type LayerNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> Err;
 type AttendStepFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
+type SplitRotateFn = unsafe extern "C" fn(*mut C_tensor, i64, i64, i64, *mut C_tensor, *mut C_tensor, *mut *mut C_tensor) -> Err;
 
 /// The CUDA-graph entry points (csrc/cuda/graph.cu).
 struct GraphFns {
@@ -34,6 +35,8 @@ struct Library {
     layer_norm_half: Option<LayerNormHalfFn>,
     /// DAR's band kernels (csrc/cuda/dar_band.cu), handed to the split-merge op when found.
     band: bool,
+    /// None in a library built before csrc/cuda/heads.cu.
+    split_rotate: Option<SplitRotateFn>,
 }
 
 /// The file name `make gpu-kernels` writes (into `.gpu/`, beside the lean binary).
@@ -82,7 +85,8 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
             }
             _ => false,
         };
-        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step, layer_norm_half, band })
+        let split_rotate = find(c"attnlab_split_rotate_cuda").map(|p| std::mem::transmute::<*mut libc::c_void, SplitRotateFn>(p));
+        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step, layer_norm_half, band, split_rotate })
     }
 }
 
@@ -241,6 +245,21 @@ pub fn layer_norm_half(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> 
         Ok(()) if out.is_null() => None,
         Ok(()) => Some(Ok(unsafe { Tensor::from_ptr(out) })),
     }
+}
+
+/// GPT-NeoX's heads op (`kernels::split_rotate`'s contract) by one CUDA kernel each way
+/// (csrc/cuda/heads.cu) for bf16 / fp16 `x` on CUDA. Right on the CPU (`make cuda-emu-test`) but not
+/// yet run on a GPU, so only with `ATTNLAB_HEADS_KERNEL=1`; `None` (the aten op) otherwise.
+pub fn split_rotate(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, sin: &Tensor) -> Option<Result<Vec<Tensor>>> {
+    if !x.device().is_cuda() || !matches!(x.kind(), tch::Kind::BFloat16 | tch::Kind::Half) || n > 16 || std::env::var("ATTNLAB_HEADS_KERNEL").map_or(true, |v| v != "1") {
+        return None;
+    }
+    let f = library()?.split_rotate?;
+    let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
+    let mut outs: Vec<*mut C_tensor> = vec![std::ptr::null_mut(); n.max(0) as usize];
+    // SAFETY: valid tensor handles read during the call; on success the library hands over n new
+    // tensors we then own.
+    Some(check(unsafe { f(p(x), heads, n, rotated, p(cos), p(sin), outs.as_mut_ptr()) }).map(|_| outs.into_iter().map(|o| unsafe { Tensor::from_ptr(o) }).collect()))
 }
 
 /// Whether DAR's split-merge can take its local part from our band kernels (`GlobalBackend::Band`):

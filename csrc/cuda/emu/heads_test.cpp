@@ -1,0 +1,79 @@
+// GPT-NeoX's heads op kernel (csrc/cuda/heads.cuh) on the CPU against RoPE's definition in double:
+// the pieces of a fused projection, the first `rotated` turned over their first 2·half dims, and
+// the backward's dx (the inverse turn of each gradient, a copy, zeros for a piece without one);
+// Pythia's quarter of the dims rotated with q, k rotated and v not, and every dim rotated.
+#include "emu_test.h"
+#include "../heads.cuh"
+
+namespace {
+
+using Bf = __nv_bfloat16;
+
+bool check(int B, int T, int H, int n, int rotated, int hd, int half, unsigned seed) {
+  std::mt19937 rng(seed);
+  const int64_t rows = int64_t(B) * T * H;
+  auto x = emu_test::normal<Bf>(rng, size_t(rows) * n * hd, 1.0);
+  std::vector<float> cos(size_t(T) * half), sin(size_t(T) * half);
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < half; ++i) {
+      const double a = (t + 3) * std::pow(10000.0, -2.0 * i / (2 * half));
+      cos[size_t(t) * half + i] = float(std::cos(a));
+      sin[size_t(t) * half + i] = float(std::sin(a));
+    }
+  // piece i of row r: turn (sign +1) or its inverse (−1) of v (hd values).
+  auto turn = [&](const double* v, int64_t row, bool rot, double sign, double* out) {
+    const int t = int((row / H) % T);
+    for (int d = 0; d < hd; ++d) out[d] = v[d];
+    if (!rot) return;
+    for (int d = 0; d < half; ++d) {
+      const double c = cos[size_t(t) * half + d], s = sign * sin[size_t(t) * half + d];
+      out[d] = v[d] * c - v[d + half] * s;
+      out[d + half] = v[d + half] * c + v[d] * s;
+    }
+  };
+  std::vector<double> want(size_t(rows) * n * hd), planted(want.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) {
+      const size_t o = ((size_t(i) * rows) + r) * hd;  // pieces one after another
+      turn(&x.ref[(r * n + i) * hd], r, i < rotated, 1.0, &want[o]);
+      // Planted: the inverse turn; with nothing rotated, piece 0 turned.
+      turn(&x.ref[(r * n + i) * hd], r, rotated > 0 ? i < rotated : i == 0, rotated > 0 ? -1.0 : 1.0, &planted[o]);
+    }
+  std::vector<std::vector<Bf>> pieces(n, std::vector<Bf>(size_t(rows) * hd));
+  HeadsParams p{rows, T, H, n, rotated, hd, half, cos.data(), sin.data(), {}};
+  for (int i = 0; i < n; ++i) p.pieces[i] = pieces[i].data();
+  emu::launch(heads_rotate<Bf>, dim3(3), dim3(kHeadsThreads), 0, p, x.dev.data(), 1.f);  // 3 blocks: the grid-stride loop too
+  std::vector<double> got;
+  for (auto& pc : pieces)
+    for (auto v : pc) got.push_back(emu_test::from_half(v));
+  const std::string at = std::to_string(n) + " pieces, " + std::to_string(rotated) + " rotated, hd " + std::to_string(hd) + ", half " + std::to_string(half);
+  bool ok = emu_test::verdict("pieces, " + at, emu_test::rel_err(got, want), emu_test::rel_err(planted, want), 8e-3);
+
+  // Backward: gradients of the pieces but the last (null: zeros in dx).
+  std::vector<emu_test::Half<Bf>> g;
+  for (int i = 0; i < n; ++i) g.push_back(emu_test::normal<Bf>(rng, size_t(rows) * hd, 1.0));
+  std::vector<double> want_dx(size_t(rows) * n * hd, 0.0), bad_dx(want_dx.size(), 0.0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int i = 0; i < n - 1; ++i) {
+      turn(&g[i].ref[r * hd], r, i < rotated, -1.0, &want_dx[(r * n + i) * hd]);
+      turn(&g[i].ref[r * hd], r, rotated > 0 ? i < rotated : i == 0, 1.0, &bad_dx[(r * n + i) * hd]);
+    }
+  std::vector<Bf> dx(size_t(rows) * n * hd, __float2bfloat16(7.f));  // stale values: every entry must be written
+  for (int i = 0; i < n; ++i) p.pieces[i] = i < n - 1 ? g[i].dev.data() : nullptr;
+  emu::launch(heads_rotate<Bf>, dim3(2), dim3(kHeadsThreads), 0, p, dx.data(), -1.f);
+  std::vector<double> got_dx;
+  for (auto v : dx) got_dx.push_back(emu_test::from_half(v));
+  ok &= emu_test::verdict("dx, " + at, emu_test::rel_err(got_dx, want_dx), emu_test::rel_err(bad_dx, want_dx), 8e-3);
+  return ok;
+}
+
+bool all_cases() {
+  bool ok = check(2, 5, 3, 3, 2, 64, 8, 41);   // Pythia: q, k rotated over a quarter of the dims, v not
+  ok &= check(1, 4, 2, 3, 3, 32, 16, 42);      // every dim of every piece rotated
+  ok &= check(1, 3, 1, 2, 0, 16, 4, 43);       // nothing rotated: copies
+  return ok;
+}
+
+emu_test::Register reg("heads: the fused projection's pieces and RoPE, forward and backward, vs the definition", all_cases);
+
+}  // namespace
