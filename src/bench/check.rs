@@ -496,6 +496,17 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     for shape in shapes {
         for w in [0, 1, 4, 64, 128, 256, shape[2], shape[2] + 5] {
             for &imp in imps {
+                if imp == AttentionImpl::SplitMergeBand {
+                    // Its rows must test the band kernels, not the split-merge-fused it falls back to.
+                    let probe = Tensor::zeros(shape, (kind, device));
+                    if !matches!(shape[3], 64 | 128) {
+                        continue;
+                    }
+                    if !crate::kernels::cuda::band_available(&[&probe]) {
+                        note(failed_row("splitmergeband", "the band kernels are not in the CUDA kernel library (make gpu-kernels)", false));
+                        continue;
+                    }
+                }
                 note(attention_check(imp, shape, w, device, kind));
             }
         }
@@ -564,6 +575,10 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         // training takes them by default.
         std::env::set_var("ATTNLAB_HEADS_KERNEL", "1");
         for rot in [hd / 4, hd] {
+            if !crate::kernels::cuda::heads_kernel_available() {
+                note(failed_row("heads-op-kernel", "the heads kernels are not in the CUDA kernel library (make gpu-kernels)", false));
+                continue;
+            }
             let mut row = heads_op_check(b, tt, s.heads as i64, hd, rot, device, kind);
             row.implementation += "-kernel";
             note(row);

@@ -262,6 +262,12 @@ pub fn split_rotate(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, 
     Some(check(unsafe { f(p(x), heads, n, rotated, p(cos), p(sin), outs.as_mut_ptr()) }).map(|_| outs.into_iter().map(|o| unsafe { Tensor::from_ptr(o) }).collect()))
 }
 
+/// Whether the library holds the heads op's kernels ([`split_rotate`] takes them with
+/// `ATTNLAB_HEADS_KERNEL=1`).
+pub fn heads_kernel_available() -> bool {
+    library().is_some_and(|l| l.split_rotate.is_some())
+}
+
 /// Whether DAR's split-merge can take its local part from our band kernels (`GlobalBackend::Band`):
 /// heads `[B, H, T, hd]` on CUDA in bf16, hd 64 or 128, B·H within one launch, every row starting on
 /// 16 bytes (csrc/cuda/dar_band.cu loads them 16 bytes at a time), the library loaded with them.
