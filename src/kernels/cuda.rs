@@ -272,7 +272,7 @@ pub fn heads_kernel_available() -> bool {
 /// heads `[B, H, T, hd]` on CUDA in bf16, hd 64 or 128, B·H within one launch, every row starting on
 /// 16 bytes (csrc/cuda/dar_band.cu loads them 16 bytes at a time), the library loaded with them.
 pub fn band_available(heads: &[&Tensor]) -> bool {
-    let aligned = |t: &Tensor| t.data_ptr() as usize % 16 == 0 && t.stride()[..3].iter().all(|s| s % 8 == 0) && t.stride()[3] == 1;
+    let aligned = |t: &Tensor| (t.data_ptr() as usize).is_multiple_of(16) && t.stride()[..3].iter().all(|s| s % 8 == 0) && t.stride()[3] == 1;
     let Some(q) = heads.first() else { return false };
     let s = q.size();
     q.device().is_cuda() && q.kind() == tch::Kind::BFloat16 && matches!(s[3], 64 | 128) && s[0] * s[1] <= 65535 && heads.iter().all(|t| aligned(t)) && library().is_some_and(|l| l.band)
