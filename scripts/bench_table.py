@@ -69,3 +69,53 @@ if decode:
         print(f"| {ctx} | {att} | {len(rs)} | {rs[0]['cache_bytes']:,} | {ratio} | {pre:.4f} | {x_pre} | {dec:.1f} | {x_static} | {x_eager} |")
     for (mode, ctx), rs in sorted(hf.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         print(f"| {ctx} | HF {mode} | {len(rs)} | – | – | {med(rs, 'prefill_s'):.4f} | – | {med(rs, 'decode_tok_s'):.1f} | – | – |")
+
+# Speed switches measured side by side (gpu_bench.sh kernels / band / fused): medians over repeats,
+# each as a ratio to the switch's baseline in the same job.
+from statistics import median as _median
+
+
+def _ratio_table(title, rs, key, base, label):
+    """Rows grouped by flavor; `key(r)` the variant, `base` the baseline variant's key."""
+    if not rs:
+        return
+    print()
+    print(title)
+    print()
+    print("| size | variant | runs | tok/s (median) | × baseline |")
+    print("|---|---|---:|---:|---:|")
+    by = {}
+    for r in rs:
+        by.setdefault((r["flavor"], key(r)), []).append(r["tokens_per_s"])
+    for (flavor, variant), v in sorted(by.items()):
+        b = by.get((flavor, base))
+        x = f"{_median(v) / _median(b):.3f}" if b else "–"
+        print(f"| {flavor.replace('pythia-', '')} | {label(variant)} | {len(v)} | {_median(v):,.0f} | {x} |")
+
+
+_ratio_table("Vanilla training with our LayerNorm / heads kernels (train_kernels.jsonl; baseline: aten's):", rows("train_kernels.jsonl"),
+             lambda r: (r.get("ln_kernel", 0), r.get("heads_kernel", 0)), (0, 0),
+             lambda v: {(0, 0): "aten", (1, 0): "LayerNorm kernel", (0, 1): "heads kernel", (1, 1): "both"}[v])
+_ratio_table("DAR training, band kernels vs split-merge-fused (train_band.jsonl):", rows("train_band.jsonl"),
+             lambda r: r.get("impl", "?"), "split-merge-fused", lambda v: v)
+
+fused = {p.stem.replace("decode_fused", "") or "?": rows(p.name) for p in sorted(out.glob("decode_fused*.jsonl"))}
+if fused:
+    names = {"1": "default", "batched": "batched", "absorbed": "rope-absorbed", "scalar": "scalar", "0": "aten"}
+    modes = [m for m in ["1", "batched", "absorbed", "scalar", "0"] if m in fused] + [m for m in fused if m not in names]
+    print()
+    print("Decode tok/s by step (decode_fused*.jsonl, medians over repeats; × the default step):")
+    print()
+    print("| context | attention | " + " | ".join(names.get(m, m) for m in modes) + " |")
+    print("|---:|---|" + "---:|" * len(modes))
+    cells = {}
+    for m, rs in fused.items():
+        for r in rs:
+            cells.setdefault((r["context"], r["attention"], m), []).append(r["decode_tokens_per_s"])
+    for ctx, att in sorted({(c, a) for c, a, _ in cells}, key=lambda k: (k[0], k[1])):
+        base = cells.get((ctx, att, "1"))
+        row = []
+        for m in modes:
+            v = cells.get((ctx, att, m))
+            row.append("–" if not v else f"{_median(v):,.0f}" + (f" ({_median(v) / _median(base):.2f}×)" if base and m != "1" else ""))
+        print(f"| {ctx} | {att} | " + " | ".join(row) + " |")
