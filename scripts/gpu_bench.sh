@@ -171,6 +171,9 @@ PYEOF
       PA=${PREFILL_ATTENTION:-vanilla,dar,uniform,window,still-budget,lolcats}
       run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $PL --attention $PA --new-tokens 16 --repeats 2 \
         | grep '^{' >> "$OUT/prefill.jsonl"
+      # The same with cuDNN (SDPA / split-merge-cudnn) instead of flash from 16K on (vanilla, DAR).
+      ATTNLAB_PREFILL_SDPA_FROM=16384 run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths 16384,65536 --attention vanilla,dar \
+        --new-tokens 16 --repeats 2 | grep '^{' >> "$OUT/prefill_cudnn.jsonl"
       (cd .gpu/bench && PYTHONUNBUFFERED=1 run $PY hf_decode.py --lengths $PL --new 16) | grep '^{' >> "$OUT/prefill_peer.jsonl" ;;
     smprobe)
       # Where split-merge spends its time: w = 1 (global part + merge only) vs w = 128, with and

@@ -406,6 +406,7 @@ pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, windo
         // cuDNN's global part with the fused merge trains fastest (1.83 vs 1.99 ms unfused at T 2048,
         // and it passes bench --check on the GPU); without a gradient, flash needs no plan per shape.
         AttentionImpl::Auto if split_merge_supported(q) && super::needs_grad(&[q, kl, vl, kg, vg]) => AttentionImpl::SplitMergeFused,
+        AttentionImpl::Auto if split_merge_supported(q) && super::cudnn_for_long_prefill(t) => AttentionImpl::SplitMergeCudnn,
         AttentionImpl::Auto if split_merge_supported(q) => AttentionImpl::SplitMerge,
         AttentionImpl::Auto if band_split_pays(q, window) => AttentionImpl::BandSplit,
         AttentionImpl::Auto => AttentionImpl::Sdpa,

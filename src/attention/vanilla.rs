@@ -129,7 +129,7 @@ pub fn causal(q: &Tensor, k: &Tensor, v: &Tensor, imp: AttentionImpl) -> Tensor 
             masked_softmax_attention(q, &[(k, v, &local)])
         }
         AttentionImpl::Sdpa => Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, true, None, false),
-        _ if kernels::flash_supported(q) && !super::needs_grad(&[q, k, v]) => super::flash_heads(q, k, v, -1),
+        _ if kernels::flash_supported(q) && !super::needs_grad(&[q, k, v]) && !super::cudnn_for_long_prefill(q.size()[2]) => super::flash_heads(q, k, v, -1),
         _ => Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, true, None, false),
     }
 }
