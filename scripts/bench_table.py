@@ -101,8 +101,8 @@ _ratio_table("DAR training, band kernels vs split-merge-fused (train_band.jsonl)
 
 fused = {p.stem.replace("decode_fused", "") or "?": rows(p.name) for p in sorted(out.glob("decode_fused*.jsonl"))}
 if fused:
-    names = {"1": "default", "batched": "batched", "absorbed": "rope-absorbed", "scalar": "scalar", "0": "aten"}
-    modes = [m for m in ["1", "batched", "absorbed", "scalar", "0"] if m in fused] + [m for m in fused if m not in names]
+    names = {"1": "default", "batched": "batched", "absorbed": "rope-absorbed", "fresh": "absorbed + fresh", "scalar": "scalar", "0": "aten"}
+    modes = [m for m in ["1", "batched", "absorbed", "fresh", "scalar", "0"] if m in fused] + [m for m in fused if m not in names]
     print()
     print("Decode tok/s by step (decode_fused*.jsonl, medians over repeats; × the default step):")
     print()

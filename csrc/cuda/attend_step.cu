@@ -41,13 +41,18 @@ typedef at::Tensor* tensor;
 // The step's output [B, H, 1, hd]. ts (null where absent): q [B, H, 1, hd]; pos [1] i64 (CUDA); pad
 // [B] i64 or null; full-width k, v [B, Hkv, W, hd] or null; latents [B, S, r], wk, wv [Hkv, hd, r],
 // bk, bv [Hkv, hd], cos, sin fp32 [S, rot/2] (any row stride), all null without a distant part.
-// keep: 0 when full-width slot j holds position j, else the ring's slot count; window: distant slots
-// are those at distance ≥ window; chunk / ring_chunk: slots per block.
+// ts[12..15]: the new token's key, value [B, Hkv, 1, hd] and latent [B, 1, r], or null (then its
+// slots must already hold them): read for their slots and written into the caches by the combine
+// kernel. keep: 0 when full-width slot j holds position j, else the ring's slot count; window:
+// distant slots are those at distance ≥ window; chunk / ring_chunk: slots per block.
 extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window, int64_t keep, int64_t chunk, int64_t ring_chunk, tensor* out_) {
   try {
     const at::Tensor q = last_unit(*ts[0]);
     const at::Tensor& pos = *ts[1];
     tensor pad = ts[2], rk = ts[3], rv = ts[4], cp = ts[5], wkp = ts[6], wvp = ts[7], bk = ts[8], bv = ts[9], cosp = ts[10], sinp = ts[11];
+    tensor new_k = ts[12], new_v = ts[13], new_c = ts[14];
+    CacheWrite cw{};
+    cw.pos = pos.data_ptr<int64_t>();
     TORCH_CHECK(q.is_cuda() && q.dim() == 4 && q.size(2) == 1, "attend_step: q must be CUDA [B, H, 1, hd]");
     TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_cuda(), "attend_step: pos must be a CUDA i64 tensor");
     TORCH_CHECK(rk || cp, "attend_step: neither full-width keys nor latents");
@@ -98,6 +103,36 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
       p.keep = keep;
       p.ring_chunk = ring_chunk;
       p.nring = (p.W + ring_chunk - 1) / ring_chunk;
+      if (new_k) {
+        const at::Tensor &nk = *new_k, &nv = *new_v;
+        TORCH_CHECK(nk.dim() == 4 && nk.size(0) == B && nk.size(1) == hkv && nk.size(2) == 1 && nk.size(3) == hd && nv.sizes() == nk.sizes() &&
+                        nk.strides() == nv.strides() && nk.scalar_type() == q.scalar_type() && nv.scalar_type() == q.scalar_type(),
+                    "attend_step: the new key / value must be [B, Hkv, 1, hd] alike in q's dtype");
+        const bool in_place = rk->stride(-1) == 1 && rv->stride(-1) == 1;  // else rkc / rvc are copies: write the cache itself
+        const bool loadable = nk.stride(3) == 1 && (!p.vec || (reinterpret_cast<uintptr_t>(nk.data_ptr()) % 16 == 0 &&
+                                                                reinterpret_cast<uintptr_t>(nv.data_ptr()) % 16 == 0 && nk.stride(0) % 8 == 0 && nk.stride(1) % 8 == 0));
+        if (in_place && loadable) {
+          p.new_k = nk.data_ptr();
+          p.new_v = nv.data_ptr();
+          p.nk_sb = nk.stride(0);
+          p.nk_sh = nk.stride(1);
+          cw.k = rkc.data_ptr();
+          cw.v = rvc.data_ptr();
+          cw.k_sb = p.r_sb, cw.k_sh = p.r_sh, cw.k_ss = p.r_ss, cw.keep = keep;
+          cw.new_k = p.new_k, cw.new_v = p.new_v, cw.nk_sb = p.nk_sb, cw.nk_sh = p.nk_sh;
+        } else {
+          // Written here, before the kernels read the slot.
+          at::Tensor slot = keep > 0 ? pos.remainder(keep) : pos;
+          rk->index_copy_(2, slot, nk);
+          rv->index_copy_(2, slot, nv);
+          if (!in_place) {
+            rkc = last_unit(*rk);
+            rvc = last_unit(*rv);
+            p.rk = rkc.data_ptr();
+            p.rv = rvc.data_ptr();
+          }
+        }
+      }
     }
     int64_t r = 1;
     at::Tensor kr, bkc, bvc;
@@ -110,6 +145,23 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
       TORCH_CHECK(rotated % 2 == 0 && rotated <= hd, "attend_step: rotated dims");
       TORCH_CHECK(q.scalar_type() == c.scalar_type() && q.scalar_type() == wk.scalar_type() && wvp->scalar_type() == wk.scalar_type(), "attend_step: q, latents, wk and wv must share a dtype");
       const int64_t S = c.size(1);
+      if (new_c) {
+        const at::Tensor& nc = *new_c;
+        TORCH_CHECK(nc.dim() == 3 && nc.size(0) == B && nc.size(1) == 1 && nc.size(2) == r && nc.stride(2) == 1 && nc.scalar_type() == c.scalar_type(),
+                    "attend_step: the new latent must be [B, 1, r] in the latents' dtype with unit last stride");
+        // Uniform (window 0) reads the new latent in this step, kr's matmul included: written first.
+        if (window == 0) {
+          at::Tensor(c).index_copy_(1, pos, nc);
+        } else {
+          p.new_c = nc.data_ptr();
+          p.nc_sb = nc.stride(0);
+          cw.c = c.data_ptr();
+          cw.c_sb = c.stride(0);
+          cw.c_ss = c.stride(1);
+          cw.new_c = p.new_c;
+          cw.nc_sb = p.nc_sb;
+        }
+      }
       p.c = c.data_ptr();
       p.c_sb = c.stride(0);
       p.c_ss = c.stride(1);
@@ -169,12 +221,12 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
       using T = __nv_bfloat16;
       if (p.nchunks + p.nring > 0) launch_partial_g<T>(p, B, smem, stream);
       step_combine<T><<<grid, kThreads, combine_smem, stream>>>(p.ml, p.acc, p.accv, bvptr, B, H, g, r, hd, p.nchunks, p.nring, static_cast<T*>(ptr_or_null(pc)),
-                                                                static_cast<T*>(ptr_or_null(extra)), wvptr, static_cast<T*>(ptr_or_null(o)));
+                                                                static_cast<T*>(ptr_or_null(extra)), wvptr, static_cast<T*>(ptr_or_null(o)), cw);
     } else if (q.scalar_type() == at::kHalf) {
       using T = __half;
       if (p.nchunks + p.nring > 0) launch_partial_g<T>(p, B, smem, stream);
       step_combine<T><<<grid, kThreads, combine_smem, stream>>>(p.ml, p.acc, p.accv, bvptr, B, H, g, r, hd, p.nchunks, p.nring, static_cast<T*>(ptr_or_null(pc)),
-                                                                static_cast<T*>(ptr_or_null(extra)), wvptr, static_cast<T*>(ptr_or_null(o)));
+                                                                static_cast<T*>(ptr_or_null(extra)), wvptr, static_cast<T*>(ptr_or_null(o)), cw);
     } else {
       TORCH_CHECK(false, "attend_step: q must be bf16 or fp16, not ", q.scalar_type());
     }

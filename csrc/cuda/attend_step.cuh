@@ -67,6 +67,14 @@ struct Params {
   int rope_absorbed;
   int S, r, hd, rot, g, hkv, chunk, nchunks, ring_chunk, nring;
   float scale;
+  // The new token's key / value [B, Hkv, 1, hd] (unit d stride, rows 16-byte aligned) and latent
+  // [B, 1, r], or null: the slots that are to hold them are read from here instead of the cache, and
+  // the combine kernel writes them into the cache (one kernel, not an index_copy each before).
+  const void* new_k;
+  const void* new_v;
+  int64_t nk_sb, nk_sh;
+  const void* new_c;
+  int64_t nc_sb;
   float* ml;    // [B, H, nchunks + nring, 2]
   float* acc;   // [B, H, nchunks, r]
   float* accv;  // [B, H, nring, hd]
@@ -112,6 +120,24 @@ __device__ __forceinline__ int64_t slot_position(int64_t newest, int64_t s, int6
   return keep > 0 ? newest - (((newest - s) % keep) + keep) % keep : s;
 }
 
+// The slot of the full-width cache that holds position `newest` once it is written.
+__device__ __forceinline__ int64_t newest_slot(int64_t newest, int64_t keep) { return keep > 0 ? newest % keep : newest; }
+
+// Full-width slot s's key (or value) row of kv head kvh: the new token's own row for the slot it
+// is to be written into (p.new_k / new_v), else the cache's.
+template <typename T>
+__device__ __forceinline__ const T* full_row(const Params& p, const void* cache, const void* fresh, int b, int kvh, int64_t s, int64_t newest) {
+  if (fresh && s == newest_slot(newest, p.keep)) return static_cast<const T*>(fresh) + b * p.nk_sb + (int64_t)kvh * p.nk_sh;
+  return static_cast<const T*>(cache) + b * p.r_sb + (int64_t)kvh * p.r_sh + s * p.r_ss;
+}
+
+// Latent slot s's row: the new token's own latent for slot `newest` (p.new_c), else the cache's.
+template <typename T>
+__device__ __forceinline__ const T* latent_row(const Params& p, int b, int64_t s, int64_t newest) {
+  if (p.new_c && s == newest) return static_cast<const T*>(p.new_c) + b * p.nc_sb;
+  return static_cast<const T*>(p.c) + b * p.c_sb + s * p.c_ss;
+}
+
 // Fold one score into a running (max m, sum l) of exponentials: f scales what was accumulated
 // (0 on the first score, m = −inf), w weighs the new slot.
 __device__ __forceinline__ void fold_score(float& m, float& l, float score, float& f, float& w) {
@@ -153,8 +179,6 @@ __device__ __forceinline__ void full_width_slots(const Params& p, int b, int kvh
       o[h][e] = 0.f;
     }
   }
-  const T* rk = static_cast<const T*>(p.rk) + b * p.r_sb + (int64_t)kvh * p.r_sh + e0;
-  const T* rv = static_cast<const T*>(p.rv) + b * p.r_sb + (int64_t)kvh * p.r_sh + e0;
   const int stride = kWarps * groups;
   // The loop's bound is the warp's (not the group's): every lane takes part in every shuffle.
   for (int base = begin + warp * groups; base < end; base += stride * kUnroll) {
@@ -166,8 +190,8 @@ __device__ __forceinline__ void full_width_slots(const Params& p, int b, int kvh
       const int64_t at = slot_position(newest, s, p.keep);
       vis[u] = s < end && at >= pad && at <= newest;
       if (vis[u]) {
-        k[u] = *reinterpret_cast<const Pack8*>(rk + (int64_t)s * p.r_ss);
-        v[u] = *reinterpret_cast<const Pack8*>(rv + (int64_t)s * p.r_ss);
+        k[u] = *reinterpret_cast<const Pack8*>(full_row<T>(p, p.rk, p.new_k, b, kvh, s, newest) + e0);
+        v[u] = *reinterpret_cast<const Pack8*>(full_row<T>(p, p.rv, p.new_v, b, kvh, s, newest) + e0);
       }
     }
 #pragma unroll
@@ -218,7 +242,6 @@ __device__ __forceinline__ void latent_slots(const Params& p, int b, int kvh, in
                                              int width) {
   constexpr int U = 4, JL = 8;  // slots at a time; latent dims a lane holds (r ≤ 32·JL)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, half = p.rot / 2;
-  const T* c = static_cast<const T*>(p.c) + b * p.c_sb;
   const T* kr = p.rope_absorbed ? nullptr : static_cast<const T*>(p.kr) + b * p.kr_sb + (int64_t)kvh * p.rot;
   const T* bk = p.bk ? static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd : nullptr;
   for (int base = begin + warp; base < end; base += kWarps * U) {
@@ -236,12 +259,14 @@ __device__ __forceinline__ void latent_slots(const Params& p, int b, int kvh, in
     if (!any) continue;  // the same for every lane of the warp
     float x[U][JL];  // x[u][jj] = c[s_u][lane + 32·jj]
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+    for (int u = 0; u < U; ++u) {
+      const T* c = latent_row<T>(p, b, s[u], newest);
 #pragma unroll
       for (int jj = 0; jj < JL; ++jj) {
         const int j = lane + 32 * jj;
-        x[u][jj] = vis[u] && j < p.r ? to_f(c[(int64_t)s[u] * p.c_ss + j]) : 0.f;
+        x[u][jj] = vis[u] && j < p.r ? to_f(c[j]) : 0.f;
       }
+    }
     if (p.rot < p.hd) {
 #pragma unroll
       for (int jj = 0; jj < JL; ++jj) {
@@ -395,9 +420,8 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
     if (ring) {
       const int64_t at = slot_position(newest, s, p.keep);
       if (at < pad || at > newest) continue;
-      const int64_t o = b * p.r_sb + (int64_t)kvh * p.r_sh + (int64_t)s * p.r_ss;
-      sv = static_cast<const T*>(p.rk) + o;
-      av = static_cast<const T*>(p.rv) + o;
+      sv = full_row<T>(p, p.rk, p.new_k, b, kvh, s, newest);
+      av = full_row<T>(p, p.rv, p.new_v, b, kvh, s, newest);
       for (int d = lane; d < p.hd; d += 32) {
         const float k = to_f(sv[d]);
 #pragma unroll
@@ -405,7 +429,7 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
       }
     } else {
       if (newest - s < p.window || s < pad) continue;
-      sv = static_cast<const T*>(p.c) + b * p.c_sb + (int64_t)s * p.c_ss;
+      sv = latent_row<T>(p, b, s, newest);
       av = sv;
       if (p.rot < p.hd) {
         for (int j = lane; j < p.r; j += 32) {
@@ -478,6 +502,23 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
   }
 }
 
+// What the combine kernel writes into the caches once every partial block has read them: the new
+// token's key / value into the full-width slot that holds position *pos (k null: nothing), its
+// latent into latent slot *pos (c null: nothing). Rows as in Params.
+struct CacheWrite {
+  void* k;
+  void* v;
+  int64_t k_sb, k_sh, k_ss, keep;
+  const void* new_k;
+  const void* new_v;
+  int64_t nk_sb, nk_sh;
+  void* c;
+  int64_t c_sb, c_ss;
+  const void* new_c;
+  int64_t nc_sb;
+  const int64_t* pos;
+};
+
 // One block per (b, head): the chunks merged. Either pc [Hkv, B, g, r] and extra [Hkv, B, g, hd]
 // (the layout of the batched matmul by Wv per kv head that the launcher runs after), or, with `out`,
 // the step's output [B, H, hd] itself: extra + pc · Wv[kv]ᵀ here, pc kept in fp32 in shared memory
@@ -485,7 +526,7 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
 template <typename T>
 __global__ void __launch_bounds__(kThreads) step_combine(const float* ml, const float* acc, const float* accv, const void* bv_,
                                                                int B, int H, int g, int r, int hd, int nchunks, int nring, T* pc, T* extra,
-                                                               const void* wv_, T* out) {
+                                                               const void* wv_, T* out, CacheWrite cw) {
   ATTNLAB_DYNAMIC_SHARED(float, pcs);
   const int head = blockIdx.x;  // b * H + h
   const int b = head / H, h = head % H, kvh = h / g, hg = h % g;
@@ -532,6 +573,23 @@ __global__ void __launch_bounds__(kThreads) step_combine(const float* ml, const 
       for (int j = 0; j < r; ++j) e += pcs[j] * to_f(w[j]);
     }
     out[(int64_t)head * hd + d] = from_f<T>(e);
+  }
+  // The new token into the caches: its key / value by the first query head of each kv head, its
+  // latent by head 0 of each row.
+  if (cw.k && hg == 0) {
+    const int64_t newest = *cw.pos, slot = cw.keep > 0 ? newest % cw.keep : newest;
+    const T* nk = static_cast<const T*>(cw.new_k) + b * cw.nk_sb + (int64_t)kvh * cw.nk_sh;
+    const T* nv = static_cast<const T*>(cw.new_v) + b * cw.nk_sb + (int64_t)kvh * cw.nk_sh;
+    const int64_t o = b * cw.k_sb + (int64_t)kvh * cw.k_sh + slot * cw.k_ss;
+    for (int d = threadIdx.x; d < hd; d += kThreads) {
+      static_cast<T*>(cw.k)[o + d] = nk[d];
+      static_cast<T*>(cw.v)[o + d] = nv[d];
+    }
+  }
+  if (cw.c && h == 0) {
+    const T* nc = static_cast<const T*>(cw.new_c) + b * cw.nc_sb;
+    T* c = static_cast<T*>(cw.c) + b * cw.c_sb + *cw.pos * cw.c_ss;
+    for (int j = threadIdx.x; j < r; j += kThreads) c[j] = nc[j];
   }
 }
 

@@ -260,14 +260,25 @@ impl Recent {
     /// [`Recent::write_at`] without the mask: the key set's views and the ring's slot count (0: slot j
     /// holds position j), for a step that works out what each slot holds itself (the fused step).
     pub(crate) fn write_slot_at(&mut self, k: &Tensor, v: &Tensor, at: &StepAt) -> Option<(Tensor, Tensor, i64)> {
-        let (slot, span, keep) = match self.keep {
-            Some(0) => return None,
-            Some(w) => (at.pos.remainder(w), self.k.capacity(), w),
-            None => (at.pos.shallow_clone(), at.span, 0),
+        let views = self.slot_views_at(at)?;
+        let slot = match self.keep {
+            Some(w) => at.pos.remainder(w),
+            None => at.pos.shallow_clone(),
         };
-        assert!(span <= self.k.capacity() && span > 0, "decode step: span {span} beyond the cache's {} slots (reserve first)", self.k.capacity());
         self.k.write_at(&slot, k);
         self.v.write_at(&slot, v);
+        Some(views)
+    }
+
+    /// [`Recent::write_slot_at`]'s views without the write, for a fused step that reads the new
+    /// token's own rows for its slot and writes them itself (`kernels::cuda::Fresh`).
+    pub(crate) fn slot_views_at(&self, at: &StepAt) -> Option<(Tensor, Tensor, i64)> {
+        let (span, keep) = match self.keep {
+            Some(0) => return None,
+            Some(w) => (self.k.capacity(), w),
+            None => (at.span, 0),
+        };
+        assert!(span <= self.k.capacity() && span > 0, "decode step: span {span} beyond the cache's {} slots (reserve first)", self.k.capacity());
         Some((self.k.view(span), self.v.view(span), keep))
     }
 
@@ -486,10 +497,15 @@ impl KindCache for Recent {
 pub(crate) fn decode_recent_at(cache: &mut LayerCache, h: &Heads, at: &StepAt) -> Tensor {
     let recent = cache.state::<Recent>();
     if crate::kernels::cuda::step_enabled(&h.q, h.k.size()[1], 0) {
-        let (k, v, keep) = recent.write_slot_at(&h.k, &h.v, at).expect("a vanilla / window cache holds at least one slot");
+        use crate::kernels::cuda;
+        // Fresh: the kernels read the new key / value from h and write them into their slot
+        // themselves; else they are written first.
+        let fresh = cuda::fresh_enabled().then_some(cuda::Fresh { kv: Some((&h.k, &h.v)), latent: None });
+        let views = if fresh.is_some() { recent.slot_views_at(at) } else { recent.write_slot_at(&h.k, &h.v, at) };
+        let (k, v, keep) = views.expect("a vanilla / window cache holds at least one slot");
         let pad = recent.pad.as_ref().map(|p| p.rows());
-        let step = crate::kernels::cuda::Step { q: &h.q, pos: &at.pos, pad, full: Some(crate::kernels::cuda::FullWidth { k: &k, v: &v, keep }), distant: None };
-        if let Some(out) = crate::kernels::cuda::attend_step(&step) {
+        let step = cuda::Step { q: &h.q, pos: &at.pos, pad, full: Some(cuda::FullWidth { k: &k, v: &v, keep }), distant: None, fresh };
+        if let Some(out) = cuda::attend_step(&step) {
             return out.unwrap_or_else(|e| panic!("fused decode step failed: {e}"));
         }
     }

@@ -723,8 +723,15 @@ impl DarCache {
         let a = self.absorbed.get_or_insert_with(|| h.kv.absorbed(up)).as_ref()?;
         let (cos, sin) = h.kv.rotary_tables(at.span)?;
         let (cos, sin) = (cos.to_kind(tch::Kind::Float), sin.to_kind(tch::Kind::Float));
-        self.latent.write_at(&at.pos, latent);
-        let full = self.recent.write_slot_at(&h.k, &h.v, at);
+        // Fresh: the kernels read the new key, value and latent from here and write them into the
+        // caches themselves; else they are written first.
+        let fresh = cuda::fresh_enabled();
+        let full = if fresh {
+            self.recent.slot_views_at(at)
+        } else {
+            self.latent.write_at(&at.pos, latent);
+            self.recent.write_slot_at(&h.k, &h.v, at)
+        };
         let latents = self.latent.view(at.span);
         let distant = cuda::Distant { latents: &latents, wk: &a.wk, wv: &a.wv, bk: a.bk.as_ref(), bv: a.bv.as_ref(), cos: &cos, sin: &sin, rotated: a.rotated, window: self.window };
         let step = cuda::Step {
@@ -733,6 +740,7 @@ impl DarCache {
             pad: self.pad.as_ref().map(|p| p.rows()),
             full: full.as_ref().map(|(k, v, keep)| cuda::FullWidth { k, v, keep: *keep }),
             distant: Some(distant),
+            fresh: fresh.then(|| cuda::Fresh { kv: full.is_some().then_some((&h.k, &h.v)), latent: Some(latent) }),
         };
         Some(cuda::attend_step(&step)?.unwrap_or_else(|e| panic!("fused decode step failed: {e}")))
     }

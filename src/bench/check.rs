@@ -363,6 +363,7 @@ pub fn step_check(c: DecodeCase, device: Device, kind: Kind, planted: bool) -> O
         pad: c.padded.then_some(&xs[9]),
         full: (keep > 0 || !c.latents).then(|| cuda::FullWidth { k: &xs[10], v: &xs[11], keep }),
         distant,
+        fresh: None,
     };
     let fast = cuda::attend_step(&step)?.unwrap_or_else(|e| panic!("fused decode step failed: {e}"));
     let exact = step_reference(&xs, c, Kind::Float);
@@ -547,17 +548,35 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         std::env::remove_var("ATTNLAB_FUSED_STEP");
     }
     if device.is_cuda() {
-        let cases = ["vanilla", "window", "dar", "uniform", "still-budget", "lolcats"].map(|n| (n, false));
-        for (name, planted) in cases.into_iter().chain([("vanilla", true)]) {
-            // A kind that cannot run this check (an error or a refused op) is a failed row, not the
-            // end of the gate.
+        // A kind that cannot run this check (an error or a refused op) is a failed row, not the end
+        // of the gate.
+        let decode_row = |name: &str, planted: bool, suffix: &str| {
             let row = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| decode_model_check(spec, name, device, planted)));
-            note(match row {
+            let mut row = match row {
                 Ok(Ok(row)) => row,
                 Ok(Err(e)) => failed_row(&format!("decode-{name}"), &e.to_string(), planted),
                 Err(_) => failed_row(&format!("decode-{name}"), "panicked (message above)", planted),
-            });
+            };
+            row.implementation += suffix;
+            row
+        };
+        let cases = ["vanilla", "window", "dar", "uniform", "still-budget", "lolcats"].map(|n| (n, false));
+        for (name, planted) in cases.into_iter().chain([("vanilla", true)]) {
+            note(decode_row(name, planted, ""));
         }
+        // The kinds of the fused step again with the new token handed over fresh (ATTNLAB_STEP_FRESH:
+        // the caches written by the combine kernel), whether or not decoding does so by default.
+        std::env::set_var("ATTNLAB_STEP_FRESH", "1");
+        for name in ["vanilla", "window", "dar", "uniform"] {
+            note(decode_row(name, false, "-fresh"));
+        }
+        // And DAR's with the RoPE-absorbed loop too (ATTNLAB_STEP_ROPE=absorbed).
+        std::env::set_var("ATTNLAB_STEP_ROPE", "absorbed");
+        for name in ["dar", "uniform"] {
+            note(decode_row(name, false, "-absorbed-fresh"));
+        }
+        std::env::remove_var("ATTNLAB_STEP_ROPE");
+        std::env::remove_var("ATTNLAB_STEP_FRESH");
     }
     if device.is_cuda() {
         for (n, d) in [(4096, s.d_model as i64), (1000, 768)] {

@@ -162,6 +162,24 @@ pub struct Step<'a> {
     pub pad: Option<&'a Tensor>,
     pub full: Option<FullWidth<'a>>,
     pub distant: Option<Distant<'a>>,
+    /// The new token's own rows, not yet in the caches: the kernels read them for the slots they are
+    /// to fill and the combine kernel writes them there (no index_copy before the step). `None`:
+    /// the caches already hold them.
+    pub fresh: Option<Fresh<'a>>,
+}
+
+/// Whether fused steps hand the new token over as [`Fresh`] rows (the caches written by the combine
+/// kernel, no index_copy before the step): right on the CPU (`make cuda-emu-test`), not yet run on
+/// a GPU, so only with `ATTNLAB_STEP_FRESH=1` until `bench --check`'s `decode-*-fresh` rows pass.
+pub fn fresh_enabled() -> bool {
+    std::env::var("ATTNLAB_STEP_FRESH").is_ok_and(|v| v == "1")
+}
+
+/// The new token's key / value `[B, H_kv, 1, hd]` (for the full-width slots) and latent `[B, 1, r]`
+/// (for DAR's), each where the step has that part.
+pub struct Fresh<'a> {
+    pub kv: Option<(&'a Tensor, &'a Tensor)>,
+    pub latent: Option<&'a Tensor>,
 }
 
 /// Whether decode steps take the fused kernel when `ATTNLAB_FUSED_STEP` is unset: yes since it
@@ -215,6 +233,9 @@ pub fn attend_step(x: &Step) -> Option<Result<Tensor>> {
         o(d.and_then(|d| d.bv)),
         o(d.map(|d| d.cos)),
         o(d.map(|d| d.sin)),
+        o(x.fresh.as_ref().and_then(|f| f.kv.map(|kv| kv.0))),
+        o(x.fresh.as_ref().and_then(|f| f.kv.map(|kv| kv.1))),
+        o(x.fresh.as_ref().and_then(|f| f.latent)),
     ];
     let rows = x.q.size()[0] * full.map_or_else(|| d.map_or(1, |d| d.wk.size()[0]), |f| f.k.size()[1]);
     let chunk = d.map_or(32, |d| slots_per_block(d.latents.size()[1], rows));

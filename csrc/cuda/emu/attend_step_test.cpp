@@ -7,6 +7,8 @@
 // the dims rotated, Llama's grouped heads with every dim rotated, uniform), left padding, bf16 and fp16.
 #include "emu_test.h"
 #include "../attend_step.cuh"
+#include <algorithm>
+#include <cstring>
 
 namespace {
 
@@ -126,8 +128,33 @@ std::vector<double> reference(const Case& k, const Inputs<T>& in, int window_shi
   return out;
 }
 
+// `fresh`: the new token's key, value and latent handed over as their own tensors while their
+// cache slots hold stale values; the kernels must read the new ones and the combine kernel must
+// write them into the caches (checked here: a failure returns NaNs).
 template <typename T, int G>
-std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool vec) {
+std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool vec, bool fresh) {
+  std::vector<T> rk = in.rk.dev, rv = in.rv.dev, c = in.c.dev;  // the caches, written by a fresh step
+  std::vector<T> nk, nv, nc;                                     // the new token's own rows
+  const int64_t slot = k.keep > 0 ? k.newest % k.keep : k.newest;
+  const T stale = emu_test::to_half<T>(100.f);
+  if (fresh) {
+    for (int b = 0; b < k.B; ++b)
+      for (int h = 0; h < k.Hkv && k.W; ++h)
+        for (int d = 0; d < k.hd; ++d) {
+          const size_t o = ((size_t(b) * k.Hkv + h) * k.W + slot) * k.hd + d;
+          nk.push_back(rk[o]);
+          nv.push_back(rv[o]);
+          rk[o] = rv[o] = stale;
+        }
+    for (int b = 0; b < k.B && k.S; ++b)
+      for (int j = 0; j < k.r; ++j) {
+        const size_t o = (size_t(b) * k.S + k.newest) * k.r + j;
+        nc.push_back(c[o]);
+        c[o] = stale;
+      }
+  }
+  CacheWrite cw{};
+  cw.pos = &k.newest;
   Params p{};
   p.q = in.q.dev.data();
   p.q_sb = int64_t(k.H) * k.hd;
@@ -137,8 +164,8 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
   p.batched = batched > 0;
   p.rope_absorbed = batched == 2;
   if (k.W) {
-    p.rk = in.rk.dev.data();
-    p.rv = in.rv.dev.data();
+    p.rk = rk.data();
+    p.rv = rv.data();
     p.r_ss = k.hd;
     p.r_sh = int64_t(k.W) * k.hd;
     p.r_sb = int64_t(k.Hkv) * p.r_sh;
@@ -150,7 +177,7 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
   }
   p.r = 1;
   if (k.S) {
-    p.c = in.c.dev.data();
+    p.c = c.data();
     p.c_ss = k.r;
     p.c_sb = int64_t(k.S) * k.r;
     p.kr = in.kr.data();
@@ -177,6 +204,22 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
   p.ml = ml.data();
   p.acc = acc.data();
   p.accv = accv.data();
+  if (fresh && k.W) {
+    p.new_k = nk.data();
+    p.new_v = nv.data();
+    p.nk_sb = int64_t(k.Hkv) * k.hd;
+    p.nk_sh = k.hd;
+    cw = CacheWrite{rk.data(), rv.data(), p.r_sb, p.r_sh, p.r_ss, k.keep, p.new_k, p.new_v, p.nk_sb, p.nk_sh, nullptr, 0, 0, nullptr, 0, &k.newest};
+  }
+  if (fresh && k.S) {
+    p.new_c = nc.data();
+    p.nc_sb = k.r;
+    cw.c = c.data();
+    cw.c_sb = p.c_sb;
+    cw.c_ss = p.c_ss;
+    cw.new_c = p.new_c;
+    cw.nc_sb = p.nc_sb;
+  }
   emu::launch(step_partial<T, G>, dim3(p.nchunks + p.nring, k.B * k.Hkv), dim3(kThreads), smem_floats(G, p.r, k.hd, p.rope_absorbed ? k.rot : 0) * sizeof(float), p);
   std::vector<double> out(size_t(k.B) * k.H * k.hd);
   if (p.rope_absorbed) {
@@ -184,14 +227,20 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
     std::vector<T> o(size_t(k.B) * k.H * k.hd);
     emu::launch(step_combine<T>, dim3(k.B * k.H), dim3(kThreads), size_t(p.r) * sizeof(float), (const float*)p.ml, (const float*)p.acc,
                 (const float*)p.accv, (const void*)(k.bias ? in.bv.dev.data() : nullptr), k.B, k.H, G, p.r, k.hd, p.nchunks, p.nring, (T*)nullptr,
-                (T*)nullptr, (const void*)(k.S ? in.wv.dev.data() : nullptr), o.data());
+                (T*)nullptr, (const void*)(k.S ? in.wv.dev.data() : nullptr), o.data(), cw);
     for (size_t i = 0; i < o.size(); ++i) out[i] = emu_test::from_half(o[i]);
+    // A fresh step leaves the caches as a written one: the stale slots overwritten by the new rows.
+    auto same = [](const std::vector<T>& a, const std::vector<T>& b) { return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0; };
+    if (fresh && !(same(rk, in.rk.dev) && same(rv, in.rv.dev) && same(c, in.c.dev))) {
+      std::printf("  FAILED: the fresh step did not write the new token into its cache slots\n");
+      std::fill(out.begin(), out.end(), NAN);
+    }
     return out;
   }
   std::vector<T> pc(size_t(k.Hkv) * k.B * G * p.r), extra(size_t(k.Hkv) * k.B * G * k.hd);
   emu::launch(step_combine<T>, dim3(k.B * k.H), dim3(kThreads), 0, (const float*)p.ml, (const float*)p.acc, (const float*)p.accv,
               (const void*)(k.bias ? in.bv.dev.data() : nullptr), k.B, k.H, G, p.r, k.hd, p.nchunks, p.nring, k.S ? pc.data() : (T*)nullptr,
-              extra.data(), (const void*)nullptr, (T*)nullptr);
+              extra.data(), (const void*)nullptr, (T*)nullptr, cw);
   // The launcher's baddbmm: [Hkv, B·g, hd] = extra + pc · Wvᵀ, in the 16-bit type, then [B, H, hd].
   for (int kv = 0; kv < k.Hkv; ++kv)
     for (int b = 0; b < k.B; ++b)
@@ -202,16 +251,22 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
           for (int j = 0; k.S && j < k.r; ++j) x += emu_test::from_half(pc[row * p.r + j]) * in.wv.ref[(size_t(kv) * k.hd + d) * k.r + j];
           out[(size_t(b) * k.H + kv * G + hg) * k.hd + d] = emu_test::from_half(emu_test::to_half<T>(float(x)));
         }
+  // A fresh step leaves the caches as a written one: the stale slots overwritten by the new rows.
+  auto same = [](const std::vector<T>& a, const std::vector<T>& b) { return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0; };
+  if (fresh && !(same(rk, in.rk.dev) && same(rv, in.rv.dev) && same(c, in.c.dev))) {
+    std::printf("  FAILED: the fresh step did not write the new token into its cache slots\n");
+    std::fill(out.begin(), out.end(), NAN);
+  }
   return out;
 }
 
 template <typename T>
-std::vector<double> run_g(const Case& k, const Inputs<T>& in, int batched, bool vec) {
+std::vector<double> run_g(const Case& k, const Inputs<T>& in, int batched, bool vec, bool fresh) {
   switch (k.H / k.Hkv) {
-    case 1: return run<T, 1>(k, in, batched, vec);
-    case 2: return run<T, 2>(k, in, batched, vec);
-    case 3: return run<T, 3>(k, in, batched, vec);
-    case 4: return run<T, 4>(k, in, batched, vec);
+    case 1: return run<T, 1>(k, in, batched, vec, fresh);
+    case 2: return run<T, 2>(k, in, batched, vec, fresh);
+    case 3: return run<T, 3>(k, in, batched, vec, fresh);
+    case 4: return run<T, 4>(k, in, batched, vec, fresh);
     default: std::abort();
   }
 }
@@ -229,11 +284,13 @@ bool check(const Case& k, const char* dtype, unsigned seed) {
   // (and Wv applied by the combine kernel).
   const char* loops[] = {" latents×1", " latents×4", " latents×4 rope-absorbed"};
   for (int batched = 0; batched <= (k.S ? 2 : 0); ++batched)
-    for (int vec = 0; vec <= (k.W ? 1 : 0); ++vec) {
-      const auto got = run_g<T>(k, in, batched, vec);
-      const std::string what = std::string(k.name) + " " + dtype + (k.S ? loops[batched] : "") + (k.W ? (vec ? " packs" : " scalar") : "");
-      ok &= emu_test::verdict(what, emu_test::rel_err(got, want), emu_test::rel_err(planted, want), bound);
-    }
+    for (int vec = 0; vec <= (k.W ? 1 : 0); ++vec)
+      for (int fresh = 0; fresh <= 1; ++fresh) {
+        const auto got = run_g<T>(k, in, batched, vec, fresh);
+        const std::string what = std::string(k.name) + " " + dtype + (k.S ? loops[batched] : "") + (k.W ? (vec ? " packs" : " scalar") : "") +
+                                 (fresh ? " fresh" : "");
+        ok &= emu_test::verdict(what, emu_test::rel_err(got, want), emu_test::rel_err(planted, want), bound);
+      }
   return ok;
 }
 
