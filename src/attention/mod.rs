@@ -41,7 +41,6 @@ pub use layer::{is_bottleneck_param, AbsorbedKv, Attention, Heads, KvMap, Layer,
 pub use vanilla::causal;
 use tch::{Device, Kind, Tensor};
 
-/// Whether autograd will ask for a gradient through any of `ts` (false at inference, under no_grad).
 /// Whether an inference call over `t` keys takes cuDNN (through SDPA / split-merge-cudnn) instead of
 /// flash: only with `ATTNLAB_PREFILL_SDPA_FROM=N` and t ≥ N (issue 34: a warm cuDNN may beat flash on
 /// long prefills, a first call pays its plan; `gpu_bench.sh prefill` measures both). Off by default.
@@ -50,6 +49,7 @@ pub fn cudnn_for_long_prefill(t: i64) -> bool {
     FROM.get_or_init(|| std::env::var("ATTNLAB_PREFILL_SDPA_FROM").ok().and_then(|v| v.parse().ok())).is_some_and(|n| t >= n)
 }
 
+/// Whether autograd will ask for a gradient through any of `ts` (false at inference, under no_grad).
 pub fn needs_grad(ts: &[&Tensor]) -> bool {
     ts.iter().any(|t| t.requires_grad())
 }
