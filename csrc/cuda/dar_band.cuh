@@ -52,6 +52,16 @@ struct BandParams {
 // Shared memory of one block: two tiles of kBandKeys rows, each row padded by 8 values (bank spread).
 __host__ __device__ inline int64_t band_smem_bytes(int D) { return 2 * (int64_t)kBandKeys * (D + 8) * 2; }
 
+// Where a thread works: its warp, its quad in the warp (group, the fragments' row) and place in the
+// quad (t, their column pair), and its block's (b, h).
+struct Place {
+  int warp, group, t, b, h;
+};
+__device__ __forceinline__ Place place(int H) {
+  const int lane = threadIdx.x % 32;
+  return {(int)threadIdx.x / 32, lane / 4, lane % 4, (int)blockIdx.y / H, (int)blockIdx.y % H};
+}
+
 // A fragments (16 rows × D) of rows row0, row0 + 8 of a [T, D] view at (b, h); zero past T.
 template <int D>
 __device__ __forceinline__ void load_a_rows(const View& x, int b, int h, int row0, int T, uint32_t a[D / 16][4]) {
@@ -150,8 +160,7 @@ __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
   constexpr int LD = D + 8, NT = kBandKeys / 8;
   __nv_bfloat16* ks = smem;
   __nv_bfloat16* vs = smem + kBandKeys * LD;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, group = lane / 4, t = lane % 4;
-  const int b = blockIdx.y / p.H, h = blockIdx.y % p.H;
+  const auto [warp, group, t, b, h] = place(p.H);
   const int q0 = blockIdx.x * kBandRows;
   const int row0 = q0 + warp * 16 + group;  // this lane's rows: row0 and row0 + 8
   uint32_t qa[D / 16][4];
@@ -259,8 +268,7 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dkdv(BandBwdParams p) {
   __nv_bfloat16* dos = qs + kBandKeys * LD;
   float* lse_s = reinterpret_cast<float*>(dos + kBandKeys * LD);
   float* dd_s = lse_s + kBandKeys;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, group = lane / 4, t = lane % 4;
-  const int b = blockIdx.y / p.H, h = blockIdx.y % p.H;
+  const auto [warp, group, t, b, h] = place(p.H);
   const int k0 = blockIdx.x * kBandKeys, key0 = k0 + warp * 16 + group;  // this lane's keys: key0, key0 + 8
   load_tiles<D>(p.k, p.v, b, h, k0, p.T, ks, vs);
   float dk[D / 8][4], dv[D / 8][4];
@@ -270,7 +278,7 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dkdv(BandBwdParams p) {
   for (int n0 = k0; n0 < last; n0 += kBandKeys) {
     __syncthreads();
     load_tiles<D>(p.q, p.dout, b, h, n0, p.T, qs, dos);
-    for (int r = tid; r < kBandKeys; r += kBandThreads) {
+    for (int r = threadIdx.x; r < kBandKeys; r += kBandThreads) {
       const int i = n0 + r;
       float dd = 0.f;
       if (i < p.T) {
@@ -313,8 +321,7 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dq(BandBwdParams p) {
   constexpr int LD = D + 8, NT = kBandKeys / 8;
   __nv_bfloat16* ks = smem;
   __nv_bfloat16* vs = smem + kBandKeys * LD;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, group = lane / 4, t = lane % 4;
-  const int b = blockIdx.y / p.H, h = blockIdx.y % p.H;
+  const auto [warp, group, t, b, h] = place(p.H);
   const int q0 = blockIdx.x * kBandRows, row0 = q0 + warp * 16 + group;
   uint32_t qa[D / 16][4], da[D / 16][4];
   load_a_rows<D>(p.q, b, h, row0, p.T, qa);
