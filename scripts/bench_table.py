@@ -119,3 +119,21 @@ if fused:
             v = cells.get((ctx, att, m))
             row.append("–" if not v else f"{_median(v):,.0f}" + (f" ({_median(v) / _median(base):.2f}×)" if base and m != "1" else ""))
         print(f"| {ctx} | {att} | " + " | ".join(row) + " |")
+
+hybrid = rows("decode_hybrid.jsonl")
+if hybrid:
+    print()
+    print("STILL / LoLCATs decode tok/s with the mixing kernel (decode_hybrid.jsonl, medians; × the aten mix, and × vanilla):")
+    print()
+    print("| context | attention | aten mix | mixing kernel | × aten | kernel × vanilla |")
+    print("|---:|---|---:|---:|---:|---:|")
+    cell = {}
+    for r in hybrid:
+        cell.setdefault((r["context"], r["attention"], r.get("hybrid_kernel", 0)), []).append(r["decode_tokens_per_s"])
+    for ctx, att in sorted({(c, a) for c, a, _ in cell if a != "vanilla"}):
+        a, k = cell.get((ctx, att, 0)), cell.get((ctx, att, 1))
+        v = cell.get((ctx, "vanilla", 0), []) + cell.get((ctx, "vanilla", 1), [])
+        fmt = lambda x: f"{_median(x):,.0f}" if x else "–"
+        ratio = f"{_median(k) / _median(a):.2f}" if a and k else "–"
+        xv = f"{_median(k) / _median(v):.2f}" if k and v else "–"
+        print(f"| {ctx} | {att} | {fmt(a)} | {fmt(k)} | {ratio} | {xv} |")

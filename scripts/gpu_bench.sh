@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|kernels|band|decode|graphs|absorb|fused|ruler|prefill|peers|profile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|kernels|band|hybrid|decode|graphs|absorb|fused|ruler|prefill|peers|profile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -71,6 +71,16 @@ for what in "${@:-all}"; do
       run $A bench experiments/pythia-70m-vanilla.yaml --profile "$P" --steps 3 --warmup 3 --set model.flavor=pythia-70m \
         --set train.batch_size=64 --set "attention={kind: dar, d_down: 128, window: 128, impl: split-merge-band}" \
         && $PY scripts/profile_table.py "$P" > "$OUT/profile_band.md" ;;
+    hybrid)
+      # Issue 34: STILL (budget) and LoLCATs decode with the mixing kernel (csrc/cuda/hybrid_step.cu,
+      # ATTNLAB_HYBRID_KERNEL=1) against the aten mix, interleaved, HYBRID_REPEATS (2) rounds, beside
+      # vanilla (decode_hybrid.jsonl, rows tagged "hybrid_kernel"). Run `check` first.
+      for ((r = 0; r < ${HYBRID_REPEATS:-2}; r++)); do
+        for hk in 0 1; do
+          ATTNLAB_HYBRID_KERNEL=$hk run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${GRAPH_LENGTHS:-1024,4096,16384,65536} \
+            --attention vanilla,still-budget,lolcats --new-tokens 64 | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/; s/^{/{\"hybrid_kernel\":$hk,/" >> "$OUT/decode_hybrid.jsonl"
+        done
+      done ;;
     decode|all)
       # Issue 29: KV-cache memory, prefill time and decode speed at Pythia-70M size beside Hugging Face
       # GPT-NeoX of the same shape (.gpu/bench/hf_decode.py: eager, and static cache + torch.compile up

@@ -577,6 +577,16 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         }
         std::env::remove_var("ATTNLAB_STEP_ROPE");
         std::env::remove_var("ATTNLAB_STEP_FRESH");
+        // The hybrids with their mixing kernel (csrc/cuda/hybrid_step.cu, ATTNLAB_HYBRID_KERNEL=1).
+        std::env::set_var("ATTNLAB_HYBRID_KERNEL", "1");
+        for name in ["still-budget", "lolcats"] {
+            if !crate::kernels::cuda::hybrid_mix_enabled(&Tensor::zeros([1], (Kind::BFloat16, device))) {
+                note(failed_row(&format!("decode-{name}-hybrid-kernel"), "the hybrid mixing kernel is not in the CUDA kernel library (make gpu-kernels)", false));
+                continue;
+            }
+            note(decode_row(name, false, "-hybrid-kernel"));
+        }
+        std::env::remove_var("ATTNLAB_HYBRID_KERNEL");
     }
     if device.is_cuda() {
         for (n, d) in [(4096, s.d_model as i64), (1000, 768)] {

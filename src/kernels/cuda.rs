@@ -14,6 +14,7 @@ type Handle = *mut libc::c_void;
 type LayerNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> Err;
 type AttendStepFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 type SplitRotateFn = unsafe extern "C" fn(*mut C_tensor, i64, i64, i64, *mut C_tensor, *mut C_tensor, *mut *mut C_tensor) -> Err;
+type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, *mut *mut C_tensor) -> Err;
 
 /// The CUDA-graph entry points (csrc/cuda/graph.cu).
 struct GraphFns {
@@ -37,6 +38,8 @@ struct Library {
     band: bool,
     /// None in a library built before csrc/cuda/heads.cu.
     split_rotate: Option<SplitRotateFn>,
+    /// None in a library built before csrc/cuda/hybrid_step.cu.
+    hybrid_mix: Option<HybridMixFn>,
 }
 
 /// The file name `make gpu-kernels` writes (into `.gpu/`, beside the lean binary).
@@ -86,7 +89,8 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
             _ => false,
         };
         let split_rotate = find(c"attnlab_split_rotate_cuda").map(|p| std::mem::transmute::<*mut libc::c_void, SplitRotateFn>(p));
-        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step, layer_norm_half, band, split_rotate })
+        let hybrid_mix = find(c"attnlab_hybrid_mix").map(|p| std::mem::transmute::<*mut libc::c_void, HybridMixFn>(p));
+        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step, layer_norm_half, band, split_rotate, hybrid_mix })
     }
 }
 
@@ -281,6 +285,67 @@ pub fn split_rotate(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, 
     // SAFETY: valid tensor handles read during the call; on success the library hands over n new
     // tensors we then own.
     Some(check(unsafe { f(p(x), heads, n, rotated, p(cos), p(sin), outs.as_mut_ptr()) }).map(|_| outs.into_iter().map(|o| unsafe { Tensor::from_ptr(o) }).collect()))
+}
+
+/// One STILL / LoLCATs decode step's mixing (`Hybrid::mix` over `Hybrid::step_at`'s blocks) for
+/// csrc/cuda/hybrid_step.cu: the new token's query `[B, H, 1, D]` and φ(q) `[B, H, 1, F]` (fp32), the
+/// window ring `[B, H, 2C, D]`, Sel `[B, H, cap, D]` with its filled count `[1]`, S `[B, H, F, D]` and
+/// z `[B, H, F]` (fp32), the gate `[B, H, 1, D]`, γ `[H]`, the position `[1]`.
+pub struct Mix<'a> {
+    pub q: &'a Tensor,
+    pub phi: &'a Tensor,
+    pub win_k: &'a Tensor,
+    pub win_v: &'a Tensor,
+    pub sel: Option<(&'a Tensor, &'a Tensor, &'a Tensor)>,
+    pub s: &'a Tensor,
+    pub z: &'a Tensor,
+    pub gate: Option<&'a Tensor>,
+    pub gamma: Option<&'a Tensor>,
+    pub pos: &'a Tensor,
+    pub chunk: i64,
+    pub eps: f64,
+    pub linear: bool,
+    pub compensate: bool,
+}
+
+/// Whether STILL / LoLCATs decode steps take csrc/cuda/hybrid_step.cu's mixing kernel for a query
+/// `q`: on CUDA in bf16 / fp16, the library holding it, and `ATTNLAB_HYBRID_KERNEL=1` (right on the
+/// CPU, `make cuda-emu-test`, not yet run on a GPU).
+pub fn hybrid_mix_enabled(q: &Tensor) -> bool {
+    q.device().is_cuda()
+        && matches!(q.kind(), tch::Kind::BFloat16 | tch::Kind::Half)
+        && std::env::var("ATTNLAB_HYBRID_KERNEL").is_ok_and(|v| v == "1")
+        && library().is_some_and(|l| l.hybrid_mix.is_some())
+}
+
+/// The step's output `[B, H, 1, D]` by csrc/cuda/hybrid_step.cu; `None` when not enabled
+/// ([`hybrid_mix_enabled`]).
+pub fn hybrid_mix(m: &Mix) -> Option<Result<Tensor>> {
+    if !hybrid_mix_enabled(m.q) {
+        return None;
+    }
+    let f = library()?.hybrid_mix?;
+    let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
+    let o = |t: Option<&Tensor>| t.map_or(std::ptr::null_mut(), p);
+    let ts = [
+        p(m.q),
+        p(m.phi),
+        p(m.win_k),
+        p(m.win_v),
+        o(m.sel.map(|s| s.0)),
+        o(m.sel.map(|s| s.1)),
+        o(m.sel.map(|s| s.2)),
+        p(m.s),
+        p(m.z),
+        o(m.gate),
+        o(m.gamma),
+        p(m.pos),
+    ];
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: valid tensor handles (or null where absent), read during the call; on success the
+    // library hands over a new tensor we then own.
+    let r = unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.linear as i64, m.compensate as i64, &mut out) };
+    Some(check(r).map(|_| unsafe { Tensor::from_ptr(out) }))
 }
 
 /// Whether the library holds the heads op's kernels ([`split_rotate`] takes them with

@@ -351,17 +351,46 @@ impl Hybrid<'_> {
         let _ = f.win_v.index_copy_(2, &slot, &v.to_kind(f.win_v.kind()));
         let qf = q.to_kind(kind);
         let qs = &qf * (1.0 / (d as f64).sqrt());
-        let s_win = qs.matmul(&f.win_k.to_kind(kind).transpose(-2, -1)); // [B, H, 1, 2C]
+        // The mixing kernel (csrc/cuda/hybrid_step.cu) computes the logits itself.
+        let fused = crate::kernels::cuda::hybrid_mix_enabled(q) && f.win_k.kind() == q.kind() && f.sel_k.kind() == q.kind();
+        let scorer = self.scorer.filter(|sc| !sc.by_position());
+        let s_win = (!fused || scorer.is_some()).then(|| qs.matmul(&f.win_k.to_kind(kind).transpose(-2, -1))); // [B, H, 1, 2C]
 
         // The new token's score over its C most recent keys (positions pos − C + 1 .. pos).
-        let recent = Tensor::arange(c, (Kind::Int64, dev)) + (&at.pos - (c - 1));
-        let valid = recent.ge(0).view([1, c]);
-        let s_w = s_win.index_select(-1, &recent.remainder(2 * c)).masked_fill(&valid.logical_not(), 0.0);
-        let score = match self.scorer.filter(|sc| !sc.by_position()) {
-            Some(sc) => sc.scores(&s_w, &valid, &k.to_kind(kind), &at.pos),
-            None => Tensor::zeros([q.size()[0], q.size()[1], 1], (kind, dev)),
+        let score = match (scorer, &s_win) {
+            (Some(sc), Some(s_win)) => {
+                let recent = Tensor::arange(c, (Kind::Int64, dev)) + (&at.pos - (c - 1));
+                let valid = recent.ge(0).view([1, c]);
+                let s_w = s_win.index_select(-1, &recent.remainder(2 * c)).masked_fill(&valid.logical_not(), 0.0);
+                sc.scores(&s_w, &valid, &k.to_kind(kind), &at.pos)
+            }
+            _ => Tensor::zeros([q.size()[0], q.size()[1], 1], (kind, dev)),
         };
         let _ = f.win_scores.index_copy_(2, &slot, &score.to_kind(f.win_scores.kind()));
+        if fused {
+            let cap = f.sel_k.size()[2];
+            let phi = self.fq.forward(&qf);
+            let m = crate::kernels::cuda::Mix {
+                q,
+                phi: &phi,
+                win_k: &f.win_k,
+                win_v: &f.win_v,
+                sel: (cap > 0).then_some((&f.sel_k, &f.sel_v, &f.n_sel_at)),
+                s: &state,
+                z: &z,
+                gate: g,
+                gamma: self.gamma.as_ref(),
+                pos: &at.pos,
+                chunk: c,
+                eps: self.eps,
+                linear: self.linear,
+                compensate: self.compensate,
+            };
+            if let Some(y) = crate::kernels::cuda::hybrid_mix(&m) {
+                return y.unwrap_or_else(|e| panic!("STILL / LoLCATs decode mix failed: {e}"));
+            }
+        }
+        let s_win = s_win.unwrap_or_else(|| qs.matmul(&f.win_k.to_kind(kind).transpose(-2, -1)));
 
         // Slot s holds the latest position ≤ pos congruent to it; the window is chunks c − 1 and c.
         let held = crate::attention::cache::ring_positions(&at.pos, &Tensor::arange(2 * c, (Kind::Int64, dev)), 2 * c);

@@ -1,0 +1,135 @@
+// The STILL / LoLCATs decode step's mixing kernel (csrc/cuda/hybrid_step.cuh) on the CPU against
+// the hybrid operator's formula in double (still.md §3, `Hybrid::mix` over `Hybrid::step_at`'s
+// blocks): the window ring's visible slots (chunks c − 1 and c; slots not yet written before the
+// ring fills), the filled Sel slots, γ, the gate, the max-compensated and the softmax-only forms.
+#include "emu_test.h"
+#include "../hybrid_step.cuh"
+
+namespace {
+
+using Bf = __nv_bfloat16;
+
+struct Case {
+  const char* name;
+  int B, H, C, cap, D, F;
+  int64_t pos, n_sel;
+  bool gamma, gate, linear, compensate;
+};
+
+bool check(const Case& k, unsigned seed) {
+  std::mt19937 rng(seed);
+  const int W2 = 2 * k.C;
+  auto q = emu_test::normal<Bf>(rng, size_t(k.B) * k.H * k.D, 1.5);
+  auto wk = emu_test::normal<Bf>(rng, size_t(k.B) * k.H * W2 * k.D, 1.0), wv = emu_test::normal<Bf>(rng, size_t(k.B) * k.H * W2 * k.D, 1.0);
+  auto sk = emu_test::normal<Bf>(rng, size_t(k.B) * k.H * std::max(k.cap, 1) * k.D, 1.0), sv = emu_test::normal<Bf>(rng, size_t(k.B) * k.H * std::max(k.cap, 1) * k.D, 1.0);
+  auto g = emu_test::normal<Bf>(rng, size_t(k.B) * k.H * k.D, 1.0);
+  std::uniform_real_distribution<float> U(0.f, 1.f);
+  std::vector<float> phi(size_t(k.B) * k.H * k.F), S(size_t(k.B) * k.H * k.F * k.D), z(size_t(k.B) * k.H * k.F), gamma(k.H);
+  for (auto& x : phi) x = U(rng);
+  for (auto& x : S) x = 3.f * (U(rng) - 0.5f);
+  for (auto& x : z) x = 2.f * U(rng);
+  for (auto& x : gamma) x = 0.5f + U(rng);
+  // The formula; `shift` plants the window's start one chunk late (chunk c − 1 left out).
+  auto reference = [&](int64_t shift) {
+    std::vector<double> y;
+    const int64_t from = std::max<int64_t>(0, (k.pos / k.C - 1) * k.C) + shift;
+    for (int b = 0; b < k.B; ++b)
+      for (int h = 0; h < k.H; ++h) {
+        const size_t bh = size_t(b) * k.H + h;
+        std::vector<double> s;
+        std::vector<const double*> v;
+        for (int i = 0; i < W2 + k.cap; ++i) {
+          const double* kk;
+          if (i < W2) {
+            const int64_t held = k.pos - (((k.pos - i) % W2) + W2) % W2;
+            if (held < from) continue;
+            kk = &wk.ref[(bh * W2 + i) * k.D];
+            v.push_back(&wv.ref[(bh * W2 + i) * k.D]);
+          } else {
+            if (i - W2 >= k.n_sel) continue;
+            kk = &sk.ref[(bh * k.cap + (i - W2)) * k.D];
+            v.push_back(&sv.ref[(bh * k.cap + (i - W2)) * k.D]);
+          }
+          double x = 0;
+          for (int d = 0; d < k.D; ++d) x += q.ref[bh * k.D + d] * kk[d];
+          s.push_back(x / std::sqrt(double(k.D)));
+        }
+        double m = -INFINITY;
+        for (double x : s) m = std::max(m, x);
+        const double gam = k.gamma ? gamma[h] : 1.0, lin_scale = k.linear ? (k.compensate ? std::exp(-m) : 1.0) : 0.0;
+        double z_sm = 0, z_lin = 0;
+        for (double x : s) z_sm += std::exp(x - m);
+        for (int f = 0; f < k.F; ++f) z_lin += phi[bh * k.F + f] * z[bh * k.F + f];
+        for (int d = 0; d < k.D; ++d) {
+          double num = 0, lin = 0;
+          for (size_t i = 0; i < s.size(); ++i) num += std::exp(s[i] - m) * v[i][d];
+          for (int f = 0; f < k.F; ++f) lin += phi[bh * k.F + f] * S[(bh * k.F + f) * k.D + d];
+          if (k.gate) lin *= g.ref[bh * k.D + d];
+          y.push_back((gam * num + lin * lin_scale) / (gam * z_sm + z_lin * lin_scale + 1e-6));
+        }
+      }
+    return y;
+  };
+  MixParams p{};
+  p.q = q.dev.data();
+  p.q_sb = int64_t(k.H) * k.D;
+  p.q_sh = k.D;
+  p.phi = phi.data();
+  p.phi_sb = int64_t(k.H) * k.F;
+  p.phi_sh = k.F;
+  p.wk = wk.dev.data();
+  p.wv = wv.dev.data();
+  p.w_ss = k.D;
+  p.w_sh = int64_t(W2) * k.D;
+  p.w_sb = int64_t(k.H) * p.w_sh;
+  p.sk = sk.dev.data();
+  p.sv = sv.dev.data();
+  p.s_ss = k.D;
+  p.s_sh = int64_t(k.cap) * k.D;
+  p.s_sb = int64_t(k.H) * p.s_sh;
+  p.n_sel = &k.n_sel;
+  p.S = S.data();
+  p.z = z.data();
+  p.g = k.gate ? g.dev.data() : nullptr;
+  p.g_sb = int64_t(k.H) * k.D;
+  p.g_sh = k.D;
+  p.gamma = k.gamma ? gamma.data() : nullptr;
+  p.pos = &k.pos;
+  p.H = k.H;
+  p.C = k.C;
+  p.cap = k.cap;
+  p.D = k.D;
+  p.F = k.F;
+  p.eps = 1e-6f;
+  p.scale = 1.f / std::sqrt(float(k.D));
+  p.linear = k.linear;
+  p.compensate = k.compensate;
+  std::vector<Bf> y(size_t(k.B) * k.H * k.D);
+  p.y = y.data();
+  emu::launch(hybrid_mix<Bf>, dim3(k.B * k.H), dim3(kMixThreads), mix_smem_floats(k.D, k.F, k.C, k.cap) * sizeof(float), p);
+  std::vector<double> got;
+  for (auto v : y) got.push_back(emu_test::from_half(v));
+  const auto want = reference(0);
+  return emu_test::verdict(k.name, emu_test::rel_err(got, want), emu_test::rel_err(reference(k.C), want), 1.6e-2);
+}
+
+bool all_cases() {
+  const std::vector<Case> cases = {
+      // LoLCATs: γ, no Sel, the linear branch plain; mid-chunk, the ring full.
+      {"LoLCATs, mid-chunk", 2, 3, 16, 0, 64, 128, 77, 0, true, false, true, false},
+      // STILL: Sel partly filled, the gate, max-compensated; at a chunk's first token.
+      {"STILL, a chunk's first token", 1, 4, 16, 24, 64, 64, 96, 20, false, true, true, true},
+      // Early: the ring not yet full (slots holding no token yet), D wider than a block.
+      {"STILL, ring not full, D 160", 1, 2, 8, 4, 160, 32, 9, 3, false, true, true, false},
+      // The softmax alone (no linear branch).
+      {"softmax only", 1, 2, 8, 8, 32, 16, 40, 8, true, false, false, false},
+  };
+  bool ok = true;
+  unsigned seed = 51;
+  for (const auto& k : cases) ok &= check(k, seed++);
+  return ok;
+}
+
+emu_test::Register reg("hybrid_step: the STILL / LoLCATs decode mix vs its formula", all_cases);
+
+}  // namespace

@@ -1,0 +1,81 @@
+// Launch of the STILL / LoLCATs decode mix (csrc/cuda/hybrid_step.cuh says what it computes). Taken
+// by `Hybrid::step_at` with ATTNLAB_HYBRID_KERNEL=1 (src/kernels/cuda.rs) until bench --check's
+// decode rows pass it on a GPU.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cstring>
+#include "hybrid_step.cuh"
+
+typedef at::Tensor* tensor;
+
+// ts (null where absent): q [B, H, 1, D] (bf16 / fp16 / fp32); phi [B, H, 1, F] fp32; the window
+// ring k, v [B, H, 2C, D]; Sel k, v [B, H, cap, D] and n_sel [1] i64; S [B, H, F, D] and z [B, H, F]
+// fp32; the gate [B, H, 1, D]; γ [H]; pos [1] i64. k, v, Sel and the gate in q's dtype. *out: y [B, H, 1, D].
+extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64_t linear, int64_t compensate, tensor* out) {
+  try {
+    const at::Tensor &q = *ts[0], &phi = *ts[1], &wk = *ts[2], &wv = *ts[3];
+    tensor sk = ts[4], sv = ts[5], n_sel = ts[6], gate = ts[9], gamma = ts[10];
+    const at::Tensor S = ts[7]->contiguous(), z = ts[8]->contiguous(), &pos = *ts[11];
+    TORCH_CHECK(q.is_cuda() && q.dim() == 4 && q.size(2) == 1 && q.stride(3) == 1, "hybrid_mix: q must be CUDA [B, H, 1, D] with unit last stride");
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(3), F = phi.size(3);
+    TORCH_CHECK(phi.scalar_type() == at::kFloat && phi.dim() == 4 && phi.size(0) == B && phi.size(1) == H && phi.stride(3) == 1, "hybrid_mix: φ(q) must be fp32 [B, H, 1, F]");
+    TORCH_CHECK(wk.dim() == 4 && wk.size(2) == 2 * chunk && wk.size(3) == D && wk.strides() == wv.strides() && wk.stride(3) == 1 && wk.scalar_type() == q.scalar_type() &&
+                    wv.scalar_type() == q.scalar_type(), "hybrid_mix: the window must be [B, H, 2C, D] in q's dtype");
+    TORCH_CHECK(S.scalar_type() == at::kFloat && S.sizes() == at::IntArrayRef({B, H, F, D}) && z.scalar_type() == at::kFloat && z.sizes() == at::IntArrayRef({B, H, F}),
+                "hybrid_mix: S [B, H, F, D] and z [B, H, F] in fp32");
+    c10::cuda::CUDAGuard guard(q.device());
+    MixParams p{};
+    p.q = q.data_ptr();
+    p.q_sb = q.stride(0), p.q_sh = q.stride(1);
+    p.phi = phi.data_ptr<float>();
+    p.phi_sb = phi.stride(0), p.phi_sh = phi.stride(1);
+    p.wk = wk.data_ptr(), p.wv = wv.data_ptr();
+    p.w_sb = wk.stride(0), p.w_sh = wk.stride(1), p.w_ss = wk.stride(2);
+    int64_t cap = 0;
+    if (sk && sk->size(2) > 0) {
+      TORCH_CHECK(n_sel && sk->strides() == sv->strides() && sk->stride(3) == 1 && sk->scalar_type() == q.scalar_type(), "hybrid_mix: Sel [B, H, cap, D] with n_sel");
+      cap = sk->size(2);
+      p.sk = sk->data_ptr(), p.sv = sv->data_ptr();
+      p.s_sb = sk->stride(0), p.s_sh = sk->stride(1), p.s_ss = sk->stride(2);
+      p.n_sel = n_sel->data_ptr<int64_t>();
+    }
+    p.S = S.data_ptr<float>();
+    p.z = z.data_ptr<float>();
+    at::Tensor g, gm;
+    if (gate) {
+      g = *gate;
+      TORCH_CHECK(g.size(3) == D && g.stride(3) == 1 && g.scalar_type() == q.scalar_type(), "hybrid_mix: the gate must be [B, H, 1, D] in q's dtype");
+      p.g = g.data_ptr();
+      p.g_sb = g.stride(0), p.g_sh = g.stride(1);
+    }
+    if (gamma) {
+      gm = gamma->to(at::kFloat).contiguous();
+      TORCH_CHECK(gm.numel() == H, "hybrid_mix: γ must hold one value per head");
+      p.gamma = gm.data_ptr<float>();
+    }
+    p.pos = pos.data_ptr<int64_t>();
+    p.H = H, p.C = chunk, p.cap = cap, p.D = D, p.F = F;
+    p.eps = (float)eps;
+    p.scale = 1.f / std::sqrt((float)D);
+    p.linear = linear, p.compensate = compensate;
+    at::Tensor y = at::empty({B, H, 1, D}, q.options());
+    p.y = y.data_ptr();
+    const size_t smem = mix_smem_floats(D, F, chunk, cap) * sizeof(float);
+    TORCH_CHECK(smem <= 200 * 1024, "hybrid_mix: ", smem, " bytes of shared memory");
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    auto launch = [&](auto kernel) {
+      if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      kernel<<<B * H, kMixThreads, smem, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (q.scalar_type() == at::kBFloat16) launch(hybrid_mix<__nv_bfloat16>);
+    else if (q.scalar_type() == at::kHalf) launch(hybrid_mix<__half>);
+    else TORCH_CHECK(false, "hybrid_mix: q must be bf16 or fp16, not ", q.scalar_type());
+    *out = new at::Tensor(y);
+    return nullptr;
+  } catch (const std::exception& e) {
+    return strdup(e.what());
+  }
+}

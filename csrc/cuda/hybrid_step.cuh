@@ -1,0 +1,135 @@
+// One decode step of the STILL / LoLCATs hybrid operator's mixing (issue 34: STILL / LoLCATs decode at
+// vanilla's speed; `Hybrid::mix` over `Hybrid::step_at`'s blocks is the aten form, still.md §3 / §6):
+// for the new token's query q (head h of row b), with m the max of the visible logits,
+//   window slot s of the 2C-slot ring (the token at position pos − ((pos − s) mod 2C), visible iff
+//   ≥ from = max(0, (⌊pos / C⌋ − 1)·C)) and selected slot j < n_sel: logit q·k / √D;
+//   n_sm = γ_h·Σ e^{logit − m}·v,  z_sm = γ_h·Σ e^{logit − m}  (γ_h = 1 without γ);
+//   n_lin = φ(q)·S (times the gate g), z_lin = φ(q)·z, both times e^{−m} when compensated, zero
+//   without the linear branch;
+//   y = (n_sm + n_lin) / (z_sm + z_lin + eps).
+// One block per (b, h): the logits (a thread per slot) in shared memory, a block max and sum, then a
+// thread per output dim. φ(q) comes in computed (the feature map is a small matmul); the caches'
+// writes and the routing scores stay where they are.
+//
+// Device code only: csrc/cuda/emu runs it on the CPU in `make test`; csrc/cuda/hybrid_step.cu launches it.
+#pragma once
+#include "half.cuh"
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int kMixThreads = 128;
+
+struct MixParams {
+  const void* q;  // [B, H, 1, D]: strides q_sb, q_sh, unit d
+  int64_t q_sb, q_sh;
+  const float* phi;  // φ(q) [B, H, 1, F]: strides phi_sb, phi_sh, unit f
+  int64_t phi_sb, phi_sh;
+  const void* wk;  // the window ring [B, H, 2C, D], strides w_sb, w_sh, w_ss, unit d
+  const void* wv;
+  int64_t w_sb, w_sh, w_ss;
+  const void* sk;  // Sel [B, H, cap, D] (cap 0: none), strides s_sb, s_sh, s_ss, unit d
+  const void* sv;
+  int64_t s_sb, s_sh, s_ss;
+  const int64_t* n_sel;  // [1]: Sel's filled slots
+  const float* S;        // [B, H, F, D] contiguous
+  const float* z;        // [B, H, F] contiguous
+  const void* g;         // gate [B, H, 1, D] (strides g_sb, g_sh) or null
+  int64_t g_sb, g_sh;
+  const float* gamma;  // [H] or null
+  const int64_t* pos;  // [1]: the new token's position
+  int H, C, cap, D, F;
+  float eps, scale;
+  int linear, compensate;
+  void* y;  // [B, H, 1, D] contiguous, q's dtype
+};
+
+// The block's max / sum of x (every thread gets it); `red` holds kMixThreads / 32 floats.
+template <bool kMax>
+__device__ __forceinline__ float block_reduce(float x, float* red) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffff, x, off);
+    x = kMax ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads();  // red may still be read from the previous call
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = red[0];
+  for (int w = 1; w < kMixThreads / 32; ++w) r = kMax ? fmaxf(r, red[w]) : r + red[w];
+  return r;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
+  ATTNLAB_DYNAMIC_SHARED(float, sh);
+  const int W2 = 2 * p.C, n = W2 + p.cap;
+  float* qs = sh;           // [D]
+  float* phi = qs + p.D;    // [F]
+  float* e = phi + p.F;     // [2C + cap]: logits, then their exponentials
+  float* red = e + n;       // [kMixThreads / 32]
+  const int b = blockIdx.x / p.H, h = blockIdx.x % p.H;
+  const T* q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh;
+  for (int d = threadIdx.x; d < p.D; d += kMixThreads) qs[d] = to_f(q[d]) * p.scale;
+  for (int f = threadIdx.x; f < p.F; f += kMixThreads) phi[f] = p.phi[b * p.phi_sb + h * p.phi_sh + f];
+  __syncthreads();
+  const int64_t pos = *p.pos, from = max((int64_t)0, (pos / p.C - 1) * p.C), n_sel = p.cap ? *p.n_sel : 0;
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < n; i += kMixThreads) {
+    const T* k;
+    bool vis;
+    if (i < W2) {
+      const int64_t held = pos - (((pos - i) % W2) + W2) % W2;
+      vis = held >= from;
+      k = static_cast<const T*>(p.wk) + b * p.w_sb + h * p.w_sh + i * p.w_ss;
+    } else {
+      vis = i - W2 < n_sel;
+      k = static_cast<const T*>(p.sk) + b * p.s_sb + h * p.s_sh + (int64_t)(i - W2) * p.s_ss;
+    }
+    float s = -INFINITY;
+    if (vis) {
+      s = 0.f;
+      for (int d = 0; d < p.D; ++d) s += qs[d] * to_f(k[d]);
+    }
+    e[i] = s;
+    mx = fmaxf(mx, s);
+  }
+  const float m = block_reduce<true>(mx, red);
+  float part = 0.f;
+  for (int i = threadIdx.x; i < n; i += kMixThreads) {
+    const float x = e[i] == -INFINITY ? 0.f : __expf(e[i] - m);
+    e[i] = x;
+    part += x;
+  }
+  const float gam = p.gamma ? p.gamma[h] : 1.f;
+  const float z_sm = block_reduce<false>(part, red) * gam;  // its barriers also publish e[]
+  float z_lin = 0.f;
+  if (p.linear) {
+    const float* z = p.z + ((int64_t)b * p.H + h) * p.F;
+    for (int f = 0; f < p.F; ++f) z_lin += phi[f] * z[f];
+  }
+  const float lin_scale = p.linear ? (p.compensate ? __expf(-m) : 1.f) : 0.f;
+  const float den = z_sm + z_lin * lin_scale + p.eps;
+  const T* g = p.g ? static_cast<const T*>(p.g) + b * p.g_sb + h * p.g_sh : nullptr;
+  const float* S = p.S + ((int64_t)b * p.H + h) * p.F * p.D;
+  T* y = static_cast<T*>(p.y) + ((int64_t)b * p.H + h) * p.D;
+  for (int d = threadIdx.x; d < p.D; d += kMixThreads) {
+    float num = 0.f;
+    for (int i = 0; i < n; ++i) {
+      if (e[i] == 0.f) continue;
+      const T* v = i < W2 ? static_cast<const T*>(p.wv) + b * p.w_sb + h * p.w_sh + i * p.w_ss
+                          : static_cast<const T*>(p.sv) + b * p.s_sb + h * p.s_sh + (int64_t)(i - W2) * p.s_ss;
+      num += e[i] * to_f(v[d]);
+    }
+    float lin = 0.f;
+    if (p.linear) {
+      for (int f = 0; f < p.F; ++f) lin += phi[f] * S[(int64_t)f * p.D + d];
+      if (g) lin *= to_f(g[d]);
+    }
+    y[d] = from_f<T>((num * gam + lin * lin_scale) / den);
+  }
+}
+
+__host__ __device__ inline int64_t mix_smem_floats(int D, int F, int C, int cap) { return (int64_t)D + F + 2 * C + cap + kMixThreads / 32; }
+
+}  // namespace
