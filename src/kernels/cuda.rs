@@ -42,6 +42,16 @@ struct Library {
     hybrid_mix: Option<HybridMixFn>,
 }
 
+/// A tensor's handle for the library's C entry points.
+fn handle(t: &Tensor) -> *mut C_tensor {
+    t.as_ptr() as *mut C_tensor
+}
+
+/// [`handle`], or null for an absent tensor.
+fn handle_or_null(t: Option<&Tensor>) -> *mut C_tensor {
+    t.map_or(std::ptr::null_mut(), handle)
+}
+
 /// The file name `make gpu-kernels` writes (into `.gpu/`, beside the lean binary).
 pub const FILE_NAME: &str = "libattnlab_kernels.so";
 
@@ -127,7 +137,7 @@ pub fn available() -> bool {
 pub fn ce_grad_in_place(logits: &mut Tensor, targets: &Tensor, scale: f64) -> Option<Result<Tensor>> {
     let lib = library()?;
     let mut out: *mut C_tensor = std::ptr::null_mut();
-    let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
+    let p = handle;
     // SAFETY: valid tensor handles; on success the shim hands over a new tensor we then own.
     Some(check(unsafe { (lib.ce_grad_in_place)(p(logits), p(targets), scale, &mut out) }).map(|_| unsafe { Tensor::from_ptr(out) }))
 }
@@ -222,8 +232,7 @@ pub fn attend_step(x: &Step) -> Option<Result<Tensor>> {
         return None;
     }
     let f = library()?.attend_step?;
-    let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
-    let o = |t: Option<&Tensor>| t.map_or(std::ptr::null_mut(), p);
+    let (p, o) = (handle, handle_or_null);
     let ts = [
         p(x.q),
         p(x.pos),
@@ -260,7 +269,7 @@ pub fn layer_norm_half(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> 
         return None;
     }
     let f = library()?.layer_norm_half?;
-    let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
+    let p = handle;
     let mut out: *mut C_tensor = std::ptr::null_mut();
     // SAFETY: valid tensor handles read during the call; on success the shim hands over a new
     // tensor we then own, or leaves `out` null when it does not apply.
@@ -280,7 +289,7 @@ pub fn split_rotate(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, 
         return None;
     }
     let f = library()?.split_rotate?;
-    let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
+    let p = handle;
     let mut outs: Vec<*mut C_tensor> = vec![std::ptr::null_mut(); n.max(0) as usize];
     // SAFETY: valid tensor handles read during the call; on success the library hands over n new
     // tensors we then own.
@@ -325,8 +334,7 @@ pub fn hybrid_mix(m: &Mix) -> Option<Result<Tensor>> {
         return None;
     }
     let f = library()?.hybrid_mix?;
-    let p = |t: &Tensor| t.as_ptr() as *mut C_tensor;
-    let o = |t: Option<&Tensor>| t.map_or(std::ptr::null_mut(), p);
+    let (p, o) = (handle, handle_or_null);
     let ts = [
         p(m.q),
         p(m.phi),
