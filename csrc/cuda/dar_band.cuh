@@ -62,6 +62,9 @@ __device__ __forceinline__ Place place(int H) {
   return {(int)threadIdx.x / 32, lane / 4, lane % 4, (int)blockIdx.y / H, (int)blockIdx.y % H};
 }
 
+// Whether query i reads key j through the band: 0 ≤ i − j < w, both inside the sequence.
+__device__ __forceinline__ bool in_band(int i, int j, int w, int T) { return j <= i && i - j < w && i < T && j < T; }
+
 // A fragments (16 rows × D) of rows row0, row0 + 8 of a [T, D] view at (b, h); zero past T.
 template <int D>
 __device__ __forceinline__ void load_a_rows(const View& x, int b, int h, int row0, int T, uint32_t a[D / 16][4]) {
@@ -181,8 +184,7 @@ __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
     for (int nt = 0; nt < NT; ++nt)
       for (int e = 0; e < 4; ++e) {
         const int i = row0 + (e >= 2 ? 8 : 0), j = n0 + nt * 8 + 2 * t + (e & 1);
-        const bool in_band = j <= i && i - j < p.w && j < p.T && i < p.T;
-        s[nt][e] = in_band ? s[nt][e] * p.scale : -INFINITY;
+        s[nt][e] = in_band(i, j, p.w, p.T) ? s[nt][e] * p.scale : -INFINITY;
         mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
       }
     float f[2];
@@ -303,8 +305,7 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dkdv(BandBwdParams p) {
     for (int nt = 0; nt < NT; ++nt)
       for (int e = 0; e < 4; ++e) {
         const int j = key0 + (e >= 2 ? 8 : 0), c = nt * 8 + 2 * t + (e & 1), i = n0 + c;
-        const bool in_band = j <= i && i - j < p.w && i < p.T && j < p.T;
-        const float pe = in_band ? __expf(s[nt][e] * p.scale - lse_s[c]) : 0.f;
+        const float pe = in_band(i, j, p.w, p.T) ? __expf(s[nt][e] * p.scale - lse_s[c]) : 0.f;
         s[nt][e] = pe;
         dp[nt][e] = pe * (dp[nt][e] - dd_s[c]);
       }
@@ -356,8 +357,7 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dq(BandBwdParams p) {
     for (int nt = 0; nt < NT; ++nt)
       for (int e = 0; e < 4; ++e) {
         const int r = e >= 2 ? 1 : 0, i = row0 + 8 * r, j = n0 + nt * 8 + 2 * t + (e & 1);
-        const bool in_band = j <= i && i - j < p.w && i < p.T && j < p.T;
-        const float pe = in_band ? __expf(s[nt][e] * p.scale - lse[r]) : 0.f;
+        const float pe = in_band(i, j, p.w, p.T) ? __expf(s[nt][e] * p.scale - lse[r]) : 0.f;
         dp[nt][e] = pe * (dp[nt][e] - dd[r]);
       }
     mma_p_x<D>(dq, dp, ks);  // dQ += dS·K (scaled at the end)

@@ -580,7 +580,7 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         // The hybrids with their mixing kernel (csrc/cuda/hybrid_step.cu, ATTNLAB_HYBRID_KERNEL=1).
         std::env::set_var("ATTNLAB_HYBRID_KERNEL", "1");
         for name in ["still-budget", "lolcats"] {
-            if !crate::kernels::cuda::hybrid_mix_enabled(&Tensor::zeros([1], (Kind::BFloat16, device))) {
+            if !crate::kernels::cuda::hybrid_kernel_available() {
                 note(failed_row(&format!("decode-{name}-hybrid-kernel"), "the hybrid mixing kernel is not in the CUDA kernel library (make gpu-kernels)", false));
                 continue;
             }

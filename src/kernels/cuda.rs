@@ -324,7 +324,13 @@ pub fn hybrid_mix_enabled(q: &Tensor) -> bool {
     q.device().is_cuda()
         && matches!(q.kind(), tch::Kind::BFloat16 | tch::Kind::Half)
         && std::env::var("ATTNLAB_HYBRID_KERNEL").is_ok_and(|v| v == "1")
-        && library().is_some_and(|l| l.hybrid_mix.is_some())
+        && hybrid_kernel_available()
+}
+
+/// Whether the library holds the hybrid mixing kernel ([`hybrid_mix`] takes it with
+/// `ATTNLAB_HYBRID_KERNEL=1`).
+pub fn hybrid_kernel_available() -> bool {
+    library().is_some_and(|l| l.hybrid_mix.is_some())
 }
 
 /// The step's output `[B, H, 1, D]` by csrc/cuda/hybrid_step.cu; `None` when not enabled

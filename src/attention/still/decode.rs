@@ -354,7 +354,8 @@ impl Hybrid<'_> {
         // The mixing kernel (csrc/cuda/hybrid_step.cu) computes the logits itself.
         let fused = crate::kernels::cuda::hybrid_mix_enabled(q) && f.win_k.kind() == q.kind() && f.sel_k.kind() == q.kind();
         let scorer = self.scorer.filter(|sc| !sc.by_position());
-        let s_win = (!fused || scorer.is_some()).then(|| qs.matmul(&f.win_k.to_kind(kind).transpose(-2, -1))); // [B, H, 1, 2C]
+        let window_logits = || qs.matmul(&f.win_k.to_kind(kind).transpose(-2, -1)); // [B, H, 1, 2C]
+        let s_win = (!fused || scorer.is_some()).then(window_logits);
 
         // The new token's score over its C most recent keys (positions pos − C + 1 .. pos).
         let score = match (scorer, &s_win) {
@@ -390,7 +391,7 @@ impl Hybrid<'_> {
                 return y.unwrap_or_else(|e| panic!("STILL / LoLCATs decode mix failed: {e}"));
             }
         }
-        let s_win = s_win.unwrap_or_else(|| qs.matmul(&f.win_k.to_kind(kind).transpose(-2, -1)));
+        let s_win = s_win.unwrap_or_else(window_logits);
 
         // Slot s holds the latest position ≤ pos congruent to it; the window is chunks c − 1 and c.
         let held = crate::attention::cache::ring_positions(&at.pos, &Tensor::arange(2 * c, (Kind::Int64, dev)), 2 * c);
