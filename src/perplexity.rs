@@ -219,14 +219,16 @@ fn batch_nll(model: &Model, inputs: &[Vec<i64>], targets: &[Vec<i64>], scored: &
 /// Evaluate `corpus` with context length `t`, `batch` windows per forward, stopping after the
 /// document during which `max_tokens` scored tokens is reached.
 pub fn evaluate(model: &Model, corpus: &EvalCorpus, t: usize, batch: usize, max_tokens: Option<usize>, protocol: EvalProtocol, device: Device) -> CorpusResult {
-    evaluate_docs(model, corpus, t, batch, max_tokens, protocol, device).0
+    evaluate_docs(model, corpus, t, batch, max_tokens, protocol, device, &indicatif::ProgressBar::hidden()).0
 }
 
 /// `evaluate`, and under the rolling protocol the summed NLL of each evaluated document (for
 /// lm-eval's per-document samples; empty for the stream protocol). The corpus total is summed
-/// exactly as `evaluate` always did.
-pub fn evaluate_docs(model: &Model, corpus: &EvalCorpus, t: usize, batch: usize, max_tokens: Option<usize>, protocol: EvalProtocol, device: Device) -> (CorpusResult, Vec<f64>) {
+/// exactly as `evaluate` always did. `bar` counts the tokens scored.
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate_docs(model: &Model, corpus: &EvalCorpus, t: usize, batch: usize, max_tokens: Option<usize>, protocol: EvalProtocol, device: Device, bar: &indicatif::ProgressBar) -> (CorpusResult, Vec<f64>) {
     let limit = max_tokens.unwrap_or(usize::MAX);
+    bar.set_length(planned_tokens(corpus, limit, protocol) as u64);
     let (mut docs, mut tokens, mut words, mut bytes, mut nll) = (0, 0, 0, 0, 0.0);
     let mut doc_nll: Vec<f64> = Vec::new();
     // Windows waiting for a forward: inputs, targets, scored positions, document index.
@@ -237,6 +239,7 @@ pub fn evaluate_docs(model: &Model, corpus: &EvalCorpus, t: usize, batch: usize,
         if !p.0.is_empty() {
             let (total, each) = batch_nll(model, &p.0, &p.1, &p.2, device);
             *nll += total;
+            bar.inc(p.2.iter().sum::<usize>() as u64);
             let mut each = each.into_iter();
             for (i, (row, &s)) in p.0.iter().zip(&p.2).enumerate() {
                 let mut row_sum = 0.0;
@@ -303,8 +306,25 @@ pub fn evaluate_docs(model: &Model, corpus: &EvalCorpus, t: usize, batch: usize,
         }
     }
     flush(&mut pending, &mut nll, &mut doc_nll);
+    bar.finish_and_clear();
     let result = CorpusResult { by_position: Some(by_pos.finish()), ..CorpusResult::new(protocol, docs, tokens, words, bytes, nll) };
     (result, doc_nll)
+}
+
+/// The tokens `evaluate_docs` will score: whole documents until `limit` is reached (rolling), or
+/// the stream of documents (each with its end-of-document token) cut at `limit`, less its first.
+fn planned_tokens(corpus: &EvalCorpus, limit: usize, protocol: EvalProtocol) -> usize {
+    let mut total = 0;
+    for (ids, _) in &corpus.docs {
+        if total >= limit {
+            break;
+        }
+        total += ids.len() + usize::from(protocol == EvalProtocol::Stream);
+    }
+    match protocol {
+        EvalProtocol::Rolling => total,
+        EvalProtocol::Stream => total.saturating_sub(1),
+    }
 }
 
 /// Perplexity and scored tokens per corpus, one row per named run (`-` where a run lacks a corpus),
@@ -335,13 +355,14 @@ pub fn table(rows: &[(String, std::collections::BTreeMap<String, CorpusResult>)]
 }
 
 /// Rolling perplexity of each corpus with every document's NLL (the spec's batch, context length,
-/// token budget and protocol, as `train::evaluate_all`).
-pub fn evaluate_perplexity(model: &Model, corpora: &[EvalCorpus], spec: &crate::spec::Spec, device: tch::Device) -> std::collections::BTreeMap<String, (CorpusResult, Vec<f64>)> {
+/// token budget and protocol, as `train::evaluate_all`), with a bar per corpus unless `quiet`.
+pub fn evaluate_perplexity(model: &Model, corpora: &[EvalCorpus], spec: &crate::spec::Spec, device: tch::Device, quiet: bool) -> std::collections::BTreeMap<String, (CorpusResult, Vec<f64>)> {
     corpora
         .iter()
         .map(|c| {
             let batch = spec.eval.batch_size.unwrap_or(8) as usize;
-            (c.name.clone(), evaluate_docs(model, c, spec.seq_len(), batch, spec.eval.max_tokens, spec.eval.protocol, device))
+            let bar = crate::progress::bar(0, &format!("perplexity {}", c.name), quiet);
+            (c.name.clone(), evaluate_docs(model, c, spec.seq_len(), batch, spec.eval.max_tokens, spec.eval.protocol, device, &bar))
         })
         .collect()
 }
@@ -374,7 +395,7 @@ mod tests {
         let model = Model::Neox(crate::model::GptNeox::new(&vs.root(), crate::train::run::model_config(&spec)));
         let doc = |n: usize, k: u32| ((0..n as u32).map(|i| (i * 7 + k) % 120 + 1).collect::<Vec<u32>>(), Doc { text: String::new(), words: n, bytes: n });
         let corpus = EvalCorpus { name: "c".into(), docs: vec![doc(5, 1), doc(19, 2), doc(1, 3), doc(11, 4)], prefix: 0 };
-        let (all, per) = evaluate_docs(&model, &corpus, 8, 3, None, EvalProtocol::Rolling, Device::Cpu);
+        let (all, per) = evaluate_docs(&model, &corpus, 8, 3, None, EvalProtocol::Rolling, Device::Cpu, &indicatif::ProgressBar::hidden());
         assert_eq!(per.len(), 4);
         assert!((per.iter().sum::<f64>() - all.nll).abs() < 1e-6 * all.nll, "{per:?} vs {}", all.nll);
         assert_eq!(all, evaluate(&model, &corpus, 8, 3, None, EvalProtocol::Rolling, Device::Cpu));
@@ -383,8 +404,16 @@ mod tests {
             let r = evaluate(&model, &alone, 8, 1, None, EvalProtocol::Rolling, Device::Cpu);
             assert!((r.nll - per[i]).abs() < 1e-4 * r.nll.max(1.0), "doc {i}: {} alone vs {} in the corpus", r.nll, per[i]);
         }
-        let (_, none) = evaluate_docs(&model, &corpus, 8, 3, None, EvalProtocol::Stream, Device::Cpu);
+        let (_, none) = evaluate_docs(&model, &corpus, 8, 3, None, EvalProtocol::Stream, Device::Cpu, &indicatif::ProgressBar::hidden());
         assert!(none.is_empty());
+        // The progress bar's length is what is then scored, with and without a token budget.
+        for protocol in [EvalProtocol::Rolling, EvalProtocol::Stream] {
+            for limit in [None, Some(1), Some(6), Some(24), Some(1000)] {
+                let bar = indicatif::ProgressBar::hidden();
+                let (r, _) = evaluate_docs(&model, &corpus, 8, 3, limit, protocol, Device::Cpu, &bar);
+                assert_eq!((bar.length(), bar.position()), (Some(r.tokens as u64), r.tokens as u64), "{protocol:?}, limit {limit:?}");
+            }
+        }
     }
 
     /// Bin edges by hand: T 1024 → 0, 1, 2, 4, …, 32, then every 64; T 8 → every position; T 100

@@ -137,7 +137,7 @@ fn perplexity(run: &Path, step: Option<u64>, device: Option<&str>, extra: &[Stri
         return Err(Error::Other("no evaluation corpora: the run's spec lists none; add --corpus NAME=PATH".into()));
     }
     let t0 = std::time::Instant::now();
-    let scored = super::perplexity::evaluate_perplexity(&loaded.model, &corpora, &spec, loaded.device);
+    let scored = super::perplexity::evaluate_perplexity(&loaded.model, &corpora, &spec, loaded.device, false);
     let results: BTreeMap<_, _> = scored.iter().map(|(k, v)| (k.clone(), v.0.clone())).collect();
     train::run::RunDir { path: run.to_path_buf() }.write_eval(loaded.step, &results)?;
     let lm_tasks: Vec<_> = corpora.iter().filter_map(|c| scored.get(&c.name).and_then(|(r, d)| lm_eval::perplexity_task(c, r, d))).collect();
@@ -163,7 +163,10 @@ fn pretrained_perplexity(run: &Path, out: &Path, device: Option<&str>, extra: &[
     let t0 = std::time::Instant::now();
     let scored: BTreeMap<String, (CorpusResult, Vec<f64>)> = corpora
         .iter()
-        .map(|c| (c.name.clone(), super::perplexity::evaluate_docs(&loaded.model, c, window, 8, max_tokens, crate::spec::EvalProtocol::Rolling, loaded.device)))
+        .map(|c| {
+            let bar = crate::progress::bar(0, &format!("perplexity {}", c.name), false);
+            (c.name.clone(), super::perplexity::evaluate_docs(&loaded.model, c, window, 8, max_tokens, crate::spec::EvalProtocol::Rolling, loaded.device, &bar))
+        })
         .collect();
     let results: BTreeMap<_, _> = scored.iter().map(|(k, v)| (k.clone(), v.0.clone())).collect();
     train::run::RunDir { path: out.to_path_buf() }.write_eval(0, &results)?;

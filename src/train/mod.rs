@@ -72,7 +72,7 @@ pub fn load_eval_corpora(spec: &Spec, tok: &crate::data::Tok) -> Result<Vec<Eval
 }
 
 pub fn evaluate_all(model: &Model, corpora: &[EvalCorpus], spec: &Spec, device: Device) -> BTreeMap<String, CorpusResult> {
-    crate::perplexity::evaluate_perplexity(model, corpora, spec, device).into_iter().map(|(name, (result, _))| (name, result)).collect()
+    crate::perplexity::evaluate_perplexity(model, corpora, spec, device, true).into_iter().map(|(name, (result, _))| (name, result)).collect()
 }
 
 /// Train the run a spec describes (or resume it, or report it finished): one stage of the
