@@ -9,6 +9,10 @@
 // - __shfl_*_sync are barriers of the warp's 32 lanes: a shuffle that not every lane of the warp
 //   reaches deadlocks here (the runner's alarm ends it), the divergence bug it is on a GPU;
 // - 16-bit floats round to nearest even, as the device's conversions do.
+// - with `emu::jitter` set (the runner's second pass), warps are held back at random at their
+//   start and after every barrier, so the others run ahead into the next phase: a missing barrier
+//   (a tile read before it is written, or overwritten while another warp still reads it) then
+//   changes the results, and the test's reference check fails.
 // Not emulated: timing, memory coherence beyond the barriers, warp-synchronous code without a
 // shuffle or __syncwarp (none of ours), and anything not declared below (it fails to compile).
 #pragma once
@@ -16,6 +20,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -124,6 +129,21 @@ struct Block {
 inline Block* block = nullptr;  // the running block (one at a time)
 inline thread_local int tid = 0;  // this thread's linear index in its block
 
+// Schedule jitter: 0 is off; otherwise the seed of which warps wait, and how long.
+inline uint64_t jitter = 0;
+inline thread_local uint64_t jitter_block = 0, jitter_calls = 0;
+
+// Called where a thread starts and where it leaves a barrier. Under jitter, a warp (every lane the
+// same: on a GPU a warp's lanes move together) sleeps 20–200 µs one time in three, so the other
+// warps run ahead; otherwise its lanes may yield their cores.
+inline void maybe_hold_back() {
+  if (!jitter) return;
+  uint64_t x = jitter ^ (jitter_block * 0x9E3779B97F4A7C15ull) ^ ((uint64_t(tid / 32) + 1) << 32) ^ (++jitter_calls * 0xD1B54A32D192ED03ull);
+  x ^= x >> 31, x *= 0x7FB5D329728EA185ull, x ^= x >> 27, x *= 0x81DADEF4BC2DD44Dull, x ^= x >> 33;  // a 64-bit mix
+  if (x % 3 == 0) std::this_thread::sleep_for(std::chrono::microseconds(20 + (x >> 8) % 180));
+  else if ((x >> 4) & 1) std::this_thread::yield();
+}
+
 inline Warp& warp() { return block->warps[tid / 32]; }
 
 template <typename T>
@@ -153,6 +173,8 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 threads, size_t shared_bytes, 
             tid = t;
             threadIdx = dim3(t % threads.x, (t / threads.x) % threads.y, t / (threads.x * threads.y));
             blockIdx = dim3(bx, by, bz);
+            jitter_block = (uint64_t(bz) * grid.y + by) * grid.x + bx + 1, jitter_calls = 0;
+            maybe_hold_back();
             kernel(args...);
             // A returned thread no longer holds the others at a barrier (as on the GPU).
             warp().bar->arrive_and_drop();
@@ -208,8 +230,14 @@ inline void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2])
 
 }  // namespace emu
 
-inline void __syncthreads() { emu::block->all->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp().bar->arrive_and_wait(); }
+inline void __syncthreads() {
+  emu::block->all->arrive_and_wait();
+  emu::maybe_hold_back();
+}
+inline void __syncwarp(unsigned = 0xffffffffu) {
+  emu::warp().bar->arrive_and_wait();
+  emu::maybe_hold_back();
+}
 
 // Only full-warp masks are used (and emulated): every lane takes part.
 template <typename T>
