@@ -12,7 +12,9 @@
 // - with `emu::jitter` set (the runner's second pass), warps are held back at random at their
 //   start and after every barrier, so the others run ahead into the next phase: a missing barrier
 //   (a tile read before it is written, or overwritten while another warp still reads it) then
-//   changes the results, and the test's reference check fails.
+//   changes the results, and the test's reference check fails;
+// - a launch the GPU would refuse (over 1024 threads a block, over 227 KB of shared memory) or a
+//   write into the 16 bytes past a block's dynamic shared memory aborts the run.
 // Not emulated: timing, memory coherence beyond the barriers, warp-synchronous code without a
 // shuffle or __syncwarp (none of ours), and anything not declared below (it fails to compile).
 #pragma once
@@ -23,6 +25,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -157,6 +161,11 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 threads, size_t shared_bytes, 
   gridDim = grid;
   blockDim = threads;
   const int n = int(threads.x * threads.y * threads.z);
+  // What an H100 / H200 refuses to launch (227 KB: the most dynamic shared memory a block may opt into).
+  if (n > 1024 || grid.y > 65535 || grid.z > 65535 || shared_bytes > 227 * 1024) {
+    std::fprintf(stderr, "cuda-emu: a launch the GPU refuses: %d threads a block, grid y %u z %u, %zu bytes of shared memory\n", n, grid.y, grid.z, shared_bytes);
+    std::abort();
+  }
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -182,6 +191,11 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 threads, size_t shared_bytes, 
           });
         }
         for (auto& t : ts) t.join();
+        // The 16 bytes past the dynamic shared memory are still as filled: nothing wrote beyond it.
+        if (std::any_of(b.shared.end() - 16, b.shared.end(), [](unsigned char c) { return c != 0xff; })) {
+          std::fprintf(stderr, "cuda-emu: block (%u, %u, %u) wrote past its %zu bytes of dynamic shared memory\n", bx, by, bz, shared_bytes);
+          std::abort();
+        }
         block = nullptr;
       }
 }
