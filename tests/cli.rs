@@ -85,6 +85,7 @@ fn interrupted_and_resumed_run_matches_uninterrupted_bit_for_bit() {
     let cells: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(a.join("babilong.json")).unwrap()).unwrap();
     assert_eq!((cells[0]["task"].as_str(), cells[0]["length"].as_u64(), cells[0]["samples"].as_u64()), (Some("qa1"), Some(1400), Some(1)));
     assert!(cells[0]["mean_prompt_tokens"].as_f64().unwrap() <= 1400.0);
+    assert!(cells[0]["seconds"].as_f64().unwrap() > 0.0, "the cell's wall time: {cells}");
     let err = fails(&attnlab(&["eval", a.to_str().unwrap(), "--task", "babilong:qa1", "--babi", babi.to_str().unwrap()], cwd));
     assert!(err.contains("--essay"), "{err}");
     std::fs::write(&toks, "3 x").unwrap();

@@ -210,6 +210,7 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, task: &str,
             return Err(crate::Error::Other(format!("{task} @ {len}: no sample has at most {} facts", len.saturating_sub(PROMPT_RESERVE) / 8)));
         }
         let bar = crate::progress::bar(recs.len() as u64, &format!("babilong:{task} @ {len}"), b.quiet);
+        let started = std::time::Instant::now();
         let (mut right, mut prompt_tokens) = (0usize, 0usize);
         let batch = ruler::batch_for(model, b, len);
         for (g, group) in recs.chunks(batch).enumerate() {
@@ -224,7 +225,7 @@ pub fn evaluate(model: &crate::model::Model, tok: &crate::data::Tok, task: &str,
         }
         bar.finish_and_clear();
         let k = recs.len();
-        cells.push(Cell { task: task.to_string(), length: len, samples: k, score: 100.0 * right as f64 / k as f64, mean_prompt_tokens: prompt_tokens as f64 / k as f64, chat: b.chat.is_some(), ..Default::default() });
+        cells.push(Cell { task: task.to_string(), length: len, samples: k, score: 100.0 * right as f64 / k as f64, mean_prompt_tokens: prompt_tokens as f64 / k as f64, chat: b.chat.is_some(), seconds: started.elapsed().as_secs_f64(), ..Default::default() });
     }
     Ok(cells)
 }
