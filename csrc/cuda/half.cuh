@@ -17,9 +17,28 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
 
 // Eight 16-bit values as one 16-byte load.
+#ifndef ATTNLAB_CUDA_EMU
 struct alignas(16) Pack8 {
   uint16_t v[8];
 };
+#else
+// Emulated: every copy checks that both ends are 16-byte aligned, as the GPU's vector load and
+// store require (a misaligned one is an error there, and nothing at all on a CPU).
+struct alignas(16) Pack8 {
+  uint16_t v[8];
+  Pack8() = default;
+  Pack8(const Pack8& o) {
+    emu::check_aligned(&o, 16, "a 16-byte load (Pack8)");
+    std::memcpy(v, o.v, 16);
+  }
+  Pack8& operator=(const Pack8& o) {
+    emu::check_aligned(&o, 16, "a 16-byte load (Pack8)");
+    emu::check_aligned(this, 16, "a 16-byte store (Pack8)");
+    std::memcpy(v, o.v, 16);
+    return *this;
+  }
+};
+#endif
 
 // Entry e of a pack, as fp32 (T: the values' 16-bit type).
 template <typename T>

@@ -21,7 +21,12 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 // Two bf16 already in memory (adjacent, the first at the lower address, 4-byte aligned) as one
 // register, by one 32-bit load.
-__device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) {
+#ifdef ATTNLAB_CUDA_EMU
+  emu::check_aligned(p, 4, "a 32-bit load of a bf16 pair");
+#endif
+  return *reinterpret_cast<const uint32_t*>(p);
+}
 
 // Two bf16 from anywhere (`lo`'s bits in the low half): B fragments gathered down a column.
 __device__ __forceinline__ uint32_t join_pair(const __nv_bfloat16* lo, const __nv_bfloat16* hi) {

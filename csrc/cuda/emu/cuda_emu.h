@@ -13,8 +13,9 @@
 //   start and after every barrier, so the others run ahead into the next phase: a missing barrier
 //   (a tile read before it is written, or overwritten while another warp still reads it) then
 //   changes the results, and the test's reference check fails;
-// - a launch the GPU would refuse (over 1024 threads a block, over 227 KB of shared memory) or a
-//   write into the 16 bytes past a block's dynamic shared memory aborts the run.
+// - a launch the GPU would refuse (over 1024 threads a block, over 227 KB of shared memory), a
+//   write into the 16 bytes past a block's dynamic shared memory, or a misaligned vector load or
+//   store (half.cuh's Pack8, mma.cuh's load_pair) aborts the run.
 // Not emulated: timing, memory coherence beyond the barriers, warp-synchronous code without a
 // shuffle or __syncwarp (none of ours), and anything not declared below (it fails to compile).
 #pragma once
@@ -149,6 +150,14 @@ inline void maybe_hold_back() {
 }
 
 inline Warp& warp() { return block->warps[tid / 32]; }
+
+// A vector load or store at an address the GPU would refuse (misaligned for its width) aborts.
+inline void check_aligned(const void* p, size_t bytes, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % bytes != 0) {
+    std::fprintf(stderr, "cuda-emu: %s at %p, which is not %zu-byte aligned (thread %d)\n", what, p, bytes, tid);
+    std::abort();
+  }
+}
 
 template <typename T>
 T* dynamic_shared() {
