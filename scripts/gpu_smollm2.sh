@@ -12,8 +12,9 @@
 #   call 1 (carry .smol/part-00): mkdir -p /tmp/smol && cp .smol/part-00 /tmp/smol/
 #   call 2 (carry .smol/part-01): cp .smol/part-01 /tmp/smol/
 #   call 3 (carry .gpu):          OUT=$OUT BUDGET=480 bash scripts/gpu_smollm2.sh [STEP]...
-# Steps (default: all, in this order): teacher-ruler still still-ruler routing teacher-babilong
-# lolcats lolcats-ruler teacher-ppl. .gpu/ holds the lean binary (make gpu-bin) and .gpu/data/:
+# Steps (default, in this order): still still-ruler routing lolcats lolcats-ruler. The teacher's
+# (teacher-ruler teacher-babilong teacher-ppl) are committed in results/smollm2/teacher/ and run
+# only when named. .gpu/ holds the lean binary (make gpu-bin) and .gpu/data/:
 # train-02.jsonl.zst, valid.jsonl.zst (wiki-gutenberg), alpaca_200.jsonl, test.raw.txt (WikiText-2),
 # ruler_paul_graham_essays.json.gz, babi/.
 set -uo pipefail
@@ -68,7 +69,7 @@ linearize() { # NAME SPEC
     --set stage1.steps=$STAGE_STEPS --set stage2.steps=$STAGE_STEPS --set stage1.eval_every=50 --set stage2.eval_every=50
 }
 
-for s in ${@:-teacher-ruler still still-ruler routing teacher-babilong lolcats lolcats-ruler teacher-ppl}; do
+for s in ${@:-still still-ruler routing lolcats lolcats-ruler}; do
   case $s in
     teacher-ruler) niah $s $G 512,1024,2048,4096 $SAMPLES --out $R/teacher ;;
     still) linearize still experiments/still-smollm2.yaml ;;
