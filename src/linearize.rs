@@ -477,13 +477,17 @@ impl StagedTask for LinearizeTask<'_> {
 /// Run (or resume, or report finished) the linearization a spec describes.
 pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<LinearizeOutcome> {
     let device = crate::device::parse_device(&spec.train.device)?;
-    let (teacher_vs, cfg, tok) = load_teacher(&spec.teacher, spec.tokenizer.as_ref(), device)?;
     let spec = spec.resolved();
+    // Checked before the teacher loads (a GGUF takes a minute on a CPU).
     for (key, s) in [("stage1", &spec.stage1), ("stage2", &spec.stage2)] {
         if s.params.is_some() {
             return Err(Error::Spec { file: "linearize spec".into(), key: format!("{key}.params"), line: None, msg: "linearize stages train fixed parameters (stage 1 the new attention, stage 2 the LoRA adapters)".into() });
         }
+        if s.schedule == Schedule::Plateau && s.eval_every == Some(0) {
+            return Err(Error::Spec { file: "linearize spec".into(), key: format!("{key}.eval_every"), line: None, msg: "`schedule: plateau` (the default) steps on the held-out loss: eval_every must be at least 1".into() });
+        }
     }
+    let (teacher_vs, cfg, tok) = load_teacher(&spec.teacher, spec.tokenizer.as_ref(), device)?;
 
     // Data: rows, a held-out part, and the steps per stage.
     let mut rows = pack(&examples(&spec.data.train, &tok, spec.data.max_examples)?, spec.data.seq_len);
@@ -515,8 +519,8 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
     drop(teacher_vs);
 
     let val_rows = &eval_rows[..eval_rows.len().min(spec.data.val_rows.max(1))];
-    // linearize evaluates at least every update (eval_every 0 = 1).
-    let stage_plan = |s: &StageSpec, steps: u64| stages::StagePlan { steps, lr: s.lr_rule(), eval_every: s.eval_every.expect("resolved").max(1) };
+    // eval_every 0 (a schedule other than plateau): no held-out evaluation inside the stage.
+    let stage_plan = |s: &StageSpec, steps: u64| stages::StagePlan { steps, lr: s.lr_rule(), eval_every: s.eval_every.expect("resolved") };
     let plan = stages::Plan {
         stages: vec![stage_plan(&spec.stage1, s1), stage_plan(&spec.stage2, s2)],
         // No gradient clipping, as the reference code.

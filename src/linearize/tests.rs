@@ -75,6 +75,30 @@ fn e2e_spec(teacher: &Path, out: &Path, variant: &str) -> LinearizeSpec {
     .unwrap()
 }
 
+/// `eval_every: 0` is refused where the plateau schedule needs the held-out loss (before the teacher
+/// loads), and means no evaluation inside the stage under any other schedule.
+#[test]
+fn eval_every_zero_is_refused_with_plateau_and_means_no_evaluation_otherwise() {
+    let _rng = crate::testutil::rng();
+    let tmp = tempfile::tempdir().unwrap();
+    let teacher = tmp.path().join("teacher");
+    tiny_teacher(&teacher);
+    let out = tmp.path().join("run");
+    let mut spec = e2e_spec(&teacher, &out, "{kind: still, chunk: 4, tokens_per_chunk: 1}");
+    spec.stage2.eval_every = Some(0);
+    let mut missing_teacher = spec.clone();
+    missing_teacher.teacher = tmp.path().join("no-such-teacher").display().to_string();
+    let e = linearize(missing_teacher, &LinearizeOptions { quiet: true, stop_after: None }).unwrap_err().to_string();
+    assert!(e.contains("stage2.eval_every") && e.contains("plateau"), "{e}");
+    spec.stage2.schedule = Schedule::Cosine;
+    linearize(spec, &LinearizeOptions { quiet: true, stop_after: None }).unwrap();
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let evaluated = |stage: u64| rows.iter().filter(|r| r["stage"] == stage && r["val_loss"].is_number()).count();
+    assert_eq!((evaluated(1), evaluated(2)), (4, 0), "stage 1 evaluates every step, stage 2 never");
+    assert!(rows.iter().any(|r| r["stage"] == 2 && r["loss"].is_number()));
+}
+
 /// Both stages end to end, interrupted and resumed: metrics rows per stage, checkpoints, DONE,
 /// lora.safetensors, the merged export and the eval.
 #[test]
