@@ -82,6 +82,11 @@ pub struct LinData {
     /// Rows per optimizer step (8 = micro 1 × accumulation 8 of the reference).
     #[serde(default = "default_batch")]
     pub batch_size: usize,
+    /// Rows per forward pass (default: batch_size); the gradients of batch_size / micro_batch
+    /// passes accumulate into one step, equal to the whole batch's. Lower it where a step's
+    /// activations do not fit (the reference runs 1; a 135M teacher at 8 × 1024 needs > 24 GB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_batch: Option<usize>,
     /// Use only the first N examples / documents.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_examples: Option<usize>,
@@ -448,21 +453,33 @@ impl StagedTask for LinearizeTask<'_> {
 
     fn step(&mut self, stage: usize, step: u64, log: bool) -> Result<(Tensor, Map<String, Value>)> {
         let b = self.spec.data.batch_size.max(1);
-        let (x, y) = batch(&stages::step_items(self.rows, step, b, self.spec.train.seed, stage as u64), self.device);
+        let items = stages::step_items(self.rows, step, b, self.spec.train.seed, stage as u64);
+        // Each micro-batch's mean loss weighted by its share of the batch (rows in stage 1, whose
+        // loss is a mean over equal-sized rows; scored tokens in stage 2), so that the summed
+        // gradient is the whole batch's.
+        let scored = |rows: &[&Row]| rows.iter().map(|r| r.targets.iter().filter(|&&t| t != IGNORE).count()).sum::<usize>() as f64;
+        let total = if stage == 1 { items.len() as f64 } else { scored(&items).max(1.0) };
+        let (mut loss, mut per_layer) = (Tensor::zeros([], (Kind::Float, self.device)), None::<Tensor>);
+        for micro in items.chunks(self.spec.data.micro_batch.unwrap_or(b).max(1)) {
+            let (x, y) = batch(micro, self.device);
+            let share = if stage == 1 { micro.len() as f64 } else { scored(micro) } / total;
+            let l = if stage == 1 {
+                let (l, per) = self.hybrid.attention_transfer_loss(&x);
+                per_layer = Some(per_layer.map_or_else(|| &per * share, |acc| acc + &per * share));
+                l
+            } else {
+                self.hybrid.masked_loss(&x, &y, Pass::Train)
+            } * share;
+            l.backward();
+            loss += l.detach().to_kind(Kind::Float);
+        }
         let mut extra = Map::new();
-        let loss = if stage == 1 {
-            let (loss, per_layer) = self.hybrid.attention_transfer_loss(&x);
-            if log {
-                let per: Vec<f64> = Vec::<f64>::try_from(&per_layer.to_kind(Kind::Double)).unwrap_or_default();
-                extra.insert("attn_mse".into(), json!(per.iter().sum::<f64>() / per.len().max(1) as f64));
-                extra.insert("attn_mse_per_layer".into(), json!(per));
-            }
-            loss
-        } else {
-            self.hybrid.masked_loss(&x, &y, Pass::Train)
-        };
-        loss.backward();
-        Ok((loss.detach(), extra))
+        if let (true, Some(per_layer)) = (log, per_layer) {
+            let per: Vec<f64> = Vec::<f64>::try_from(&per_layer.to_kind(Kind::Double)).unwrap_or_default();
+            extra.insert("attn_mse".into(), json!(per.iter().sum::<f64>() / per.len().max(1) as f64));
+            extra.insert("attn_mse_per_layer".into(), json!(per));
+        }
+        Ok((loss, extra))
     }
 
     fn evaluate(&mut self, stage: usize, _at: &stages::Progress) -> Result<Option<stages::Evaluation>> {
@@ -479,6 +496,9 @@ pub fn linearize(spec: LinearizeSpec, opts: &LinearizeOptions) -> Result<Lineari
     let device = crate::device::parse_device(&spec.train.device)?;
     let spec = spec.resolved();
     // Checked before the teacher loads (a GGUF takes a minute on a CPU).
+    if spec.data.micro_batch == Some(0) {
+        return Err(Error::Spec { file: "linearize spec".into(), key: "data.micro_batch".into(), line: None, msg: "rows per forward pass must be at least 1".into() });
+    }
     for (key, s) in [("stage1", &spec.stage1), ("stage2", &spec.stage2)] {
         if s.params.is_some() {
             return Err(Error::Spec { file: "linearize spec".into(), key: format!("{key}.params"), line: None, msg: "linearize stages train fixed parameters (stage 1 the new attention, stage 2 the LoRA adapters)".into() });

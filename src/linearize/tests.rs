@@ -237,3 +237,52 @@ fn smollm2_experiments_linearize_at_smoke_size() {
     assert_eq!(plan.runs.len(), 11, "{names:?}");
     assert!(names.iter().any(|n| n.starts_with("still-random-k4")) && names.iter().any(|n| n.starts_with("still-self_saliency-k16")), "{names:?}");
 }
+
+/// `data.micro_batch`: the accumulated gradient (and the logged loss) of a step equals the whole
+/// batch's in both stages, for equal and unequal micro-batches, with rows whose scored tokens differ.
+#[test]
+fn micro_batches_accumulate_to_the_whole_batch_gradient() {
+    let _rng = crate::testutil::rng();
+    let tmp = tempfile::tempdir().unwrap();
+    let teacher = tmp.path().join("teacher");
+    tiny_teacher(&teacher);
+    let (tvs, cfg, _tok) = load_teacher(teacher.to_str().unwrap(), Some(&TokenizerSpec::Path("builtin".into())), Device::Cpu).unwrap();
+    let vs = VarStore::new(Device::Cpu);
+    let mut spec = e2e_spec(&teacher, &tmp.path().join("run"), "{kind: still, chunk: 4, tokens_per_chunk: 1}").resolved();
+    let h = Llama::linearized(&vs, &tvs, cfg, &spec.attention, &spec.lora).unwrap();
+    // Three rows of 16 tokens with 15, 9 and 3 scored targets (a prompt masked as Alpaca's is).
+    let rows: Vec<Row> = [0usize, 6, 12]
+        .iter()
+        .enumerate()
+        .map(|(i, &masked)| {
+            let ids: Vec<i64> = (0..17).map(|t| ((t * 7 + i * 13) % 90 + 5) as i64).collect();
+            let targets = ids[1..].iter().enumerate().map(|(j, &t)| if j < masked { IGNORE } else { t }).collect();
+            Row { inputs: ids[..16].to_vec(), targets }
+        })
+        .collect();
+    spec.data.batch_size = 3;
+    for stage in [1u64, 2] {
+        let mut opt = optimizer_for(&vs, &h, stage, 0.0);
+        let mut run = |micro: Option<usize>| {
+            spec.data.micro_batch = micro;
+            let mut task = LinearizeTask { spec: &spec, hybrid: &h, added: h.operator_params(&vs), rows: &rows, val_rows: &[], device: Device::Cpu };
+            opt.zero_grad();
+            let (loss, extra) = task.step(stage as usize, 0, true).unwrap();
+            let grads: Vec<Tensor> = opt.slots.iter().map(|s| s.param.grad().copy()).collect();
+            (loss.double_value(&[]), extra.get("attn_mse").and_then(|v| v.as_f64()), grads)
+        };
+        let (loss, mse, whole) = run(None);
+        for micro in [1, 2] {
+            let (l, m, g) = run(Some(micro));
+            assert!((l - loss).abs() <= 1e-5 * loss.abs(), "stage {stage}, micro {micro}: loss {l} vs {loss}");
+            assert_eq!(m.is_some(), stage == 1);
+            if let (Some(m), Some(mse)) = (m, mse) {
+                assert!((m - mse).abs() <= 1e-5 * mse.abs(), "stage {stage}, micro {micro}: attn_mse {m} vs {mse}");
+            }
+            for (a, b) in g.iter().zip(&whole) {
+                let err = (a - b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]).max(1e-12);
+                assert!(err < 1e-4, "stage {stage}, micro {micro}: gradient differs by {err:.2e} of its scale");
+            }
+        }
+    }
+}
