@@ -19,7 +19,7 @@ What it writes:
                        attn_output BF16, ffn_gate / ffn_up Q4_1, ffn_down Q8_0 (layer 0) / F32
                        (layer 1), norms F32. Tokenizer metadata: gpt2 model, smollm pre-tokenizer,
                        bos 1, eos 2, no BOS added, a ChatML chat template.
-  unsupported.gguf     one Q5_0 tensor `blk.0.attn_q.weight` (an error naming tensor and type).
+  (unsupported.gguf, kquants.gguf and kquants_expected.safetensors: make_gguf_kquant_fixture.py.)
   wrong_arch.gguf      general.architecture = gpt2, no tensors.
   bad_shape.gguf       llama metadata as tiny.gguf but blk.0.attn_k.weight of 64 rows (the metadata
                        says head_count_kv 2 × 16 = 32).
@@ -155,11 +155,6 @@ def main():
 
     write(os.path.join(OUT, "tiny.gguf"), "llama", tiny)
 
-    def unsupported(w):
-        metadata(w, vocab=False)
-        store(w, None, "blk.0.attn_q.weight", g(D, D), Q.Q5_0)
-
-    write(os.path.join(OUT, "unsupported.gguf"), "llama", unsupported)
     write(os.path.join(OUT, "wrong_arch.gguf"), "gpt2", lambda w: w.add_block_count(1))
 
     def bad_shape(w):

@@ -1,7 +1,7 @@
 //! GGUF files (llama.cpp's single-file format): the header, metadata and tensor table, dequantization
-//! of F32, F16, BF16, Q8_0, Q4_0 and Q4_1 to fp32, and a Llama model read from one (Hugging Face
-//! parameter names, q / k rows permuted back to the rotate-half layout, tied embeddings when there
-//! is no `output.weight`). The tokenizer and chat template in the metadata: `tokenizer` below.
+//! of F32, F16, BF16, Q8_0, the Q4 / Q5 quants and the k-quants (Q2_K … Q6_K) to fp32, and a Llama
+//! model read from one (Hugging Face parameter names, q / k rows permuted back to the rotate-half
+//! layout, tied embeddings when there is no `output.weight`). The tokenizer and chat template in the metadata: `tokenizer` below.
 //!
 //! Written by hand: the GGUF crates on crates.io either come with a second tensor library (candle) or
 //! do not dequantize. Layout facts (all little-endian): magic `GGUF`, version (2 or 3), tensor count,
@@ -58,16 +58,29 @@ impl Value {
     }
 }
 
-/// ggml tensor types this reader dequantizes (ids as in ggml.h).
+/// ggml tensor types this reader dequantizes (ids as in ggml.h): the float types, the legacy
+/// 32-element quants, and the 256-element k-quants that llama.cpp's Q2_K … Q6_K mixes (Q4_K_M and
+/// the like) are made of, with Q5_0 / Q5_1 / Q8_0, their fallbacks for rows not a multiple of 256.
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DType {
     F32,
     F16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
     BF16,
 }
+
+/// The types `DType` reads, for errors about the others.
+const READS: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K";
 
 impl DType {
     fn of(id: u32) -> Option<DType> {
@@ -76,7 +89,14 @@ impl DType {
             1 => DType::F16,
             2 => DType::Q4_0,
             3 => DType::Q4_1,
+            6 => DType::Q5_0,
+            7 => DType::Q5_1,
             8 => DType::Q8_0,
+            10 => DType::Q2_K,
+            11 => DType::Q3_K,
+            12 => DType::Q4_K,
+            13 => DType::Q5_K,
+            14 => DType::Q6_K,
             30 => DType::BF16,
             _ => return None,
         })
@@ -89,7 +109,14 @@ impl DType {
             DType::F16 | DType::BF16 => (1, 2),
             DType::Q4_0 => (32, 18),
             DType::Q4_1 => (32, 20),
+            DType::Q5_0 => (32, 22),
+            DType::Q5_1 => (32, 24),
             DType::Q8_0 => (32, 34),
+            DType::Q2_K => (256, 84),
+            DType::Q3_K => (256, 110),
+            DType::Q4_K => (256, 144),
+            DType::Q5_K => (256, 176),
+            DType::Q6_K => (256, 210),
         }
     }
 }
@@ -457,7 +484,7 @@ impl Gguf {
     pub fn dequantize(&self, name: &str) -> Result<Tensor> {
         let t = self.tensor(name).ok_or_else(|| Error::Data(format!("{}: no tensor `{name}`", self.path.display())))?;
         let ty = DType::of(t.type_id)
-            .ok_or_else(|| Error::Data(format!("{}: tensor `{name}` has type {}; attnlab reads F32, F16, BF16, Q8_0, Q4_0 and Q4_1", self.path.display(), type_name(t.type_id))))?;
+            .ok_or_else(|| Error::Data(format!("{}: tensor `{name}` has type {}; attnlab reads {READS}", self.path.display(), type_name(t.type_id))))?;
         // In the file and of whole blocks: checked by `open`.
         let start = (self.data_start + t.offset) as usize;
         let bytes = &self.map[start..start + self.byte_len(t)? as usize];
@@ -497,9 +524,96 @@ pub fn dequantize(ty: DType, bytes: &[u8]) -> Vec<f32> {
                 out.extend(qs.iter().map(|&q| d * (q & 0xF) as f32 + m));
                 out.extend(qs.iter().map(|&q| d * (q >> 4) as f32 + m));
             }
+            // As Q4_0 / Q4_1, with element j's fifth bit in bit j of a little-endian u32.
+            DType::Q5_0 => {
+                let d = f16(b);
+                let q = q5(u32::from_le_bytes([b[2], b[3], b[4], b[5]]), &b[6..22]);
+                out.extend(q.map(|q| (q as i32 - 16) as f32 * d));
+            }
+            DType::Q5_1 => {
+                let (d, m) = (f16(b), f16(&b[2..4]));
+                let q = q5(u32::from_le_bytes([b[4], b[5], b[6], b[7]]), &b[8..24]);
+                out.extend(q.map(|q| d * q as f32 + m));
+            }
+            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => k_quant(ty, b, &mut out),
         }
     }
     out
+}
+
+/// The 32 five-bit values of a Q5_0 / Q5_1 block: nibbles as Q4 (low halves first), high bits from `qh`.
+fn q5(qh: u32, qs: &[u8]) -> impl Iterator<Item = u8> + '_ {
+    (0..32).map(move |j| {
+        let nibble = if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 };
+        nibble | ((((qh >> j) & 1) as u8) << 4)
+    })
+}
+
+/// Sub-block `j`'s 6-bit scale and minimum of a Q4_K / Q5_K block's 12 packed bytes: bytes 0–3
+/// hold the scales of 0–3 (and in their top bits the high bits of 4–7's), 4–7 the minima likewise,
+/// 8–11 the low nibbles of 4–7's scale (low) and minimum (high).
+fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+    }
+}
+
+/// One 256-element k-quant block (ggml-common.h's layouts), element v computed in fp32 as
+/// (d · scale) · q − dmin · min, as ggml does.
+fn k_quant(ty: DType, b: &[u8], out: &mut Vec<f32>) {
+    match ty {
+        // scales[16] (low nibble scale, high nibble min per 16 elements), qs[64] of 2-bit values,
+        // d, dmin. Element v = 128h + 32s + l is bits 2s of qs[32h + l].
+        DType::Q2_K => {
+            let (sc, qs, d, dmin) = (&b[0..16], &b[16..80], f16(&b[80..82]), f16(&b[82..84]));
+            out.extend((0..256).map(|v| {
+                let (h, s, l, g) = (v / 128, v % 128 / 32, v % 32, v / 16);
+                let q = (qs[32 * h + l] >> (2 * s)) & 3;
+                d * (sc[g] & 0xF) as f32 * q as f32 - dmin * (sc[g] >> 4) as f32
+            }));
+        }
+        // hmask[32], qs[64], scales[12] (16 six-bit scales, offset 32), d. Element v = 128h + 32s + l:
+        // 2 bits from qs as Q2_K, minus 4 unless bit v / 32 of hmask[l] is set.
+        DType::Q3_K => {
+            let (hmask, qs, packed, d) = (&b[0..32], &b[32..96], &b[96..108], f16(&b[108..110]));
+            let scale = |i: usize| (((packed[i % 8] >> (4 * (i / 8))) & 0xF) | (((packed[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) as i32 - 32;
+            out.extend((0..256).map(|v| {
+                let (h, s, l) = (v / 128, v % 128 / 32, v % 32);
+                let low = ((qs[32 * h + l] >> (2 * s)) & 3) as i32;
+                let q = low - if (hmask[l] >> (v / 32)) & 1 == 1 { 0 } else { 4 };
+                d * scale(v / 16) as f32 * q as f32
+            }));
+        }
+        // d, dmin, scales[12] (scale_min_k4), [qh[32] for Q5_K], qs[128]. Element v = 64c + 32n + l
+        // (sub-block v / 32) is nibble n of qs[32c + l]; Q5_K's fifth bit is bit v / 32 of qh[l].
+        DType::Q4_K | DType::Q5_K => {
+            let (d, dmin, packed) = (f16(b), f16(&b[2..4]), &b[4..16]);
+            let (qh, qs) = if ty == DType::Q5_K { (Some(&b[16..48]), &b[48..176]) } else { (None, &b[16..144]) };
+            out.extend((0..256).map(|v| {
+                let (c, n, l, sub) = (v / 64, v % 64 / 32, v % 32, v / 32);
+                let (sc, m) = scale_min_k4(sub, packed);
+                let high = qh.map_or(0, |qh| ((qh[l] >> sub) & 1) << 4);
+                let q = ((qs[32 * c + l] >> (4 * n)) & 0xF) | high;
+                d * sc as f32 * q as f32 - dmin * m as f32
+            }));
+        }
+        // ql[128], qh[64], scales[16] (i8, per 16 elements), d. Element v = 128h + w: its low
+        // nibble is nibble w / 64 of ql[64h + w % 64], its two high bits bits 2(w / 32) of
+        // qh[32h + w % 32]; the 6-bit value is offset by 32.
+        DType::Q6_K => {
+            let (ql, qh, sc, d) = (&b[0..128], &b[128..192], &b[192..208], f16(&b[208..210]));
+            out.extend((0..256).map(|v| {
+                let (h, w) = (v / 128, v % 128);
+                let low = (ql[64 * h + w % 64] >> (4 * (w / 64))) & 0xF;
+                let high = (qh[32 * h + w % 32] >> (2 * (w / 32))) & 3;
+                let q = (low | (high << 4)) as i32 - 32;
+                d * (sc[v / 16] as i8) as f32 * q as f32
+            }));
+        }
+        _ => unreachable!("not a k-quant: {ty:?}"),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -657,7 +771,7 @@ pub fn check_llama_tensors(g: &Gguf, cfg: &LlamaConfig) -> Result<()> {
             return Err(bad(format!("tensor `{}` has shape {:?} (GGUF dims {:?}), but the metadata ({fields}) says {want:?}", t.name, t.shape(), t.dims)));
         }
         if DType::of(t.type_id).is_none() {
-            return Err(bad(format!("tensor `{}` has type {}; attnlab reads F32, F16, BF16, Q8_0, Q4_0 and Q4_1", t.name, type_name(t.type_id))));
+            return Err(bad(format!("tensor `{}` has type {}; attnlab reads {READS}", t.name, type_name(t.type_id))));
         }
     }
     let blocks: std::collections::BTreeSet<usize> = g.tensors.iter().filter_map(|t| block_of(&t.name)).collect();
