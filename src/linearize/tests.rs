@@ -63,6 +63,14 @@ fn tiny_teacher(dir: &Path) {
     crate::model::hf::save_llama(&vs, &cfg, dir).unwrap();
 }
 
+/// `tiny_teacher` saved under `dir`/teacher and loaded back: its folder, weights and config.
+fn loaded_tiny_teacher(dir: &Path) -> (std::path::PathBuf, VarStore, crate::model::LlamaConfig) {
+    let teacher = dir.join("teacher");
+    tiny_teacher(&teacher);
+    let (tvs, cfg, _tok) = load_teacher(teacher.to_str().unwrap(), Some(&TokenizerSpec::Path("builtin".into())), Device::Cpu).unwrap();
+    (teacher, tvs, cfg)
+}
+
 fn e2e_spec(teacher: &Path, out: &Path, variant: &str) -> LinearizeSpec {
     LinearizeSpec::from_yaml(&format!(
         "{{teacher: '{}', tokenizer: builtin, attention: {variant}, lora: {{targets: [q_proj, v_proj, g_proj]}},
@@ -167,9 +175,7 @@ fn linearize_end_to_end_with_resume() {
 fn stage2_freezes_all_but_lora() {
     let _rng = crate::testutil::rng();
     let tmp = tempfile::tempdir().unwrap();
-    let teacher = tmp.path().join("teacher");
-    tiny_teacher(&teacher);
-    let (tvs, cfg, _tok) = load_teacher(teacher.to_str().unwrap(), Some(&TokenizerSpec::Path("builtin".into())), Device::Cpu).unwrap();
+    let (_teacher, tvs, cfg) = loaded_tiny_teacher(tmp.path());
     let vs = VarStore::new(Device::Cpu);
     let variant: Variant = serde_yaml::from_str("{kind: lolcats, window: 4, feature_dim: 4}").unwrap();
     let h = Llama::linearized(&vs, &tvs, cfg, &variant, &LoraConfig::default()).unwrap();
@@ -244,9 +250,7 @@ fn smollm2_experiments_linearize_at_smoke_size() {
 fn micro_batches_accumulate_to_the_whole_batch_gradient() {
     let _rng = crate::testutil::rng();
     let tmp = tempfile::tempdir().unwrap();
-    let teacher = tmp.path().join("teacher");
-    tiny_teacher(&teacher);
-    let (tvs, cfg, _tok) = load_teacher(teacher.to_str().unwrap(), Some(&TokenizerSpec::Path("builtin".into())), Device::Cpu).unwrap();
+    let (teacher, tvs, cfg) = loaded_tiny_teacher(tmp.path());
     let vs = VarStore::new(Device::Cpu);
     let mut spec = e2e_spec(&teacher, &tmp.path().join("run"), "{kind: still, chunk: 4, tokens_per_chunk: 1}").resolved();
     let h = Llama::linearized(&vs, &tvs, cfg, &spec.attention, &spec.lora).unwrap();
