@@ -12,7 +12,8 @@
 #   call 1 (carry .smol/part-00): mkdir -p /tmp/smol && cp .smol/part-00 /tmp/smol/
 #   call 2 (carry .smol/part-01): cp .smol/part-01 /tmp/smol/
 #   call 3 (carry .gpu):          OUT=$OUT BUDGET=480 bash scripts/gpu_smollm2.sh [STEP]...
-# Steps (default, in this order): still still-ruler routing lolcats lolcats-ruler. The teacher's
+# Steps (default, in this order): still still-ruler routing lolcats lolcats-ruler. DAR fine-tuning
+# (issue 37 item 5), by name: ft-d576 ft-d288 ft-d144 ft-d72 ft-vanilla, then ft-ruler. The teacher's
 # (teacher-ruler teacher-babilong teacher-ppl) are committed in results/smollm2/teacher/ and run
 # only when named. .gpu/ holds the lean binary (make gpu-bin) and .gpu/data/:
 # train-02.jsonl.zst, valid.jsonl.zst (wiki-gutenberg), alpaca_200.jsonl, test.raw.txt (WikiText-2),
@@ -69,6 +70,14 @@ linearize() { # NAME SPEC
     --set stage1.steps=$STAGE_STEPS --set stage2.steps=$STAGE_STEPS --set stage1.eval_every=50 --set stage2.eval_every=50
 }
 
+# DAR fine-tuning (issue 37 item 5): experiments/finetune-smollm2-dar.yaml on the carried data.
+finetune() { # NAME [--set ...]
+  local name=$1; shift
+  step "$name" 90 $A finetune experiments/finetune-smollm2-dar.yaml --quiet --out $R/$name --set base=$G \
+    --set "data.train=[{text: {path: $D/train-02.jsonl.zst}}, {alpaca: $D/alpaca_200.jsonl}]" \
+    --set "data.eval={text: {path: $D/valid.jsonl.zst}}" --set train.device=cuda "$@"
+}
+
 for s in ${@:-still still-ruler routing lolcats lolcats-ruler}; do
   case $s in
     teacher-ruler) niah $s $G 512,1024,2048,4096 $SAMPLES --out $R/teacher ;;
@@ -92,6 +101,9 @@ for s in ${@:-still still-ruler routing lolcats lolcats-ruler}; do
       done ;;
     lolcats) linearize lolcats experiments/lolcats-smollm2.yaml ;;
     lolcats-ruler) [ -f $R/lolcats/DONE ] && niah $s $R/lolcats 512,1024,2048 $SAMPLES ;;
+    ft-d576|ft-d288|ft-d144|ft-d72) finetune $s --set attention.d_down=${s#ft-d} ;;
+    ft-vanilla) finetune $s --set 'attention={kind: vanilla}' --set stage1.params=all --set stage1.lr=3.0e-5 ;;
+    ft-ruler) for r in $R/ft-*; do [ -f $r/DONE ] && niah "ruler-$(basename $r)" $r 1024,2048,4096 $SAMPLES; done ;;
     teacher-ppl) step $s 30 $A eval $G --device cuda --corpus wiki=wikitext:$D/test.raw.txt --out $R/teacher ;;
     *) log "unknown step $s" ;;
   esac

@@ -59,14 +59,27 @@ pub struct FinetuneSpec {
     pub output: PathBuf,
 }
 
+/// What fine-tuning reads: conversations (loss on the assistant's tokens), plain text (`{text:
+/// SOURCE}`, any text source of `crate::data`, e.g. `{text: {path: valid.jsonl.zst}}`: every token
+/// scored, no chat template), or a list of these whose examples alternate (each part capped by
+/// `max_examples`), so that every stretch of packed rows holds all of them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum FtSource {
+    Chat(ChatSource),
+    Text { text: crate::spec::SourceSpec },
+    Mix(Vec<FtSource>),
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FtData {
-    /// Conversations: `{path: FILE|DIR, field: messages}` or `{hf: {repo, files, revision, field}}`.
-    pub train: ChatSource,
-    /// Held-out conversations. Default: `val_rows` packed rows held out from the training rows.
+    /// Conversations: `{path: FILE|DIR, field: messages}`, `{hf: {repo, files, revision, field}}` or
+    /// `{alpaca: FILE}`; plain text `{text: SOURCE}`; or a list of these (`FtSource`).
+    pub train: FtSource,
+    /// Held-out data, as `train`. Default: `val_rows` packed rows held out from the training rows.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub eval: Option<ChatSource>,
+    pub eval: Option<FtSource>,
     /// Tokens per packed row (4096).
     #[serde(default = "default_seq")]
     pub seq_len: usize,
@@ -328,11 +341,33 @@ pub fn chat_template(spec: &FinetuneSpec, tok: &Tok) -> Result<ChatTemplate> {
     }
 }
 
-/// Packed rows of a conversation source.
-fn rows_of(src: &ChatSource, max: Option<usize>, template: &ChatTemplate, tok: &Tok, eos: u32, seq_len: usize) -> Result<(Vec<PackedRow>, chat::PackStats)> {
-    let convs = chat::read_conversations(src)?;
-    let encoded = convs.iter().take(max.unwrap_or(usize::MAX)).map(|c| chat::encode(c, template, tok, eos)).collect::<Result<Vec<_>>>()?;
-    Ok(chat::pack(&encoded, seq_len, eos as i64))
+/// Packed rows of a source.
+fn rows_of(src: &FtSource, max: Option<usize>, template: &ChatTemplate, tok: &Tok, eos: u32, seq_len: usize) -> Result<(Vec<PackedRow>, chat::PackStats)> {
+    Ok(chat::pack(&encoded(src, max.unwrap_or(usize::MAX), template, tok, eos)?, seq_len, eos as i64))
+}
+
+/// The tokenised examples of a source, at most `max` of each part.
+fn encoded(src: &FtSource, max: usize, template: &ChatTemplate, tok: &Tok, eos: u32) -> Result<Vec<chat::Encoded>> {
+    match src {
+        FtSource::Chat(c) => chat::read_conversations(c)?.iter().take(max).map(|c| chat::encode(c, template, tok, eos)).collect(),
+        FtSource::Text { text } => crate::data::sources::read_documents(text)?
+            .iter()
+            .take(max)
+            .map(|d| {
+                let mut tokens: Vec<i64> = tok.encode(&d.text)?.into_iter().map(i64::from).collect();
+                tokens.push(eos as i64);
+                Ok(chat::Encoded { labels: tokens.clone(), tokens })
+            })
+            .collect(),
+        FtSource::Mix(parts) => {
+            let mut each: Vec<std::vec::IntoIter<chat::Encoded>> = parts.iter().map(|p| encoded(p, max, template, tok, eos).map(Vec::into_iter)).collect::<Result<_>>()?;
+            let mut out = Vec::new();
+            while each.iter().any(|e| e.len() > 0) {
+                out.extend(each.iter_mut().filter_map(Iterator::next));
+            }
+            Ok(out)
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -449,7 +484,7 @@ pub fn finetune(spec: FinetuneSpec, opts: &FinetuneOptions) -> Result<FinetuneOu
     };
     let eval_rows = &eval_rows[..eval_rows.len().min(spec.data.eval_rows)];
     if rows.is_empty() {
-        return Err(Error::Data(format!("no training row: {} conversations, {} without assistant tokens", stats.conversations, stats.dropped)));
+        return Err(Error::Data(format!("no training row: {} examples, {} without a scored token", stats.conversations, stats.dropped)));
     }
     if rows.iter().chain(eval_rows).flat_map(|r| &r.inputs).any(|&t| t as usize >= cfg.vocab_size) {
         return Err(Error::Data(format!("the tokenizer produces ids ≥ the base model's vocabulary ({})", cfg.vocab_size)));
@@ -470,7 +505,7 @@ pub fn finetune(spec: FinetuneSpec, opts: &FinetuneOptions) -> Result<FinetuneOu
     let tp = dir.path.join("chat_template.jinja");
     std::fs::write(&tp, &template.source).at(&tp)?;
     if !opts.quiet {
-        eprintln!("finetune: {} conversations → {} training rows, {} held-out rows ({} cut, {} without assistant tokens); {}+{} updates", stats.conversations, rows.len(), eval_rows.len(), stats.truncated, stats.dropped, steps[0], steps[1]);
+        eprintln!("finetune: {} examples → {} training rows, {} held-out rows ({} cut, {} without a scored token); {}+{} updates", stats.conversations, rows.len(), eval_rows.len(), stats.truncated, stats.dropped, steps[0], steps[1]);
     }
 
     tch::manual_seed(spec.train.seed as i64);
@@ -536,6 +571,38 @@ mod tests {
     /// config.yaml of a finetune run directory written before the attention became the spec's
     /// `AttentionSpec` (attnlab at 71effca, `attnlab config` of a DAR spec with `init: pca`).
     const OLD_CONFIG: &str = "command: finetune\nbase: some/llama\nattention:\n  kind: dar\n  d_down: 16\n  window: 8\n  init: pca\ndata:\n  train:\n    path: chat.jsonl\n    field: messages\n  seq_len: 4096\n  batch_size: 8\n  val_rows: 8\n  eval_rows: 64\n  calibration_rows: 8\nstage1:\n  epochs: 1.0\n  lr: 0.0003\n  weight_decay: 0.0\n  warmup: 0.03\n  schedule: linear\n  params: bottleneck\nstage2:\n  epochs: 1.0\n  lr: 0.00003\n  weight_decay: 0.0\n  warmup: 0.03\n  schedule: linear\n  params: all\ntrain:\n  device: auto\n  seed: 0\n  log_every: 10\n  clip: 1.0\n  precision: auto\ncheckpoint:\n  every: 200\n  keep: 2\noutput: OUT\n";
+
+    /// `data.train` as a list of plain text and Alpaca: parsed, written back as given, and encoded
+    /// with the parts alternating, prose scored on every token and Alpaca on its answer only.
+    #[test]
+    fn prose_and_instructions_mix_with_every_prose_token_scored() {
+        let _rng = crate::testutil::rng();
+        let tmp = tempfile::tempdir().unwrap();
+        let (prose, alpaca) = (tmp.path().join("prose.jsonl"), tmp.path().join("alpaca.jsonl"));
+        std::fs::write(&prose, "{\"text\": \"mira lives in oslo .\"}\n{\"text\": \"oslo is cold .\"}\n{\"text\": \"the end .\"}\n").unwrap();
+        std::fs::write(&alpaca, "{\"instruction\": \"where is mira ?\", \"input\": \"\", \"output\": \"oslo\"}\n").unwrap();
+        let yaml = format!("base: b\ndata:\n  train:\n  - text:\n      path: {}\n  - alpaca: {}\n  eval:\n    text:\n      path: {}\noutput: o\n", prose.display(), alpaca.display(), prose.display());
+        let spec = FinetuneSpec::from_yaml(&yaml).unwrap();
+        assert!(matches!(&spec.data.train, FtSource::Mix(parts) if matches!(parts[..], [FtSource::Text { .. }, FtSource::Chat(ChatSource::Alpaca { .. })])), "{:?}", spec.data.train);
+        assert!(matches!(spec.data.eval, Some(FtSource::Text { .. })));
+        assert_eq!(FinetuneSpec::from_yaml(&spec.to_yaml()).unwrap(), spec, "written back as given");
+        let tok = Tok::load(&TokenizerSpec::Path("builtin".into())).unwrap();
+        let eos = crate::data::tokenizer::eos_id(&tok);
+        let template = ChatTemplate::builtin(&tok.inner.id_to_token(eos).unwrap());
+        let ex = encoded(&spec.data.train, usize::MAX, &template, &tok, eos).unwrap();
+        // prose 1, alpaca, prose 2, prose 3: the parts alternate until each is used up.
+        assert_eq!(ex.len(), 4);
+        for (i, e) in ex.iter().enumerate() {
+            let scored = e.labels.iter().filter(|&&l| l != IGNORE).count();
+            if i == 1 {
+                assert!(scored > 0 && scored < e.tokens.len(), "the instruction's prompt is not scored: {e:?}");
+            } else {
+                assert_eq!((e.labels.clone(), *e.tokens.last().unwrap()), (e.tokens.clone(), eos as i64), "prose: every token scored, ended by eos");
+            }
+        }
+        assert_eq!(ex[0].tokens[..ex[0].tokens.len() - 1], tok.encode("mira lives in oslo .").unwrap().into_iter().map(i64::from).collect::<Vec<_>>()[..]);
+        assert_eq!(encoded(&spec.data.train, 1, &template, &tok, eos).unwrap().len(), 2, "max_examples caps each part");
+    }
 
     fn ft(attention: &str) -> Result<FinetuneSpec> {
         FinetuneSpec::from_yaml(&format!("base: b\n{attention}data: {{train: {{path: x.jsonl}}}}\noutput: o\n"))

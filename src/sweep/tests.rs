@@ -354,7 +354,7 @@ fn a_locked_run_is_busy_and_the_others_go_on() {
 }
 
 /// Expected runs per file in sweeps/ (every file there must be listed).
-const SWEEPS: [(&str, usize); 27] = [
+const SWEEPS: [(&str, usize); 28] = [
     ("dar-evidence-reduced.yaml", 15),
     ("dar-evidence-smoke.yaml", 12),
     ("dar-longrange-niah-reduced.yaml", 12),
@@ -366,6 +366,7 @@ const SWEEPS: [(&str, usize); 27] = [
     ("dar-recall-curves-smoke.yaml", 14),
     ("dar-window-ablation-reduced.yaml", 16),
     ("dar-window-ablation-smoke.yaml", 14),
+    ("finetune-smollm2-dar.yaml", 5),
     ("still-components-paper.yaml", 6),
     ("still-components-reduced.yaml", 6),
     ("still-components-smoke.yaml", 6),
