@@ -12,7 +12,8 @@
 #   call 1 (carry .smol/part-00): mkdir -p /tmp/smol && cp .smol/part-00 /tmp/smol/
 #   call 2 (carry .smol/part-01): cp .smol/part-01 /tmp/smol/
 #   call 3 (carry .gpu):          OUT=$OUT BUDGET=480 bash scripts/gpu_smollm2.sh [STEP]...
-# Steps (default, in this order): still still-ruler routing lolcats lolcats-ruler. DAR fine-tuning
+# Steps (default, in this order): still still-ruler routing lolcats lolcats-ruler; kappa (the κ
+# curve at evaluation time) by name. DAR fine-tuning
 # (issue 37 item 5), by name: ft-d576 ft-d288 ft-d144 ft-d72 ft-vanilla, then ft-ruler. The teacher's
 # (teacher-ruler teacher-babilong teacher-ppl) are committed in results/smollm2/teacher/ and run
 # only when named. .gpu/ holds the lean binary (make gpu-bin) and .gpu/data/:
@@ -89,6 +90,11 @@ for s in ${@:-still still-ruler routing lolcats lolcats-ruler}; do
         for m in oracle diag_attention self_logit key_norm random uniform; do
           niah "routing-$m" $R/still 512,1024 20 --set attention.routing=$m
         done
+      fi ;;
+    kappa)
+      # The κ curve re-evaluated on the one student (trained at κ 4 of C 64): κ changed at evaluation.
+      if [ -f $R/still/DONE ]; then
+        for k in 2 8 16 32; do niah "kappa-$k" $R/still 512,1024 $SAMPLES --set attention.tokens_per_chunk=$k; done
       fi ;;
     routing-rest) # the metrics a first call had no time for
       if [ -f $R/still/DONE ]; then
