@@ -604,6 +604,38 @@ mod tests {
         assert_eq!(encoded(&spec.data.train, 1, &template, &tok, eos).unwrap().len(), 2, "max_examples caps each part");
     }
 
+    /// experiments/finetune-smollm2-dar.yaml runs end to end at smoke size (the real SmolLM2 from
+    /// its GGUF, prose + Alpaca, one step a stage of 128 tokens): DAR at d_down 144 in the export, the
+    /// base and the fine-tuned model scored on held-out prose.
+    #[test]
+    fn smollm2_dar_finetune_experiment_runs_at_smoke_size() {
+        let _rng = crate::testutil::rng();
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        crate::model::gguf::tests_support::smollm2();
+        let tmp = tempfile::tempdir().unwrap();
+        // The spec's prose + Alpaca mix, from the test data a clean clone has (no ../shared beside it).
+        let (prose, alpaca, out) = (tmp.path().join("prose.txt"), tmp.path().join("alpaca.jsonl"), tmp.path().join("run"));
+        std::fs::write(&prose, crate::testutil::shared_text("data/text/wikitext-2/test.raw.txt").chars().take(20_000).collect::<String>()).unwrap();
+        std::fs::write(&alpaca, crate::testutil::shared_text("data/alpaca/alpaca_200.jsonl")).unwrap();
+        let sets: Vec<String> = ["stage1.steps=1", "stage2.steps=1", "data.seq_len=128", "data.batch_size=1", "data.max_examples=3", "data.eval_rows=1", "data.calibration_rows=1", "train.device=cpu", "checkpoint.every=0"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([
+                format!("output={}", out.display()),
+                format!("data.train=[{{text: {{path: {}}}}}, {{alpaca: {}}}]", prose.display(), alpaca.display()),
+                format!("data.eval={{text: {{path: {}}}}}", prose.display()),
+            ])
+            .collect();
+        let spec = FinetuneSpec::from_file(&root.join("experiments/finetune-smollm2-dar.yaml"), &sets).unwrap();
+        assert_eq!((spec.base.as_str(), spec.attention.d_down_width(), spec.attention.window_len()), ("gguf:smollm2", Some(144), Some(128)));
+        let o = finetune(spec, &FinetuneOptions { quiet: true, stop_after: None }).unwrap();
+        assert_eq!(o.step, 2);
+        let (base, tuned) = (o.eval["base"]["ppl"].as_f64().unwrap(), o.eval["finetuned"]["ppl"].as_f64().unwrap());
+        assert!(base.is_finite() && tuned.is_finite() && base < 1000.0, "base {base}, fine-tuned {tuned}");
+        let config: Value = serde_json::from_str(&std::fs::read_to_string(out.join("export/config.json")).unwrap()).unwrap();
+        assert_eq!(config["attnlab_attention"]["d_down"], 144, "{config}");
+    }
+
     fn ft(attention: &str) -> Result<FinetuneSpec> {
         FinetuneSpec::from_yaml(&format!("base: b\n{attention}data: {{train: {{path: x.jsonl}}}}\noutput: o\n"))
     }
