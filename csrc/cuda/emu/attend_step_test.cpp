@@ -128,15 +128,15 @@ std::vector<double> reference(const Case& k, const Inputs<T>& in, int window_shi
   return out;
 }
 
-// `fresh`: the new token's key, value and latent handed over as their own tensors while their
-// cache slots hold stale values; the kernels must read the new ones and the combine kernel must
-// write them into the caches (checked here: a failure returns NaNs).
 // The same bits (empty vectors included: memcmp may not be given their null data()).
 template <typename T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
+// `fresh`: the new token's key, value and latent handed over as their own tensors while their
+// cache slots hold stale values; the kernels must read the new ones and the combine kernel must
+// write them into the caches (checked here: a failure returns NaNs).
 template <typename T, int G>
 std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool vec, bool fresh) {
   std::vector<T> rk = in.rk.dev, rv = in.rv.dev, c = in.c.dev;  // the caches, written by a fresh step
@@ -236,7 +236,7 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
                 (T*)nullptr, (const void*)(k.S ? in.wv.dev.data() : nullptr), o.data(), cw);
     for (size_t i = 0; i < o.size(); ++i) out[i] = emu_test::from_half(o[i]);
     // A fresh step leaves the caches as a written one: the stale slots overwritten by the new rows.
-      if (fresh && !(same_bits(rk, in.rk.dev) && same_bits(rv, in.rv.dev) && same_bits(c, in.c.dev))) {
+    if (fresh && !(same_bits(rk, in.rk.dev) && same_bits(rv, in.rv.dev) && same_bits(c, in.c.dev))) {
       std::printf("  FAILED: the fresh step did not write the new token into its cache slots\n");
       std::fill(out.begin(), out.end(), NAN);
     }
