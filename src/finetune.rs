@@ -63,12 +63,45 @@ pub struct FinetuneSpec {
 /// SOURCE}`, any text source of `crate::data`, e.g. `{text: {path: valid.jsonl.zst}}`: every token
 /// scored, no chat template), or a list of these whose examples alternate (each part capped by
 /// `max_examples`), so that every stretch of packed rows holds all of them.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum FtSource {
     Chat(ChatSource),
     Text { text: crate::spec::SourceSpec },
     Mix(Vec<FtSource>),
+}
+
+/// By its shape (a list, a mapping with `text`, any other mapping), so that a wrong entry is told
+/// which forms there are and which keys it has, not "did not match any variant".
+impl<'de> Deserialize<'de> for FtSource {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        const FORMS: &str = "a data source is conversations ({path: FILE, field: messages}, {hf: {repo, files}} or {alpaca: FILE}), plain text ({text: SOURCE}, e.g. {text: {path: FILE}}) or a list of these";
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Text {
+            text: crate::spec::SourceSpec,
+        }
+        let v = serde_yaml::Value::deserialize(d)?;
+        match v {
+            serde_yaml::Value::Sequence(items) => items.into_iter().map(serde_yaml::from_value).collect::<std::result::Result<Vec<_>, _>>().map(FtSource::Mix).map_err(D::Error::custom),
+            serde_yaml::Value::Mapping(ref m) => {
+                let keys: Vec<String> = m.keys().map(|k| k.as_str().map_or_else(|| format!("{k:?}"), str::to_string)).collect();
+                let bad = |e: serde_yaml::Error| {
+                    // serde's own words for an untagged enum name no key; say which ones there are.
+                    let e = e.to_string();
+                    let what = if e.contains("did not match any variant") { "not a data source".to_string() } else { e };
+                    D::Error::custom(format!("{what} (keys: {}); {FORMS}", keys.join(", ")))
+                };
+                if m.contains_key("text") {
+                    serde_yaml::from_value::<Text>(v).map(|t| FtSource::Text { text: t.text }).map_err(bad)
+                } else {
+                    serde_yaml::from_value::<ChatSource>(v).map(FtSource::Chat).map_err(bad)
+                }
+            }
+            other => Err(D::Error::custom(format!("{other:?}: {FORMS}"))),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -602,6 +635,11 @@ mod tests {
         }
         assert_eq!(ex[0].tokens[..ex[0].tokens.len() - 1], tok.encode("mira lives in oslo .").unwrap().into_iter().map(i64::from).collect::<Vec<_>>()[..]);
         assert_eq!(encoded(&spec.data.train, 1, &template, &tok, eos).unwrap().len(), 2, "max_examples caps each part");
+        // A wrong entry is told the forms there are and the keys it has.
+        let e = FinetuneSpec::from_yaml("base: b\ndata:\n  train:\n  - {txt: {path: a.jsonl}}\noutput: o\n").unwrap_err().to_string();
+        assert!(e.contains("keys: txt") && e.contains("{text: SOURCE}") && e.contains("{alpaca: FILE}"), "{e}");
+        let e = FinetuneSpec::from_yaml("base: b\ndata: {train: {text: {path: a.jsonl}, field: x}}\noutput: o\n").unwrap_err().to_string();
+        assert!(e.contains("field") && e.contains("keys: text, field"), "{e}");
     }
 
     /// experiments/finetune-smollm2-dar.yaml runs end to end at smoke size (the real SmolLM2 from
