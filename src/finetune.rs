@@ -651,10 +651,7 @@ mod tests {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         crate::model::gguf::tests_support::smollm2();
         let tmp = tempfile::tempdir().unwrap();
-        // The spec's prose + Alpaca mix, from the test data a clean clone has (no ../shared beside it).
-        let (prose, alpaca, out) = (tmp.path().join("prose.txt"), tmp.path().join("alpaca.jsonl"), tmp.path().join("run"));
-        std::fs::write(&prose, crate::testutil::shared_text("data/text/wikitext-2/test.raw.txt").chars().take(20_000).collect::<String>()).unwrap();
-        std::fs::write(&alpaca, crate::testutil::shared_text("data/alpaca/alpaca_200.jsonl")).unwrap();
+        let ((prose, alpaca), out) = (crate::testutil::smoke_prose_and_alpaca(tmp.path()), tmp.path().join("run"));
         let sets: Vec<String> = ["stage1.steps=1", "stage2.steps=1", "data.seq_len=128", "data.batch_size=1", "data.max_examples=3", "data.eval_rows=1", "data.calibration_rows=1", "train.device=cpu", "checkpoint.every=0"]
             .iter()
             .map(|s| s.to_string())

@@ -5,6 +5,16 @@ use std::io::Read;
 pub mod mutate;
 use std::path::PathBuf;
 
+/// The SmolLM2 experiments' prose + Alpaca mix at smoke size, from the test data a clean clone has
+/// (no ../shared beside it): 20,000 characters of WikiText-2 and the Alpaca sample, written into
+/// `dir` as prose.txt and alpaca.jsonl.
+pub fn smoke_prose_and_alpaca(dir: &std::path::Path) -> (PathBuf, PathBuf) {
+    let (prose, alpaca) = (dir.join("prose.txt"), dir.join("alpaca.jsonl"));
+    std::fs::write(&prose, shared_text("data/text/wikitext-2/test.raw.txt").chars().take(20_000).collect::<String>()).expect("writing prose.txt");
+    std::fs::write(&alpaca, shared_text("data/alpaca/alpaca_200.jsonl")).expect("writing alpaca.jsonl");
+    (prose, alpaca)
+}
+
 /// Text of `rel` (e.g. `data/tokenizers/gpt-neox-20b.json`) from the first root that has it, plain or
 /// as `rel.gz`; panics naming every place searched when none has it.
 pub fn shared_text(rel: &str) -> String {

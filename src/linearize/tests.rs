@@ -210,10 +210,7 @@ fn smollm2_experiments_linearize_at_smoke_size() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     crate::model::gguf::tests_support::smollm2();
     let tmp = tempfile::tempdir().unwrap();
-    // The specs' prose + Alpaca mix, from the test data a clean clone has (no ../shared beside it).
-    let (prose, alpaca) = (tmp.path().join("prose.txt"), tmp.path().join("alpaca.jsonl"));
-    std::fs::write(&prose, crate::testutil::shared_text("data/text/wikitext-2/test.raw.txt").chars().take(20_000).collect::<String>()).unwrap();
-    std::fs::write(&alpaca, crate::testutil::shared_text("data/alpaca/alpaca_200.jsonl")).unwrap();
+    let (prose, alpaca) = crate::testutil::smoke_prose_and_alpaca(tmp.path());
     let mix = format!("data.train=[{{path: {}}}, {{alpaca: {}}}]", prose.display(), alpaca.display());
     for name in ["still", "lolcats"] {
         let out = tmp.path().join(name);
