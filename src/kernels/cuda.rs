@@ -136,10 +136,17 @@ pub fn available() -> bool {
 /// `[N]` fp32. `None` when the library is not loaded (the caller's aten path computes the same).
 pub fn ce_grad_in_place(logits: &mut Tensor, targets: &Tensor, scale: f64) -> Option<Result<Tensor>> {
     let lib = library()?;
-    let mut out: *mut C_tensor = std::ptr::null_mut();
     let p = handle;
-    // SAFETY: valid tensor handles; on success the shim hands over a new tensor we then own.
-    Some(check(unsafe { (lib.ce_grad_in_place)(p(logits), p(targets), scale, &mut out) }).map(|_| unsafe { Tensor::from_ptr(out) }))
+    // SAFETY: valid tensor handles, read during the call.
+    Some(new_tensor(|out| unsafe { (lib.ce_grad_in_place)(p(logits), p(targets), scale, out) }))
+}
+
+/// The tensor an entry point hands over through its last argument when `call` succeeds.
+fn new_tensor(call: impl FnOnce(*mut *mut C_tensor) -> *mut libc::c_char) -> Result<Tensor> {
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    check(call(&mut out))?;
+    // SAFETY: on success the library has written a new tensor into `out`, which we now own.
+    Ok(unsafe { Tensor::from_ptr(out) })
 }
 
 /// The full-width keys / values a fused decode step reads: `[B, H_kv, W, hd]` views of a cache's
@@ -253,11 +260,8 @@ pub fn attend_step(x: &Step) -> Option<Result<Tensor>> {
     let rows = x.q.size()[0] * full.map_or_else(|| d.map_or(1, |d| d.wk.size()[0]), |f| f.k.size()[1]);
     let chunk = d.map_or(32, |d| slots_per_block(d.latents.size()[1], rows));
     let ring_chunk = full.map_or(32, |f| slots_per_block(f.k.size()[2], rows));
-    let mut out: *mut C_tensor = std::ptr::null_mut();
-    // SAFETY: valid tensor handles (or null where absent), read during the call; on success the
-    // shim hands over a new tensor we then own.
-    let r = unsafe { f(ts.as_ptr(), d.map_or(0, |d| d.rotated), d.map_or(0, |d| d.window), full.map_or(0, |f| f.keep), chunk, ring_chunk, &mut out) };
-    Some(check(r).map(|_| unsafe { Tensor::from_ptr(out) }))
+    // SAFETY: valid tensor handles (or null where absent), read during the call.
+    Some(new_tensor(|out| unsafe { f(ts.as_ptr(), d.map_or(0, |d| d.rotated), d.map_or(0, |d| d.window), full.map_or(0, |f| f.keep), chunk, ring_chunk, out) }))
 }
 
 /// LayerNorm of the fp32 residual stream `x` `[.., d]` with fp32 `weight` / `bias` `[d]`, written
@@ -355,11 +359,8 @@ pub fn hybrid_mix(m: &Mix) -> Option<Result<Tensor>> {
         o(m.gamma),
         p(m.pos),
     ];
-    let mut out: *mut C_tensor = std::ptr::null_mut();
-    // SAFETY: valid tensor handles (or null where absent), read during the call; on success the
-    // library hands over a new tensor we then own.
-    let r = unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.linear as i64, m.compensate as i64, &mut out) };
-    Some(check(r).map(|_| unsafe { Tensor::from_ptr(out) }))
+    // SAFETY: valid tensor handles (or null where absent), read during the call.
+    Some(new_tensor(|out| unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.linear as i64, m.compensate as i64, out) }))
 }
 
 /// Whether the library holds the heads op's kernels ([`split_rotate`] takes them with
