@@ -499,11 +499,10 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
             for &imp in imps {
                 if imp == AttentionImpl::SplitMergeBand {
                     // Its rows must test the band kernels, not the split-merge-fused it falls back to.
-                    let probe = Tensor::zeros(shape, (kind, device));
                     if !matches!(shape[3], 64 | 128) {
                         continue;
                     }
-                    if !crate::kernels::cuda::band_available(&[&probe]) {
+                    if !crate::kernels::cuda::band_available(&[&Tensor::zeros(shape, (kind, device))]) {
                         note(failed_row("splitmergeband", "the band kernels are not in the CUDA kernel library (make gpu-kernels)", false));
                         continue;
                     }
@@ -529,23 +528,19 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         // (ATTNLAB_STEP_SCALAR), the latents four slots at a time (ATTNLAB_STEP_BATCHED), and those
         // with RoPE absorbed into the query (ATTNLAB_STEP_ROPE=absorbed), whether or not decoding
         // takes the fused step by default.
-        std::env::set_var("ATTNLAB_FUSED_STEP", "1");
-        let loops = [("", None), ("-scalar", Some(("ATTNLAB_STEP_SCALAR", "1"))), ("-batched", Some(("ATTNLAB_STEP_BATCHED", "1"))), ("-rope-absorbed", Some(("ATTNLAB_STEP_ROPE", "absorbed")))];
-        for (suffix, var) in loops {
-            if let Some((v, value)) = var {
-                std::env::set_var(v, value);
+        let loops: [(&str, &[(&str, &str)]); 4] = [("", &[]), ("-scalar", &[("ATTNLAB_STEP_SCALAR", "1")]), ("-batched", &[("ATTNLAB_STEP_BATCHED", "1")]), ("-rope-absorbed", &[("ATTNLAB_STEP_ROPE", "absorbed")])];
+        with_env(&[("ATTNLAB_FUSED_STEP", "1")], || {
+            for (suffix, vars) in loops {
+                with_env(vars, || {
+                    for (case, planted) in step_cases() {
+                        if let Some(mut row) = step_check(case, device, kind, planted) {
+                            row.implementation += suffix;
+                            note(row);
+                        }
+                    }
+                });
             }
-            for (case, planted) in step_cases() {
-                if let Some(mut row) = step_check(case, device, kind, planted) {
-                    row.implementation += suffix;
-                    note(row);
-                }
-            }
-            if let Some((v, _)) = var {
-                std::env::remove_var(v);
-            }
-        }
-        std::env::remove_var("ATTNLAB_FUSED_STEP");
+        });
     }
     if device.is_cuda() {
         // A kind that cannot run this check (an error or a refused op) is a failed row, not the end
@@ -566,27 +561,18 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         }
         // The kinds of the fused step again with the new token handed over fresh (ATTNLAB_STEP_FRESH:
         // the caches written by the combine kernel), whether or not decoding does so by default.
-        std::env::set_var("ATTNLAB_STEP_FRESH", "1");
-        for name in ["vanilla", "window", "dar", "uniform"] {
-            note(decode_row(name, false, "-fresh"));
-        }
         // And DAR's with the RoPE-absorbed loop too (ATTNLAB_STEP_ROPE=absorbed).
-        std::env::set_var("ATTNLAB_STEP_ROPE", "absorbed");
-        for name in ["dar", "uniform"] {
-            note(decode_row(name, false, "-absorbed-fresh"));
+        let fresh = [(&["vanilla", "window", "dar", "uniform"][..], "-fresh", &[("ATTNLAB_STEP_FRESH", "1")][..]), (&["dar", "uniform"], "-absorbed-fresh", &[("ATTNLAB_STEP_FRESH", "1"), ("ATTNLAB_STEP_ROPE", "absorbed")])];
+        for (names, suffix, vars) in fresh {
+            with_env(vars, || names.iter().for_each(|name| note(decode_row(name, false, suffix))));
         }
-        std::env::remove_var("ATTNLAB_STEP_ROPE");
-        std::env::remove_var("ATTNLAB_STEP_FRESH");
         // The hybrids with their mixing kernel (csrc/cuda/hybrid_step.cu, ATTNLAB_HYBRID_KERNEL=1).
-        std::env::set_var("ATTNLAB_HYBRID_KERNEL", "1");
-        for name in ["still-budget", "lolcats"] {
-            if !crate::kernels::cuda::hybrid_kernel_available() {
-                note(failed_row(&format!("decode-{name}-hybrid-kernel"), "the hybrid mixing kernel is not in the CUDA kernel library (make gpu-kernels)", false));
-                continue;
+        let hybrid = crate::kernels::cuda::hybrid_kernel_available();
+        with_env(&[("ATTNLAB_HYBRID_KERNEL", "1")], || {
+            for name in ["still-budget", "lolcats"] {
+                note(if hybrid { decode_row(name, false, "-hybrid-kernel") } else { failed_row(&format!("decode-{name}-hybrid-kernel"), "the hybrid mixing kernel is not in the CUDA kernel library (make gpu-kernels)", false) });
             }
-            note(decode_row(name, false, "-hybrid-kernel"));
-        }
-        std::env::remove_var("ATTNLAB_HYBRID_KERNEL");
+        });
     }
     if device.is_cuda() {
         for (n, d) in [(4096, s.d_model as i64), (1000, 768)] {
@@ -602,19 +588,33 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     if device.is_cuda() {
         // The same op by csrc/cuda/heads.cu's kernels (ATTNLAB_HEADS_KERNEL=1), whether or not
         // training takes them by default.
-        std::env::set_var("ATTNLAB_HEADS_KERNEL", "1");
-        for rot in [hd / 4, hd] {
-            if !crate::kernels::cuda::heads_kernel_available() {
-                note(failed_row("heads-op-kernel", "the heads kernels are not in the CUDA kernel library (make gpu-kernels)", false));
-                continue;
+        let heads = crate::kernels::cuda::heads_kernel_available();
+        with_env(&[("ATTNLAB_HEADS_KERNEL", "1")], || {
+            for rot in [hd / 4, hd] {
+                if !heads {
+                    note(failed_row("heads-op-kernel", "the heads kernels are not in the CUDA kernel library (make gpu-kernels)", false));
+                    continue;
+                }
+                let mut row = heads_op_check(b, tt, s.heads as i64, hd, rot, device, kind);
+                row.implementation += "-kernel";
+                note(row);
             }
-            let mut row = heads_op_check(b, tt, s.heads as i64, hd, rot, device, kind);
-            row.implementation += "-kernel";
-            note(row);
-        }
-        std::env::remove_var("ATTNLAB_HEADS_KERNEL");
+        });
     }
     Ok(failed)
+}
+
+/// `f` with the environment variables `vars` set, removed after it: the kernels' switches, which
+/// they read at each call, so that the gate checks a path whether or not it is the default.
+fn with_env<R>(vars: &[(&str, &str)], f: impl FnOnce() -> R) -> R {
+    for (k, v) in vars {
+        std::env::set_var(k, v);
+    }
+    let r = f();
+    for (k, _) in vars {
+        std::env::remove_var(k);
+    }
+    r
 }
 
 #[cfg(test)]
