@@ -725,7 +725,7 @@ impl DarCache {
         let (cos, sin) = (cos.to_kind(tch::Kind::Float), sin.to_kind(tch::Kind::Float));
         // Fresh: the kernels read the new key, value and latent from here and write them into the
         // caches themselves; else they are written first.
-        let fresh = cuda::fresh_enabled();
+        let fresh = cuda::fresh_enabled(false);
         let full = if fresh {
             self.recent.slot_views_at(at)
         } else {

@@ -189,11 +189,24 @@ pub struct Step<'a> {
     pub fresh: Option<Fresh<'a>>,
 }
 
+/// A kernel switch: the environment variable `name` set to `0` turns it off, `1` on; unset (or
+/// anything else) leaves `by_default`, so a benchmark or the gate can time or check either path.
+fn switch(name: &str, by_default: bool) -> bool {
+    match std::env::var(name).as_deref() {
+        Ok("0") => false,
+        Ok("1") => true,
+        _ => by_default,
+    }
+}
+
 /// Whether fused steps hand the new token over as [`Fresh`] rows (the caches written by the combine
-/// kernel, no index_copy before the step): right on the CPU (`make cuda-emu-test`), not yet run on
-/// a GPU, so only with `ATTNLAB_STEP_FRESH=1` until `bench --check`'s `decode-*-fresh` rows pass.
-pub fn fresh_enabled() -> bool {
-    std::env::var("ATTNLAB_STEP_FRESH").is_ok_and(|v| v == "1")
+/// kernel, no index_copy before the step); `ATTNLAB_STEP_FRESH` = 0 / 1 overrides `by_default`.
+/// Callers pass what was measured for them: on for full-width caches (vanilla, window: `bench
+/// --check` passed and decode 1.03–1.08× faster with the same greedy tokens on one H100,
+/// results/bench/2026-12-05-h100), off for DAR / uniform (timed only with the absorbed RoPE read,
+/// which is slower).
+pub fn fresh_enabled(by_default: bool) -> bool {
+    switch("ATTNLAB_STEP_FRESH", by_default)
 }
 
 /// The new token's key / value `[B, H_kv, 1, hd]` (for the full-width slots) and latent `[B, 1, r]`
@@ -221,7 +234,7 @@ pub fn step_enabled(q: &Tensor, kv_heads: i64, d_down: i64) -> bool {
         && matches!(q.kind(), tch::Kind::BFloat16 | tch::Kind::Half)
         && matches!(g, 1 | 2 | 3 | 4 | 6 | 8)
         && smem_floats * 4 <= 200 * 1024
-        && std::env::var("ATTNLAB_FUSED_STEP").map_or(FUSED_STEP_BY_DEFAULT, |v| v != "0")
+        && switch("ATTNLAB_FUSED_STEP", FUSED_STEP_BY_DEFAULT)
         && library().is_some_and(|l| l.attend_step.is_some())
 }
 
@@ -266,10 +279,11 @@ pub fn attend_step(x: &Step) -> Option<Result<Tensor>> {
 
 /// LayerNorm of the fp32 residual stream `x` `[.., d]` with fp32 `weight` / `bias` `[d]`, written
 /// straight in autocast's half dtype (csrc/cuda/layer_norm.cu: no fp32 output, no cast after it).
-/// Right on the CPU (`make cuda-emu-test`) but not yet run on a GPU, so only with `ATTNLAB_LN_KERNEL=1`; `None` (the caller's aten LayerNorm)
-/// without it, off CUDA, outside autocast, or for other dtypes.
+/// On by default since it passed `bench --check` and trained vanilla 1.02 / 1.03 / 1.06× faster at
+/// 70M / 160M / 410M on one H100 (results/bench/2026-12-05-h100); `ATTNLAB_LN_KERNEL=0` gives aten's.
+/// `None` (the caller's aten LayerNorm) then, off CUDA, outside autocast, or for other dtypes.
 pub fn layer_norm_half(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Option<Result<Tensor>> {
-    if !x.device().is_cuda() || x.kind() != tch::Kind::Float || std::env::var("ATTNLAB_LN_KERNEL").map_or(true, |v| v != "1") {
+    if !x.device().is_cuda() || x.kind() != tch::Kind::Float || !switch("ATTNLAB_LN_KERNEL", true) {
         return None;
     }
     let f = library()?.layer_norm_half?;
@@ -286,10 +300,11 @@ pub fn layer_norm_half(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> 
 }
 
 /// GPT-NeoX's heads op (`kernels::split_rotate`'s contract) by one CUDA kernel each way
-/// (csrc/cuda/heads.cu) for bf16 / fp16 `x` on CUDA. Right on the CPU (`make cuda-emu-test`) but not
-/// yet run on a GPU, so only with `ATTNLAB_HEADS_KERNEL=1`; `None` (the aten op) otherwise.
+/// (csrc/cuda/heads.cu) for bf16 / fp16 `x` on CUDA, only with `ATTNLAB_HEADS_KERNEL=1`: it passes
+/// `bench --check` but trained 1–3% slower than the aten op on one H100 (results/bench/2026-12-05-h100);
+/// `None` (the aten op) otherwise.
 pub fn split_rotate(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, sin: &Tensor) -> Option<Result<Vec<Tensor>>> {
-    if !x.device().is_cuda() || !matches!(x.kind(), tch::Kind::BFloat16 | tch::Kind::Half) || n > 16 || std::env::var("ATTNLAB_HEADS_KERNEL").map_or(true, |v| v != "1") {
+    if !x.device().is_cuda() || !matches!(x.kind(), tch::Kind::BFloat16 | tch::Kind::Half) || n > 16 || !switch("ATTNLAB_HEADS_KERNEL", false) {
         return None;
     }
     let f = library()?.split_rotate?;
@@ -322,12 +337,13 @@ pub struct Mix<'a> {
 }
 
 /// Whether STILL / LoLCATs decode steps take csrc/cuda/hybrid_step.cu's mixing kernel for a query
-/// `q`: on CUDA in bf16 / fp16, the library holding it, and `ATTNLAB_HYBRID_KERNEL=1` (right on the
-/// CPU, `make cuda-emu-test`, not yet run on a GPU).
+/// `q`: on CUDA in bf16 / fp16, the library holding it, and `ATTNLAB_HYBRID_KERNEL=1` (it passes
+/// `bench --check`, but on one H100 LoLCATs decoded at the aten mix's speed, 1.00–1.01×, and STILL
+/// 0.79–0.81× from 4K on: results/bench/2026-12-05-h100).
 pub fn hybrid_mix_enabled(q: &Tensor) -> bool {
     q.device().is_cuda()
         && matches!(q.kind(), tch::Kind::BFloat16 | tch::Kind::Half)
-        && std::env::var("ATTNLAB_HYBRID_KERNEL").is_ok_and(|v| v == "1")
+        && switch("ATTNLAB_HYBRID_KERNEL", false)
         && hybrid_kernel_available()
 }
 

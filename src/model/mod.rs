@@ -30,6 +30,14 @@ pub enum Model {
 }
 
 impl Model {
+    /// Width of one attention head.
+    pub fn head_dim(&self) -> i64 {
+        match self {
+            Model::Neox(m) => m.cfg.head_dim() as i64,
+            Model::Llama(m) => m.cfg.head_dim() as i64,
+        }
+    }
+
     /// Final hidden states `[B, T, d]`.
     pub fn hidden(&self, ids: &Tensor) -> Tensor {
         match self {

@@ -55,7 +55,8 @@ pub fn build(runs: &[Run]) -> Vec<Grid> {
         arms.sort_by_key(|(c, _)| (super::groups::arm_rank(c), std::cmp::Reverse(c.d_down_width()), std::cmp::Reverse(c.window_len())));
         let gaps: BTreeSet<usize> = arms.iter().flat_map(|(_, s)| s.values().flat_map(|g| g.keys().copied())).collect();
         let id = format!("recall-{scale}-{}", groups::key_id(&key));
-        let stat = |v: Vec<f64>| Stat::of(&v).map_or(Cell::Empty, Cell::Stat);
+        // Every quantity here (%, nats, steps) is ≥ 0; percentages ≤ 100 (PCT).
+        let stat = |v: Vec<f64>, hi: f64| Stat::of(&v).map_or(Cell::Empty, |s| Cell::Stat(s.clipped(0.0, hi)));
         let mut body = Vec::new();
         for &gap in &gaps {
             for (c, seeds) in &arms {
@@ -68,9 +69,9 @@ pub fn build(runs: &[Run]) -> Vec<Grid> {
                     Cell::Text(c.label()),
                     Cell::Text(gap.to_string()),
                     Cell::Text(at.len().to_string()),
-                    stat(at.iter().map(|s| 100.0 * s.digit_accuracy).collect()),
-                    stat(at.iter().map(|s| 100.0 * s.code_accuracy).collect()),
-                    stat(at.iter().map(|s| s.loss).collect()),
+                    stat(at.iter().map(|s| 100.0 * s.digit_accuracy).collect(), PCT),
+                    stat(at.iter().map(|s| 100.0 * s.code_accuracy).collect(), PCT),
+                    stat(at.iter().map(|s| s.loss).collect(), f64::INFINITY),
                     Cell::Text(match reach {
                         Some(r) if r < gap => format!("{r} < gap: chance by construction"),
                         Some(r) => format!("{r} ≥ gap"),
@@ -171,6 +172,16 @@ fn by_arm<'a>(runs: &[&'a Run]) -> Vec<(AttentionSpec, Vec<&'a Run>)> {
 /// The level steps-to is measured at: half the codes right.
 pub const HALF: f64 = 50.0;
 
+/// The top of a percentage.
+const PCT: f64 = 100.0;
+
+/// Seed bands (mean ± s.d.) of percentages cut to 0–100.
+fn clip_bands(lines: &mut [Line]) {
+    for b in lines.iter_mut().flat_map(|l| l.band.iter_mut()) {
+        (b.1, b.2) = (b.1.max(0.0), b.2.min(PCT));
+    }
+}
+
 /// Recall learning curves (runs that scored `eval.recall` while training), per recipe: for each
 /// gap, a chart of codes right against step per configuration (seeds pooled: mean, ± 1 s.d. band)
 /// and a table of steps to 50% of codes right (interpolated between evaluations; over the seeds
@@ -186,12 +197,13 @@ pub fn curves(runs: &[Run], out: &Path) -> Result<(Vec<Grid>, Vec<Figure>)> {
         let scale = groups::scale(&members[0].spec);
         let id = groups::key_id(&key);
         let stem = format!("plots/recall/{}", slug(&format!("{scale}-{id}")));
-        let stat = |v: Vec<f64>| Stat::of(&v).map_or(Cell::Empty, Cell::Stat);
+        let stat = |v: Vec<f64>, hi: f64| Stat::of(&v).map_or(Cell::Empty, |s| Cell::Stat(s.clipped(0.0, hi)));
         let mut body = Vec::new();
         for &gap in &gaps {
             let metric = format!("recall/g{gap}/codes");
             let curve = |r: &Run| -> Vec<(f64, f64)> { r.series(&metric).into_iter().map(|(x, y)| (x, 100.0 * y)).collect() };
             let (mut lines, pooled) = figures::pooled_lines(&members, |rs| rs.iter().map(|r| curve(r)).collect());
+            clip_bands(&mut lines);
             let xs: Vec<f64> = lines.iter().flat_map(|l| l.points.iter().map(|p| p.0)).collect();
             if let (Some(x0), Some(x1)) = (xs.iter().copied().reduce(f64::min), xs.iter().copied().reduce(f64::max)) {
                 lines.push(Line { label: "50% of codes (steps-to-50%)".into(), points: vec![(x0, HALF), (x1, HALF)], band: Vec::new(), color: None, dash: Dash::Dotted, reference: true });
@@ -221,10 +233,10 @@ pub fn curves(runs: &[Run], out: &Path) -> Result<(Vec<Grid>, Vec<Figure>)> {
                     Cell::Text(gap.to_string()),
                     Cell::Text(curves.len().to_string()),
                     Cell::Text(format!("{}/{}", reached.len(), curves.len())),
-                    stat(reached),
+                    stat(reached, f64::INFINITY),
                     Cell::Text(steps.join(", ")),
-                    stat(last("codes")),
-                    stat(last("digits")),
+                    stat(last("codes"), PCT),
+                    stat(last("digits"), PCT),
                 ]);
             }
         }
@@ -285,7 +297,7 @@ pub fn capacity(runs: &[Run], out: &Path) -> Result<(Vec<Grid>, Vec<Figure>)> {
         let of = |r: &Run, gap: usize| -> Vec<(usize, RecallScore)> {
             scored.iter().filter(|(x, _)| std::ptr::eq(*x, r)).flat_map(|(_, s)| s.iter().filter(|(_, s)| s.gap == gap).cloned()).collect()
         };
-        let stat = |v: Vec<f64>| Stat::of(&v).map_or(Cell::Empty, Cell::Stat);
+        let stat = |v: Vec<f64>, hi: f64| Stat::of(&v).map_or(Cell::Empty, |s| Cell::Stat(s.clipped(0.0, hi)));
         let mut body = Vec::new();
         for &gap in &gaps {
             // One curve per seed: its runs' (facts, codes right %).
@@ -299,7 +311,8 @@ pub fn capacity(runs: &[Run], out: &Path) -> Result<(Vec<Grid>, Vec<Figure>)> {
                     c
                 }).collect()
             };
-            let (lines, pooled) = figures::pooled_lines(&runs_, per_seed);
+            let (mut lines, pooled) = figures::pooled_lines(&runs_, per_seed);
+            clip_bands(&mut lines);
             let chart = Chart {
                 title: format!("Recall capacity at gap {gap}: codes right vs facts per document, {scale} `{id}`"),
                 x_label: "facts (codes stated, all asked ≥ gap later) per document, log scale".into(),
@@ -321,8 +334,8 @@ pub fn capacity(runs: &[Run], out: &Path) -> Result<(Vec<Grid>, Vec<Figure>)> {
                         Cell::Text(gap.to_string()),
                         Cell::Text(k.to_string()),
                         Cell::Text(at.len().to_string()),
-                        stat(at.iter().map(|s| 100.0 * s.code_accuracy).collect()),
-                        stat(at.iter().map(|s| 100.0 * s.digit_accuracy).collect()),
+                        stat(at.iter().map(|s| 100.0 * s.code_accuracy).collect(), PCT),
+                        stat(at.iter().map(|s| 100.0 * s.digit_accuracy).collect(), PCT),
                     ]);
                 }
             }

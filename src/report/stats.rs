@@ -38,6 +38,12 @@ impl Stat {
         Some(Stat { mean, sd, n, ci: Some((mean - half, mean + half)) })
     }
 
+    /// The same summary with its interval cut to `[lo, hi]`, the range the quantity can take (a
+    /// percentage's t-interval over two or three seeds can run past 0 or 100).
+    pub fn clipped(self, lo: f64, hi: f64) -> Stat {
+        Stat { ci: self.ci.map(|(a, b)| (a.max(lo), b.min(hi))), ..self }
+    }
+
     /// The two-sided p-value of a one-sample t-test of mean 0 (the paired t-test when the values
     /// are differences); None for one value or no spread.
     pub fn t_test_p(&self) -> Option<f64> {
@@ -86,6 +92,11 @@ mod tests {
         let one = Stat::of(&[5.0, f64::NAN]).unwrap();
         assert_eq!((one.n, one.ci, one.text()), (1, None, "5.00".to_string()));
         assert!(Stat::of(&[]).is_none());
+        // Clipping cuts the interval to the range, not the mean or the spread.
+        let wide = Stat::of(&[0.0, 100.0]).unwrap();
+        let cut = wide.clipped(0.0, 100.0);
+        assert_eq!((cut.mean, cut.sd, cut.ci), (wide.mean, wide.sd, Some((0.0, 100.0))));
+        assert!(wide.ci.unwrap().0 < -500.0);
     }
 
     /// The paired t-test's p against the closed form for 2 degrees of freedom,
