@@ -19,6 +19,19 @@ T* ptr(const Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
+// ln_backward with the fewest registers a thread that holds ⌈d / kThreads⌉ columns needs.
+template <typename T, int COLS = 1>
+void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dg, Tensor& db,
+                     cudaStream_t stream) {
+  const int64_t d = x.size(-1), n = x.numel() / d;
+  if constexpr (COLS < kMaxCols) {
+    if (d > (int64_t)COLS * kThreads) return launch_backward<T, 2 * COLS>(dy, x, g, mean, rstd, dx, dg, db, stream);
+  }
+  TORCH_CHECK(d <= (int64_t)COLS * kThreads, "layer_norm_half: rows of ", d, " are wider than the backward takes");
+  ln_backward<T, COLS><<<dg.size(0), kThreads, 0, stream>>>(ptr<T>(dy), x.data_ptr<float>(), g.data_ptr<float>(), mean.data_ptr<float>(),
+                                                           rstd.data_ptr<float>(), n, d, dx.data_ptr<float>(), dg.data_ptr<float>(), db.data_ptr<float>());
+}
+
 struct LayerNormHalf : public torch::autograd::Function<LayerNormHalf> {
   static Tensor forward(AutogradContext* ctx, Tensor x, Tensor gamma, Tensor beta, double eps, int64_t out_kind) {
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat, "layer_norm_half: x must be fp32 on CUDA");
@@ -56,21 +69,14 @@ struct LayerNormHalf : public torch::autograd::Function<LayerNormHalf> {
     auto stream = c10::cuda::getCurrentCUDAStream();
     Tensor dx = at::empty(x.sizes(), x.options());
     const int64_t chunks = (n + kRowsPerChunk - 1) / kRowsPerChunk;
-    TORCH_CHECK(chunks <= 65535, "layer_norm_half: ", n, " rows are more than one launch of the column sums takes");
+    // Every block writes its chunk's partial row; with no rows there is one row of zeros.
     Tensor dg = at::empty({std::max<int64_t>(chunks, 1), d}, x.options()), db = at::empty({std::max<int64_t>(chunks, 1), d}, x.options());
     if (n > 0) {
-      const dim3 pgrid((d + kThreads - 1) / kThreads, chunks);
       if (dy.scalar_type() == at::kBFloat16) {
-        ln_backward_dx<__nv_bfloat16><<<n, kThreads, 0, stream>>>(ptr<__nv_bfloat16>(dy), x.data_ptr<float>(), g.data_ptr<float>(), mean.data_ptr<float>(),
-                                                                  rstd.data_ptr<float>(), d, dx.data_ptr<float>());
-        ln_backward_params<__nv_bfloat16><<<pgrid, kThreads, 0, stream>>>(ptr<__nv_bfloat16>(dy), x.data_ptr<float>(), mean.data_ptr<float>(),
-                                                                          rstd.data_ptr<float>(), n, d, dg.data_ptr<float>(), db.data_ptr<float>());
+        launch_backward<__nv_bfloat16>(dy, x, g, mean, rstd, dx, dg, db, stream);
       } else {
         TORCH_CHECK(dy.scalar_type() == at::kHalf, "layer_norm_half: dy must be bf16 or fp16");
-        ln_backward_dx<__half><<<n, kThreads, 0, stream>>>(ptr<__half>(dy), x.data_ptr<float>(), g.data_ptr<float>(), mean.data_ptr<float>(),
-                                                           rstd.data_ptr<float>(), d, dx.data_ptr<float>());
-        ln_backward_params<__half><<<pgrid, kThreads, 0, stream>>>(ptr<__half>(dy), x.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), n,
-                                                                   d, dg.data_ptr<float>(), db.data_ptr<float>());
+        launch_backward<__half>(dy, x, g, mean, rstd, dx, dg, db, stream);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
@@ -97,6 +103,7 @@ extern "C" char* attnlab_layer_norm_half(tensor x, tensor gamma, tensor beta, do
     }
     const at::ScalarType kind = at::autocast::get_autocast_dtype(at::kCUDA);
     if (kind != at::kBFloat16 && kind != at::kHalf) return nullptr;
+    if (x->dim() == 0 || x->size(-1) > (int64_t)kMaxCols * kThreads) return nullptr;  // wider than the backward takes
     *out = new at::Tensor(LayerNormHalf::apply(*x, *gamma, *beta, eps, static_cast<int64_t>(kind)));
     return nullptr;
   } catch (const std::exception& e) {

@@ -10,9 +10,11 @@
 //   reaches deadlocks here (the runner's alarm ends it), the divergence bug it is on a GPU;
 // - 16-bit floats round to nearest even, as the device's conversions do.
 // - with `emu::jitter` set (the runner's second pass), warps are held back at random at their
-//   start and after every barrier, so the others run ahead into the next phase: a missing barrier
-//   (a tile read before it is written, or overwritten while another warp still reads it) then
-//   changes the results, and the test's reference check fails;
+//   start and after every barrier, so the others run ahead into the next phase; with
+//   `emu::run_ahead` (the third), one warp of each block always finishes a phase and starts the
+//   next before the others leave the barrier between them: a missing barrier (a tile read before it
+//   is written, or overwritten while another warp still reads it) then changes the results, and
+//   the test's reference check fails;
 // - a launch the GPU would refuse (over 1024 threads a block, over 227 KB of shared memory), a
 //   write into the 16 bytes past a block's dynamic shared memory, or a misaligned vector load or
 //   store (half.cuh's Pack8, mma.cuh's load_pair) aborts the run.
@@ -22,6 +24,7 @@
 #define ATTNLAB_CUDA_EMU 1
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <chrono>
 #include <cmath>
@@ -129,6 +132,10 @@ struct Block {
   std::unique_ptr<std::barrier<>> all;
   std::vector<Warp> warps;
   std::vector<unsigned char> shared;
+  // Run-ahead (below): the leading warp, its lanes and their arrivals at block barriers (a lane
+  // that returns counts as arriving at every later one).
+  int leader = 0, leader_lanes = 32;
+  std::atomic<int> leader_arrivals{0};
 };
 
 inline Block* block = nullptr;  // the running block (one at a time)
@@ -137,11 +144,30 @@ inline thread_local int tid = 0;  // this thread's linear index in its block
 // Schedule jitter: 0 is off; otherwise the seed of which warps wait, and how long.
 inline uint64_t jitter = 0;
 inline thread_local uint64_t jitter_block = 0, jitter_calls = 0;
+// The runner's third pass: one warp of each block runs a whole phase ahead of all the others.
+inline bool run_ahead = false;
+// How many block barriers this thread has passed.
+inline thread_local int phase = 0;
+
+inline bool is_leader() { return tid / 32 == block->leader; }
+
+// Under run-ahead, a thread other than the leader's, having passed its k-th block barrier (k = 0 at
+// its start), waits (asleep, not polling: it must leave the cores to the leader) until the leader's
+// lanes have arrived at barrier k + 1 or returned:
+// the leader always finishes a phase and starts the next before anyone else reads, so a missing
+// barrier before shared memory is overwritten changes the results. Random holds (the second pass)
+// rarely give a warp that much of a lead: the others' shuffles take longer than the holds.
+inline void wait_for_leader() {
+  if (!run_ahead || is_leader()) return;
+  const int want = block->leader_lanes * (phase + 1);
+  for (int seen = block->leader_arrivals.load(); seen < want; seen = block->leader_arrivals.load()) block->leader_arrivals.wait(seen);
+}
 
 // Called where a thread starts and where it leaves a barrier. Under jitter, a warp (every lane the
 // same: on a GPU a warp's lanes move together) sleeps 20–200 µs one time in three, so the other
 // warps run ahead; otherwise its lanes may yield their cores.
 inline void maybe_hold_back() {
+  if (run_ahead) return wait_for_leader();
   if (!jitter) return;
   uint64_t x = jitter ^ (jitter_block * 0x9E3779B97F4A7C15ull) ^ ((uint64_t(tid / 32) + 1) << 32) ^ (++jitter_calls * 0xD1B54A32D192ED03ull);
   x ^= x >> 31, x *= 0x7FB5D329728EA185ull, x ^= x >> 27, x *= 0x81DADEF4BC2DD44Dull, x ^= x >> 33;  // a 64-bit mix
@@ -183,6 +209,9 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 threads, size_t shared_bytes, 
         b.warps.resize((n + 31) / 32);
         for (int w = 0; w < (n + 31) / 32; ++w) b.warps[w].bar = std::make_unique<std::barrier<>>(std::min(32, n - 32 * w));
         b.shared.assign(shared_bytes + 16, 0xff);  // NaN in every float: a read before a write shows
+        // The warp that runs ahead under run_ahead: which one varies from block to block.
+        b.leader = int(((uint64_t(bz) * grid.y + by) * grid.x + bx) % b.warps.size());
+        b.leader_lanes = std::min(32, n - 32 * b.leader);
         block = &b;
         std::vector<std::thread> ts;
         ts.reserve(n);
@@ -192,8 +221,13 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 threads, size_t shared_bytes, 
             threadIdx = dim3(t % threads.x, (t / threads.x) % threads.y, t / (threads.x * threads.y));
             blockIdx = dim3(bx, by, bz);
             jitter_block = (uint64_t(bz) * grid.y + by) * grid.x + bx + 1, jitter_calls = 0;
+            phase = 0;
             maybe_hold_back();
             kernel(args...);
+            if (is_leader()) {
+              block->leader_arrivals.fetch_add(1 << 24);
+              block->leader_arrivals.notify_all();
+            }
             // A returned thread no longer holds the others at a barrier (as on the GPU).
             warp().bar->arrive_and_drop();
             block->all->arrive_and_drop();
@@ -254,7 +288,12 @@ inline void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2])
 }  // namespace emu
 
 inline void __syncthreads() {
+  if (emu::run_ahead && emu::is_leader()) {
+    emu::block->leader_arrivals.fetch_add(1);
+    emu::block->leader_arrivals.notify_all();
+  }
   emu::block->all->arrive_and_wait();
+  ++emu::phase;
   emu::maybe_hold_back();
 }
 inline void __syncwarp(unsigned = 0xffffffffu) {

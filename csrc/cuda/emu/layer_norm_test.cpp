@@ -1,7 +1,7 @@
 // The LayerNorm kernels (csrc/cuda/layer_norm.cuh) on the CPU against LayerNorm's formulas in
 // double: y from the fp32 residual stream in the 16-bit type, dx in fp32, dγ and dβ summed over
-// chunks of rows; rows of fewer and of more elements than a block has threads, more rows than one
-// chunk of the column sums.
+// chunks of rows; rows of fewer and of more elements than a block has threads (1 to kMaxCols
+// columns a thread), more rows than one chunk of the column sums.
 #include "emu_test.h"
 #include "../layer_norm.cuh"
 
@@ -40,6 +40,16 @@ Ref reference(const std::vector<float>& x, const std::vector<float>& g, const st
   return r;
 }
 
+// ln_backward with as few columns a thread as d needs, as csrc/cuda/layer_norm.cu's launch_backward picks.
+template <typename T, int COLS = 1>
+void backward(int d, int chunks, const T* dy, const float* x, const float* g, const float* mean, const float* rstd, int n, float* dx, float* dgp,
+              float* dbp) {
+  if constexpr (COLS < kMaxCols) {
+    if (d > COLS * kThreads) return backward<T, 2 * COLS>(d, chunks, dy, x, g, mean, rstd, n, dx, dgp, dbp);
+  }
+  emu::launch(ln_backward<T, COLS>, dim3(chunks), dim3(kThreads), 0, dy, x, g, mean, rstd, (int64_t)n, (int64_t)d, dx, dgp, dbp);
+}
+
 template <typename T>
 bool check(int n, int d, const char* dtype, unsigned seed) {
   std::mt19937 rng(seed);
@@ -56,12 +66,9 @@ bool check(int n, int d, const char* dtype, unsigned seed) {
   std::vector<float> mean(n), rstd(n), dx(size_t(n) * d);
   emu::launch(ln_forward<T>, dim3(n), dim3(kThreads), 0, (const float*)x.data(), (const float*)g.data(), (const float*)b.data(), (int64_t)d, (float)eps,
               y.data(), mean.data(), rstd.data());
-  emu::launch(ln_backward_dx<T>, dim3(n), dim3(kThreads), 0, (const T*)dy.dev.data(), (const float*)x.data(), (const float*)g.data(),
-              (const float*)mean.data(), (const float*)rstd.data(), (int64_t)d, dx.data());
   const int chunks = (n + kRowsPerChunk - 1) / kRowsPerChunk;
   std::vector<float> dgp(size_t(chunks) * d), dbp(size_t(chunks) * d);
-  emu::launch(ln_backward_params<T>, dim3((d + kThreads - 1) / kThreads, chunks), dim3(kThreads), 0, (const T*)dy.dev.data(), (const float*)x.data(),
-              (const float*)mean.data(), (const float*)rstd.data(), (int64_t)n, (int64_t)d, dgp.data(), dbp.data());
+  backward<T>(d, chunks, (const T*)dy.dev.data(), x.data(), g.data(), mean.data(), rstd.data(), n, dx.data(), dgp.data(), dbp.data());
 
   std::vector<double> gy, gdx(dx.begin(), dx.end()), gdg(d, 0.0), gdb(d, 0.0);
   for (auto v : y) gy.push_back(emu_test::from_half(v));
@@ -86,8 +93,10 @@ bool check(int n, int d, const char* dtype, unsigned seed) {
 
 bool all_cases() {
   bool ok = check<__nv_bfloat16>(300, 200, "bf16", 11);  // 3 chunks of rows; rows shorter than a block
-  ok &= check<__nv_bfloat16>(5, 1024, "bf16", 12);       // rows longer than a block
+  ok &= check<__nv_bfloat16>(5, 1024, "bf16", 12);       // rows longer than a block: 4 columns a thread
   ok &= check<__half>(130, 96, "fp16", 13);
+  ok &= check<__nv_bfloat16>(3, 2500, "bf16", 14);  // 16 columns a thread, the last group ragged
+  ok &= check<__nv_bfloat16>(1, 8192, "bf16", 15);  // the widest row (kMaxCols columns a thread), one row
   return ok;
 }
 

@@ -59,6 +59,12 @@ int main(int argc, char** argv) {
     emu::jitter = 0x5eed;
     ok &= t.run();
     emu::jitter = 0;
+    // And with one warp of each block always ahead of the others.
+    std::printf(" with one warp running ahead:\n");
+    std::fflush(stdout);
+    emu::run_ahead = true;
+    ok &= t.run();
+    emu::run_ahead = false;
     alarm(0);
     ++ran;
     if (!ok) {
