@@ -223,4 +223,9 @@ PYEOF
   esac
 done
 $PY scripts/bench_table.py "$OUT" | tee "$OUT/table.md"
+# The device returns at most 8 files: past that, everything but the table, the gate, the log and the
+# card's name goes into rows.tgz (unpack it into results/bench/<date>/).
+if (($(ls "$OUT" | wc -l) > 8)); then
+  (cd "$OUT" && ls | grep -vxE 'table.md|check.txt|log.txt|gpu.txt' > .packed && tar czf rows.tgz -T .packed && xargs rm -f < .packed && rm .packed)
+fi
 ls -la "$OUT"
