@@ -415,9 +415,10 @@ pub fn decode_model_check(base: &Spec, name: &str, device: Device, planted: bool
 /// the logits less than bf16 rounding does: a step span one slot short passed the gate on one H100
 /// (3.1e-2 against a bound of 7.9e-2). Scaling the whole q / k projections to sharpen attention made
 /// bf16 ties chaotic instead (errors ≈ 1 logit at the Pythia-70M shape). So the check's model is
-/// given what trained models have, a strong score of each token for itself: every key projection
-/// gets its head's query projection added (RoPE keeps q_t·k_t at any t), and both are doubled,
-/// so the newest key takes about half of each query's attention and the older keys the rest.
+/// given a strong score of each token for itself: every key projection gets its head's query
+/// projection added (RoPE keeps q_t·k_t at any t) and both are doubled, so the newest key stands
+/// out by ≈ 4·|q|²/√hd while the older keys keep random scores (planted row 12–38× its bound, the
+/// honest rows at about a third of theirs: `in_bf16_the_decode_rows_pass_and_…`).
 fn lean_on_self(vs: &tch::nn::VarStore, head_dim: i64) {
     tch::no_grad(|| {
         let vars = vs.variables();
