@@ -19,7 +19,21 @@ T* ptr(const Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
-// ln_backward with the fewest registers a thread that holds ⌈d / kThreads⌉ columns needs.
+int64_t chunks_of(int64_t n) { return (n + kRowsPerChunk - 1) / kRowsPerChunk; }
+
+// ln_forward with the fewest registers a thread that holds ⌈d / kThreads⌉ columns needs.
+template <typename T, int COLS = 1>
+void launch_forward(const Tensor& x, const Tensor& g, const Tensor& b, double eps, Tensor& y, Tensor& mean, Tensor& rstd, cudaStream_t stream) {
+  const int64_t d = x.size(-1), n = x.numel() / d;
+  if constexpr (COLS < kMaxCols) {
+    if (d > (int64_t)COLS * kThreads) return launch_forward<T, 2 * COLS>(x, g, b, eps, y, mean, rstd, stream);
+  }
+  TORCH_CHECK(d <= (int64_t)COLS * kThreads, "layer_norm_half: rows of ", d, " are wider than the kernels take");
+  ln_forward<T, COLS><<<chunks_of(n), kThreads, 0, stream>>>(x.data_ptr<float>(), g.data_ptr<float>(), b.data_ptr<float>(), n, d, (float)eps, ptr<T>(y),
+                                                             mean.data_ptr<float>(), rstd.data_ptr<float>());
+}
+
+// ln_backward likewise.
 template <typename T, int COLS = 1>
 void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dg, Tensor& db,
                      cudaStream_t stream) {
@@ -27,7 +41,7 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const T
   if constexpr (COLS < kMaxCols) {
     if (d > (int64_t)COLS * kThreads) return launch_backward<T, 2 * COLS>(dy, x, g, mean, rstd, dx, dg, db, stream);
   }
-  TORCH_CHECK(d <= (int64_t)COLS * kThreads, "layer_norm_half: rows of ", d, " are wider than the backward takes");
+  TORCH_CHECK(d <= (int64_t)COLS * kThreads, "layer_norm_half: rows of ", d, " are wider than the kernels take");
   ln_backward<T, COLS><<<dg.size(0), kThreads, 0, stream>>>(ptr<T>(dy), x.data_ptr<float>(), g.data_ptr<float>(), mean.data_ptr<float>(),
                                                            rstd.data_ptr<float>(), n, d, dx.data_ptr<float>(), dg.data_ptr<float>(), db.data_ptr<float>());
 }
@@ -47,12 +61,10 @@ struct LayerNormHalf : public torch::autograd::Function<LayerNormHalf> {
     auto stream = c10::cuda::getCurrentCUDAStream();
     if (n > 0) {
       if (kind == at::kBFloat16) {
-        ln_forward<__nv_bfloat16><<<n, kThreads, 0, stream>>>(xc.data_ptr<float>(), g.data_ptr<float>(), b.data_ptr<float>(), d, (float)eps,
-                                                              ptr<__nv_bfloat16>(y), mean.data_ptr<float>(), rstd.data_ptr<float>());
+        launch_forward<__nv_bfloat16>(xc, g, b, eps, y, mean, rstd, stream);
       } else {
         TORCH_CHECK(kind == at::kHalf, "layer_norm_half: the output must be bf16 or fp16");
-        ln_forward<__half><<<n, kThreads, 0, stream>>>(xc.data_ptr<float>(), g.data_ptr<float>(), b.data_ptr<float>(), d, (float)eps,
-                                                       ptr<__half>(y), mean.data_ptr<float>(), rstd.data_ptr<float>());
+        launch_forward<__half>(xc, g, b, eps, y, mean, rstd, stream);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
@@ -68,7 +80,7 @@ struct LayerNormHalf : public torch::autograd::Function<LayerNormHalf> {
     c10::cuda::CUDAGuard guard(x.device());
     auto stream = c10::cuda::getCurrentCUDAStream();
     Tensor dx = at::empty(x.sizes(), x.options());
-    const int64_t chunks = (n + kRowsPerChunk - 1) / kRowsPerChunk;
+    const int64_t chunks = chunks_of(n);
     // Every block writes its chunk's partial row; with no rows there is one row of zeros.
     Tensor dg = at::empty({std::max<int64_t>(chunks, 1), d}, x.options()), db = at::empty({std::max<int64_t>(chunks, 1), d}, x.options());
     if (n > 0) {
@@ -103,7 +115,7 @@ extern "C" char* attnlab_layer_norm_half(tensor x, tensor gamma, tensor beta, do
     }
     const at::ScalarType kind = at::autocast::get_autocast_dtype(at::kCUDA);
     if (kind != at::kBFloat16 && kind != at::kHalf) return nullptr;
-    if (x->dim() == 0 || x->size(-1) > (int64_t)kMaxCols * kThreads) return nullptr;  // wider than the backward takes
+    if (x->dim() == 0 || x->size(-1) == 0 || x->size(-1) > (int64_t)kMaxCols * kThreads) return nullptr;  // wider than the kernels take
     *out = new at::Tensor(LayerNormHalf::apply(*x, *gamma, *beta, eps, static_cast<int64_t>(kind)));
     return nullptr;
   } catch (const std::exception& e) {

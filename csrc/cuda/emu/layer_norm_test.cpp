@@ -40,7 +40,15 @@ Ref reference(const std::vector<float>& x, const std::vector<float>& g, const st
   return r;
 }
 
-// ln_backward with as few columns a thread as d needs, as csrc/cuda/layer_norm.cu's launch_backward picks.
+// The kernels with as few columns a thread as d needs, as csrc/cuda/layer_norm.cu's launchers pick.
+template <typename T, int COLS = 1>
+void forward(int d, int chunks, const float* x, const float* g, const float* b, int n, float eps, T* y, float* mean, float* rstd) {
+  if constexpr (COLS < kMaxCols) {
+    if (d > COLS * kThreads) return forward<T, 2 * COLS>(d, chunks, x, g, b, n, eps, y, mean, rstd);
+  }
+  emu::launch(ln_forward<T, COLS>, dim3(chunks), dim3(kThreads), 0, x, g, b, (int64_t)n, (int64_t)d, eps, y, mean, rstd);
+}
+
 template <typename T, int COLS = 1>
 void backward(int d, int chunks, const T* dy, const float* x, const float* g, const float* mean, const float* rstd, int n, float* dx, float* dgp,
               float* dbp) {
@@ -64,9 +72,8 @@ bool check(int n, int d, const char* dtype, unsigned seed) {
 
   std::vector<T> y(size_t(n) * d);
   std::vector<float> mean(n), rstd(n), dx(size_t(n) * d);
-  emu::launch(ln_forward<T>, dim3(n), dim3(kThreads), 0, (const float*)x.data(), (const float*)g.data(), (const float*)b.data(), (int64_t)d, (float)eps,
-              y.data(), mean.data(), rstd.data());
   const int chunks = (n + kRowsPerChunk - 1) / kRowsPerChunk;
+  forward<T>(d, chunks, x.data(), g.data(), b.data(), n, (float)eps, y.data(), mean.data(), rstd.data());
   std::vector<float> dgp(size_t(chunks) * d), dbp(size_t(chunks) * d);
   backward<T>(d, chunks, (const T*)dy.dev.data(), x.data(), g.data(), mean.data(), rstd.data(), n, dx.data(), dgp.data(), dbp.data());
 
@@ -92,9 +99,10 @@ bool check(int n, int d, const char* dtype, unsigned seed) {
 }
 
 bool all_cases() {
-  bool ok = check<__nv_bfloat16>(300, 200, "bf16", 11);  // 3 chunks of rows; rows shorter than a block
-  ok &= check<__nv_bfloat16>(5, 1024, "bf16", 12);       // rows longer than a block: 4 columns a thread
+  bool ok = check<__nv_bfloat16>(300, 200, "bf16", 11);  // 3 chunks of rows, 4 at a time, the last 44 rows
+  ok &= check<__nv_bfloat16>(5, 1024, "bf16", 12);       // rows longer than a block: 4 columns a thread, 2 rows at a time
   ok &= check<__half>(130, 96, "fp16", 13);
+  ok &= check<__nv_bfloat16>(7, 512, "bf16", 16);  // 2 columns a thread, 4 rows at a time, the last 3
   ok &= check<__nv_bfloat16>(3, 2500, "bf16", 14);  // 16 columns a thread, the last group ragged
   ok &= check<__nv_bfloat16>(1, 8192, "bf16", 15);  // the widest row (kMaxCols columns a thread), one row
   return ok;
