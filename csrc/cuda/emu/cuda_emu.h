@@ -11,10 +11,10 @@
 // - 16-bit floats round to nearest even, as the device's conversions do.
 // - with `emu::jitter` set (the runner's second pass), warps are held back at random at their
 //   start and after every barrier, so the others run ahead into the next phase; with
-//   `emu::run_ahead` (the third), one warp of each block always finishes a phase and starts the
-//   next before the others leave the barrier between them: a missing barrier (a tile read before it
-//   is written, or overwritten while another warp still reads it) then changes the results, and
-//   the test's reference check fails;
+//   `emu::run_ahead` (the third), one warp of each of a launch's first 8 blocks and its last always
+//   finishes a phase and starts the next before the others leave the barrier between them: a
+//   missing barrier (a tile read before it is written, or overwritten while another warp still
+//   reads it) then changes the results, and the test's reference check fails;
 // - a launch the GPU would refuse (over 1024 threads a block, over 227 KB of shared memory), a
 //   write into the 16 bytes past a block's dynamic shared memory, or a misaligned vector load or
 //   store (half.cuh's Pack8, mma.cuh's load_pair) aborts the run.
@@ -134,6 +134,7 @@ struct Block {
   std::vector<unsigned char> shared;
   // Run-ahead (below): the leading warp, its lanes and their arrivals at block barriers (a lane
   // that returns counts as arriving at every later one).
+  bool ahead = false;  // run-ahead applies to this block
   int leader = 0, leader_lanes = 32;
   std::atomic<int> leader_arrivals{0};
 };
@@ -144,7 +145,7 @@ inline thread_local int tid = 0;  // this thread's linear index in its block
 // Schedule jitter: 0 is off; otherwise the seed of which warps wait, and how long.
 inline uint64_t jitter = 0;
 inline thread_local uint64_t jitter_block = 0, jitter_calls = 0;
-// The runner's third pass: one warp of each block runs a whole phase ahead of all the others.
+// The runner's third pass: one warp of a block runs a whole phase ahead of all the others.
 inline bool run_ahead = false;
 // How many block barriers this thread has passed.
 inline thread_local int phase = 0;
@@ -158,7 +159,7 @@ inline bool is_leader() { return tid / 32 == block->leader; }
 // barrier before shared memory is overwritten changes the results. Random holds (the second pass)
 // rarely give a warp that much of a lead: the others' shuffles take longer than the holds.
 inline void wait_for_leader() {
-  if (!run_ahead || is_leader()) return;
+  if (!block->ahead || is_leader()) return;
   const int want = block->leader_lanes * (phase + 1);
   for (int seen = block->leader_arrivals.load(); seen < want; seen = block->leader_arrivals.load()) block->leader_arrivals.wait(seen);
 }
@@ -167,7 +168,7 @@ inline void wait_for_leader() {
 // same: on a GPU a warp's lanes move together) sleeps 20–200 µs one time in three, so the other
 // warps run ahead; otherwise its lanes may yield their cores.
 inline void maybe_hold_back() {
-  if (run_ahead) return wait_for_leader();
+  if (run_ahead) return wait_for_leader();  // (and no random holds)
   if (!jitter) return;
   uint64_t x = jitter ^ (jitter_block * 0x9E3779B97F4A7C15ull) ^ ((uint64_t(tid / 32) + 1) << 32) ^ (++jitter_calls * 0xD1B54A32D192ED03ull);
   x ^= x >> 31, x *= 0x7FB5D329728EA185ull, x ^= x >> 27, x *= 0x81DADEF4BC2DD44Dull, x ^= x >> 33;  // a 64-bit mix
@@ -209,8 +210,12 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 threads, size_t shared_bytes, 
         b.warps.resize((n + 31) / 32);
         for (int w = 0; w < (n + 31) / 32; ++w) b.warps[w].bar = std::make_unique<std::barrier<>>(std::min(32, n - 32 * w));
         b.shared.assign(shared_bytes + 16, 0xff);  // NaN in every float: a read before a write shows
-        // The warp that runs ahead under run_ahead: which one varies from block to block.
-        b.leader = int(((uint64_t(bz) * grid.y + by) * grid.x + bx) % b.warps.size());
+        // Under run_ahead, the first 8 blocks and the last (a ragged edge) run with one warp ahead,
+        // which one varying from block to block; the others as scheduled (every wake-up is a
+        // futex call: all blocks of a large grid took minutes).
+        const uint64_t linear = (uint64_t(bz) * grid.y + by) * grid.x + bx, blocks = uint64_t(grid.x) * grid.y * grid.z;
+        b.ahead = run_ahead && (linear < 8 || linear + 1 == blocks);
+        b.leader = int(linear % b.warps.size());
         b.leader_lanes = std::min(32, n - 32 * b.leader);
         block = &b;
         std::vector<std::thread> ts;
@@ -224,7 +229,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 threads, size_t shared_bytes, 
             phase = 0;
             maybe_hold_back();
             kernel(args...);
-            if (is_leader()) {
+            if (block->ahead && is_leader()) {
               block->leader_arrivals.fetch_add(1 << 24);
               block->leader_arrivals.notify_all();
             }
@@ -288,9 +293,9 @@ inline void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2])
 }  // namespace emu
 
 inline void __syncthreads() {
-  if (emu::run_ahead && emu::is_leader()) {
-    emu::block->leader_arrivals.fetch_add(1);
-    emu::block->leader_arrivals.notify_all();
+  if (emu::block->ahead && emu::is_leader()) {
+    // The followers wait for whole phases: wake them once, when the leader's last lane arrives.
+    if ((emu::block->leader_arrivals.fetch_add(1) + 1) % emu::block->leader_lanes == 0) emu::block->leader_arrivals.notify_all();
   }
   emu::block->all->arrive_and_wait();
   ++emu::phase;
