@@ -6,8 +6,9 @@
 // x once, writes dx in fp32 (the residual stream's dtype), and sums dγ, dβ by column in registers
 // (fp32 partials per chunk of rows, then one aten sum).
 //
-// On by default since one H100 (results/bench/2026-12-05-h100): it passed `bench --check` (the
-// layer-norm rows, against aten's fp32 LayerNorm) and trained 2–6% faster. That profile put the
+// The first version passed `bench --check` on one H100 (the layer-norm rows, against aten's fp32
+// LayerNorm) and trained 2–6% faster (results/bench/2026-12-05-h100); this one is right on the CPU
+// and waits for the gate on a GPU (only with ATTNLAB_LN_KERNEL=1 until then). That profile put the
 // backward, then a dx kernel and a separate column-sum kernel reading dy and x a second time, at
 // 10.6 of the 70M step's 128 ms, and the forward (a block a row, four barriers) 5.4 ms, 3.5× its
 // bytes' time: both waited on memory one row at a time. Now a block loads up to 4 rows (the
