@@ -55,8 +55,6 @@ pub fn build(runs: &[Run]) -> Vec<Grid> {
         arms.sort_by_key(|(c, _)| (super::groups::arm_rank(c), std::cmp::Reverse(c.d_down_width()), std::cmp::Reverse(c.window_len())));
         let gaps: BTreeSet<usize> = arms.iter().flat_map(|(_, s)| s.values().flat_map(|g| g.keys().copied())).collect();
         let id = format!("recall-{scale}-{}", groups::key_id(&key));
-        // Every quantity here (%, nats, steps) is ≥ 0; percentages ≤ 100 (PCT).
-        let stat = |v: Vec<f64>, hi: f64| Stat::of(&v).map_or(Cell::Empty, |s| Cell::Stat(s.clipped(0.0, hi)));
         let mut body = Vec::new();
         for &gap in &gaps {
             for (c, seeds) in &arms {
@@ -175,6 +173,12 @@ pub const HALF: f64 = 50.0;
 /// The top of a percentage.
 const PCT: f64 = 100.0;
 
+/// A table cell summing `v` over seeds, its interval cut to `[0, hi]`: every quantity in these
+/// tables (%, nats, steps) is ≥ 0, and percentages are ≤ [`PCT`].
+fn stat(v: Vec<f64>, hi: f64) -> Cell {
+    Stat::of(&v).map_or(Cell::Empty, |s| Cell::Stat(s.clipped(0.0, hi)))
+}
+
 /// Seed bands (mean ± s.d.) of percentages cut to 0–100.
 fn clip_bands(lines: &mut [Line]) {
     for b in lines.iter_mut().flat_map(|l| l.band.iter_mut()) {
@@ -197,7 +201,6 @@ pub fn curves(runs: &[Run], out: &Path) -> Result<(Vec<Grid>, Vec<Figure>)> {
         let scale = groups::scale(&members[0].spec);
         let id = groups::key_id(&key);
         let stem = format!("plots/recall/{}", slug(&format!("{scale}-{id}")));
-        let stat = |v: Vec<f64>, hi: f64| Stat::of(&v).map_or(Cell::Empty, |s| Cell::Stat(s.clipped(0.0, hi)));
         let mut body = Vec::new();
         for &gap in &gaps {
             let metric = format!("recall/g{gap}/codes");
@@ -297,7 +300,6 @@ pub fn capacity(runs: &[Run], out: &Path) -> Result<(Vec<Grid>, Vec<Figure>)> {
         let of = |r: &Run, gap: usize| -> Vec<(usize, RecallScore)> {
             scored.iter().filter(|(x, _)| std::ptr::eq(*x, r)).flat_map(|(_, s)| s.iter().filter(|(_, s)| s.gap == gap).cloned()).collect()
         };
-        let stat = |v: Vec<f64>, hi: f64| Stat::of(&v).map_or(Cell::Empty, |s| Cell::Stat(s.clipped(0.0, hi)));
         let mut body = Vec::new();
         for &gap in &gaps {
             // One curve per seed: its runs' (facts, codes right %).
