@@ -21,29 +21,27 @@ T* ptr(const Tensor& t) {
 
 int64_t chunks_of(int64_t n) { return (n + kRowsPerChunk - 1) / kRowsPerChunk; }
 
-// ln_forward with the fewest registers a thread that holds ⌈d / kThreads⌉ columns needs.
-template <typename T, int COLS = 1>
+// The kernels with the fewest registers that hold ⌈d / kThreads⌉ columns a thread.
+template <typename T>
 void launch_forward(const Tensor& x, const Tensor& g, const Tensor& b, double eps, Tensor& y, Tensor& mean, Tensor& rstd, cudaStream_t stream) {
   const int64_t d = x.size(-1), n = x.numel() / d;
-  if constexpr (COLS < kMaxCols) {
-    if (d > (int64_t)COLS * kThreads) return launch_forward<T, 2 * COLS>(x, g, b, eps, y, mean, rstd, stream);
-  }
-  TORCH_CHECK(d <= (int64_t)COLS * kThreads, "layer_norm_half: rows of ", d, " are wider than the kernels take");
-  ln_forward<T, COLS><<<chunks_of(n), kThreads, 0, stream>>>(x.data_ptr<float>(), g.data_ptr<float>(), b.data_ptr<float>(), n, d, (float)eps, ptr<T>(y),
-                                                             mean.data_ptr<float>(), rstd.data_ptr<float>());
+  const bool fits = with_cols(d, [&](auto cols) {
+    ln_forward<T, decltype(cols)::value><<<chunks_of(n), kThreads, 0, stream>>>(x.data_ptr<float>(), g.data_ptr<float>(), b.data_ptr<float>(), n, d,
+                                                                               (float)eps, ptr<T>(y), mean.data_ptr<float>(), rstd.data_ptr<float>());
+  });
+  TORCH_CHECK(fits, "layer_norm_half: rows of ", d, " are wider than the kernels take");
 }
 
-// ln_backward likewise.
-template <typename T, int COLS = 1>
+template <typename T>
 void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dg, Tensor& db,
                      cudaStream_t stream) {
   const int64_t d = x.size(-1), n = x.numel() / d;
-  if constexpr (COLS < kMaxCols) {
-    if (d > (int64_t)COLS * kThreads) return launch_backward<T, 2 * COLS>(dy, x, g, mean, rstd, dx, dg, db, stream);
-  }
-  TORCH_CHECK(d <= (int64_t)COLS * kThreads, "layer_norm_half: rows of ", d, " are wider than the kernels take");
-  ln_backward<T, COLS><<<dg.size(0), kThreads, 0, stream>>>(ptr<T>(dy), x.data_ptr<float>(), g.data_ptr<float>(), mean.data_ptr<float>(),
-                                                           rstd.data_ptr<float>(), n, d, dx.data_ptr<float>(), dg.data_ptr<float>(), db.data_ptr<float>());
+  const bool fits = with_cols(d, [&](auto cols) {
+    ln_backward<T, decltype(cols)::value><<<dg.size(0), kThreads, 0, stream>>>(ptr<T>(dy), x.data_ptr<float>(), g.data_ptr<float>(), mean.data_ptr<float>(),
+                                                                              rstd.data_ptr<float>(), n, d, dx.data_ptr<float>(), dg.data_ptr<float>(),
+                                                                              db.data_ptr<float>());
+  });
+  TORCH_CHECK(fits, "layer_norm_half: rows of ", d, " are wider than the kernels take");
 }
 
 struct LayerNormHalf : public torch::autograd::Function<LayerNormHalf> {

@@ -20,6 +20,7 @@
 #include "half.cuh"
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -63,6 +64,19 @@ constexpr int kRowsAtOnce = COLS <= 2 ? 4 : COLS <= 4 ? 2 : 1;
 // each of its rows, takes half the forward's rows at once, so that 64 registers hold it unspilled.
 template <int COLS>
 constexpr int kMinBlocks = COLS <= 8 ? 4 : 1;
+
+// Calls f(std::integral_constant<int, COLS>{}) with the fewest columns a thread (a power of two up
+// to kMaxCols) that cover rows of d; false, without calling it, for wider rows. Host code: the
+// launches (csrc/cuda/layer_norm.cu, csrc/cuda/emu/layer_norm_test.cpp) pick their template with it.
+template <int COLS = 1, typename F>
+bool with_cols(int64_t d, F&& f) {
+  if constexpr (COLS < kMaxCols) {
+    if (d > (int64_t)COLS * kThreads) return with_cols<2 * COLS>(d, f);
+  }
+  if (d > (int64_t)COLS * kThreads) return false;
+  f(std::integral_constant<int, COLS>{});
+  return true;
+}
 
 // Both kernels take a chunk of kRowsPerChunk rows, R = kRowsAtOnce<COLS> at a time; thread t
 // holds columns t, t + kThreads, … (COLS of them, COLS·kThreads ≥ d) of those rows in registers, so

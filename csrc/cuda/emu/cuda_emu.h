@@ -225,7 +225,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 threads, size_t shared_bytes, 
             tid = t;
             threadIdx = dim3(t % threads.x, (t / threads.x) % threads.y, t / (threads.x * threads.y));
             blockIdx = dim3(bx, by, bz);
-            jitter_block = (uint64_t(bz) * grid.y + by) * grid.x + bx + 1, jitter_calls = 0;
+            jitter_block = linear + 1, jitter_calls = 0;
             phase = 0;
             maybe_hold_back();
             kernel(args...);
