@@ -37,7 +37,7 @@ for what in "${@:-all}"; do
         done
       done ;;&
     kernels)
-      # Issue 33: vanilla training with our LayerNorm (ATTNLAB_LN_KERNEL=1: fp32 residual → bf16 in one
+      # Issue 33: vanilla training with our LayerNorm (ATTNLAB_LN_KERNEL=1, the default: fp32 residual → bf16 in one
       # kernel) and heads op (ATTNLAB_HEADS_KERNEL=1: the fused projection's pieces and RoPE in one
       # kernel each way) against aten's, alone and together, interleaved, KERNEL_REPEATS (1) rounds at
       # 70M / 160M / 410M; rows tagged "ln_kernel" / "heads_kernel" in train_kernels.jsonl. Run

@@ -6,6 +6,11 @@
 # carries on. Small files of every run (config.yaml, metrics.jsonl — the curve so far, scored every
 # 500 steps — recall.json, eval.json, DONE) go to $OUT/recall-curves.tgz, finished or not; checkpoints
 # stay behind. Expects .gpu/attnlab (make gpu-bin).
+# Carry results/dar-recall-curves only on a fresh machine (finished runs are skipped). To carry on with
+# cut-off runs on the still-warm machine, carry .gpu alone: a carried copy replaces the machine's folder,
+# and the runs lose their checkpoints (they start over; the trainer moves their earlier rows to
+# metrics.discarded.jsonl). The tarball of a resumed call holds only the rows since the resume
+# checkpoint: put the previous call's rows before them (the 2026-12-06 seed-4 runs were joined so).
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}

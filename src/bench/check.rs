@@ -498,10 +498,15 @@ pub fn layer_norm_check(n: i64, d: i64, device: Device) -> Option<CheckRow> {
     let exact = exact_in[0].layer_norm([d], Some(&exact_in[1]), Some(&exact_in[2]), 1e-5, false);
     let exact_g = grads(&exact, &exact_in);
     crate::kernels::set_autocast_bf16().ok()?;
+    // The kernel is checked even where the caller turned it off (`ATTNLAB_LN_KERNEL=0`).
+    let caller = std::env::var_os("ATTNLAB_LN_KERNEL");
     std::env::set_var("ATTNLAB_LN_KERNEL", "1");
     let fast_in = leaves();
     let fast = crate::kernels::autocast(true, || crate::kernels::cuda::layer_norm_half(&fast_in[0], &fast_in[1], &fast_in[2], 1e-5));
-    std::env::remove_var("ATTNLAB_LN_KERNEL");
+    match caller {
+        Some(v) => std::env::set_var("ATTNLAB_LN_KERNEL", v),
+        None => std::env::remove_var("ATTNLAB_LN_KERNEL"),
+    }
     let fast = fast?.unwrap_or_else(|e| panic!("LayerNorm kernel failed: {e}"));
     let fast_g = grads(&fast, &fast_in);
     let kind = fast.kind();

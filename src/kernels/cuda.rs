@@ -279,13 +279,13 @@ pub fn attend_step(x: &Step) -> Option<Result<Tensor>> {
 
 /// LayerNorm of the fp32 residual stream `x` `[.., d]` with fp32 `weight` / `bias` `[d]`, written
 /// straight in autocast's half dtype (csrc/cuda/layer_norm.cu: no fp32 output, no cast after it).
-/// Its first version passed `bench --check` and trained vanilla 1.02 / 1.03 / 1.06× faster at 70M /
-/// 160M / 410M on one H100 (results/bench/2026-12-05-h100); the kernels were rewritten after that
-/// job (chunks of rows, the backward in one pass) and are right on the CPU (`make cuda-emu-test`)
-/// but not yet run on a GPU, so only with `ATTNLAB_LN_KERNEL=1` until the gate passes them there.
+/// The rewritten kernels (chunks of rows, the backward in one pass) passed `bench --check` on one
+/// H100 and trained vanilla 1.05 / 1.07 / 1.08× faster than aten's LayerNorm at 70M / 160M / 410M
+/// (results/bench/2026-12-06-h100; the first version: 1.02 / 1.03 / 1.06×), so they are the
+/// default; `ATTNLAB_LN_KERNEL=0` turns them off.
 /// `None` (the caller's aten LayerNorm) otherwise, off CUDA, outside autocast, or for other dtypes.
 pub fn layer_norm_half(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Option<Result<Tensor>> {
-    if !x.device().is_cuda() || x.kind() != tch::Kind::Float || !switch("ATTNLAB_LN_KERNEL", false) {
+    if !x.device().is_cuda() || x.kind() != tch::Kind::Float || !switch("ATTNLAB_LN_KERNEL", true) {
         return None;
     }
     let f = library()?.layer_norm_half?;

@@ -140,7 +140,7 @@ impl GptNeox {
     }
 
     /// A LayerNorm of the full forward: straight from the fp32 residual stream to autocast's half
-    /// dtype where `kernels::cuda::layer_norm_half` applies (`ATTNLAB_LN_KERNEL=1`), else aten's.
+    /// dtype where `kernels::cuda::layer_norm_half` applies (unless `ATTNLAB_LN_KERNEL=0`), else aten's.
     fn norm(&self, ln: &nn::LayerNorm, x: &Tensor) -> Tensor {
         if let (Some(w), Some(b)) = (&ln.ws, &ln.bs) {
             if let Some(y) = crate::kernels::cuda::layer_norm_half(x, w, b, self.cfg.ln_eps) {

@@ -31,6 +31,40 @@ pub fn append(path: &Path, row: &Map<String, Value>) -> Result<()> {
     (&f).write_all(line.as_bytes()).at(path)
 }
 
+/// Where [`set_aside_after`] keeps the rows a restarted run writes again.
+pub const DISCARDED: &str = "metrics.discarded.jsonl";
+
+/// Make `path` hold only what a restarted run keeps: the rows up to step `kept` (the checkpoint it
+/// resumes from), none when it starts over (`None`). The other rows, and lines that do not parse,
+/// are appended to [`DISCARDED`] beside it (an earlier attempt is never lost) before `path` is
+/// replaced by its kept rows (a temporary file renamed over it, so a crash leaves one or the other).
+/// Without this, a run started over on a folder with rows of an earlier attempt (its checkpoints
+/// gone) would append a second curve to the first, and a report (a later row wins at a step) would
+/// stitch the two. Returns how many lines were set aside.
+pub fn set_aside_after(path: &Path, kept: Option<u64>) -> Result<usize> {
+    let text = match std::fs::read(path) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(crate::Error::io(path, e)),
+    };
+    let keeps = |line: &str| {
+        let step = serde_json::from_str::<Value>(line).ok().and_then(|v| v.get("step").and_then(Value::as_u64));
+        matches!((step, kept), (Some(s), Some(k)) if s <= k)
+    };
+    let (keep, aside): (Vec<&str>, Vec<&str>) = text.lines().filter(|l| !l.trim().is_empty()).partition(|l| keeps(l));
+    if aside.is_empty() {
+        return Ok(0);
+    }
+    let discarded = path.with_file_name(DISCARDED);
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&discarded).at(&discarded)?;
+    f.write_all(aside.iter().map(|l| format!("{l}\n")).collect::<String>().as_bytes()).at(&discarded)?;
+    f.sync_all().at(&discarded)?;
+    let tmp = path.with_extension("jsonl.tmp");
+    std::fs::write(&tmp, keep.iter().map(|l| format!("{l}\n")).collect::<String>()).at(&tmp)?;
+    std::fs::rename(&tmp, path).at(path)?;
+    Ok(aside.len())
+}
+
 /// The rows of a metrics file: (1-based line number, object); `warnings` names every line skipped.
 #[derive(Debug, Default)]
 pub struct Rows {
@@ -74,6 +108,25 @@ mod tests {
 
     fn obj(v: Value) -> Map<String, Value> {
         v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn set_aside_keeps_rows_up_to_the_resume_step_and_moves_the_rest() {
+        let tmp = tempfile::tempdir().unwrap();
+        let p = tmp.path().join("metrics.jsonl");
+        assert_eq!(set_aside_after(&p, Some(3)).unwrap(), 0, "missing file: nothing to move");
+        std::fs::write(&p, "{\"step\": 0}\n{\"step\": 2, \"loss\": 1.5}\n\n{\"step\": 4}\n{\"step\": 2, \"eval\": 1}\n{\"step\": 5, \"lo").unwrap();
+        assert_eq!(set_aside_after(&p, Some(2)).unwrap(), 2);
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "{\"step\": 0}\n{\"step\": 2, \"loss\": 1.5}\n{\"step\": 2, \"eval\": 1}\n");
+        let d = tmp.path().join(DISCARDED);
+        assert_eq!(std::fs::read_to_string(&d).unwrap(), "{\"step\": 4}\n{\"step\": 5, \"lo\n");
+        assert_eq!(set_aside_after(&p, Some(2)).unwrap(), 0, "nothing past the step any more");
+        // Starting over: every row goes, after the ones set aside before.
+        assert_eq!(set_aside_after(&p, None).unwrap(), 3);
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "");
+        assert_eq!(std::fs::read_to_string(&d).unwrap().lines().count(), 5);
+        append(&p, &obj(json!({"step": 1}))).unwrap();
+        assert_eq!(read(&p).unwrap().rows.len(), 1);
     }
 
     #[test]

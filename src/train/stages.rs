@@ -202,6 +202,13 @@ pub fn run(dir: &RunDir, vs: &VarStore, plan: &Plan, task: &mut impl StagedTask,
     let world = dist.as_ref().map_or(1, |d| d.comm.world());
     let mut state = State { step: 0, tokens: 0, elapsed_s: 0.0 };
     let mut current: Option<Current> = None;
+    if rank0 {
+        // Rows past the resume point (all of them when the run starts over) are written again.
+        let aside = super::metrics::set_aside_after(&dir.path.join("metrics.jsonl"), resume.as_ref().map(|r| r.0))?;
+        if aside > 0 && !plan.quiet {
+            eprintln!("{}: {aside} rows of metrics.jsonl past step {} moved to {}", dir.path.display(), resume.as_ref().map_or(0, |r| r.0), super::metrics::DISCARDED);
+        }
+    }
     match resume {
         Some((step, path)) => {
             match plan.stage_of(step) {

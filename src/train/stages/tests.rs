@@ -105,6 +105,9 @@ fn plateau_two_stage_and_cosine_one_stage_runs_resume_bit_identically() {
                 assert!(t.equal(&got[n]), "{name}: {n} differs after stopping at {stop}");
             }
             assert_eq!(curve(&straight), curve(&dir), "{name}: losses or lrs differ after stopping at {stop}");
+            // The rows logged past the resume point were set aside, not logged twice.
+            let steps: Vec<u64> = rows(&dir).iter().filter(|r| r.contains_key("loss")).map(|r| r["step"].as_u64().unwrap()).collect();
+            assert_eq!(steps, (1..=end).collect::<Vec<_>>(), "{name}: training rows after stopping at {stop}");
         }
         let c = curve(&straight);
         assert_eq!(c.keys().copied().collect::<Vec<_>>(), (1..=end).collect::<Vec<_>>());
@@ -141,6 +144,24 @@ fn plateau_two_stage_and_cosine_one_stage_runs_resume_bit_identically() {
             }
         }
     }
+}
+
+/// A run started over in a folder that kept an earlier attempt's rows but lost its checkpoints
+/// (a copy without them, a cleared disk) logs one curve: the earlier rows, longer than this run
+/// and different, move to metrics.discarded.jsonl instead of being read as part of it.
+#[test]
+fn a_run_started_over_sets_the_earlier_attempts_rows_aside() {
+    let _rng = crate::testutil::rng();
+    let tmp = tempfile::tempdir().unwrap();
+    let (fresh, over) = (tmp.path().join("fresh"), tmp.path().join("over"));
+    session(&fresh, false, None);
+    std::fs::create_dir_all(&over).unwrap();
+    let earlier: String = (1..=9).map(|s| format!("{{\"step\": {s}, \"loss\": 99.0, \"lr\": 1.0}}\n")).collect();
+    std::fs::write(over.join("metrics.jsonl"), &earlier).unwrap();
+    session(&over, false, None);
+    assert_eq!(curve(&over), curve(&fresh));
+    assert_eq!(rows(&over).len(), rows(&fresh).len());
+    assert_eq!(std::fs::read_to_string(over.join(crate::train::metrics::DISCARDED)).unwrap(), earlier);
 }
 
 /// A finished run is reported with its eval.json, one check for every command.
