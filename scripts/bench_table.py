@@ -70,6 +70,24 @@ if decode:
     for (mode, ctx), rs in sorted(hf.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         print(f"| {ctx} | HF {mode} | {len(rs)} | – | – | {med(rs, 'prefill_s'):.4f} | – | {med(rs, 'decode_tok_s'):.1f} | – | – |")
 
+# gpu_bench.sh prefill: a process's second prefill at each length (repeat 1: every per-shape plan
+# built), flash and, from 16K, cuDNN (prefill_cudnn.jsonl), beside HF eager timed after two warm-ups.
+prefill, prefill_cudnn, prefill_peer = rows("prefill.jsonl"), rows("prefill_cudnn.jsonl"), rows("prefill_peer.jsonl")
+if prefill:
+    eager = {r["context"]: r["prefill_s"] for r in prefill_peer if r["mode"] == "eager"}
+    warm = lambda rs, a, c: [r["prefill_s"] for r in rs if r["attention"] == a and r["context"] == c and r["repeat"] == max(x["repeat"] for x in rs)]
+    atts = list(dict.fromkeys(r["attention"] for r in prefill))
+    cud = list(dict.fromkeys(r["attention"] for r in prefill_cudnn))
+    cell = lambda v, c: f"{v[0]:.4f} ({v[0] / eager[c]:.2f})" if v and c in eager else (f"{v[0]:.4f}" if v else "–")
+    print()
+    print("Prefill, warm (the process's last repeat at each length; seconds, × HF eager in brackets):")
+    print()
+    print("| context | HF eager | " + " | ".join(atts + [f"{a}, cuDNN" for a in cud]) + " |")
+    print("|---:|---:|" + "---:|" * (len(atts) + len(cud)))
+    for c in sorted({r["context"] for r in prefill}):
+        cells = [cell(warm(prefill, a, c), c) for a in atts] + [cell(warm(prefill_cudnn, a, c), c) if prefill_cudnn else "–" for a in cud]
+        print(f"| {c} | {eager.get(c, float('nan')):.4f} | " + " | ".join(cells) + " |")
+
 # Speed switches measured side by side (gpu_bench.sh kernels / band / fused): medians over repeats,
 # each as a ratio to the switch's baseline in the same job.
 from statistics import median as _median
