@@ -45,3 +45,9 @@ template <typename T>
 __device__ __forceinline__ float pack_at(const Pack8& x, int e) {
   return to_f(*reinterpret_cast<const T*>(&x.v[e]));
 }
+
+// Entry e of a pack set to fp32 `v` rounded to T.
+template <typename T>
+__device__ __forceinline__ void pack_set(Pack8& x, int e, float v) {
+  *reinterpret_cast<T*>(&x.v[e]) = from_f<T>(v);
+}

@@ -1,6 +1,6 @@
 // The heads op's autograd function on CUDA with one kernel each way (csrc/cuda/heads.cuh says what
 // they compute; csrc/heads.cpp is the aten form every other device takes). Taken with
-// ATTNLAB_HEADS_KERNEL=1 (src/kernels.rs) until bench --check passes it on a GPU.
+// ATTNLAB_HEADS_KERNEL=1 (src/kernels/cuda.rs) until bench --check passes and times it on a GPU.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -19,10 +19,13 @@ namespace {
 template <typename T>
 void launch(HeadsParams p, const Tensor& x, const std::vector<Tensor>& pieces, float sign) {
   for (int i = 0; i < p.n; ++i) p.pieces[i] = pieces[i].defined() ? pieces[i].data_ptr() : nullptr;
-  const int64_t total = p.rows * p.n * (p.hd - p.half);
+  const bool wide = heads_rotate8_fits(p, x.data_ptr());
+  const int64_t total = p.rows * p.n * (wide ? p.hd / 8 : p.hd - p.half);
   if (total == 0) return;
   const int64_t blocks = std::min<int64_t>((total + kHeadsThreads - 1) / kHeadsThreads, 65535 * 8);
-  heads_rotate<T><<<blocks, kHeadsThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p, reinterpret_cast<T*>(x.data_ptr()), sign);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (wide) heads_rotate8<T><<<blocks, kHeadsThreads, 0, stream>>>(p, reinterpret_cast<T*>(x.data_ptr()), sign);
+  else heads_rotate<T><<<blocks, kHeadsThreads, 0, stream>>>(p, reinterpret_cast<T*>(x.data_ptr()), sign);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

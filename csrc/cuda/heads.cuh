@@ -6,7 +6,9 @@
 //   out_i[d] = x_i[d]·c − x_i[d+half]·s,  out_i[d+half] = x_i[d+half]·c + x_i[d]·s  (d < half),
 //   out_i[d] = x_i[d]  (d ≥ 2·half, or a piece not rotated).
 // The backward writes dx once: the inverse rotation (s → −s) of each piece's gradient, or a copy,
-// or zeros for a piece without one. One thread per (row, piece, pair or lone element), in fp32.
+// or zeros for a piece without one. In fp32. Two kernels: `heads_rotate8` where every row and the
+// rotated half are whole 16-byte chunks (hd and half multiples of 8, 16-byte aligned pointers:
+// Pythia's hd 64, half 8), `heads_rotate` (one thread per pair or lone element) for the rest.
 //
 // Device code only: csrc/cuda/emu runs it on the CPU in `make test`; csrc/cuda/heads.cu launches it.
 #pragma once
@@ -64,6 +66,56 @@ __global__ void __launch_bounds__(kHeadsThreads) heads_rotate(HeadsParams p, T* 
       if (pair) out[b] = from_f<T>(xb);
     }
   }
+}
+
+// Eight-wide: one thread per 16-byte chunk of a piece's row, so a warp sweeps 4 rows of hd 64 (512
+// contiguous bytes) in one coalesced load and store, and the index math (32-bit: the launcher checks
+// rows·n·hd/8 < 2^31) is done once per 8 values instead of once per value. In a rotated piece, chunk
+// c < half/8 turns its pair (c, c + half/8) and writes both; the partner's thread has nothing to do.
+template <typename T>
+__global__ void __launch_bounds__(kHeadsThreads) heads_rotate8(HeadsParams p, T* x, float sign) {
+  const bool forward = sign > 0;
+  const uint32_t chunks = p.hd / 8, hc = p.half / 8;
+  const uint32_t total = (uint32_t)p.rows * p.n * chunks;
+  for (uint32_t i = blockIdx.x * kHeadsThreads + threadIdx.x; i < total; i += gridDim.x * kHeadsThreads) {
+    const uint32_t c = i % chunks, rp = i / chunks;  // rp = row·n + piece
+    const int piece = (int)(rp % p.n);
+    const uint32_t row = rp / p.n;
+    const bool rot = piece < p.rotated;
+    if (rot && c >= hc && c < 2 * hc) continue;
+    T* whole = x + (size_t)rp * p.hd;
+    T* part = p.pieces[piece] ? static_cast<T*>(p.pieces[piece]) + (size_t)row * p.hd : nullptr;
+    const T* in = forward ? whole : part;
+    T* out = forward ? part : whole;
+    Pack8 a{};  // all bits zero: +0 in bf16 and fp16 (a piece without a gradient)
+    if (in) a = *reinterpret_cast<const Pack8*>(in + 8 * c);
+    if (!rot || c >= hc) {
+      *reinterpret_cast<Pack8*>(out + 8 * c) = a;
+      continue;
+    }
+    Pack8 b{};
+    if (in) b = *reinterpret_cast<const Pack8*>(in + 8 * (c + hc));
+    const uint32_t t = (row / p.H) % p.T;
+    const float* cs = p.cos + (size_t)t * p.half + 8 * c;
+    const float* sn = p.sin + (size_t)t * p.half + 8 * c;
+    Pack8 oa, ob;
+    for (int e = 0; e < 8; ++e) {
+      const float xa = pack_at<T>(a, e), xb = pack_at<T>(b, e), co = cs[e], s = sign * sn[e];
+      pack_set<T>(oa, e, xa * co - xb * s);
+      pack_set<T>(ob, e, xb * co + xa * s);
+    }
+    *reinterpret_cast<Pack8*>(out + 8 * c) = oa;
+    *reinterpret_cast<Pack8*>(out + 8 * (c + hc)) = ob;
+  }
+}
+
+// Whether `heads_rotate8` applies: whole chunks, aligned pointers (x and every piece present), and
+// its 32-bit flat index.
+inline bool heads_rotate8_fits(const HeadsParams& p, const void* x) {
+  auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  bool ok = p.hd % 8 == 0 && p.half % 8 == 0 && aligned(x) && p.rows * p.n * (p.hd / 8) < (int64_t(1) << 31);
+  for (int i = 0; i < p.n; ++i) ok = ok && (!p.pieces[i] || aligned(p.pieces[i]));
+  return ok;
 }
 
 }  // namespace

@@ -302,9 +302,10 @@ pub fn layer_norm_half(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> 
 }
 
 /// GPT-NeoX's heads op (`kernels::split_rotate`'s contract) by one CUDA kernel each way
-/// (csrc/cuda/heads.cu) for bf16 / fp16 `x` on CUDA, only with `ATTNLAB_HEADS_KERNEL=1`: it passes
-/// `bench --check` but trained 1–3% slower than the aten op on one H100 (results/bench/2026-12-05-h100);
-/// `None` (the aten op) otherwise.
+/// (csrc/cuda/heads.cu) for bf16 / fp16 `x` on CUDA, only with `ATTNLAB_HEADS_KERNEL=1`: its first,
+/// one-thread-per-element form passed `bench --check` but trained 1–3% slower than the aten op on one
+/// H100 (results/bench/2026-12-05-h100, 2026-12-06-h100); the 16-byte-chunk form (`heads_rotate8`) is
+/// right on the CPU and awaits the GPU gate. `None` (the aten op) otherwise.
 pub fn split_rotate(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, sin: &Tensor) -> Option<Result<Vec<Tensor>>> {
     if !x.device().is_cuda() || !matches!(x.kind(), tch::Kind::BFloat16 | tch::Kind::Half) || n > 16 || !switch("ATTNLAB_HEADS_KERNEL", false) {
         return None;

@@ -9,7 +9,8 @@ namespace {
 
 using Bf = __nv_bfloat16;
 
-bool check(int B, int T, int H, int n, int rotated, int hd, int half, unsigned seed) {
+// `wide`: through heads_rotate8 (16-byte chunks; the case must fit it), else heads_rotate.
+bool check(int B, int T, int H, int n, int rotated, int hd, int half, unsigned seed, bool wide) {
   std::mt19937 rng(seed);
   const int64_t rows = int64_t(B) * T * H;
   auto x = emu_test::normal<Bf>(rng, size_t(rows) * n * hd, 1.0);
@@ -42,11 +43,22 @@ bool check(int B, int T, int H, int n, int rotated, int hd, int half, unsigned s
   std::vector<std::vector<Bf>> pieces(n, std::vector<Bf>(size_t(rows) * hd));
   HeadsParams p{rows, T, H, n, rotated, hd, half, cos.data(), sin.data(), {}};
   for (int i = 0; i < n; ++i) p.pieces[i] = pieces[i].data();
-  emu::launch(heads_rotate<Bf>, dim3(3), dim3(kHeadsThreads), 0, p, x.dev.data(), 1.f);  // 3 blocks: the grid-stride loop too
+  auto launch = [&](int blocks, Bf* whole, float sign) {
+    if (wide) {
+      if (!heads_rotate8_fits(p, whole)) {
+        std::printf("  heads_rotate8 does not fit the case\n");
+        std::exit(1);
+      }
+      emu::launch(heads_rotate8<Bf>, dim3(blocks), dim3(kHeadsThreads), 0, p, whole, sign);
+    } else {
+      emu::launch(heads_rotate<Bf>, dim3(blocks), dim3(kHeadsThreads), 0, p, whole, sign);
+    }
+  };
+  launch(3, x.dev.data(), 1.f);  // 3 blocks: the grid-stride loop too
   std::vector<double> got;
   for (auto& pc : pieces)
     for (auto v : pc) got.push_back(emu_test::from_half(v));
-  const std::string at = std::to_string(n) + " pieces, " + std::to_string(rotated) + " rotated, hd " + std::to_string(hd) + ", half " + std::to_string(half);
+  const std::string at = std::string(wide ? "8-wide, " : "") + std::to_string(n) + " pieces, " + std::to_string(rotated) + " rotated, hd " + std::to_string(hd) + ", half " + std::to_string(half);
   bool ok = emu_test::verdict("pieces, " + at, emu_test::rel_err(got, want), emu_test::rel_err(planted, want), 8e-3);
 
   // Backward: gradients of the pieces but the last (null: zeros in dx).
@@ -60,7 +72,7 @@ bool check(int B, int T, int H, int n, int rotated, int hd, int half, unsigned s
     }
   std::vector<Bf> dx(size_t(rows) * n * hd, __float2bfloat16(7.f));  // stale values: every entry must be written
   for (int i = 0; i < n; ++i) p.pieces[i] = i < n - 1 ? g[i].dev.data() : nullptr;
-  emu::launch(heads_rotate<Bf>, dim3(2), dim3(kHeadsThreads), 0, p, dx.data(), -1.f);
+  launch(2, dx.data(), -1.f);
   std::vector<double> got_dx;
   for (auto v : dx) got_dx.push_back(emu_test::from_half(v));
   ok &= emu_test::verdict("dx, " + at, emu_test::rel_err(got_dx, want_dx), emu_test::rel_err(bad_dx, want_dx), 8e-3);
@@ -68,9 +80,14 @@ bool check(int B, int T, int H, int n, int rotated, int hd, int half, unsigned s
 }
 
 bool all_cases() {
-  bool ok = check(2, 5, 3, 3, 2, 64, 8, 41);   // Pythia: q, k rotated over a quarter of the dims, v not
-  ok &= check(1, 4, 2, 3, 3, 32, 16, 42);      // every dim of every piece rotated
-  ok &= check(1, 3, 1, 2, 0, 16, 4, 43);       // nothing rotated: copies
+  bool ok = true;
+  for (bool wide : {false, true}) {
+    ok &= check(2, 5, 3, 3, 2, 64, 8, 41, wide);   // Pythia: q, k rotated over a quarter of the dims, v not
+    ok &= check(1, 4, 2, 3, 3, 32, 16, 42, wide);  // every dim of every piece rotated
+    ok &= check(1, 3, 1, 2, 0, 16, 8, 43, wide);   // nothing rotated: copies
+    ok &= check(2, 3, 2, 3, 1, 48, 16, 44, wide);  // two chunks a half, one piece rotated
+  }
+  ok &= check(1, 3, 1, 2, 1, 20, 4, 45, false);    // a half of 4: the scalar kernel's alone
   return ok;
 }
 
