@@ -111,9 +111,16 @@ def _ratio_table(title, rs, key, base, label):
         print(f"| {flavor.replace('pythia-', '')} | {label(variant)} | {len(v)} | {_median(v):,.0f} | {x} |")
 
 
-_ratio_table("Vanilla training with our LayerNorm / heads kernels (train_kernels.jsonl; baseline: aten's):", rows("train_kernels.jsonl"),
-             lambda r: (r.get("ln_kernel", 0), r.get("heads_kernel", 0)), (0, 0),
-             lambda v: {(0, 0): "aten", (1, 0): "LayerNorm kernel", (0, 1): "heads kernel", (1, 1): "both"}[v])
+_kernel_rows = rows("train_kernels.jsonl")
+if any("variant" in r for r in _kernel_rows):
+    _ratio_table("Vanilla training with each kernel switch (train_kernels.jsonl; baseline: the defaults):", _kernel_rows,
+                 lambda r: r.get("variant", "?"), "base",
+                 lambda v: {"base": "defaults", "heads": "heads kernel", "ce": "loss head held", "heads+ce": "heads kernel + loss head held",
+                            "noln": "aten LayerNorm"}.get(v, v))
+else:  # jobs before 2026-12-06: rows tagged ln_kernel / heads_kernel, baseline aten's
+    _ratio_table("Vanilla training with our LayerNorm / heads kernels (train_kernels.jsonl; baseline: aten's):", _kernel_rows,
+                 lambda r: (r.get("ln_kernel", 0), r.get("heads_kernel", 0)), (0, 0),
+                 lambda v: {(0, 0): "aten", (1, 0): "LayerNorm kernel", (0, 1): "heads kernel", (1, 1): "both"}[v])
 _ratio_table("DAR training, band kernels vs split-merge-fused (train_band.jsonl):", rows("train_band.jsonl"),
              lambda r: r.get("impl", "?"), "split-merge-fused", lambda v: v)
 

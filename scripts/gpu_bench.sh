@@ -37,19 +37,23 @@ for what in "${@:-all}"; do
         done
       done ;;&
     kernels)
-      # Issue 33: vanilla training with our LayerNorm (ATTNLAB_LN_KERNEL=1, the default: fp32 residual → bf16 in one
-      # kernel) and heads op (ATTNLAB_HEADS_KERNEL=1: the fused projection's pieces and RoPE in one
-      # kernel each way) against aten's, alone and together, interleaved, KERNEL_REPEATS (1) rounds at
-      # 70M / 160M / 410M; rows tagged "ln_kernel" / "heads_kernel" in train_kernels.jsonl. Run
-      # `check` first (its layer-norm-kernel and heads-op-kernel rows).
+      # Issue 33: vanilla training with each kernel switch against the defaults (LayerNorm kernel on),
+      # interleaved, KERNEL_REPEATS (1) rounds at 70M / 160M / 410M; KERNEL_VARIANTS picks (default
+      # "base heads ce heads+ce noln": base = the defaults, heads = ATTNLAB_HEADS_KERNEL=1, the heads op in
+      # one kernel each way; ce = ATTNLAB_CE_HELD=1, the loss head's rows held in registers; noln =
+      # ATTNLAB_LN_KERNEL=0, aten's LayerNorm). Rows tagged "variant" in train_kernels.jsonl. Run
+      # `check` first (its layer-norm-kernel, heads-op-kernel and loss-head-kernel-held rows).
       for ((r = 0; r < ${KERNEL_REPEATS:-1}; r++)); do
         for size in 70m:64 160m:32 410m:32; do
           IFS=: read -r f b <<< "$size"
-          for combo in 0:0 1:0 0:1 1:1; do
-            IFS=: read -r ln heads <<< "$combo"
-            ATTNLAB_LN_KERNEL=$ln ATTNLAB_HEADS_KERNEL=$heads run $A bench experiments/pythia-70m-vanilla.yaml --json --steps 20 --warmup 5 \
+          for v in ${KERNEL_VARIANTS:-base heads ce heads+ce noln}; do
+            heads=0; ce=0; ln=1
+            case $v in *heads*) heads=1 ;; esac
+            case $v in *ce*) ce=1 ;; esac
+            [ $v = noln ] && ln=0
+            ATTNLAB_LN_KERNEL=$ln ATTNLAB_HEADS_KERNEL=$heads ATTNLAB_CE_HELD=$ce run $A bench experiments/pythia-70m-vanilla.yaml --json --steps 20 --warmup 5 \
               --set model.flavor=pythia-$f --set train.batch_size=$b --set "attention={kind: vanilla}" | grep '^{' \
-              | sed "s/^{/{\"ln_kernel\":$ln,\"heads_kernel\":$heads,\"repeat\":$r,/" >> "$OUT/train_kernels.jsonl"
+              | sed "s/^{/{\"variant\":\"$v\",\"repeat\":$r,/" >> "$OUT/train_kernels.jsonl"
           done
         done
       done ;;

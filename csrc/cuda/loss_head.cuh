@@ -7,6 +7,11 @@
 // the whole backward. A target outside [0, V) gives nll = NaN (the trainer's divergence check
 // names it) and no −scale term.
 //
+// Two kernels: `ce_grad_in_place` reads a row twice (the online log-sum-exp, then the gradient) and
+// takes any V; `ce_grad_in_place_held` (rows of whole 16-byte packs, V ≤ 8·kThreads·kMaxPacks = 65,536)
+// reads it once into registers, kPacks packs a thread, and writes the gradient from them: a third
+// less memory traffic (a row is read once and written once), which is what the kernel waits on.
+//
 // Built by `make gpu-kernels` with nvcc from PyPI into .gpu/libattnlab_kernels.so, loaded at run
 // time by src/kernels/cuda.rs (dlopen); the CPU build never needs it.
 //
@@ -98,8 +103,7 @@ __global__ void __launch_bounds__(kThreads) ce_grad_in_place(T* logits, int64_t 
         const int64_t col = i * 8 + j;
         float g = __expf(pack_at<T>(p, j) - lse) * scale;
         if (col == t) g -= scale;
-        T out = from_f<T>(g);
-        p.v[j] = *reinterpret_cast<uint16_t*>(&out);
+        pack_set<T>(p, j, g);
       }
       xv[i] = p;
     }
@@ -108,6 +112,104 @@ __global__ void __launch_bounds__(kThreads) ce_grad_in_place(T* logits, int64_t 
       float g = __expf(to_f(x[i]) - lse) * scale;
       if (i == t) g -= scale;
       x[i] = from_f<T>(g);
+    }
+  }
+}
+
+// The most packs a thread holds in `ce_grad_in_place_held` (64 registers of the row).
+constexpr int kMaxPacks = 16;
+
+// The packs a thread of `ce_grad_in_place_held` holds for rows of V values (0: too wide for it).
+inline int ce_packs_per_thread(int64_t V) {
+  const int64_t packs = (V / 8 + kThreads - 1) / kThreads;
+  for (int k : {2, 4, 8, 12, kMaxPacks})
+    if (packs <= k) return k;
+  return 0;
+}
+
+// As `ce_grad_in_place` (kVec) with the row held in registers: thread tid holds packs tid, tid +
+// kThreads, … (coalesced), finds their max, then their sum of exp(x − max); the block merges the
+// (max, sum) pairs; the thread holding the target's pack writes the nll; every thread writes its
+// packs' gradient. V % 8 == 0, ld % 8 == 0, 16-byte aligned rows, V ≤ 8·kThreads·kPacks.
+template <typename T, int kPacks>
+__global__ void __launch_bounds__(kThreads) ce_grad_in_place_held(T* logits, int64_t ld, const int64_t* targets,
+                                                                 int64_t V, float scale, float* nll) {
+  const int64_t row = blockIdx.x;
+  Pack8* xv = reinterpret_cast<Pack8*>(logits + row * ld);
+  const int tid = threadIdx.x;
+  const int packs = (int)(V / 8);
+  Pack8 p[kPacks];
+  float m = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int i = tid + k * kThreads;
+    if (i < packs) {
+      p[k] = xv[i];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m = fmaxf(m, pack_at<T>(p[k], j));
+    }
+  }
+  float s = 0.f;
+  if (m != -INFINITY) {
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      if (tid + k * kThreads < packs) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s += __expf(pack_at<T>(p[k], j) - m);
+      }
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    float m2 = __shfl_xor_sync(0xffffffff, m, off), s2 = __shfl_xor_sync(0xffffffff, s, off);
+    merge(m, s, m2, s2);
+  }
+  __shared__ float sm[kThreads / 32], ss[kThreads / 32];
+  __shared__ float lse_s;
+  if ((tid & 31) == 0) {
+    sm[tid >> 5] = m;
+    ss[tid >> 5] = s;
+  }
+  __syncthreads();
+  if (tid < 32) {
+    m = tid < kThreads / 32 ? sm[tid] : -INFINITY;
+    s = tid < kThreads / 32 ? ss[tid] : 0.f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      float m2 = __shfl_xor_sync(0xffffffff, m, off), s2 = __shfl_xor_sync(0xffffffff, s, off);
+      merge(m, s, m2, s2);
+    }
+    if (tid == 0) lse_s = m + logf(s);
+  }
+  __syncthreads();
+  const float lse = lse_s;
+  const int64_t t = targets[row];
+  const bool in_vocab = t >= 0 && t < V;
+  // The target's pack lives in thread (t / 8) % kThreads, slot (t / 8) / kThreads; a target outside
+  // the vocabulary: thread 0 writes NaN.
+  if (in_vocab ? (int)((t / 8) % kThreads) == tid : tid == 0) {
+    // Constant indices only (a runtime one would put the packs in local memory).
+    float xt = NAN;
+    const int slot = in_vocab ? (int)((t / 8) / kThreads) : -1, e = (int)(t % 8);
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (k == slot && j == e) xt = pack_at<T>(p[k], j);
+    nll[row] = lse - xt;
+  }
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int i = tid + k * kThreads;
+    if (i < packs) {
+      Pack8 g;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float v = __expf(pack_at<T>(p[k], j) - lse) * scale;
+        if ((int64_t)i * 8 + j == t) v -= scale;
+        pack_set<T>(g, j, v);
+      }
+      xv[i] = g;
     }
   }
 }

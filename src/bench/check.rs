@@ -499,14 +499,8 @@ pub fn layer_norm_check(n: i64, d: i64, device: Device) -> Option<CheckRow> {
     let exact_g = grads(&exact, &exact_in);
     crate::kernels::set_autocast_bf16().ok()?;
     // The kernel is checked even where the caller turned it off (`ATTNLAB_LN_KERNEL=0`).
-    let caller = std::env::var_os("ATTNLAB_LN_KERNEL");
-    std::env::set_var("ATTNLAB_LN_KERNEL", "1");
     let fast_in = leaves();
-    let fast = crate::kernels::autocast(true, || crate::kernels::cuda::layer_norm_half(&fast_in[0], &fast_in[1], &fast_in[2], 1e-5));
-    match caller {
-        Some(v) => std::env::set_var("ATTNLAB_LN_KERNEL", v),
-        None => std::env::remove_var("ATTNLAB_LN_KERNEL"),
-    }
+    let fast = with_env(&[("ATTNLAB_LN_KERNEL", "1")], || crate::kernels::autocast(true, || crate::kernels::cuda::layer_norm_half(&fast_in[0], &fast_in[1], &fast_in[2], 1e-5)));
     let fast = fast?.unwrap_or_else(|e| panic!("LayerNorm kernel failed: {e}"));
     let fast_g = grads(&fast, &fast_in);
     let kind = fast.kind();
@@ -571,6 +565,17 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     let (n, v) = if device.is_cuda() { (4096, spec.model.vocab.unwrap_or(50304) as i64) } else { (64, 97) };
     for planted in [false, true] {
         note(loss_head_check(n, v, device, kind, planted));
+    }
+    if device.is_cuda() {
+        // The row held in registers (ATTNLAB_CE_HELD=1, csrc/cuda/loss_head.cuh), at the spec's
+        // vocabulary and at a narrower one.
+        with_env(&[("ATTNLAB_CE_HELD", "1")], || {
+            for (v, planted) in [(v, false), (v, true), (16_000, false)] {
+                let mut row = loss_head_check(n, v, device, kind, planted);
+                row.implementation += "-held";
+                note(row);
+            }
+        });
     }
     if device.is_cuda() {
         // The step's loops (csrc/cuda/attend_step.cu): the default, one slot per warp everywhere
@@ -659,13 +664,19 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
 
 /// `f` with the environment variables `vars` set, removed after it: the kernels' switches, which
 /// they read at each call, so that the gate checks a path whether or not it is the default.
+/// `f` with the switches `vars` set, then the caller's values back (a switch the caller set, e.g.
+/// `ATTNLAB_LN_KERNEL=0`, stays theirs for the rows after).
 fn with_env<R>(vars: &[(&str, &str)], f: impl FnOnce() -> R) -> R {
+    let before: Vec<_> = vars.iter().map(|(k, _)| std::env::var_os(k)).collect();
     for (k, v) in vars {
         std::env::set_var(k, v);
     }
     let r = f();
-    for (k, _) in vars {
-        std::env::remove_var(k);
+    for ((k, _), old) in vars.iter().zip(before).rev() {
+        match old {
+            Some(v) => std::env::set_var(k, v),
+            None => std::env::remove_var(k),
+        }
     }
     r
 }
@@ -818,6 +829,18 @@ mod tests {
 
     /// The loss head's aten path in the gate: within the bound in fp64 and in bf16 on CPU, and the
     /// planted wrong targets fail it in both.
+    #[test]
+    fn with_env_gives_the_callers_switches_back() {
+        let (set, unset) = ("ATTNLAB_TEST_WITH_ENV_SET", "ATTNLAB_TEST_WITH_ENV_UNSET");
+        std::env::set_var(set, "0");
+        std::env::remove_var(unset);
+        let inside = with_env(&[(set, "1"), (unset, "1")], || (std::env::var(set).unwrap(), std::env::var(unset).unwrap()));
+        assert_eq!(inside, ("1".to_string(), "1".to_string()));
+        assert_eq!(std::env::var(set).as_deref(), Ok("0"), "the caller's value is back");
+        assert!(std::env::var_os(unset).is_none(), "a switch the caller never set is gone again");
+        std::env::remove_var(set);
+    }
+
     #[test]
     fn loss_head_passes_the_gate_and_wrong_targets_fail_it() {
         let _rng = crate::testutil::rng();

@@ -134,6 +134,9 @@ pub fn available() -> bool {
 /// Cross-entropy of each row of `logits` `[N, V]` (CUDA, bf16 / fp16, unit column stride) against
 /// `targets` `[N]`, the rows overwritten in place with `scale·(softmax − onehot)`: per-row losses
 /// `[N]` fp32. `None` when the library is not loaded (the caller's aten path computes the same).
+/// Each row is read twice (its log-sum-exp, then the gradient); with `ATTNLAB_CE_HELD=1` rows of up
+/// to 65,536 values are read once into registers (csrc/cuda/loss_head.cuh), right on the CPU and
+/// untimed until `bench --check` and `gpu_bench.sh kernels` run it on a GPU.
 pub fn ce_grad_in_place(logits: &mut Tensor, targets: &Tensor, scale: f64) -> Option<Result<Tensor>> {
     let lib = library()?;
     let p = handle;

@@ -1,13 +1,31 @@
 // The loss head's kernel (csrc/cuda/loss_head.cuh) on the CPU against cross-entropy in double:
 // each row's nll, and the row overwritten with scale·(softmax − one-hot); rows read as 16-byte packs
-// and one value at a time, a row stride wider than the row, a target outside the vocabulary (nll
-// NaN, no one-hot term).
+// and one value at a time, or held in registers (`ce_grad_in_place_held`, rows of up to 8·kThreads·
+// kPacks values, packs past the row's end in some threads), a row stride wider than the row, a target
+// outside the vocabulary (nll NaN, no one-hot term).
 #include "emu_test.h"
 #include "../loss_head.cuh"
 
 namespace {
 
-template <typename T, bool kVec>
+enum class Kernel { OneByOne, Packs, Held };
+
+template <typename T>
+void launch_held(int n, T* x, int64_t ld, const int64_t* t, int64_t V, float scale, float* nll) {
+  const int k = ce_packs_per_thread(V);
+  auto go = [&](auto kernel) { emu::launch(kernel, dim3(n), dim3(kThreads), 0, x, ld, t, V, scale, nll); };
+  if (k == 2) go(ce_grad_in_place_held<T, 2>);
+  else if (k == 4) go(ce_grad_in_place_held<T, 4>);
+  else if (k == 8) go(ce_grad_in_place_held<T, 8>);
+  else if (k == 12) go(ce_grad_in_place_held<T, 12>);
+  else if (k == kMaxPacks) go(ce_grad_in_place_held<T, kMaxPacks>);
+  else {
+    std::printf("  FAILED: V %lld is too wide for the held kernel\n", (long long)V);
+    std::exit(1);
+  }
+}
+
+template <typename T, Kernel kKernel>
 bool check(int n, int V, int ld, const char* what, unsigned seed) {
   std::mt19937 rng(seed);
   auto x = emu_test::normal<T>(rng, size_t(n) * ld, 3.0);
@@ -31,8 +49,12 @@ bool check(int n, int V, int ld, const char* what, unsigned seed) {
     }
   }
   std::vector<float> nll(n);
-  emu::launch(ce_grad_in_place<T, kVec>, dim3(n), dim3(kThreads), 0, x.dev.data(), (int64_t)ld, (const int64_t*)t.data(), (int64_t)V, (float)scale,
-              nll.data());
+  if (kKernel == Kernel::Held) {
+    launch_held<T>(n, x.dev.data(), ld, t.data(), V, (float)scale, nll.data());
+  } else {
+    emu::launch(ce_grad_in_place<T, kKernel == Kernel::Packs>, dim3(n), dim3(kThreads), 0, x.dev.data(), (int64_t)ld, (const int64_t*)t.data(),
+                (int64_t)V, (float)scale, nll.data());
+  }
   std::vector<double> got_g, got_nll, want_nll_in, bad_nll_in, got_padding;
   for (int i = 0; i < n; ++i) {
     for (int j = 0; j < V; ++j) got_g.push_back(emu_test::from_half(x.dev[size_t(i) * ld + j]));
@@ -60,9 +82,15 @@ bool check(int n, int V, int ld, const char* what, unsigned seed) {
 }
 
 bool all_cases() {
-  bool ok = check<__nv_bfloat16, true>(7, 1000, 1008, "bf16 packs, stride 1008", 21);
-  ok &= check<__nv_bfloat16, false>(5, 997, 997, "bf16 one by one", 22);
-  ok &= check<__half, true>(4, 2048, 2048, "fp16 packs", 23);
+  bool ok = check<__nv_bfloat16, Kernel::Packs>(7, 1000, 1008, "bf16 packs, stride 1008", 21);
+  ok &= check<__nv_bfloat16, Kernel::OneByOne>(5, 997, 997, "bf16 one by one", 22);
+  ok &= check<__half, Kernel::Packs>(4, 2048, 2048, "fp16 packs", 23);
+  // Held in registers: 2 packs a thread (some threads with one or none), 4, and 12 (a ragged last
+  // slot: Pythia's padded vocabulary, 50,304 values); fp16; a stride wider than the row.
+  ok &= check<__nv_bfloat16, Kernel::Held>(5, 5000, 5008, "bf16 held, 2 packs a thread, stride 5008", 24);
+  ok &= check<__nv_bfloat16, Kernel::Held>(3, 16384, 16384, "bf16 held, 4 packs a thread", 25);
+  ok &= check<__nv_bfloat16, Kernel::Held>(2, 50304, 50304, "bf16 held, 13 of 16 packs a thread", 26);
+  ok &= check<__half, Kernel::Held>(3, 3000, 3000, "fp16 held", 27);
   return ok;
 }
 
