@@ -45,24 +45,10 @@ __device__ __forceinline__ void add(float& m, float& s, float x) {
   }
 }
 
-template <typename T, bool kVec>
-__global__ void __launch_bounds__(kThreads) ce_grad_in_place(T* logits, int64_t ld, const int64_t* targets,
-                                                            int64_t V, float scale, float* nll) {
-  const int64_t row = blockIdx.x;
-  T* x = logits + row * ld;
+// The row's log-sum-exp from every thread's (max, sum) pair: a warp, then a block reduction. Every
+// thread gets it; its two barriers order all of the row's reads before any write after it.
+__device__ __forceinline__ float block_lse(float m, float s) {
   const int tid = threadIdx.x;
-  float m = -INFINITY, s = 0.f;
-  if (kVec) {
-    const Pack8* xv = reinterpret_cast<const Pack8*>(x);
-    for (int64_t i = tid; i < V / 8; i += kThreads) {
-      Pack8 p = xv[i];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) add(m, s, pack_at<T>(p, j));
-    }
-  } else {
-    for (int64_t i = tid; i < V; i += kThreads) add(m, s, to_f(x[i]));
-  }
-  // Warp, then block reduction of (m, s).
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     float m2 = __shfl_xor_sync(0xffffffff, m, off), s2 = __shfl_xor_sync(0xffffffff, s, off);
@@ -83,17 +69,34 @@ __global__ void __launch_bounds__(kThreads) ce_grad_in_place(T* logits, int64_t 
       float m2 = __shfl_xor_sync(0xffffffff, m, off), s2 = __shfl_xor_sync(0xffffffff, s, off);
       merge(m, s, m2, s2);
     }
-    if (tid == 0) {
-      const float lse = m + logf(s);
-      lse_s = lse;
-      const int64_t t = targets[row];
-      // Read before any thread overwrites the row (the barrier below orders it).
-      nll[row] = (t >= 0 && t < V) ? lse - to_f(x[t]) : NAN;
-    }
+    if (tid == 0) lse_s = m + logf(s);
   }
   __syncthreads();
-  const float lse = lse_s;
+  return lse_s;
+}
+
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads) ce_grad_in_place(T* logits, int64_t ld, const int64_t* targets,
+                                                            int64_t V, float scale, float* nll) {
+  const int64_t row = blockIdx.x;
+  T* x = logits + row * ld;
+  const int tid = threadIdx.x;
+  float m = -INFINITY, s = 0.f;
+  if (kVec) {
+    const Pack8* xv = reinterpret_cast<const Pack8*>(x);
+    for (int64_t i = tid; i < V / 8; i += kThreads) {
+      Pack8 p = xv[i];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) add(m, s, pack_at<T>(p, j));
+    }
+  } else {
+    for (int64_t i = tid; i < V; i += kThreads) add(m, s, to_f(x[i]));
+  }
   const int64_t t = targets[row];
+  // The target's logit, read before block_lse's barriers (after them the row is overwritten).
+  const float xt = tid == 0 && t >= 0 && t < V ? to_f(x[t]) : NAN;
+  const float lse = block_lse(m, s);
+  if (tid == 0) nll[row] = lse - xt;
   if (kVec) {
     Pack8* xv = reinterpret_cast<Pack8*>(x);
     for (int64_t i = tid; i < V / 8; i += kThreads) {
@@ -159,30 +162,7 @@ __global__ void __launch_bounds__(kThreads) ce_grad_in_place_held(T* logits, int
       }
     }
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    float m2 = __shfl_xor_sync(0xffffffff, m, off), s2 = __shfl_xor_sync(0xffffffff, s, off);
-    merge(m, s, m2, s2);
-  }
-  __shared__ float sm[kThreads / 32], ss[kThreads / 32];
-  __shared__ float lse_s;
-  if ((tid & 31) == 0) {
-    sm[tid >> 5] = m;
-    ss[tid >> 5] = s;
-  }
-  __syncthreads();
-  if (tid < 32) {
-    m = tid < kThreads / 32 ? sm[tid] : -INFINITY;
-    s = tid < kThreads / 32 ? ss[tid] : 0.f;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      float m2 = __shfl_xor_sync(0xffffffff, m, off), s2 = __shfl_xor_sync(0xffffffff, s, off);
-      merge(m, s, m2, s2);
-    }
-    if (tid == 0) lse_s = m + logf(s);
-  }
-  __syncthreads();
-  const float lse = lse_s;
+  const float lse = block_lse(m, s);
   const int64_t t = targets[row];
   const bool in_vocab = t >= 0 && t < V;
   // The target's pack lives in thread (t / 8) % kThreads, slot (t / 8) / kThreads; a target outside
