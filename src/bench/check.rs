@@ -247,7 +247,7 @@ pub fn heads_op_check(b: i64, t: i64, heads: i64, hd: i64, rot: i64, device: Dev
     let scale = oe.abs().max().double_value(&[]);
     let tensors = vec![compare("qkv", &o, &ob, &oe, kind, t, scale), compare("dx", &dx, &dxb, &dxe, kind, t, scale)];
     let name = "heads-op";
-    CheckRow::new(name, &[b, t, heads, hd], None, kind, tensors, false)
+    CheckRow::new(name, &[b, t, heads, hd, rot], None, kind, tensors, false)
 }
 
 /// One case of the fused decode step in the gate: batch, query heads, kv heads, head dim, rotated
@@ -645,10 +645,11 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     }
     if device.is_cuda() {
         // The same op by csrc/cuda/heads.cu's kernels (ATTNLAB_HEADS_KERNEL=1), whether or not
-        // training takes them by default.
+        // training takes them by default: a quarter and all of the dims rotated (16-byte chunks,
+        // `heads_rotate8`), and 4 (a rotated half of 2: the one-element kernel).
         let heads = crate::kernels::cuda::heads_kernel_available();
         with_env(&[("ATTNLAB_HEADS_KERNEL", "1")], || {
-            for rot in [hd / 4, hd] {
+            for rot in [hd / 4, hd, 4] {
                 if !heads {
                     note(failed_row("heads-op-kernel", "the heads kernels are not in the CUDA kernel library (make gpu-kernels)", false));
                     continue;
