@@ -663,10 +663,9 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     Ok(failed)
 }
 
-/// `f` with the environment variables `vars` set, removed after it: the kernels' switches, which
-/// they read at each call, so that the gate checks a path whether or not it is the default.
-/// `f` with the switches `vars` set, then the caller's values back (a switch the caller set, e.g.
-/// `ATTNLAB_LN_KERNEL=0`, stays theirs for the rows after).
+/// `f` with the environment variables `vars` set (the kernels' switches, which they read at each
+/// call, so that the gate checks a path whether or not it is the default), then the caller's values
+/// back: a switch the caller set, e.g. `ATTNLAB_LN_KERNEL=0`, stays theirs for the rows after.
 fn with_env<R>(vars: &[(&str, &str)], f: impl FnOnce() -> R) -> R {
     let before: Vec<_> = vars.iter().map(|(k, _)| std::env::var_os(k)).collect();
     for (k, v) in vars {
@@ -828,8 +827,6 @@ mod tests {
         }
     }
 
-    /// The loss head's aten path in the gate: within the bound in fp64 and in bf16 on CPU, and the
-    /// planted wrong targets fail it in both.
     #[test]
     fn with_env_gives_the_callers_switches_back() {
         let (set, unset) = ("ATTNLAB_TEST_WITH_ENV_SET", "ATTNLAB_TEST_WITH_ENV_UNSET");
@@ -842,6 +839,8 @@ mod tests {
         std::env::remove_var(set);
     }
 
+    /// The loss head's aten path in the gate: within the bound in fp64 and in bf16 on CPU, and the
+    /// planted wrong targets fail it in both.
     #[test]
     fn loss_head_passes_the_gate_and_wrong_targets_fail_it() {
         let _rng = crate::testutil::rng();

@@ -60,7 +60,9 @@ pub fn set_aside_after(path: &Path, kept: Option<u64>) -> Result<usize> {
     f.write_all(aside.iter().map(|l| format!("{l}\n")).collect::<String>().as_bytes()).at(&discarded)?;
     f.sync_all().at(&discarded)?;
     let tmp = path.with_extension("jsonl.tmp");
-    std::fs::write(&tmp, keep.iter().map(|l| format!("{l}\n")).collect::<String>()).at(&tmp)?;
+    let mut t = std::fs::File::create(&tmp).at(&tmp)?;
+    t.write_all(keep.iter().map(|l| format!("{l}\n")).collect::<String>().as_bytes()).at(&tmp)?;
+    t.sync_all().at(&tmp)?;
     std::fs::rename(&tmp, path).at(path)?;
     Ok(aside.len())
 }
