@@ -98,7 +98,8 @@ __global__ void __launch_bounds__(kHeadsThreads) heads_rotate8(HeadsParams p, T*
     const uint32_t t = (row / p.H) % p.T;
     const float* cs = p.cos + (size_t)t * p.half + 8 * c;
     const float* sn = p.sin + (size_t)t * p.half + 8 * c;
-    Pack8 oa, ob;
+    Pack8 oa{}, ob{};
+#pragma unroll
     for (int e = 0; e < 8; ++e) {
       const float xa = pack_at<T>(a, e), xb = pack_at<T>(b, e), co = cs[e], s = sign * sn[e];
       pack_set<T>(oa, e, xa * co - xb * s);

@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kThreads) ce_grad_in_place_held(T* logits, int
   for (int k = 0; k < kPacks; ++k) {
     const int i = tid + k * kThreads;
     if (i < packs) {
-      Pack8 g;
+      Pack8 g{};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         float v = __expf(pack_at<T>(p[k], j) - lse) * scale;
