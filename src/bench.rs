@@ -118,15 +118,21 @@ pub fn attention_bench(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4],
 /// `attention_bench`, with the timed repetitions profiled into the Chrome trace `trace` when given.
 pub fn attention_bench_traced(kind: AttentionKind, imp: AttentionImpl, shape: [i64; 4], window: i64, device: Device, reps: usize, trace: Option<&Path>) -> Result<OpBench> {
     let kind_t = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
-    let mk = || Tensor::randn(shape, (kind_t, device)).set_requires_grad(true);
-    let (q, kl, vl, kg, vg) = (mk(), mk(), mk(), mk(), mk());
+    // The inputs as the model hands them to the op: views [b, h, t, hd] of [b, t, h, hd] memory (the
+    // heads op's pieces), their gradients returned to the caller rather than accumulated into leaves
+    // (the model's attention inputs are not leaves): neither a layout copy nor an accumulation is
+    // the op's. Before 2026-12-06 the bench took contiguous [b, h, t, hd] leaves and `backward()`.
+    let [b, h, t, hd] = shape;
+    let leaves: Vec<Tensor> = (0..5).map(|_| Tensor::randn([b, t, h, hd], (kind_t, device)).set_requires_grad(true)).collect();
     let go = Tensor::randn(shape, (kind_t, device));
     // The op each kind computes (uniform: DAR with window 0).
     let window = kind.op_window(window);
-    let inputs = BenchInputs { q: &q, k: &kl, v: &vl, kg: &kg, vg: &vg, window, imp };
     let run = || {
-        let o = kind.bench_op(&inputs);
-        (o * &go).sum(Kind::Float).backward();
+        let x: Vec<Tensor> = leaves.iter().map(|l| l.transpose(1, 2)).collect();
+        let inputs = BenchInputs { q: &x[0], k: &x[1], v: &x[2], kg: &x[3], vg: &x[4], window, imp };
+        let loss = (kind.bench_op(&inputs) * &go).sum(Kind::Float);
+        // Inputs an op leaves unread (vanilla's distant pair) come back undefined.
+        Tensor::run_backward(&[loss], &leaves.iter().collect::<Vec<_>>(), false, false);
     };
     for _ in 0..3 {
         run();
