@@ -1,6 +1,6 @@
 # attnlab set-up and everyday commands. Everything builds in release mode (GPU.md §8: one cold
 # release build is ~32 min on 2 cores, measured from a fresh clone; tests reuse it).
-.PHONY: demo test setup build gpu-bin gpu-kernels cuda-emu-test cuda-emu-asan fixture clean-results notebook smollm2 gguf-venv hf-parity
+.PHONY: demo test setup build gpu-bin gpu-data gpu-kernels cuda-emu-test cuda-emu-asan fixture clean-results notebook smollm2 gguf-venv hf-parity
 
 setup:
 	@./scripts/setup-libtorch.sh
@@ -28,6 +28,18 @@ gpu-bin: setup gpu-kernels
 	mkdir -p .gpu && cp target/release/attnlab .gpu/attnlab && strip .gpu/attnlab
 	cargo build --release
 	@ls -la .gpu/attnlab .gpu/libattnlab_kernels.so
+
+# What scripts/gpu_*.sh read from .gpu/data/, copied from ../shared/data (about 23 MB: .gpu travels
+# with every device call, 64 MiB at most with the binary and the kernels).
+SHARED_DATA ?= ../shared/data
+gpu-data:
+	mkdir -p .gpu/data/babi
+	cp $(SHARED_DATA)/tokenizers/gpt-neox-20b.json $(SHARED_DATA)/text/wiki-gutenberg/train-0[0-2].jsonl.zst \
+		$(SHARED_DATA)/text/wiki-gutenberg/valid.jsonl.zst $(SHARED_DATA)/text/wikitext-2/test.raw.txt \
+		$(SHARED_DATA)/alpaca/alpaca_200.jsonl $(SHARED_DATA)/haystack/ruler_paul_graham_essays.json.gz .gpu/data/
+	cp $(SHARED_DATA)/babi/* .gpu/data/babi/
+	chmod -R u+w .gpu/data
+	@du -sh .gpu .gpu/data
 
 # csrc/cuda/*.cu → .gpu/libattnlab_kernels.so (sm_90), with nvcc from PyPI in .cudatk/ (GPU.md §7.2
 # route 1; 104 MB, once). The binary dlopens it at run time (src/kernels/cuda.rs); CPU builds never need it.

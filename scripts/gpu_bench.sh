@@ -8,7 +8,7 @@
 # (and a vanilla, and a split-merge-fused DAR) Pythia-70M training step goes, by kernel under libtorch's profiler
 # (`attnlab bench --profile`), summarised by scripts/profile_table.py into $OUT/profile.md,
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
-# Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
+# Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/data/ for ruler (make gpu-data), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
 #   scripts/gpu_bench.sh [check|attn|train|kernels|band|hybrid|decode|graphs|absorb|fused|ruler|prefill|peers|profile|all]...
 set -uo pipefail

@@ -16,7 +16,7 @@
 #          then S-NIAH-1 at 512 and 1024 (needs $D/gpt-neox-20b.json, train-0{0,1}.jsonl.zst,
 #          valid.jsonl.zst and ruler_paul_graham_essays.json.gz; several minutes per run).
 #
-# Usage (from the repo root, with .gpu/attnlab from `make gpu-bin` and .gpu/data/ holding
+# Usage (from the repo root, with .gpu/attnlab from `make gpu-bin` and .gpu/data/ (`make gpu-data`) holding
 # gpt-neox-20b.json, train-0{0,1,2}.jsonl.zst, valid.jsonl.zst and test.raw.txt, as for
 # scripts/gpu_sweep.sh; carry `.gpu`):
 #   scripts/gpu_evidence.sh            # both phases, 70m first; stops itself after $BUDGET seconds

@@ -16,7 +16,7 @@
 # curve at evaluation time) by name. DAR fine-tuning
 # (issue 37 item 5), by name: ft-d576 ft-d288 ft-d144 ft-d72 ft-vanilla, then ft-ruler. The teacher's
 # (teacher-ruler teacher-babilong teacher-ppl) are committed in results/smollm2/teacher/ and run
-# only when named. .gpu/ holds the lean binary (make gpu-bin) and .gpu/data/:
+# only when named. .gpu/ holds the lean binary (make gpu-bin) and .gpu/data/ (make gpu-data):
 # train-02.jsonl.zst, valid.jsonl.zst (wiki-gutenberg), alpaca_200.jsonl, test.raw.txt (WikiText-2),
 # ruler_paul_graham_essays.json.gz, babi/.
 set -uo pipefail
