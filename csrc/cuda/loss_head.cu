@@ -22,17 +22,11 @@ void launch(at::Tensor& logits, const at::Tensor& targets, double scale, at::Ten
   // The row held in registers only with ATTNLAB_CE_HELD=1 until bench --check passes and times it
   // on a GPU (read at every launch, so the gate can check both kernels in one process).
   const char* on = std::getenv("ATTNLAB_CE_HELD");
-  const int held = vec && on && std::strcmp(on, "1") == 0 ? ce_packs_per_thread(V) : 0;
-  if (held == 2) ce_grad_in_place_held<T, 2><<<n, kThreads, 0, stream>>>(ptr, ld, tg, V, sc, out);
-  else if (held == 4) ce_grad_in_place_held<T, 4><<<n, kThreads, 0, stream>>>(ptr, ld, tg, V, sc, out);
-  else if (held == 8) ce_grad_in_place_held<T, 8><<<n, kThreads, 0, stream>>>(ptr, ld, tg, V, sc, out);
-  else if (held == 12) ce_grad_in_place_held<T, 12><<<n, kThreads, 0, stream>>>(ptr, ld, tg, V, sc, out);
-  else if (held == kMaxPacks) ce_grad_in_place_held<T, kMaxPacks><<<n, kThreads, 0, stream>>>(ptr, ld, tg, V, sc, out);
-  else if (vec) {
-    ce_grad_in_place<T, true><<<n, kThreads, 0, stream>>>(ptr, ld, tg, V, static_cast<float>(scale), out);
-  } else {
-    ce_grad_in_place<T, false><<<n, kThreads, 0, stream>>>(ptr, ld, tg, V, static_cast<float>(scale), out);
-  }
+  const bool held = vec && on && std::strcmp(on, "1") == 0 && with_packs(V, [&](auto packs) {
+    ce_grad_in_place_held<T, decltype(packs)::value><<<n, kThreads, 0, stream>>>(ptr, ld, tg, V, sc, out);
+  });
+  if (!held && vec) ce_grad_in_place<T, true><<<n, kThreads, 0, stream>>>(ptr, ld, tg, V, sc, out);
+  if (!held && !vec) ce_grad_in_place<T, false><<<n, kThreads, 0, stream>>>(ptr, ld, tg, V, sc, out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -21,6 +21,7 @@
 #include "half.cuh"
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -122,12 +123,19 @@ __global__ void __launch_bounds__(kThreads) ce_grad_in_place(T* logits, int64_t 
 // The most packs a thread holds in `ce_grad_in_place_held` (64 registers of the row).
 constexpr int kMaxPacks = 16;
 
-// The packs a thread of `ce_grad_in_place_held` holds for rows of V values (0: too wide for it).
-inline int ce_packs_per_thread(int64_t V) {
-  const int64_t packs = (V / 8 + kThreads - 1) / kThreads;
-  for (int k : {2, 4, 8, 12, kMaxPacks})
-    if (packs <= k) return k;
-  return 0;
+// Calls f(std::integral_constant<int, K>{}) with the fewest packs a thread (2, 4, 8, 12 or
+// kMaxPacks) that hold rows of V values in `ce_grad_in_place_held`; false, without calling it, for
+// wider rows. Host code: the launches (csrc/cuda/loss_head.cu, csrc/cuda/emu/loss_head_test.cpp)
+// pick their template with it, as layer_norm.cuh's with_cols does.
+template <int K = 2, typename F>
+bool with_packs(int64_t V, F&& f) {
+  const bool wider = V > (int64_t)8 * kThreads * K;
+  if constexpr (K < kMaxPacks) {
+    if (wider) return with_packs<(K < 8 ? 2 * K : K + 4)>(V, f);
+  }
+  if (wider) return false;
+  f(std::integral_constant<int, K>{});
+  return true;
 }
 
 // As `ce_grad_in_place` (kVec) with the row held in registers: thread tid holds packs tid, tid +

@@ -12,14 +12,10 @@ enum class Kernel { OneByOne, Packs, Held };
 
 template <typename T>
 void launch_held(int n, T* x, int64_t ld, const int64_t* t, int64_t V, float scale, float* nll) {
-  const int k = ce_packs_per_thread(V);
-  auto go = [&](auto kernel) { emu::launch(kernel, dim3(n), dim3(kThreads), 0, x, ld, t, V, scale, nll); };
-  if (k == 2) go(ce_grad_in_place_held<T, 2>);
-  else if (k == 4) go(ce_grad_in_place_held<T, 4>);
-  else if (k == 8) go(ce_grad_in_place_held<T, 8>);
-  else if (k == 12) go(ce_grad_in_place_held<T, 12>);
-  else if (k == kMaxPacks) go(ce_grad_in_place_held<T, kMaxPacks>);
-  else {
+  const bool fits = with_packs(V, [&](auto packs) {
+    emu::launch(ce_grad_in_place_held<T, decltype(packs)::value>, dim3(n), dim3(kThreads), 0, x, ld, t, V, scale, nll);
+  });
+  if (!fits) {
     std::printf("  FAILED: V %lld is too wide for the held kernel\n", (long long)V);
     std::exit(1);
   }
