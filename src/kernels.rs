@@ -160,7 +160,7 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, window_left: i64) -> 
 /// The `n` pieces `[B, T, H, hd]` of a head-major fused projection `x` `[B, T, H·n·hd]`, the first
 /// `rotated` rotated by RoPE (half-split over the first `2·cos.size(1)` dims; `cos`, `sin` `[T, r/2]`)
 /// (csrc/heads.cpp): each piece written once, and one gradient of `x` written once in the backward;
-/// on CUDA with `ATTNLAB_HEADS_KERNEL=1`, one kernel each way ([`cuda::split_rotate`]).
+/// on CUDA one kernel each way ([`cuda::split_rotate`]; `ATTNLAB_HEADS_KERNEL=0`: the aten op).
 pub fn split_rotate(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, sin: &Tensor) -> Result<Vec<Tensor>> {
     if let Some(r) = cuda::split_rotate(x, heads, n, rotated, cos, sin) {
         return r;

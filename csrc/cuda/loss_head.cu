@@ -19,8 +19,8 @@ void launch(at::Tensor& logits, const at::Tensor& targets, double scale, at::Ten
   const int64_t* tg = targets.data_ptr<int64_t>();
   float* out = nll.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  // The row held in registers only with ATTNLAB_CE_HELD=1 until bench --check passes and times it
-  // on a GPU (read at every launch, so the gate can check both kernels in one process).
+  // The row held in registers only with ATTNLAB_CE_HELD=1: it passes bench --check but trained 1-2%
+  // slower on one H100 (read at every launch, so the gate can check both kernels in one process).
   const char* on = std::getenv("ATTNLAB_CE_HELD");
   const bool held = vec && on && std::strcmp(on, "1") == 0 && with_packs(V, [&](auto packs) {
     ce_grad_in_place_held<T, decltype(packs)::value><<<n, kThreads, 0, stream>>>(ptr, ld, tg, V, sc, out);

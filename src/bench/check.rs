@@ -640,12 +640,14 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         }
     }
     let (b, tt) = if device.is_cuda() { (4, 2048) } else { (2, 9) };
-    for rot in [hd / 4, hd] {
-        note(heads_op_check(b, tt, s.heads as i64, hd, rot, device, kind));
-    }
+    // The aten form (csrc/heads.cpp), which CUDA takes with ATTNLAB_HEADS_KERNEL=0.
+    with_env(&[("ATTNLAB_HEADS_KERNEL", "0")], || {
+        for rot in [hd / 4, hd] {
+            note(heads_op_check(b, tt, s.heads as i64, hd, rot, device, kind));
+        }
+    });
     if device.is_cuda() {
-        // The same op by csrc/cuda/heads.cu's kernels (ATTNLAB_HEADS_KERNEL=1), whether or not
-        // training takes them by default: a quarter and all of the dims rotated (16-byte chunks,
+        // The same op by csrc/cuda/heads.cu's kernels (ATTNLAB_HEADS_KERNEL=1; the default): a quarter and all of the dims rotated (16-byte chunks,
         // `heads_rotate8`), and 4 (a rotated half of 2: the one-element kernel).
         let heads = crate::kernels::cuda::heads_kernel_available();
         with_env(&[("ATTNLAB_HEADS_KERNEL", "1")], || {

@@ -135,8 +135,8 @@ pub fn available() -> bool {
 /// `targets` `[N]`, the rows overwritten in place with `scale·(softmax − onehot)`: per-row losses
 /// `[N]` fp32. `None` when the library is not loaded (the caller's aten path computes the same).
 /// Each row is read twice (its log-sum-exp, then the gradient); with `ATTNLAB_CE_HELD=1` rows of up
-/// to 65,536 values are read once into registers (csrc/cuda/loss_head.cuh), right on the CPU and
-/// untimed until `bench --check` and `gpu_bench.sh kernels` run it on a GPU.
+/// to 65,536 values are read once into registers (csrc/cuda/loss_head.cuh): it passes `bench --check`
+/// but trained 1–2% slower on one H100 (results/bench/2026-12-06b-h100), so it stays off.
 pub fn ce_grad_in_place(logits: &mut Tensor, targets: &Tensor, scale: f64) -> Option<Result<Tensor>> {
     let lib = library()?;
     let p = handle;
@@ -305,12 +305,12 @@ pub fn layer_norm_half(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> 
 }
 
 /// GPT-NeoX's heads op (`kernels::split_rotate`'s contract) by one CUDA kernel each way
-/// (csrc/cuda/heads.cu) for bf16 / fp16 `x` on CUDA, only with `ATTNLAB_HEADS_KERNEL=1`: its first,
-/// one-thread-per-element form passed `bench --check` but trained 1–3% slower than the aten op on one
-/// H100 (results/bench/2026-12-05-h100, 2026-12-06-h100); the 16-byte-chunk form (`heads_rotate8`) is
-/// right on the CPU and awaits the GPU gate. `None` (the aten op) otherwise.
+/// (csrc/cuda/heads.cu) for bf16 / fp16 `x` on CUDA unless `ATTNLAB_HEADS_KERNEL=0`: the 16-byte-chunk
+/// form (`heads_rotate8`) passes `bench --check` and trains vanilla Pythia 1.076 / 1.088 / 1.087×
+/// faster than the aten op at 70M / 160M / 410M on one H100 (results/bench/2026-12-06b-h100).
+/// `None` (the aten op) otherwise.
 pub fn split_rotate(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, sin: &Tensor) -> Option<Result<Vec<Tensor>>> {
-    if !x.device().is_cuda() || !matches!(x.kind(), tch::Kind::BFloat16 | tch::Kind::Half) || n > 16 || !switch("ATTNLAB_HEADS_KERNEL", false) {
+    if !x.device().is_cuda() || !matches!(x.kind(), tch::Kind::BFloat16 | tch::Kind::Half) || n > 16 || !switch("ATTNLAB_HEADS_KERNEL", true) {
         return None;
     }
     let f = library()?.split_rotate?;
@@ -385,8 +385,8 @@ pub fn hybrid_mix(m: &Mix) -> Option<Result<Tensor>> {
     Some(new_tensor(|out| unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.linear as i64, m.compensate as i64, out) }))
 }
 
-/// Whether the library holds the heads op's kernels ([`split_rotate`] takes them with
-/// `ATTNLAB_HEADS_KERNEL=1`).
+/// Whether the library holds the heads op's kernels ([`split_rotate`] takes them unless
+/// `ATTNLAB_HEADS_KERNEL=0`).
 pub fn heads_kernel_available() -> bool {
     library().is_some_and(|l| l.split_rotate.is_some())
 }
