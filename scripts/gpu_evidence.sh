@@ -22,6 +22,7 @@
 #   scripts/gpu_evidence.sh            # both phases, 70m first; stops itself after $BUDGET seconds
 #   scripts/gpu_evidence.sh 14m        # one phase
 #   scripts/gpu_evidence.sh recall     # the long-range recall sweep (only .gpu/attnlab needed)
+#   SEEDS="4 5" scripts/gpu_evidence.sh 70m   # more seeds of a sweep (two calls of BUDGET=490 for 10 runs)
 # Call it again until the log says "all runs DONE": sweeps skip finished runs and resume cut-off ones
 # from their last checkpoint (every 100 steps) while the machine stays warm. On a fresh machine the
 # finished runs of earlier calls come back from $RESTORE (default results/gpu-evidence-runs.tgz: copy
@@ -65,13 +66,29 @@ common=(--out $R --set data.tokenizer=$D/gpt-neox-20b.json
         --set data.eval.wiki-gutenberg.path=$D/valid.jsonl.zst --set data.eval.wikitext.path=$D/test.raw.txt
         --set data.cache=/tmp/cache --set train.device=cuda)
 
+# SEEDS (e.g. "4 5") replaces a sweep's seeds: list, so that more seeds of a finished sweep train
+# alone (their run directories are new; the committed seeds' runs are neither needed nor retrained).
+with_seeds() { # FILE → the sweep file to run
+  if [ -z "${SEEDS:-}" ]; then echo sweeps/$1; return; fi
+  local f=sweeps/.seeds-$1
+  sed -e "s/^seeds: .*/seeds: [${SEEDS// /, }]/" sweeps/$1 > $f && echo $f
+}
+
+owed=0; swept=0
 sweep() { # FILE
-  local t=$(left)
-  if [ "$t" -lt 60 ]; then log "no time left for $1 this call"; return; fi
-  log "sweep $1 (up to ${t}s)"
-  # timeout signals its whole process group: the sweep and the training run it launched.
-  timeout --kill-after=15 "$t" $A sweep sweeps/$1 "${common[@]}" 2>&1 | grep -v "^sweep: \[" | tail -25 | tee -a "$OUT/evidence.log"
-  local rc=${PIPESTATUS[0]}
+  local t=$(left) file=$(with_seeds $1) rc=0
+  swept=1
+  if [ "$t" -lt 60 ]; then
+    log "no time left for $1 this call"
+  else
+    log "sweep $file (up to ${t}s)"
+    # timeout signals its whole process group: the sweep and the training run it launched.
+    timeout --kill-after=15 "$t" $A sweep $file "${common[@]}" 2>&1 | grep -v "^sweep: \[" | tail -25 | tee -a "$OUT/evidence.log"
+    rc=${PIPESTATUS[0]}
+  fi
+  # Runs of this sweep not yet DONE, by its own plan (a run not started has no directory yet).
+  owed=$(( owed + $($A sweep $file "${common[@]}" --dry-run 2>/dev/null | tail -n +3 | grep -vc ' done$') ))
+  [ "$file" = sweeps/$1 ] || rm -f "$file"
   [ "$rc" = 124 ] && log "$1: stopped at the time budget; call again to continue"
   [ "$rc" != 0 ] && [ "$rc" != 124 ] && log "$1: exit $rc"
 }
@@ -131,6 +148,6 @@ if [ -n "$done_runs" ]; then
 fi
 n_done=$(echo "$done_runs" | grep -c . || true)
 n_all=$(ls -d $R/*/ 2>/dev/null | grep -vc /specs/ || true)
-log "$n_done of 31 runs finished ($n_all run directories) in $(( $(date +%s) - START )) s"
-[ "$n_done" -ge 31 ] && log "all runs DONE"
+log "$n_done runs finished ($n_all run directories); $owed of this call's sweeps' runs not DONE; $(( $(date +%s) - START )) s"
+[ "$swept" = 1 ] && [ "$owed" = 0 ] && log "all runs DONE"
 exit 0

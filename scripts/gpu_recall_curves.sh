@@ -16,6 +16,7 @@
 # checkpoint: put the previous call's rows before them (the 2026-12-06 seed-4 runs were joined so).
 #   SEEDS="1 2" scripts/gpu_recall_curves.sh
 #   SWEEP=sweeps/dar-recall-capacity-reduced.yaml FACTS="2 8 32" WIDTHS="32 128" SEEDS=1 SLOTS=9 scripts/gpu_recall_curves.sh
+#   STEPS=16000 SEEDS=1 scripts/gpu_recall_curves.sh     # the curves run long enough to settle (3+ calls)
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -28,11 +29,14 @@ sweep=$(mktemp --suffix=.yaml -p sweeps)
 sed -e "s/^seeds: .*/seeds: [$(list "$SEEDS")]/" \
     ${FACTS:+-e "s/^grid: {data.train.synthetic.recall_facts: .*/grid: {data.train.synthetic.recall_facts: [$(list "$FACTS")]}/"} \
     ${WIDTHS:+-e "s/attention.d_down: \[[0-9, ]*\]/attention.d_down: [$(list "$WIDTHS")]/"} "$SWEEP" > "$sweep"
-$A sweep "$sweep" --dry-run > "$OUT/plan.txt" 2>&1 || { cat "$OUT/plan.txt"; rm -f "$sweep"; exit 2; }
+# STEPS (e.g. 16000) trains longer: another recipe (its learning-rate schedule spans the new length),
+# so new run directories beside the 8,000-step ones, and a recipe of its own in the report.
+steps=(${STEPS:+--set train.steps=$STEPS})
+$A sweep "$sweep" "${steps[@]}" --dry-run > "$OUT/plan.txt" 2>&1 || { cat "$OUT/plan.txt"; rm -f "$sweep"; exit 2; }
 head -1 "$OUT/plan.txt"
 gpus=$(printf '0,%.0s' $(seq "$SLOTS")); gpus=${gpus%,}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout --signal=INT "$BUDGET_S" $A sweep "$sweep" --gpus "$gpus" > "$OUT/sweep.log" 2>&1
+timeout --signal=INT "$BUDGET_S" $A sweep "$sweep" "${steps[@]}" --gpus "$gpus" > "$OUT/sweep.log" 2>&1
 echo "sweep exit $? after ${SECONDS}s" | tee -a "$OUT/sweep.log"
 rm -f "$sweep"
 (cd "$R" && tar czf "$OUT/recall-curves.tgz" --ignore-failed-read $(for d in */; do for f in config.yaml metrics.jsonl recall.json eval.json DONE; do [ -e "$d$f" ] && echo "$d$f"; done; done))

@@ -19,7 +19,7 @@ void launch(at::Tensor& logits, const at::Tensor& targets, double scale, at::Ten
   const int64_t* tg = targets.data_ptr<int64_t>();
   float* out = nll.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  // The row held in registers only with ATTNLAB_CE_HELD=1: it passes bench --check but trained 1-2%
+  // The row held in registers only with ATTNLAB_CE_HELD=1: it passes bench --check but trained 0.3-2.2%
   // slower on one H100 (read at every launch, so the gate can check both kernels in one process).
   const char* on = std::getenv("ATTNLAB_CE_HELD");
   const bool held = vec && on && std::strcmp(on, "1") == 0 && with_packs(V, [&](auto packs) {

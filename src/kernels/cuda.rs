@@ -136,7 +136,7 @@ pub fn available() -> bool {
 /// `[N]` fp32. `None` when the library is not loaded (the caller's aten path computes the same).
 /// Each row is read twice (its log-sum-exp, then the gradient); with `ATTNLAB_CE_HELD=1` rows of up
 /// to 65,536 values are read once into registers (csrc/cuda/loss_head.cuh): it passes `bench --check`
-/// but trained 1–2% slower on one H100 (results/bench/2026-12-06b-h100), so it stays off.
+/// but trained 0.3–2.2% slower on one H100 (results/bench/2026-12-06b-h100), so it stays off.
 pub fn ce_grad_in_place(logits: &mut Tensor, targets: &Tensor, scale: f64) -> Option<Result<Tensor>> {
     let lib = library()?;
     let p = handle;
