@@ -9,14 +9,18 @@
 // the key tiles its band touches: ⌈(w + 63) / 64⌉ + 1 of 64 keys at most, not the T/64 of causal.
 //
 // One block per (64 queries, b, h), four warps of 16 queries each. Per key tile: K and V in shared
-// memory; S = Q·Kᵀ on the tensor cores (mma m16n8k16, Q's fragments held in registers), masked to
-// the band, an online softmax per row in fp32 (each row's 64 scores spread over the four lanes of a
-// quad), P packed to bf16 as the A operand of O += P·V. Inputs [B, T, H, D] bf16, D ∈ {64, 128},
+// memory, read back by ldmatrix (four 8×8 fragments a warp-wide load; transposed for the B operand
+// of P·V, whose registers hold pairs down a column); S = Q·Kᵀ on the tensor cores (mma m16n8k16,
+// Q's fragments held in registers), masked to the band, an online softmax per row in fp32 (each
+// row's 64 scores spread over the four lanes of a quad), P packed to bf16 as the A operand of
+// O += P·V. Inputs [B, T, H, D] bf16, D ∈ {64, 128},
 // with any b / t / h strides that keep rows 16-byte aligned (multiples of 8, an aligned start) and a
 // unit d stride.
 //
 // The backward (band_bwd_dkdv, band_bwd_dq) below. Right on the CPU (make cuda-emu-test: output,
-// lse and the gradients against DAR's definition in double); not yet run on a GPU.
+// lse and the gradients against DAR's definition in double) and on one H100 (bench --check), where
+// its first form (B fragments gathered by 16-bit shared loads) trained slower than split-merge-fused
+// (BENCHMARKS.md); the ldmatrix form awaits its timing.
 #pragma once
 #include "mma.cuh"
 #include <cmath>
@@ -76,13 +80,17 @@ __device__ __forceinline__ void load_a_rows(const View& x, int b, int h, int row
     }
 }
 
-// A fragments (16 rows × D) of rows r0, r0 + 8 of a shared tile.
+// Shared tiles are read by ldmatrix (mma.cuh): lane 8m + r of a warp names row r of matrix m. Its
+// row and column offsets here: matrices 0 / 1 rows 0–7 / 8–15 at column 0, matrices 2 / 3 the same at
+// column 8 (the A fragment's four registers), or, for B fragments, the next k or n block.
+__device__ __forceinline__ int ld_row() { return (threadIdx.x % 32) % 8 + 8 * ((threadIdx.x % 32) / 8 % 2); }
+__device__ __forceinline__ int ld_col() { return 8 * ((threadIdx.x % 32) / 16); }
+
+// A fragments (16 rows × D) of rows r0 .. r0 + 15 of a shared tile (r0: the warp's first row).
 template <int D>
 __device__ __forceinline__ void load_a_shared(const __nv_bfloat16* xs, int r0, uint32_t a[D / 16][4]) {
   constexpr int LD = D + 8;
-  const int t = (threadIdx.x % 32) % 4;
-  for (int kk = 0; kk < D / 16; ++kk)
-    for (int r = 0; r < 4; ++r) a[kk][r] = load_pair(xs + (r0 + (r & 1 ? 8 : 0)) * LD + kk * 16 + 2 * t + (r & 2 ? 8 : 0));
+  for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(a[kk], xs + (r0 + ld_row()) * LD + kk * 16 + ld_col());
 }
 
 // Rows n0.. of two [T, D] views into shared tiles of kBandKeys rows (zero past T), 16 bytes a load
@@ -106,14 +114,16 @@ __device__ __forceinline__ void load_tiles(const View& x, const View& y, int b, 
 template <int D>
 __device__ __forceinline__ void mma_p_x(float acc[D / 8][4], const float p[kBandKeys / 8][4], const __nv_bfloat16* xs) {
   constexpr int LD = D + 8;
-  const int lane = threadIdx.x % 32, group = lane / 4, t = lane % 4;
   for (int kc = 0; kc < kBandKeys / 16; ++kc) {
     const uint32_t pa[4] = {pack_bf16(p[2 * kc][0], p[2 * kc][1]), pack_bf16(p[2 * kc][2], p[2 * kc][3]), pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]),
                             pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3])};
-    for (int d = 0; d < D / 8; ++d) {
-      const __nv_bfloat16* xc = xs + (kc * 16 + 2 * t) * LD + d * 8 + group;
-      const uint32_t xb[2] = {join_pair(xc, xc + LD), join_pair(xc + 8 * LD, xc + 9 * LD)};
+    // B fragments of columns d and d + 1: X's rows kc·16 + 2t (+ 1, + 8, + 9) down a column, by one
+    // transposing load (matrices 0 / 1: k rows 0–7 / 8–15 of column block d; 2 / 3: of d + 1).
+    for (int d = 0; d < D / 8; d += 2) {
+      uint32_t xb[4];
+      ldmatrix_x4_trans(xb, xs + (kc * 16 + ld_row()) * LD + d * 8 + ld_col());
       mma_bf16_16816(acc[d], pa, xb);
+      mma_bf16_16816(acc[d + 1], pa, xb + 2);
     }
   }
 }
@@ -122,13 +132,16 @@ __device__ __forceinline__ void mma_p_x(float acc[D / 8][4], const float p[kBand
 template <int D>
 __device__ __forceinline__ void mma_a_xt(float s[kBandKeys / 8][4], const uint32_t a[D / 16][4], const __nv_bfloat16* xs) {
   constexpr int LD = D + 8;
-  const int lane = threadIdx.x % 32, group = lane / 4, t = lane % 4;
+  // B fragments of k blocks kk and kk + 1: rows nt·8 .. nt·8 + 7 of X, columns kk·16 (+ 8, + 16, + 24),
+  // matrices 0–3 (lane 8m + r names row r at column 8m).
+  const int lane = threadIdx.x % 32;
   for (int nt = 0; nt < kBandKeys / 8; ++nt) {
     for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const __nv_bfloat16* xr = xs + (nt * 8 + group) * LD + kk * 16 + 2 * t;
-      const uint32_t xb[2] = {load_pair(xr), load_pair(xr + 8)};
+    for (int kk = 0; kk < D / 16; kk += 2) {
+      uint32_t xb[4];
+      ldmatrix_x4(xb, xs + (nt * 8 + lane % 8) * LD + kk * 16 + 8 * (lane / 8));
       mma_bf16_16816(s[nt], a[kk], xb);
+      mma_bf16_16816(s[nt], a[kk + 1], xb + 2);
     }
   }
 }
@@ -297,9 +310,9 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dkdv(BandBwdParams p) {
     float s[NT][4], dp[NT][4];
     {
       uint32_t a[D / 16][4];
-      load_a_shared<D>(ks, warp * 16 + group, a);
+      load_a_shared<D>(ks, warp * 16, a);
       mma_a_xt<D>(s, a, qs);  // Sᵀ: keys × queries
-      load_a_shared<D>(vs, warp * 16 + group, a);
+      load_a_shared<D>(vs, warp * 16, a);
       mma_a_xt<D>(dp, a, dos);  // dPᵀ = V·dOᵀ
     }
     for (int nt = 0; nt < NT; ++nt)

@@ -28,13 +28,24 @@ __device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) {
   return *reinterpret_cast<const uint32_t*>(p);
 }
 
-// Two bf16 from anywhere (`lo`'s bits in the low half): B fragments gathered down a column.
-__device__ __forceinline__ uint32_t join_pair(const __nv_bfloat16* lo, const __nv_bfloat16* hi) {
-  uint16_t x, y;
-  memcpy(&x, lo, 2);
-  memcpy(&y, hi, 2);
-  return uint32_t(x) | (uint32_t(y) << 16);
+// Four 8×8 matrices of 16-bit values from shared memory, one warp-wide load (PTX
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16): lanes 8m .. 8m + 7 name the eight rows of matrix m
+// (16 bytes each, 16-byte aligned), and r[m] of lane l = 4·group + t holds matrix m's row group,
+// columns 2t, 2t + 1 (the A / B / C fragment layout above); with `_trans` its rows 2t, 2t + 1 of column
+// group (a B fragment of a matrix stored row-major along k).
+#ifndef ATTNLAB_CUDA_EMU
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const __nv_bfloat16* row) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const __nv_bfloat16* row) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+#else
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const __nv_bfloat16* row) { emu::ldmatrix_x4(r, row, false); }
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const __nv_bfloat16* row) { emu::ldmatrix_x4(r, row, true); }
+#endif
 
 #ifndef ATTNLAB_CUDA_EMU
 __device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {

@@ -17,7 +17,7 @@
 //   reads it) then changes the results, and the test's reference check fails;
 // - a launch the GPU would refuse (over 1024 threads a block, over 227 KB of shared memory), a
 //   write into the 16 bytes past a block's dynamic shared memory, or a misaligned vector load or
-//   store (half.cuh's Pack8, mma.cuh's load_pair) aborts the run.
+//   store (half.cuh's Pack8, mma.cuh's load_pair and ldmatrix rows) aborts the run.
 // Not emulated: timing, memory coherence beyond the barriers, warp-synchronous code without a
 // shuffle or __syncwarp (none of ours), and anything not declared below (it fails to compile).
 #pragma once
@@ -287,6 +287,23 @@ inline void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2])
     for (int k = 0; k < 16; ++k) acc += double(A(row, k)) * B(k, col);
     c[e] = float(acc);
   }
+  warp().bar->arrive_and_wait();
+}
+
+// ldmatrix.x4 (csrc/cuda/mma.cuh): each lane publishes the row it names, then gathers its pairs.
+inline void ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
+  static const unsigned char* rows[64][32];  // per warp of the running block, per lane
+  const int lane = tid % 32, w = tid / 32, group = lane / 4, t = lane % 4;
+  check_aligned(row, 16, "an ldmatrix row");
+  rows[w][lane] = static_cast<const unsigned char*>(row);
+  warp().bar->arrive_and_wait();
+  auto at = [&](int m, int i, int j) {  // matrix m, row i, column j
+    uint16_t x;
+    std::memcpy(&x, rows[w][8 * m + i] + 2 * j, 2);
+    return uint32_t(x);
+  };
+  for (int m = 0; m < 4; ++m)
+    r[m] = trans ? at(m, 2 * t, group) | at(m, 2 * t + 1, group) << 16 : at(m, group, 2 * t) | at(m, group, 2 * t + 1) << 16;
   warp().bar->arrive_and_wait();
 }
 
