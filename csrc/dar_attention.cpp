@@ -3,6 +3,8 @@
 // K_g[:T-w] (distance >= w), merged by log-sum-exp. Backward feeds each part's stock backward kernel
 // the MERGED output and log-sum-exp, which makes every partial gradient exact (the ring-attention
 // identity); dQ sums the two parts. Layout [B, T, H, D], 0 < w < T.
+// K_g / V_g may hold only positions 0 .. T − w − 1 (all the distant part reads; their gradients are
+// then the distant part's own, with no padded copy).
 // Backends: 0 = FlashAttention-2 for the global part, 1 = cuDNN (faster on H100/H200), both CUDA
 // bf16/fp16; 2 = "math": both parts by explicit matmuls in the inputs' dtype on any device, with the
 // kernels' conventions, so that the glue (merge, seeds, scatter) is tested exactly in fp64 on CPU.
@@ -249,10 +251,15 @@ struct DarSplitMerge : public torch::autograd::Function<DarSplitMerge> {
     {
       RECORD_USER_SCOPE("dar.bwd_scatter");
       if (backend != 3) dq.narrow(1, w, L).add_(dq2);
-      if (fused || backend == 3) {
+      if (kg.size(1) == L) {
+        // K_g / V_g of the T − w positions the distant part reads (the model builds no more): their
+        // gradients are the distant part's own.
+        dkg = dk2;
+        dvg = dv2;
+      } else if (fused || backend == 3) {
         // dK_g = [dK_g'; 0_w]: one padded write instead of zeros and a copy.
-        dkg = at::constant_pad_nd(dk2, {0, 0, 0, 0, 0, w});
-        dvg = at::constant_pad_nd(dv2, {0, 0, 0, 0, 0, w});
+        dkg = at::constant_pad_nd(dk2, {0, 0, 0, 0, 0, kg.size(1) - L});
+        dvg = at::constant_pad_nd(dv2, {0, 0, 0, 0, 0, vg.size(1) - L});
       } else {
         dkg = at::zeros_like(kg);
         dvg = at::zeros_like(vg);
@@ -276,6 +283,10 @@ extern "C" char* attnlab_dar_split_merge(tensor q, tensor kl, tensor vl, tensor 
                                          int64_t window, int64_t backend, int fused, tensor* out) {
   try {
     TORCH_CHECK(window > 0 && window < q->size(1), "split-merge needs 0 < window < T");
+    // The distant part reads K_g / V_g at positions 0 .. T − w − 1 only: they may stop there.
+    const int64_t far = q->size(1) - window;
+    TORCH_CHECK(kg->size(1) >= far && vg->size(1) == kg->size(1) && kg->size(1) <= q->size(1), "split-merge: K_g / V_g of ", kg->size(1), " / ",
+                vg->size(1), " positions, not T − w = ", far, " to T = ", q->size(1));
     TORCH_CHECK(backend >= 0 && backend <= 3, "split-merge backend ", backend, " is not 0, 1, 2 or 3");
     *out = new at::Tensor(DarSplitMerge::apply(*q, *kl, *vl, *kg, *vg, window, backend, fused != 0));
     return nullptr;

@@ -122,6 +122,8 @@ extern "C" char* attnlab_dar_band_bwd(tensor q, tensor k, tensor v, tensor out, 
       p.far_dq = view(F);
     }
     at::Tensor gq = at::empty({B, T, H, D}, Q.options()), gk = at::empty({B, T, H, D}, Q.options()), gv = at::empty({B, T, H, D}, Q.options());
+    at::Tensor dd = at::empty({B, H, T}, L.options());
+    p.dd = dd.data_ptr<float>();
     p.dq = reinterpret_cast<__nv_bfloat16*>(gq.data_ptr());
     p.dk = reinterpret_cast<__nv_bfloat16*>(gk.data_ptr());
     p.dv = reinterpret_cast<__nv_bfloat16*>(gv.data_ptr());
@@ -133,11 +135,12 @@ extern "C" char* attnlab_dar_band_bwd(tensor q, tensor k, tensor v, tensor out, 
     const int64_t blocks = (T + kBandKeys - 1) / kBandKeys;
     if (T > 0) {
       if (D == 64) {
-        launch(band_bwd_dkdv<64>, p, blocks, B, band_bwd_smem_bytes(64), stream);
+        // dQ first: it writes each row's D, which the dK / dV kernel reads.
         launch(band_bwd_dq<64>, p, blocks, B, band_bwd_smem_bytes(64), stream);
+        launch(band_bwd_dkdv<64>, p, blocks, B, band_bwd_smem_bytes(64), stream);
       } else {
-        launch(band_bwd_dkdv<128>, p, blocks, B, band_bwd_smem_bytes(128), stream);
         launch(band_bwd_dq<128>, p, blocks, B, band_bwd_smem_bytes(128), stream);
+        launch(band_bwd_dkdv<128>, p, blocks, B, band_bwd_smem_bytes(128), stream);
       }
     }
     *dq = new at::Tensor(gq);

@@ -255,15 +255,17 @@ __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
 // The backward of the band given the merged output O and lse (the split route's identity: with the
 // final O and lse, each part's stock backward is exact for its own keys): D_i = Σ dO_i·O_i,
 // P_ij = e^{s_ij − lse_i} on the band, dS_ij = P_ij·(dO_i·v_j − D_i);
-//   dV_j = Σ_i P_ij·dO_i and dK_j = scale·Σ_i dS_ij·q_i (band_bwd_dkdv: a block per 64 keys, the
-//   query tiles that see them), dQ_i = scale·Σ_j dS_ij·k_j plus the distant part's dQ for i ≥ w
-//   (band_bwd_dq: a block per 64 queries, the key tiles of their band; the split route's scatter-add
-//   in its epilogue). No atomics: every gradient row is written once, in bf16.
+//   dQ_i = scale·Σ_j dS_ij·k_j plus the distant part's dQ for i ≥ w (band_bwd_dq: a block per 64
+//   queries, the key tiles of their band; the split route's scatter-add in its epilogue; it also
+//   writes each row's D), then dV_j = Σ_i P_ij·dO_i and dK_j = scale·Σ_i dS_ij·q_i (band_bwd_dkdv: a
+//   block per 64 keys, the query tiles that see them, their D read back). No atomics: every
+//   gradient row is written once, in bf16.
 struct BandBwdParams {
   View q, k, v, out, dout;
   const float* lse;  // [B, H, T] contiguous (the merged one)
   View far_dq;       // the distant part's dQ [B, T − w, H, D] (rows i ≥ w as i − w), or p = null
   __nv_bfloat16 *dq, *dk, *dv;  // [B, T, H, D] contiguous
+  float* dd;  // [B, H, T] contiguous: D_i, written by band_bwd_dq, read by band_bwd_dkdv (launched after it)
   int T, H, w;
   float scale;
 };
@@ -295,16 +297,9 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dkdv(BandBwdParams p) {
     load_tiles<D>(p.q, p.dout, b, h, n0, p.T, qs, dos);
     for (int r = threadIdx.x; r < kBandKeys; r += kBandThreads) {
       const int i = n0 + r;
-      float dd = 0.f;
-      if (i < p.T) {
-        const __nv_bfloat16 *o = p.out.at(b, i, h), *g = p.dout.at(b, i, h);
-        for (int d = 0; d < D; d += 8) {
-          const Pack8 x = *reinterpret_cast<const Pack8*>(o + d), y = *reinterpret_cast<const Pack8*>(g + d);
-          for (int e = 0; e < 8; ++e) dd += pack_at<__nv_bfloat16>(x, e) * pack_at<__nv_bfloat16>(y, e);
-        }
-      }
-      dd_s[r] = dd;
-      lse_s[r] = i < p.T ? p.lse[((int64_t)b * p.H + h) * p.T + i] : 0.f;
+      const int64_t row = ((int64_t)b * p.H + h) * p.T + i;
+      dd_s[r] = i < p.T ? p.dd[row] : 0.f;
+      lse_s[r] = i < p.T ? p.lse[row] : 0.f;
     }
     __syncthreads();
     float s[NT][4], dp[NT][4];
@@ -355,6 +350,7 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dq(BandBwdParams p) {
     x += __shfl_xor_sync(0xffffffff, x, 2);
     dd[r] = x;
     lse[r] = i < p.T ? p.lse[((int64_t)b * p.H + h) * p.T + i] : 0.f;
+    if (t == 0 && i < p.T) p.dd[((int64_t)b * p.H + h) * p.T + i] = x;  // for band_bwd_dkdv
   }
   float dq[D / 8][4];
   for (int d = 0; d < D / 8; ++d)

@@ -352,8 +352,14 @@ impl DarLayer {
 impl LayerOp for DarLayer {
     fn forward(&self, h: &Heads) -> Tensor {
         let (k, v) = h.expanded_kv();
-        // Named scopes: `attnlab bench --profile` files the kernels under them.
-        let (kg, vg) = kernels::scope("dar.distant_kv", || self.bottleneck.distant(h.input, h.kv, Positions::Forward));
+        // Named scopes: `attnlab bench --profile` files the kernels under them. Only the distant keys
+        // the op reads are built (split-merge: positions ..T − w), so none get a zero gradient.
+        let n = distant_positions(&h.q, self.window, h.seg, self.imp);
+        let (kg, vg) = kernels::scope("dar.distant_kv", || {
+            let latent = self.bottleneck.latent(h.input);
+            let latent = if n < latent.size()[1] { latent.narrow(1, 0, n) } else { latent };
+            h.kv.kv(self.bottleneck.up(), &latent, Positions::Forward)
+        });
         let (kg, vg) = (repeat_kv(&kg, &h.q), repeat_kv(&vg, &h.q));
         kernels::scope("attn.op", || forward(&h.q, &k, &v, &kg, &vg, self.window, h.seg, self.imp))
     }
@@ -400,6 +406,7 @@ impl LayerOp for DarLayer {
 }
 
 /// DAR attention. `window ≥ T` is vanilla over (k_l, v_l); `window = 0` is causal attention over (k_g, v_g).
+/// `kg`, `vg` may stop at position T − w where [`distant_positions`] says so (split-merge).
 pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64, imp: AttentionImpl) -> Tensor {
     let t = q.size()[2];
     let imp = match imp {
@@ -425,6 +432,8 @@ pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, windo
             return causal(q, kg, vg, imp);
         }
     }
+    let split = matches!(imp, AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn | AttentionImpl::SplitMergeFused | AttentionImpl::SplitMergeBand);
+    assert!(split || kg.size()[2] == t, "DAR {imp:?}: distant keys of {} positions, not T = {t}", kg.size()[2]);
     match imp {
         AttentionImpl::Reference => {
             let (local, global) = dar_masks(t, window, q.device());
@@ -453,6 +462,15 @@ pub fn band_split_supported(q: &Tensor) -> bool {
 pub(crate) fn band_split_pays(q: &Tensor, window: i64) -> bool {
     let t = q.size()[2];
     band_split_supported(q) && t >= 256 && window > 0 && window * 16 <= t
+}
+
+/// How many positions' distant keys [`forward`] reads: T − w where a split-merge kernel takes the
+/// inputs (its distant part: the queries at w.. against the keys ..T − w), else T.
+pub(crate) fn distant_positions(q: &Tensor, window: i64, seg: Option<&Tensor>, imp: AttentionImpl) -> i64 {
+    use AttentionImpl::*;
+    let t = q.size()[2];
+    let split = matches!(imp, Auto | SplitMerge | SplitMergeCudnn | SplitMergeFused | SplitMergeBand) && split_merge_supported(q);
+    if seg.is_none() && 0 < window && window < t && split { t - window } else { t }
 }
 
 /// `kernels::dar_split_merge` on heads `[B, H, T, hd]` (the kernels take `[B, T, H, hd]`; the

@@ -966,6 +966,21 @@ mod tests {
                 assert!(r.ok, "{}", r.line());
             }
         }
+        // K_g / V_g of only the T − w positions the distant part reads (what a DAR layer builds on
+        // the GPU): the same output and gradients (the rows past them get none).
+        for w in [1, 4, t - 1] {
+            for fused in [false, true] {
+                let f = move |xs: &[Tensor]| {
+                    let mut xs: Vec<Tensor> = xs.iter().map(Tensor::shallow_clone).collect();
+                    for x in &mut xs[3..] {
+                        *x = x.narrow(2, 0, t - w);
+                    }
+                    split_merge_math(&xs, w, fused)
+                };
+                let r = attention_check_with("distant prefix", &f, shape, w, Device::Cpu, Kind::Double, false);
+                assert!(r.ok, "{}", r.line());
+            }
+        }
         // The same check fails the op run one key off (w − 1 against the reference at w).
         let f = |xs: &[Tensor]| split_merge_math(xs, 3, true);
         let r = attention_check_with("fused at w 3", &f, shape, 4, Device::Cpu, Kind::Double, false);
