@@ -86,8 +86,14 @@ sweep() { # FILE
     timeout --kill-after=15 "$t" $A sweep $file "${common[@]}" 2>&1 | grep -v "^sweep: \[" | tail -25 | tee -a "$OUT/evidence.log"
     rc=${PIPESTATUS[0]}
   fi
-  # Runs of this sweep not yet DONE, by its own plan (a run not started has no directory yet).
-  owed=$(( owed + $($A sweep $file "${common[@]}" --dry-run 2>/dev/null | tail -n +3 | grep -vc ' done$') ))
+  # Runs of this sweep not yet DONE, by its own plan (a run not started has no directory yet); a
+  # sweep that cannot be planned counts as owed.
+  local plan
+  if plan=$($A sweep $file "${common[@]}" --dry-run 2>&1); then
+    owed=$(( owed + $(tail -n +3 <<< "$plan" | grep -vc ' done$') ))
+  else
+    owed=$(( owed + 1 )); log "$1: no plan: $(tail -1 <<< "$plan")"
+  fi
   [ "$file" = sweeps/$1 ] || rm -f "$file"
   [ "$rc" = 124 ] && log "$1: stopped at the time budget; call again to continue"
   [ "$rc" != 0 ] && [ "$rc" != 124 ] && log "$1: exit $rc"
