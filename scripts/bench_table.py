@@ -116,7 +116,7 @@ if any("variant" in r for r in _kernel_rows):
     _ratio_table("Vanilla training with each kernel switch (train_kernels.jsonl; baseline: the defaults):", _kernel_rows,
                  lambda r: r.get("variant", "?"), "base",
                  lambda v: {"base": "defaults", "heads": "heads kernel", "ce": "loss head held", "heads+ce": "heads kernel + loss head held",
-                            "noln": "aten LayerNorm"}.get(v, v))
+                            "noheads": "aten heads op", "noln": "aten LayerNorm"}.get(v, v))
 else:  # jobs before 2026-12-06: rows tagged ln_kernel / heads_kernel, baseline aten's
     _ratio_table("Vanilla training with our LayerNorm / heads kernels (train_kernels.jsonl; baseline: aten's):", _kernel_rows,
                  lambda r: (r.get("ln_kernel", 0), r.get("heads_kernel", 0)), (0, 0),

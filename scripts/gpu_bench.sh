@@ -37,19 +37,19 @@ for what in "${@:-all}"; do
         done
       done ;;&
     kernels)
-      # Issue 33: vanilla training with each kernel switch against the defaults (LayerNorm kernel on),
-      # interleaved, KERNEL_REPEATS (1) rounds at 70M / 160M / 410M; KERNEL_VARIANTS picks (default
-      # "base heads ce heads+ce noln": base = the defaults, heads = ATTNLAB_HEADS_KERNEL=1, the heads op in
-      # one kernel each way; ce = ATTNLAB_CE_HELD=1, the loss head's rows held in registers; noln =
+      # Issue 33: vanilla training with each kernel switch against the defaults (LayerNorm and heads
+      # kernels on), interleaved, KERNEL_REPEATS (1) rounds at 70M / 160M / 410M; KERNEL_VARIANTS picks
+      # (default "base ce noheads noln": base = the defaults; ce = ATTNLAB_CE_HELD=1, the loss head's
+      # rows held in registers; noheads = ATTNLAB_HEADS_KERNEL=0, aten's heads op; noln =
       # ATTNLAB_LN_KERNEL=0, aten's LayerNorm). Rows tagged "variant" in train_kernels.jsonl. Run
       # `check` first (its layer-norm-kernel, heads-op-kernel and loss-head-kernel-held rows).
       for ((r = 0; r < ${KERNEL_REPEATS:-1}; r++)); do
         for size in 70m:64 160m:32 410m:32; do
           IFS=: read -r f b <<< "$size"
-          for v in ${KERNEL_VARIANTS:-base heads ce heads+ce noln}; do
-            heads=0; ce=0; ln=1
-            case $v in *heads*) heads=1 ;; esac
-            case $v in *ce*) ce=1 ;; esac
+          for v in ${KERNEL_VARIANTS:-base ce noheads noln}; do
+            heads=1; ce=0; ln=1
+            [ $v = noheads ] && heads=0
+            [ $v = ce ] && ce=1
             [ $v = noln ] && ln=0
             ATTNLAB_LN_KERNEL=$ln ATTNLAB_HEADS_KERNEL=$heads ATTNLAB_CE_HELD=$ce run $A bench experiments/pythia-70m-vanilla.yaml --json --steps 20 --warmup 5 \
               --set model.flavor=pythia-$f --set train.batch_size=$b --set "attention={kind: vanilla}" | grep '^{' \
