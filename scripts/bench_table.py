@@ -30,6 +30,21 @@ for r in train:
 for size, hf in sorted(peers.items()):
     print(f"| {size} | {hf['batch_size']} | HF + torch.compile | {hf['tokens_per_s']:,.0f} | {100 * hf['mfu']:.1f}% | {hf['peak_mem_gib']:.1f} | 1.00 | 1.00 | – |")
 
+# gpu_bench.sh peers410: 410M at a micro-batch HF's peer fits on an 80 GB card, interleaved rounds.
+ours410, hf410 = rows("train_410m.jsonl"), [r for r in rows("peers_410m.jsonl") if r.get("mode") == "compile"]
+if ours410 and hf410:
+    from statistics import median as _med
+    a, h = _med(r["tokens_per_s"] for r in ours410), _med(r["tokens_per_s"] for r in hf410)
+    am, hm = max(r["peak_mem_gib"] for r in ours410), max(r["peak_mem_gib"] for r in hf410)
+    print()
+    print(f"Pythia-410M at micro-batch {ours410[0]['micro_batch']} (medians of {len(ours410)} / {len(hf410)} interleaved runs):")
+    print()
+    print("| | tok/s | peak GiB |")
+    print("|---|---:|---:|")
+    print(f"| attnlab vanilla | {a:,.0f} | {am:.1f} |")
+    print(f"| HF + torch.compile | {h:,.0f} | {hm:.1f} |")
+    print(f"| ratio | **{a / h:.2f}×** | {am / hm:.2f}× |")
+
 attn = rows("attn.jsonl")
 if attn:
     print()
