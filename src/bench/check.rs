@@ -552,6 +552,15 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
                 }
                 note(attention_check(imp, shape, w, device, kind));
             }
+            if device.is_cuda() && 0 < w && w < shape[2] {
+                // Training's route as a DAR layer takes it: distant keys of the T − w positions
+                // read (dar::distant_positions), their gradients unpadded.
+                let prefix = move |xs: &[Tensor]| {
+                    let far = |x: &Tensor| x.narrow(2, 0, shape[2] - w);
+                    attention::dar(&xs[0], &xs[1], &xs[2], &far(&xs[3]), &far(&xs[4]), w, AttentionImpl::SplitMergeFused)
+                };
+                note(attention_check_with("splitmergefused-prefix", &prefix, shape, w, device, kind, false));
+            }
         }
         if device.is_cuda() {
             for w in [1, 4, 128, shape[2]] {
