@@ -355,11 +355,7 @@ impl LayerOp for DarLayer {
         // Named scopes: `attnlab bench --profile` files the kernels under them. Only the distant keys
         // the op reads are built (split-merge: positions ..T − w), so none get a zero gradient.
         let n = distant_positions(&h.q, self.window, h.seg, self.imp);
-        let (kg, vg) = kernels::scope("dar.distant_kv", || {
-            let latent = self.bottleneck.latent(h.input);
-            let latent = if n < latent.size()[1] { latent.narrow(1, 0, n) } else { latent };
-            h.kv.kv(self.bottleneck.up(), &latent, Positions::Forward)
-        });
+        let (kg, vg) = kernels::scope("dar.distant_kv", || self.bottleneck.distant(h.input, h.kv, n));
         let (kg, vg) = (repeat_kv(&kg, &h.q), repeat_kv(&vg, &h.q));
         kernels::scope("attn.op", || forward(&h.q, &k, &v, &kg, &vg, self.window, h.seg, self.imp))
     }
@@ -432,8 +428,7 @@ pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, windo
             return causal(q, kg, vg, imp);
         }
     }
-    let split = matches!(imp, AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn | AttentionImpl::SplitMergeFused | AttentionImpl::SplitMergeBand);
-    assert!(split || kg.size()[2] == t, "DAR {imp:?}: distant keys of {} positions, not T = {t}", kg.size()[2]);
+    assert!(is_split_merge(imp) || kg.size()[2] == t, "DAR {imp:?}: distant keys of {} positions, not T = {t}", kg.size()[2]);
     match imp {
         AttentionImpl::Reference => {
             let (local, global) = dar_masks(t, window, q.device());
@@ -466,11 +461,16 @@ pub(crate) fn band_split_pays(q: &Tensor, window: i64) -> bool {
 
 /// How many positions' distant keys [`forward`] reads: T − w where a split-merge kernel takes the
 /// inputs (its distant part: the queries at w.. against the keys ..T − w), else T.
+/// (`auto` takes a split-merge kernel wherever they take the inputs.)
 pub(crate) fn distant_positions(q: &Tensor, window: i64, seg: Option<&Tensor>, imp: AttentionImpl) -> i64 {
-    use AttentionImpl::*;
     let t = q.size()[2];
-    let split = matches!(imp, Auto | SplitMerge | SplitMergeCudnn | SplitMergeFused | SplitMergeBand) && split_merge_supported(q);
+    let split = (imp == AttentionImpl::Auto || is_split_merge(imp)) && split_merge_supported(q);
     if seg.is_none() && 0 < window && window < t && split { t - window } else { t }
+}
+
+/// The implementations that run csrc/dar_attention.cpp's split-merge op.
+fn is_split_merge(imp: AttentionImpl) -> bool {
+    matches!(imp, AttentionImpl::SplitMerge | AttentionImpl::SplitMergeCudnn | AttentionImpl::SplitMergeFused | AttentionImpl::SplitMergeBand)
 }
 
 /// `kernels::dar_split_merge` on heads `[B, H, T, hd]` (the kernels take `[B, T, H, hd]`; the
@@ -528,9 +528,12 @@ impl Bottleneck {
         if self.act == DarAct::Sigmoid { low.sigmoid() } else { low }
     }
 
-    /// Distant keys (rotated) and values `[B, H_kv, n, hd]` of the K/V input `a` through the model's map.
-    pub fn distant(&self, a: &Tensor, kv: &dyn KvMap, pos: Positions) -> (Tensor, Tensor) {
-        kv.kv(&self.up, &self.latent(a), pos)
+    /// Distant keys (rotated) and values `[B, H_kv, n, hd]` of positions 0..n of the K/V input `a`
+    /// `[B, T, d]` through the model's map (`n` ≤ T; the latent is narrowed before the up-projection).
+    pub fn distant(&self, a: &Tensor, kv: &dyn KvMap, n: i64) -> (Tensor, Tensor) {
+        let latent = self.latent(a);
+        let latent = if n < latent.size()[1] { latent.narrow(1, 0, n) } else { latent };
+        kv.kv(&self.up, &latent, Positions::Forward)
     }
 }
 

@@ -511,6 +511,13 @@ pub fn layer_norm_check(n: i64, d: i64, device: Device) -> Option<CheckRow> {
     Some(CheckRow::new("layer-norm-kernel", &[n, d], None, kind, tensors, false))
 }
 
+/// (q, k_l, v_l, k_g, v_g) `[B, H, T, hd]` with k_g, v_g cut to the T − w positions split-merge
+/// reads, as a DAR layer builds them for it (`dar::distant_positions`).
+fn distant_prefix(xs: &[Tensor], w: i64) -> Vec<Tensor> {
+    let t = xs[0].size()[2];
+    xs.iter().enumerate().map(|(i, x)| if i >= 3 { x.narrow(2, 0, t - w) } else { x.shallow_clone() }).collect()
+}
+
 /// A row for a check that could not run: its error on stderr, an infinite error in the row.
 fn failed_row(label: &str, why: &str, planted: bool) -> CheckRow {
     eprintln!("{label}: could not run: {why}");
@@ -556,8 +563,8 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
                 // Training's route as a DAR layer takes it: distant keys of the T − w positions
                 // read (dar::distant_positions), their gradients unpadded.
                 let prefix = move |xs: &[Tensor]| {
-                    let far = |x: &Tensor| x.narrow(2, 0, shape[2] - w);
-                    attention::dar(&xs[0], &xs[1], &xs[2], &far(&xs[3]), &far(&xs[4]), w, AttentionImpl::SplitMergeFused)
+                    let xs = distant_prefix(xs, w);
+                    attention::dar(&xs[0], &xs[1], &xs[2], &xs[3], &xs[4], w, AttentionImpl::SplitMergeFused)
                 };
                 note(attention_check_with("splitmergefused-prefix", &prefix, shape, w, device, kind, false));
             }
@@ -973,19 +980,9 @@ mod tests {
                 let f = move |xs: &[Tensor]| split_merge_math(xs, w, fused);
                 let r = attention_check_with(if fused { "fused" } else { "unfused" }, &f, shape, w, Device::Cpu, Kind::Double, false);
                 assert!(r.ok, "{}", r.line());
-            }
-        }
-        // K_g / V_g of only the T − w positions the distant part reads (what a DAR layer builds on
-        // the GPU): the same output and gradients (the rows past them get none).
-        for w in [1, 4, t - 1] {
-            for fused in [false, true] {
-                let f = move |xs: &[Tensor]| {
-                    let mut xs: Vec<Tensor> = xs.iter().map(Tensor::shallow_clone).collect();
-                    for x in &mut xs[3..] {
-                        *x = x.narrow(2, 0, t - w);
-                    }
-                    split_merge_math(&xs, w, fused)
-                };
+                // K_g / V_g of only the T − w positions the distant part reads (what a DAR layer
+                // builds on the GPU): the same output and gradients (the rows past them get none).
+                let f = move |xs: &[Tensor]| split_merge_math(&distant_prefix(xs, w), w, fused);
                 let r = attention_check_with("distant prefix", &f, shape, w, Device::Cpu, Kind::Double, false);
                 assert!(r.ok, "{}", r.line());
             }

@@ -202,7 +202,7 @@ fn bottleneck_keys_equal_the_direct_form() {
         let b = &m.layers[0];
         let bn = b.attn.bottleneck().unwrap();
         let kv = LayerKv { model: &m, block: b, cos: &cos, sin: &sin, span: None };
-        let (kg, vg) = bn.distant(&a, &kv, crate::attention::Positions::Forward);
+        let (kg, vg) = bn.distant(&a, &kv, a.size()[1]);
         let h_prime = a.linear::<Tensor>(&bn.down, None).linear::<Tensor>(&bn.up, None);
         let (_, k, v) = m.qkv(b, &h_prime, &cos, &sin, Pass::Eval);
         assert_eq!(kg.size(), vec![2, 2, 10, 16], "{name}: kv_heads heads");
