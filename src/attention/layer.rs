@@ -81,11 +81,17 @@ pub struct LayerDims {
     pub layer: i64,
 }
 
-/// Where the keys a model rebuilds sit: at the positions of the forward's own tokens, or from a start.
+/// Where the keys a model rebuilds sit: at the positions of the forward's own tokens (the first n of
+/// them when the input holds n: DAR's distant keys stop at T − w), or from a start.
 #[derive(Debug, Clone, Copy)]
 pub enum Positions {
     Forward,
     From(i64),
+}
+
+/// The rows of a forward's RoPE table (positions on dim −2) for its first `n` tokens.
+pub fn forward_prefix(table: &Tensor, n: i64) -> Tensor {
+    if table.size()[table.dim() - 2] > n { table.narrow(-2, 0, n) } else { table.shallow_clone() }
 }
 
 /// What a model offers a variant that builds keys / values from another input (DAR's distant keys).

@@ -37,7 +37,7 @@ hybrid_kinds! {
 pub use dar::{dar, dar_sdpa, split_merge_supported, AttentionInit, DarAct};
 pub use hybrids::HybridKind;
 pub use kinds::{AttentionImpl, LineStyle, Settings, SoftmaxKind};
-pub use layer::{is_bottleneck_param, AbsorbedKv, Attention, Heads, KvMap, Layer, LayerDims, LayerOp, Positions};
+pub use layer::{forward_prefix, is_bottleneck_param, AbsorbedKv, Attention, Heads, KvMap, Layer, LayerDims, LayerOp, Positions};
 pub use vanilla::causal;
 use tch::{Device, Kind, Tensor};
 

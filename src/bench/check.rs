@@ -596,9 +596,16 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     if device.is_cuda() {
         // The step's loops (csrc/cuda/attend_step.cu): the default, one slot per warp everywhere
         // (ATTNLAB_STEP_SCALAR), the latents four slots at a time (ATTNLAB_STEP_BATCHED), and those
-        // with RoPE absorbed into the query (ATTNLAB_STEP_ROPE=absorbed), whether or not decoding
-        // takes the fused step by default.
-        let loops: [(&str, &[(&str, &str)]); 4] = [("", &[]), ("-scalar", &[("ATTNLAB_STEP_SCALAR", "1")]), ("-batched", &[("ATTNLAB_STEP_BATCHED", "1")]), ("-rope-absorbed", &[("ATTNLAB_STEP_ROPE", "absorbed")])];
+        // with RoPE absorbed into the query (ATTNLAB_STEP_ROPE=absorbed), and every head's scores
+        // over a chunk of latents as one tensor-core product (ATTNLAB_STEP_MMA), whether or not
+        // decoding takes the fused step by default.
+        let loops: [(&str, &[(&str, &str)]); 5] = [
+            ("", &[]),
+            ("-scalar", &[("ATTNLAB_STEP_SCALAR", "1")]),
+            ("-batched", &[("ATTNLAB_STEP_BATCHED", "1")]),
+            ("-rope-absorbed", &[("ATTNLAB_STEP_ROPE", "absorbed")]),
+            ("-mma", &[("ATTNLAB_STEP_MMA", "1")]),
+        ];
         with_env(&[("ATTNLAB_FUSED_STEP", "1")], || {
             for (suffix, vars) in loops {
                 with_env(vars, || {

@@ -16,7 +16,7 @@
 //! in place (`crate::linearize::student`). Packed rows: `hidden_docs` takes per-token document ids
 //! (block-diagonal mask, positions restarting at every document).
 use crate::attention::cache::{CacheShape, DecodeCache, SpanTables, StepAt};
-use crate::attention::{self, AbsorbedKv, Attention, AttentionSpec, Heads, KvMap, Layer, LayerDims, Positions};
+use crate::attention::{self, AbsorbedKv, Attention, AttentionSpec, Heads, KvMap, Layer, LayerDims, Positions, forward_prefix};
 use crate::lora::Linear;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -542,7 +542,7 @@ impl KvMap for LayerKv<'_> {
         let k = x.linear::<Tensor>(&b.k_proj.weight.matmul(w), None);
         let v = x.linear::<Tensor>(&b.v_proj.weight.matmul(w), None);
         let k = match pos {
-            Positions::Forward => m.keys(b, k, self.cos, self.sin),
+            Positions::Forward => m.keys(b, k, &forward_prefix(self.cos, x.size()[1]), &forward_prefix(self.sin, x.size()[1])),
             Positions::From(0) => {
                 let (c, s) = self.tables_from_zero(x.size()[1]);
                 m.keys(b, k, &c, &s)

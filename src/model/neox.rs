@@ -4,7 +4,7 @@
 //! hands it the rotated heads, LN1(x) and its k / v map (`KvMap`: the k/v rows and bias of
 //! `query_key_value`, then RoPE), through which DAR's distant keys are built.
 use super::rope::Rope;
-use crate::attention::{AbsorbedKv, Attention, AttentionSpec, Heads, KvMap, Layer as AttentionLayer, LayerDims, Positions};
+use crate::attention::{AbsorbedKv, Attention, AttentionSpec, Heads, KvMap, Layer as AttentionLayer, LayerDims, Positions, forward_prefix};
 use crate::kernels;
 use crate::spec::{Gelu, Spec};
 use tch::nn::{self, Init, Module};
@@ -253,7 +253,7 @@ impl KvMap for LayerKv<'_> {
     fn kv(&self, w: &Tensor, x: &Tensor, pos: Positions) -> (Tensor, Tensor) {
         let kv = self.model.kv_projection(self.layer, w, x);
         let (cos, sin) = match pos {
-            Positions::Forward => (self.cos.shallow_clone(), self.sin.shallow_clone()),
+            Positions::Forward => (forward_prefix(self.cos, x.size()[1]), forward_prefix(self.sin, x.size()[1])),
             Positions::From(0) => self.tables_from_zero(x.size()[1]),
             Positions::From(start) => self.model.rope.tables(start, x.size()[1], x.device()),
         };

@@ -207,6 +207,9 @@ fn bottleneck_keys_equal_the_direct_form() {
         let (_, k, v) = m.qkv(b, &h_prime, &cos, &sin, Pass::Eval);
         assert_eq!(kg.size(), vec![2, 2, 10, 16], "{name}: kv_heads heads");
         assert!(max_diff(&kg, &k) < 1e-5 && max_diff(&vg, &v) < 1e-5, "{name}");
+        // Split-merge's distant keys stop at T − w: the prefix at the forward's own positions.
+        let (kp, vp) = bn.distant(&a, &kv, 6);
+        assert!(max_diff(&kp, &kg.narrow(2, 0, 6)) < 1e-6 && max_diff(&vp, &vg.narrow(2, 0, 6)) < 1e-6, "{name}: prefix");
     }
 }
 

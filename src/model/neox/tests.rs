@@ -220,6 +220,23 @@ fn absorbed_bottleneck_equals_direct_form() {
     }
 }
 
+/// Split-merge's distant keys stop at T − w (`Bottleneck::distant` of n < T positions): they are
+/// the first n rows of all T, rotated at the forward's own positions.
+#[test]
+fn distant_keys_of_a_prefix_are_the_prefix_of_all() {
+    let (_vs, m) = build(cfg(AttentionKind::Dar, 8, 4), 9);
+    let _rng = crate::testutil::seeded(5);
+    let a = Tensor::randn([2, 7, 32], (Kind::Double, Device::Cpu));
+    let (cos, sin) = m.rope.tables(0, 7, Device::Cpu);
+    let layer = &m.layers[1];
+    let kv = LayerKv { model: &m, layer, cos: &cos, sin: &sin, span: None };
+    let b = layer.attn.bottleneck().unwrap();
+    let (kg, vg) = b.distant(&a, &kv, 7);
+    let (kp, vp) = b.distant(&a, &kv, 3);
+    assert_eq!(kp.size(), vec![2, 4, 3, 8]);
+    assert!(max_diff(&kp, &kg.narrow(2, 0, 3)) < 1e-12 && max_diff(&vp, &vg.narrow(2, 0, 3)) < 1e-12);
+}
+
 /// The fused heads op (`heads_of`: one write of each piece, one write of the projection's gradient)
 /// equals the explicit views + RoPE, outputs and the gradient of the projection, for q / k / v
 /// (two rotated) and DAR's k / v (one), at partial and full rotary dims and a position offset.
