@@ -23,6 +23,8 @@ struct Case {
   int64_t newest = 0;
   std::vector<int64_t> pad;
   int chunk = 32, ring_chunk = 32;
+  int mma_chunk = 64;     // slots a block of step_latent_mma
+  bool mma_only = false;  // the latents on the tensor cores alone, the full-width slots by packs (the emulator's time)
 };
 
 template <typename T>
@@ -137,8 +139,11 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 // `fresh`: the new token's key, value and latent handed over as their own tensors while their
 // cache slots hold stale values; the kernels must read the new ones and the combine kernel must
 // write them into the caches (checked here: a failure returns NaNs).
+// batched: the latents one slot per warp (0), four (1), four with RoPE absorbed (2), or on the tensor
+// cores (3: step_qw, then step_latent_mma with its own chunks, step_partial for the ring alone).
 template <typename T, int G>
 std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool vec, bool fresh) {
+  const bool mma = batched == 3;
   std::vector<T> rk = in.rk.dev, rv = in.rv.dev, c = in.c.dev;  // the caches, written by a fresh step
   std::vector<T> nk, nv, nc;                                     // the new token's own rows
   const int64_t slot = k.keep > 0 ? k.newest % k.keep : k.newest;
@@ -167,7 +172,7 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
   p.q_sh = k.hd;
   p.pos = &k.newest;
   p.pad = k.pad.data();
-  p.batched = batched > 0;
+  p.batched = batched == 1 || batched == 2;
   p.rope_absorbed = batched == 2;
   if (k.W) {
     p.rk = rk.data();
@@ -196,8 +201,9 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
     p.bk = k.bias ? in.bk.dev.data() : nullptr;
     p.window = k.window;
     p.S = k.S;
-    p.chunk = k.chunk;
-    p.nchunks = (k.S + k.chunk - 1) / k.chunk;
+    p.chunk = mma ? k.mma_chunk : k.chunk;
+    p.nchunks = (k.S + p.chunk - 1) / p.chunk;
+    p.chunk0 = mma ? p.nchunks : 0;
     p.r = k.r;
   }
   p.hd = k.hd;
@@ -226,7 +232,16 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
     cw.new_c = p.new_c;
     cw.nc_sb = p.nc_sb;
   }
-  emu::launch(step_partial<T, G>, dim3(p.nchunks + p.nring, k.B * k.Hkv), dim3(kThreads), smem_floats(G, p.r, k.hd, p.rope_absorbed ? k.rot : 0) * sizeof(float), p);
+  std::vector<float> qw(size_t(k.B) * k.H * (p.r + 1));
+  if (mma) {
+    p.qw = qw.data();
+    p.qbeta = p.qw + size_t(k.B) * k.H * p.r;
+    emu::launch(step_qw<T>, dim3(k.B * k.H), dim3(kThreads), 0, p);
+    emu::launch(latent_mma_kernel<T>(k.r), dim3(p.nchunks, k.B, (k.H + kMmaHeads - 1) / kMmaHeads), dim3(kThreads), mma_smem_bytes(k.r, k.rot), p);
+  }
+  if (p.nchunks + p.nring - p.chunk0 > 0)
+    emu::launch(step_partial<T, G>, dim3(p.nchunks + p.nring - p.chunk0, k.B * k.Hkv), dim3(kThreads),
+                smem_floats(G, p.r, k.hd, p.rope_absorbed ? k.rot : 0) * sizeof(float), p);
   std::vector<double> out(size_t(k.B) * k.H * k.hd);
   if (p.rope_absorbed) {
     // The combine kernel applies Wv itself and writes [B, H, hd].
@@ -286,9 +301,10 @@ bool check(const Case& k, const char* dtype, unsigned seed) {
   bool ok = true;
   // Latent loops: 0 one slot per warp, 1 four at a time (kr), 2 four at a time with RoPE absorbed
   // (and Wv applied by the combine kernel).
-  const char* loops[] = {" latents×1", " latents×4", " latents×4 rope-absorbed"};
-  for (int batched = 0; batched <= (k.S ? 2 : 0); ++batched)
-    for (int vec = 0; vec <= (k.W ? 1 : 0); ++vec)
+  // 3: on the tensor cores (step_latent_mma).
+  const char* loops[] = {" latents×1", " latents×4", " latents×4 rope-absorbed", " latents mma"};
+  for (int batched = k.mma_only ? 3 : 0; batched <= (k.S ? 3 : 0); ++batched)
+    for (int vec = k.mma_only && k.W ? 1 : 0; vec <= (k.W ? 1 : 0); ++vec)
       for (int fresh = 0; fresh <= 1; ++fresh) {
         const auto got = run_g<T>(k, in, batched, vec, fresh);
         const std::string what = std::string(k.name) + " " + dtype + (k.S ? loops[batched] : "") + (k.W ? (vec ? " packs" : " scalar") : "") +
@@ -311,7 +327,18 @@ bool all_cases() {
       {.name = "DAR (Llama, grouped)", .B = 1, .H = 6, .Hkv = 2, .hd = 32, .W = 4, .keep = 4, .S = 50, .r = 48, .rot = 32, .window = 4,
        .newest = 49, .pad = {0}},
       // Uniform: latents only (window 0), no full-width slots, unrotated keys.
-      {.name = "uniform", .B = 2, .H = 2, .Hkv = 2, .hd = 64, .S = 40, .r = 16, .rot = 0, .window = 0, .bias = true, .newest = 37, .pad = {3, 0}},
+      {.name = "uniform", .B = 2, .H = 2, .Hkv = 2, .hd = 64, .S = 40, .r = 16, .rot = 0, .window = 0, .bias = true, .newest = 37, .pad = {3, 0},
+       .mma_chunk = 24},
+      // Pythia-70M's shape (8 heads, hd 64, r 128, a quarter rotated, biases): the tensor-core path's
+      // 16-head tile half full; spans and chunks not multiples of its 16-slot tiles.
+      {.name = "DAR (Pythia-70M)", .B = 2, .H = 8, .Hkv = 8, .hd = 64, .W = 8, .keep = 8, .S = 150, .r = 128, .rot = 16, .window = 8, .bias = true,
+       .newest = 149, .pad = {0, 19}, .mma_chunk = 80, .mma_only = true},
+      // Grouped heads, 12 over 4 (Llama-like, every dim rotated, no biases).
+      {.name = "DAR (12 heads over 4)", .B = 2, .H = 12, .Hkv = 4, .hd = 32, .W = 4, .keep = 4, .S = 90, .r = 64, .rot = 32, .window = 4,
+       .newest = 89, .pad = {5, 0}, .mma_chunk = 40, .mma_only = true},
+      // 18 heads over 6: two 16-head tiles, the second with two rows.
+      {.name = "DAR (18 heads over 6)", .B = 1, .H = 18, .Hkv = 6, .hd = 32, .W = 16, .keep = 16, .S = 70, .r = 32, .rot = 16, .window = 16,
+       .bias = true, .newest = 69, .pad = {0}, .mma_chunk = 32, .mma_only = true},
   };
   bool ok = true;
   unsigned seed = 1;
@@ -319,6 +346,7 @@ bool all_cases() {
     ok &= check<__nv_bfloat16>(k, "bf16", seed++);
   }
   ok &= check<__half>(cases[2], "fp16", seed++);
+  ok &= check<__half>(cases[5], "fp16", seed++);
   return ok;
 }
 
