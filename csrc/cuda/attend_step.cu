@@ -19,6 +19,19 @@ void launch_partial(const Params& p, int B, size_t smem, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <typename T>
+void launch_partial_g(const Params& p, int B, size_t smem, cudaStream_t stream) {
+  switch (p.g) {
+    case 1: return launch_partial<T, 1>(p, B, smem, stream);
+    case 2: return launch_partial<T, 2>(p, B, smem, stream);
+    case 3: return launch_partial<T, 3>(p, B, smem, stream);
+    case 4: return launch_partial<T, 4>(p, B, smem, stream);
+    case 6: return launch_partial<T, 6>(p, B, smem, stream);
+    case 8: return launch_partial<T, 8>(p, B, smem, stream);
+    default: TORCH_CHECK(false, "attend_step: ", p.g, " query heads per kv head (1, 2, 3, 4, 6 or 8 are built)");
+  }
+}
+
 // The distant part on the tensor cores: qw and β once (step_qw), then one block per (chunk, b, 16
 // query heads) (step_latent_mma).
 template <typename T>
@@ -40,19 +53,6 @@ template <typename T>
 void launch_parts(const Params& p, int B, size_t smem, bool mma, cudaStream_t stream) {
   if (mma && p.nchunks > 0) launch_latent_mma<T>(p, B, stream);
   if (p.nchunks + p.nring - p.chunk0 > 0) launch_partial_g<T>(p, B, smem, stream);
-}
-
-template <typename T>
-void launch_partial_g(const Params& p, int B, size_t smem, cudaStream_t stream) {
-  switch (p.g) {
-    case 1: return launch_partial<T, 1>(p, B, smem, stream);
-    case 2: return launch_partial<T, 2>(p, B, smem, stream);
-    case 3: return launch_partial<T, 3>(p, B, smem, stream);
-    case 4: return launch_partial<T, 4>(p, B, smem, stream);
-    case 6: return launch_partial<T, 6>(p, B, smem, stream);
-    case 8: return launch_partial<T, 8>(p, B, smem, stream);
-    default: TORCH_CHECK(false, "attend_step: ", p.g, " query heads per kv head (1, 2, 3, 4, 6 or 8 are built)");
-  }
 }
 
 at::Tensor last_unit(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }

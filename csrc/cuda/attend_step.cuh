@@ -14,6 +14,17 @@
 // The partial kernel: one block per (row b, kv head, chunk of slots, distant or full-width); four
 // warps each take every fourth slot with an online softmax, then merge. It writes (max, sum) and
 // Σ p·c_s (distant, r wide) or Σ p·v_j (full width, hd wide), unnormalised.
+// Or, ATTNLAB_STEP_MMA=1 (MLA-style: a latent is shared by every head of the layer), the distant
+// chunks by step_latent_mma and only the full-width ones by step_partial (from chunk0 = nchunks on):
+// step_qw computes qw and β of every head once a step (fp32), then one block per (chunk, b, 16 query
+// heads) reads each latent of its chunk once for all its heads. Its four warps take 16-slot tiles
+// in turn (a tile in shared memory by 16-byte loads, read back by ldmatrix): the scores
+// S[heads, slots] = QW·Cᵀ on the tensor cores (mma m16n8k16, fp32 accumulate; QW as 16-bit hi + lo,
+// two mmas, 4–5× closer than hi alone), β and the rotated dims from kr added per (head, slot) by
+// FMAs, an online softmax per head row, P in 16 bits and O[heads, r] += P·C by mma. Writes the same
+// ml / acc as step_partial's latent chunks, so the combine kernel is unchanged. Taken for r in
+// latent_mma_kernel's list (multiples of 16 up to 256) with 16-byte aligned latent rows; bf16 by the
+// bf16 mma, fp16 by the f16 one; any H (above 16, a block per 16 heads, each re-reading the chunk).
 // The combine kernel merges the chunks: pc_h = Σ p·c / L and extra_h = (Σ p_far / L)·bv + Σ p·v / L,
 // and the output is pc · Wvᵀ + extra (one batched matmul after it; extra alone without latents; in
 // the combine kernel itself with ATTNLAB_STEP_ROPE=absorbed). Nothing is read back to the host, and

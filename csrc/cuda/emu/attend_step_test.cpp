@@ -2,9 +2,11 @@
 // definition in double: every distant key and value rebuilt from its latent (RoPE on the rotated
 // dims), one masked softmax over the visible full-width slots and latents. Every loop of each part
 // (full-width: 16-byte packs and one slot per warp; latents: one slot per warp, four with kr, four
-// with RoPE absorbed into the query), the
+// with RoPE absorbed into the query, and on the tensor cores, step_latent_mma), the
 // shapes the models give (vanilla, a wrapped window ring, Pythia's DAR with biases and a quarter of
-// the dims rotated, Llama's grouped heads with every dim rotated, uniform), left padding, bf16 and fp16.
+// the dims rotated, Llama's grouped heads with every dim rotated, uniform), left padding, bf16 and fp16;
+// for the tensor-core path also Pythia-70M's shape, 12 heads over 4 and 18 over 6 (two head tiles),
+// and the distant part's own Σ p·c / L before the roundings after it.
 #include "emu_test.h"
 #include "../attend_step.cuh"
 #include <algorithm>
