@@ -227,9 +227,10 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
       p.chunk = chunk;
       if (use_mma) {
         // Blocks are (chunk, b, 16 heads), not (chunk, b, kv head): about two a SM of an H100 (132),
-        // at least 64 slots (one tile a warp).
+        // whole rounds of the four warps' 16-slot tiles (64), or 32 slots (two warps busy) where that
+        // leaves SMs idle: B = 1, 4K, H ≤ 16 gives 128 blocks of 32, 64K 256 of 256.
         const int64_t per = (S * B * ((H + kMmaHeads - 1) / kMmaHeads) + 263) / 264;
-        p.chunk = (std::max<int64_t>(per, 64) + 63) / 64 * 64;
+        p.chunk = per <= 32 ? 32 : (per + 63) / 64 * 64;
       }
       p.nchunks = (S + p.chunk - 1) / p.chunk;
       p.chunk0 = use_mma ? p.nchunks : 0;
