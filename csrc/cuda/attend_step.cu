@@ -14,7 +14,7 @@ template <typename T, int G>
 void launch_partial(const Params& p, int B, size_t smem, cudaStream_t stream) {
   auto kernel = step_partial<T, G>;
   if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  dim3 grid(p.nchunks + p.nring, B * p.hkv);
+  dim3 grid(p.nchunks + p.nring - p.chunk0, B * p.hkv);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -30,6 +30,29 @@ void launch_partial_g(const Params& p, int B, size_t smem, cudaStream_t stream) 
     case 8: return launch_partial<T, 8>(p, B, smem, stream);
     default: TORCH_CHECK(false, "attend_step: ", p.g, " query heads per kv head (1, 2, 3, 4, 6 or 8 are built)");
   }
+}
+
+// The distant part on the tensor cores: qw and β once (step_qw), then one block per (chunk, b, 16
+// query heads) (step_latent_mma).
+template <typename T>
+void launch_latent_mma(const Params& p, int B, cudaStream_t stream) {
+  const int H = p.hkv * p.g;
+  step_qw<T><<<B * H, kThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto kernel = latent_mma_kernel<T>(p.r);
+  const size_t smem = mma_smem_bytes(p.r, p.rot);
+  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  dim3 grid(p.nchunks, B, (H + kMmaHeads - 1) / kMmaHeads);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The partial kernels: the latents by step_latent_mma and the ring by step_partial (p.chunk0 =
+// nchunks), or everything by step_partial.
+template <typename T>
+void launch_parts(const Params& p, int B, size_t smem, bool mma, cudaStream_t stream) {
+  if (mma && p.nchunks > 0) launch_latent_mma<T>(p, B, stream);
+  if (p.nchunks + p.nring - p.chunk0 > 0) launch_partial_g<T>(p, B, smem, stream);
 }
 
 at::Tensor last_unit(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
@@ -72,7 +95,13 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     // per-pair query vectors (attend_step.cuh: rope_terms), no kr matmul; right on the CPU, not yet
     // on a GPU.
     const char* rope = std::getenv("ATTNLAB_STEP_ROPE");
-    const bool absorb_rope = !scalar_loops && rope && std::strcmp(rope, "absorbed") == 0;
+    bool absorb_rope = !scalar_loops && rope && std::strcmp(rope, "absorbed") == 0;
+    // ATTNLAB_STEP_MMA=1: the latents by step_latent_mma (all query heads of a row in one block, the
+    // scores and Σ p·c on the tensor cores; attend_step.cuh), right on the CPU, not yet run on a GPU.
+    // It reads kr, so it takes precedence over ATTNLAB_STEP_ROPE=absorbed; shapes it does not take
+    // (r not built: latent_mma_kernel, unaligned latent rows) keep the loops above.
+    const char* mma_env = std::getenv("ATTNLAB_STEP_MMA");
+    bool use_mma = mma_env && std::strcmp(mma_env, "1") == 0;
     p.batched = !scalar_loops && (absorb_rope || std::getenv("ATTNLAB_STEP_BATCHED") != nullptr);
     p.q = q.data_ptr();
     p.q_sb = q.stride(0);
@@ -165,6 +194,12 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
       p.c = c.data_ptr();
       p.c_sb = c.stride(0);
       p.c_ss = c.stride(1);
+      // The tensor-core path loads latent rows 16 bytes at a time.
+      const bool rows_aligned = p.c_sb % 8 == 0 && p.c_ss % 8 == 0 && reinterpret_cast<uintptr_t>(p.c) % 16 == 0 &&
+                                (!p.new_c || (reinterpret_cast<uintptr_t>(p.new_c) % 16 == 0 && p.nc_sb % 8 == 0));
+      const bool mma_built = q.scalar_type() == at::kBFloat16 ? latent_mma_kernel<__nv_bfloat16>(r) != nullptr : latent_mma_kernel<__half>(r) != nullptr;
+      use_mma = use_mma && rows_aligned && mma_built && mma_smem_bytes(r, rotated) <= 200 * 1024;
+      if (use_mma) absorb_rope = false;
       // The batched loop holds a slot's latent in its lanes' registers: r ≤ 256.
       if (r > 256) p.batched = 0;
       p.rope_absorbed = p.batched && absorb_rope && wvp->is_contiguous() && smem_floats(g, r, hd, rotated) * sizeof(float) <= 200 * 1024;
@@ -190,7 +225,15 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
       p.window = window;
       p.S = S;
       p.chunk = chunk;
-      p.nchunks = (S + chunk - 1) / chunk;
+      if (use_mma) {
+        // Blocks are (chunk, b, 16 heads), not (chunk, b, kv head): about two a SM of an H100 (132),
+        // whole rounds of the four warps' 16-slot tiles (64), or 32 slots (two warps busy) where that
+        // leaves SMs idle: B = 1, 4K, H ≤ 16 gives 128 blocks of 32, 64K 256 of 256.
+        const int64_t per = (S * B * ((H + kMmaHeads - 1) / kMmaHeads) + 263) / 264;
+        p.chunk = per <= 32 ? 32 : (per + 63) / 64 * 64;
+      }
+      p.nchunks = (S + p.chunk - 1) / p.chunk;
+      p.chunk0 = use_mma ? p.nchunks : 0;
     }
     p.r = r;
     p.hd = hd;
@@ -205,6 +248,12 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     p.ml = ml.data_ptr<float>();
     p.acc = acc.data_ptr<float>();
     p.accv = accv.data_ptr<float>();
+    at::Tensor qwbuf;
+    if (use_mma && cp) {
+      qwbuf = at::empty({B * H * r + B * H}, f32);
+      p.qw = qwbuf.data_ptr<float>();
+      p.qbeta = p.qw + B * H * r;
+    }
     const size_t smem = smem_floats(g, r, hd, p.rope_absorbed ? rotated : 0) * sizeof(float);
     TORCH_CHECK(smem <= 200 * 1024, "attend_step: ", smem, " bytes of shared memory (g, r or hd too large)");
     // With the RoPE-absorbed loop the combine kernel also applies Wv and writes [B, H, 1, hd] itself.
@@ -219,12 +268,12 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     auto ptr_or_null = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
     if (q.scalar_type() == at::kBFloat16) {
       using T = __nv_bfloat16;
-      if (p.nchunks + p.nring > 0) launch_partial_g<T>(p, B, smem, stream);
+      launch_parts<T>(p, B, smem, use_mma && cp, stream);
       step_combine<T><<<grid, kThreads, combine_smem, stream>>>(p.ml, p.acc, p.accv, bvptr, B, H, g, r, hd, p.nchunks, p.nring, static_cast<T*>(ptr_or_null(pc)),
                                                                 static_cast<T*>(ptr_or_null(extra)), wvptr, static_cast<T*>(ptr_or_null(o)), cw);
     } else if (q.scalar_type() == at::kHalf) {
       using T = __half;
-      if (p.nchunks + p.nring > 0) launch_partial_g<T>(p, B, smem, stream);
+      launch_parts<T>(p, B, smem, use_mma && cp, stream);
       step_combine<T><<<grid, kThreads, combine_smem, stream>>>(p.ml, p.acc, p.accv, bvptr, B, H, g, r, hd, p.nchunks, p.nring, static_cast<T*>(ptr_or_null(pc)),
                                                                 static_cast<T*>(ptr_or_null(extra)), wvptr, static_cast<T*>(ptr_or_null(o)), cw);
     } else {

@@ -14,6 +14,17 @@
 // The partial kernel: one block per (row b, kv head, chunk of slots, distant or full-width); four
 // warps each take every fourth slot with an online softmax, then merge. It writes (max, sum) and
 // Σ p·c_s (distant, r wide) or Σ p·v_j (full width, hd wide), unnormalised.
+// Or, ATTNLAB_STEP_MMA=1 (MLA-style: a latent is shared by every head of the layer), the distant
+// chunks by step_latent_mma and only the full-width ones by step_partial (from chunk0 = nchunks on):
+// step_qw computes qw and β of every head once a step (fp32), then one block per (chunk, b, 16 query
+// heads) reads each latent of its chunk once for all its heads. Its four warps take 16-slot tiles
+// in turn (a tile in shared memory by 16-byte loads, read back by ldmatrix): the scores
+// S[heads, slots] = QW·Cᵀ on the tensor cores (mma m16n8k16, fp32 accumulate; QW as 16-bit hi + lo,
+// two mmas, 4–5× closer than hi alone), β and the rotated dims from kr added per (head, slot) by
+// FMAs, an online softmax per head row, P in 16 bits and O[heads, r] += P·C by mma. Writes the same
+// ml / acc as step_partial's latent chunks, so the combine kernel is unchanged. Taken for r in
+// latent_mma_kernel's list (multiples of 16 up to 256) with 16-byte aligned latent rows; bf16 by the
+// bf16 mma, fp16 by the f16 one; any H (above 16, a block per 16 heads, each re-reading the chunk).
 // The combine kernel merges the chunks: pc_h = Σ p·c / L and extra_h = (Σ p_far / L)·bv + Σ p·v / L,
 // and the output is pc · Wvᵀ + extra (one batched matmul after it; extra alone without latents; in
 // the combine kernel itself with ATTNLAB_STEP_ROPE=absorbed). Nothing is read back to the host, and
@@ -22,7 +33,7 @@
 // Device code only (no ATen, no launches): csrc/cuda/emu runs it on the CPU in `make test`;
 // csrc/cuda/attend_step.cu launches it.
 #pragma once
-#include "half.cuh"
+#include "mma.cuh"
 #include <cmath>
 #include <cstdint>
 
@@ -78,6 +89,12 @@ struct Params {
   float* ml;    // [B, H, nchunks + nring, 2]
   float* acc;   // [B, H, nchunks, r]
   float* accv;  // [B, H, nring, hd]
+  // step_partial's first block is chunk `chunk0` (nchunks: the ring's blocks alone, the latents'
+  // taken by step_latent_mma; else 0).
+  int chunk0;
+  // step_latent_mma: qw [B, H, r] and β [B, H] in fp32, written by step_qw.
+  float* qw;
+  float* qbeta;
 };
 
 // Dynamic shared memory, in floats: qs [G][hd], qw [G][r], beta [G], wacc [kWarps][G][width],
@@ -357,7 +374,8 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
   ATTNLAB_DYNAMIC_SHARED(float, sh);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int kvh = blockIdx.y % p.hkv, b = blockIdx.y / p.hkv;
-  const bool ring = (int)blockIdx.x >= p.nchunks;
+  const int chunk = (int)blockIdx.x + p.chunk0;
+  const bool ring = chunk >= p.nchunks;
   const int H = p.hkv * G, width = p.r > p.hd ? p.r : p.hd;
   float* qs = sh;
   float* qw = qs + G * p.hd;
@@ -402,7 +420,7 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
     l[h] = 0.f;
   }
   float* my_acc = wacc + warp * G * width;
-  const int begin = ring ? (blockIdx.x - p.nchunks) * p.ring_chunk : blockIdx.x * p.chunk;
+  const int begin = ring ? (chunk - p.nchunks) * p.ring_chunk : chunk * p.chunk;
   const int end = ring ? min(p.W, begin + p.ring_chunk) : min(p.S, begin + p.chunk);
   const int64_t newest = *p.pos;
   const int64_t pad = p.pad ? p.pad[b] : 0;
@@ -480,9 +498,9 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
     }
     const int64_t head = (int64_t)b * H + kvh * G + h;
     if (ring) {
-      p.accv[(head * p.nring + blockIdx.x - p.nchunks) * p.hd + j] = sum;
+      p.accv[(head * p.nring + chunk - p.nchunks) * p.hd + j] = sum;
     } else {
-      p.acc[(head * p.nchunks + blockIdx.x) * p.r + j] = sum;
+      p.acc[(head * p.nchunks + chunk) * p.r + j] = sum;
     }
   }
   if (tid < G) {
@@ -496,9 +514,294 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
       }
     }
     const int64_t head = (int64_t)b * H + kvh * G + h;
-    float* o = p.ml + (head * (p.nchunks + p.nring) + blockIdx.x) * 2;
+    float* o = p.ml + (head * (p.nchunks + p.nring) + chunk) * 2;
     o[0] = M;
     o[1] = L;
+  }
+}
+
+// ---- The distant part on the tensor cores (ATTNLAB_STEP_MMA=1; the header comment says how) ----
+
+constexpr int kMmaHeads = 16;  // query heads a block: the mma's M
+constexpr int kMmaSlots = 16;  // distant slots a warp's tile: two n blocks of 8 for S, the k of P·C
+
+// qw_h = q_h[rot:] · Wk[k][rot:, :] and β_h = q_h[rot:] · bk[k][rot:] of query head h (kv head k),
+// fp32, one block per (b, h): computed once a step, not by each of step_latent_mma's blocks.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) step_qw(Params p) {
+  const int H = p.hkv * p.g, b = blockIdx.x / H, h = blockIdx.x % H, kvh = h / p.g;
+  const T* q = static_cast<const T*>(p.q) + b * p.q_sb + (int64_t)h * p.q_sh;
+  const T* wk = static_cast<const T*>(p.wk) + (int64_t)kvh * p.hd * p.r;
+  for (int j = threadIdx.x; j < p.r; j += kThreads) {
+    float s = 0.f;
+    for (int d = p.rot; d < p.hd; ++d) s += to_f(q[d]) * to_f(wk[(int64_t)d * p.r + j]);
+    p.qw[(int64_t)blockIdx.x * p.r + j] = s;
+  }
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float s = 0.f;
+    if (p.bk) {
+      const T* bk = static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd;
+      for (int d = p.rot + lane; d < p.hd; d += 32) s += to_f(q[d]) * to_f(bk[d]);
+    }
+    s = warp_sum(s);
+    if (lane == 0) p.qbeta[blockIdx.x] = s;
+  }
+}
+
+// Dynamic shared memory of step_latent_mma, in bytes: qw's hi and lo parts [16][r + 8] (16-bit; rows
+// padded by 8 values so that ldmatrix's eight rows fall in different banks), the rotated query dims
+// and the key bias of their kv head [16][rot] and β [16] (fp32); then the warps' latent tiles
+// [kWarps][16][r + 8] (16-bit) or, once the slots are done, in the same bytes their partial outputs
+// [kWarps][16][r] (fp32); then their (m, l) [kWarps][16] each.
+__host__ __device__ inline int64_t mma_work_bytes(int r) {
+  const int64_t tiles = (int64_t)kWarps * kMmaSlots * (r + 8) * 2, merge = (int64_t)kWarps * kMmaHeads * r * 4;
+  return tiles > merge ? tiles : merge;
+}
+__host__ __device__ inline int64_t mma_smem_bytes(int r, int rot) {
+  return 2 * (int64_t)kMmaHeads * (r + 8) * 2 + 2 * (int64_t)kMmaHeads * rot * 4 + kMmaHeads * 4 + mma_work_bytes(r) + 2 * kWarps * kMmaHeads * 4;
+}
+
+// One warp's tile: latent rows s0 .. s0 + 15 into `tile` [16][R + 8] by 16-byte loads, all of them
+// issued before any is stored; rows outside the visible [lo, hi) zero (an unwritten cache row may
+// hold NaNs, and P·C multiplies it by 0).
+template <typename T, int R>
+__device__ __forceinline__ void load_latent_tile(const Params& p, int b, int s0, int64_t lo, int64_t hi, int64_t newest, T* tile) {
+  constexpr int LD = R + 8, PR = R / 8, U = kMmaSlots * PR / 32;  // packs a row; a lane
+  const int lane = threadIdx.x & 31;
+  Pack8 x[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int i = lane + 32 * u, s = s0 + i / PR;
+    x[u] = Pack8{};
+    if (s >= lo && s < hi) x[u] = *reinterpret_cast<const Pack8*>(latent_row<T>(p, b, s, newest) + 8 * (i % PR));
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int i = lane + 32 * u;
+    *reinterpret_cast<Pack8*>(tile + (i / PR) * LD + 8 * (i % PR)) = x[u];
+  }
+}
+
+// s (16 heads × 16 slots, two C fragments) = QW · Cᵀ over the tile's latents, QW as hi + lo (two
+// mmas each: qw in 16 bits alone would lose its low bits). A fragments by ldmatrix (matrices 0 / 1:
+// rows 0–7 / 8–15 at column 0, 2 / 3 the same at column 8); B fragments of both n blocks by one
+// ldmatrix (matrix m: slots 8·(m / 2) + 0..7 at column 8·(m % 2)).
+template <typename T, int R>
+__device__ __forceinline__ void latent_scores(const T* qwh, const T* qwl, const T* tile, float s[2][4]) {
+  constexpr int LD = R + 8;
+  const int lane = threadIdx.x & 31;
+  const int a_row = lane % 8 + 8 * ((lane / 8) % 2), a_col = 8 * (lane / 16);
+  const int b_row = lane % 8 + 8 * (lane / 16), b_col = 8 * ((lane / 8) % 2);
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < R / 16; ++kk) {
+    uint32_t ah[4], al[4], cb[4];
+    ldmatrix_x4(ah, qwh + a_row * LD + kk * 16 + a_col);
+    ldmatrix_x4(al, qwl + a_row * LD + kk * 16 + a_col);
+    ldmatrix_x4(cb, tile + b_row * LD + kk * 16 + b_col);
+    mma_16816<T>(s[0], ah, cb);
+    mma_16816<T>(s[0], al, cb);
+    mma_16816<T>(s[1], ah, cb + 2);
+    mma_16816<T>(s[1], al, cb + 2);
+  }
+}
+
+// The rest of each score of the lane's fragments (head row group (+ 8), slot 2t (+ 1, + 8, + 9)):
+// β_h and the rotated dims q_rot,h · RoPE_s(kr_s + bk_rot) by fp32 FMAs (rot is small), scaled; −inf
+// for slots outside the visible [lo, hi). Rows past the block's heads (rows) keep S alone: zero.
+template <typename T>
+__device__ __forceinline__ void finish_scores(const Params& p, int b, int h0, int rows, int s0, int64_t lo, int64_t hi, const float* qrot,
+                                              const float* bkr, const float* beta, float s[2][4]) {
+  const int lane = threadIdx.x & 31, group = lane / 4, t = lane % 4, half = p.rot / 2;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = group + (e >= 2 ? 8 : 0), slot = s0 + nt * 8 + 2 * t + (e & 1);
+      if (slot < lo || slot >= hi) {
+        s[nt][e] = -INFINITY;
+        continue;
+      }
+      float x = s[nt][e] + beta[row];
+      if (row < rows && half > 0) {
+        const T* kr = static_cast<const T*>(p.kr) + b * p.kr_sb + (int64_t)slot * p.kr_ss + (int64_t)((h0 + row) / p.g) * p.rot;
+        const float* cs = p.cos + (int64_t)slot * p.cs_s;
+        const float* sn = p.sin + (int64_t)slot * p.cs_s;
+        const float* qh = qrot + row * p.rot;
+        const float* bh = bkr + row * p.rot;
+        for (int i = 0; i < half; ++i) x += rope_pair_dot(qh, i, half, to_f(kr[i]) + bh[i], to_f(kr[i + half]) + bh[i + half], cs[i], sn[i]);
+      }
+      s[nt][e] = x * p.scale;
+    }
+}
+
+// One tile's scores into the running max m and (lane-partial) sum l of the lane's two rows (a
+// row's 16 scores are spread over the four lanes of a quad), the output o rescaled; s becomes P.
+template <int NT>
+__device__ __forceinline__ void softmax_tile(float s[2][4], float m[2], float l[2], float o[NT][4]) {
+  float mx[2] = {m[0], m[1]}, f[2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
+    f[r] = mx[r] == -INFINITY ? 1.f : __expf(m[r] - mx[r]);  // m = −inf: nothing yet (f·0)
+    m[r] = mx[r];
+    l[r] *= f[r];
+  }
+#pragma unroll
+  for (int d = 0; d < NT; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[d][e] *= f[e / 2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float pe = s[nt][e] == -INFINITY ? 0.f : __expf(s[nt][e] - m[e / 2]);
+      s[nt][e] = pe;
+      l[e / 2] += pe;
+    }
+}
+
+// o (16 heads × R) += P (16 × 16 slots, the C fragments of s) · C (the tile): P packed to 16 bits
+// as the A operand; C's B fragments down its columns by transposing loads (matrices 0 / 1: slots
+// 0–7 / 8–15 of column block d, 2 / 3 of d + 1).
+template <typename T, int R>
+__device__ __forceinline__ void mma_p_c(float o[R / 8][4], const float s[2][4], const T* tile) {
+  constexpr int LD = R + 8;
+  const int lane = threadIdx.x & 31;
+  const int row = lane % 8 + 8 * ((lane / 8) % 2), col = 8 * (lane / 16);
+  const uint32_t pa[4] = {pack_pair<T>(s[0][0], s[0][1]), pack_pair<T>(s[0][2], s[0][3]), pack_pair<T>(s[1][0], s[1][1]), pack_pair<T>(s[1][2], s[1][3])};
+#pragma unroll
+  for (int d = 0; d < R / 8; d += 2) {
+    uint32_t cb[4];
+    ldmatrix_x4_trans(cb, tile + row * LD + d * 8 + col);
+    mma_16816<T>(o[d], pa, cb);
+    mma_16816<T>(o[d + 1], pa, cb + 2);
+  }
+}
+
+// One block per (chunk of distant slots, row b, 16 query heads): every latent of the chunk read once
+// for the block's heads. Four warps take its 16-slot tiles in turn, each with its own tile in shared
+// memory and its own online softmax; the warps' results merged at the end into the same partial
+// outputs as step_partial's latent blocks (ml, acc at chunk blockIdx.x).
+template <typename T, int R>
+__global__ void __launch_bounds__(kThreads) step_latent_mma(Params p) {
+  ATTNLAB_DYNAMIC_SHARED(float, msh);
+  constexpr int LD = R + 8, NT = R / 8;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, group = lane / 4, t = lane % 4;
+  const int b = blockIdx.y, h0 = blockIdx.z * kMmaHeads, H = p.hkv * p.g, rows = min(kMmaHeads, H - h0);
+  T* qwh = reinterpret_cast<T*>(msh);
+  T* qwl = qwh + kMmaHeads * LD;
+  float* qrot = reinterpret_cast<float*>(qwl + kMmaHeads * LD);
+  float* bkr = qrot + kMmaHeads * p.rot;
+  float* beta = bkr + kMmaHeads * p.rot;
+  float* work = beta + kMmaHeads;
+  T* tile = reinterpret_cast<T*>(work) + warp * kMmaSlots * LD;
+  float* wm = work + mma_work_bytes(R) / 4;
+  float* wl = wm + kWarps * kMmaHeads;
+  // The block's query side: qw as hi + lo, its rotated dims with their kv head's bias, β (zero rows
+  // past H).
+  const T* q = static_cast<const T*>(p.q);
+  const T* bk = static_cast<const T*>(p.bk);
+  for (int i = tid; i < kMmaHeads * R; i += kThreads) {
+    const int h = i / R, j = i % R;
+    const float x = h < rows ? p.qw[((int64_t)b * H + h0 + h) * p.r + j] : 0.f;
+    const T hi = from_f<T>(x);
+    qwh[h * LD + j] = hi;
+    qwl[h * LD + j] = from_f<T>(x - to_f(hi));
+  }
+  for (int i = tid; i < kMmaHeads * p.rot; i += kThreads) {
+    const int h = i / p.rot, d = i % p.rot;
+    qrot[i] = h < rows ? to_f(q[b * p.q_sb + (int64_t)(h0 + h) * p.q_sh + d]) : 0.f;
+    bkr[i] = h < rows && bk ? to_f(bk[(int64_t)((h0 + h) / p.g) * p.hd + d]) : 0.f;
+  }
+  if (tid < kMmaHeads) beta[tid] = tid < rows ? p.qbeta[(int64_t)b * H + h0 + tid] : 0.f;
+  __syncthreads();
+  // The chunk's visible slots: [lo, hi) (p − s ≥ w, s ≥ pad[b]).
+  const int begin = blockIdx.x * p.chunk, end = min(p.S, begin + p.chunk);
+  const int64_t newest = *p.pos, pad = p.pad ? p.pad[b] : 0;
+  const int64_t lo = max((int64_t)begin, pad), hi = min((int64_t)end, newest - p.window + 1);
+  float o[NT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int d = 0; d < NT; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+  for (int s0 = begin + warp * kMmaSlots; s0 < end; s0 += kWarps * kMmaSlots) {
+    if (s0 + kMmaSlots <= lo || s0 >= hi) continue;  // nothing visible (the same for the whole warp)
+    __syncwarp();  // every lane is done reading the previous tile
+    load_latent_tile<T, R>(p, b, s0, lo, hi, newest, tile);
+    __syncwarp();
+    float s[2][4];
+    latent_scores<T, R>(qwh, qwl, tile, s);
+    finish_scores<T>(p, b, h0, rows, s0, lo, hi, qrot, bkr, beta, s);
+    softmax_tile<NT>(s, m, l, o);
+    mma_p_c<T, R>(o, s, tile);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
+  }
+  __syncthreads();  // the tiles are read: their bytes take the warps' outputs
+  float* mine = work + warp * kMmaHeads * R;
+#pragma unroll
+  for (int d = 0; d < NT; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mine[(group + (e >= 2 ? 8 : 0)) * R + d * 8 + 2 * t + (e & 1)] = o[d][e];
+  if (t == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      wm[warp * kMmaHeads + group + 8 * r] = m[r];
+      wl[warp * kMmaHeads + group + 8 * r] = l[r];
+    }
+  }
+  __syncthreads();
+  // Merge the warps: each (head, column) by one thread, as step_partial does.
+  for (int i = tid; i < rows * R; i += kThreads) {
+    const int h = i / R, j = i % R;
+    float M = -INFINITY, sum = 0.f;
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wm[w * kMmaHeads + h]);
+    for (int w = 0; w < kWarps && M != -INFINITY; ++w) {
+      const float mw = wm[w * kMmaHeads + h];
+      if (mw != -INFINITY) sum += __expf(mw - M) * work[(w * kMmaHeads + h) * R + j];
+    }
+    p.acc[(((int64_t)b * H + h0 + h) * p.nchunks + blockIdx.x) * p.r + j] = sum;
+  }
+  if (tid < rows) {
+    const int h = tid;
+    float M = -INFINITY, L = 0.f;
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wm[w * kMmaHeads + h]);
+    for (int w = 0; w < kWarps && M != -INFINITY; ++w) {
+      const float mw = wm[w * kMmaHeads + h];
+      if (mw != -INFINITY) L += __expf(mw - M) * wl[w * kMmaHeads + h];
+    }
+    float* o2 = p.ml + (((int64_t)b * H + h0 + h) * (p.nchunks + p.nring) + blockIdx.x) * 2;
+    o2[0] = M;
+    o2[1] = L;
+  }
+}
+
+// step_latent_mma for latents r wide, or null where it is not built (the caller falls back).
+template <typename T>
+inline void (*latent_mma_kernel(int r))(Params) {
+  switch (r) {
+    case 16: return step_latent_mma<T, 16>;
+    case 32: return step_latent_mma<T, 32>;
+    case 48: return step_latent_mma<T, 48>;
+    case 64: return step_latent_mma<T, 64>;
+    case 96: return step_latent_mma<T, 96>;
+    case 128: return step_latent_mma<T, 128>;
+    case 192: return step_latent_mma<T, 192>;
+    case 256: return step_latent_mma<T, 256>;
+    default: return nullptr;
   }
 }
 

@@ -4,11 +4,13 @@
 //   a[0] = A[group][2t, 2t+1], a[1] = A[group+8][2t, 2t+1], a[2] = A[group][2t+8, 2t+9],
 //   a[3] = A[group+8][2t+8, 2t+9]; b[0] = B[2t, 2t+1][group], b[1] = B[2t+8, 2t+9][group];
 //   c[0..1] = C[group][2t, 2t+1], c[2..3] = C[group+8][2t, 2t+1];
-// a 32-bit register holds two bf16, the lower index in its low half. Under ATTNLAB_CUDA_EMU the
-// product is computed from every lane's fragments as laid out above (cuda_emu.h).
+// a 32-bit register holds two bf16, the lower index in its low half. The fp16 form
+// (mma_f16_16816, ...f32.f16.f16.f32) has the same layout. Under ATTNLAB_CUDA_EMU the product is
+// computed from every lane's fragments as laid out above (cuda_emu.h).
 #pragma once
 #include "half.cuh"
 #include <cstring>
+#include <type_traits>
 
 // Two bf16 in one 32-bit register, `lo` in the low half.
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -17,6 +19,12 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   memcpy(&x, &a, 2);
   memcpy(&y, &b, 2);
   return uint32_t(x) | (uint32_t(y) << 16);
+}
+
+// Two 16-bit values of type T (bf16 or fp16) in one 32-bit register, `lo` in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  return uint32_t(bits_of(from_f<T>(lo))) | (uint32_t(bits_of(from_f<T>(hi))) << 16);
 }
 
 // Two bf16 already in memory (adjacent, the first at the lower address, 4-byte aligned) as one
@@ -32,19 +40,19 @@ __device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) {
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16): lanes 8m .. 8m + 7 name the eight rows of matrix m
 // (16 bytes each, 16-byte aligned), and r[m] of lane l = 4·group + t holds matrix m's row group,
 // columns 2t, 2t + 1 (the A / B / C fragment layout above); with `_trans` its rows 2t, 2t + 1 of column
-// group (a B fragment of a matrix stored row-major along k).
+// group (a B fragment of a matrix stored row-major along k). Any 16-bit type (bf16, fp16).
 #ifndef ATTNLAB_CUDA_EMU
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const __nv_bfloat16* row) {
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const __nv_bfloat16* row) {
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* row) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 #else
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const __nv_bfloat16* row) { emu::ldmatrix_x4(r, row, false); }
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const __nv_bfloat16* row) { emu::ldmatrix_x4(r, row, true); }
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row) { emu::ldmatrix_x4(r, row, false); }
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* row) { emu::ldmatrix_x4(r, row, true); }
 #endif
 
 #ifndef ATTNLAB_CUDA_EMU
@@ -55,6 +63,21 @@ __device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4], 
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+__device__ __forceinline__ void mma_f16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 #else
-__device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) { emu::mma_bf16_16816(c, a, b); }
+__device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) { emu::mma_16816(c, a, b, false); }
+__device__ __forceinline__ void mma_f16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) { emu::mma_16816(c, a, b, true); }
 #endif
+
+// The product for operands of type T: bf16 or fp16.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  if constexpr (std::is_same_v<T, __half>) mma_f16_16816(c, a, b);
+  else mma_bf16_16816(c, a, b);
+}

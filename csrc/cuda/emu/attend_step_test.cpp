@@ -2,9 +2,11 @@
 // definition in double: every distant key and value rebuilt from its latent (RoPE on the rotated
 // dims), one masked softmax over the visible full-width slots and latents. Every loop of each part
 // (full-width: 16-byte packs and one slot per warp; latents: one slot per warp, four with kr, four
-// with RoPE absorbed into the query), the
+// with RoPE absorbed into the query, and on the tensor cores, step_latent_mma), the
 // shapes the models give (vanilla, a wrapped window ring, Pythia's DAR with biases and a quarter of
-// the dims rotated, Llama's grouped heads with every dim rotated, uniform), left padding, bf16 and fp16.
+// the dims rotated, Llama's grouped heads with every dim rotated, uniform), left padding, bf16 and fp16;
+// for the tensor-core path also Pythia-70M's shape, 12 heads over 4 and 18 over 6 (two head tiles),
+// and the distant part's own Σ p·c / L before the roundings after it.
 #include "emu_test.h"
 #include "../attend_step.cuh"
 #include <algorithm>
@@ -23,6 +25,8 @@ struct Case {
   int64_t newest = 0;
   std::vector<int64_t> pad;
   int chunk = 32, ring_chunk = 32;
+  int mma_chunk = 64;     // slots a block of step_latent_mma
+  bool mma_only = false;  // the latents on the tensor cores alone, the full-width slots by packs (the emulator's time)
 };
 
 template <typename T>
@@ -128,6 +132,71 @@ std::vector<double> reference(const Case& k, const Inputs<T>& in, int window_shi
   return out;
 }
 
+// The distant part alone by its definition, before the 16-bit roundings after the partial kernels:
+// per (b, h), Σ_s p_s·c_s (r wide) with p the softmax over the visible latents' scores.
+template <typename T>
+std::vector<double> reference_pc(const Case& k, const Inputs<T>& in) {
+  const int g = k.H / k.Hkv, half = k.rot / 2;
+  const double scale = 1.0 / std::sqrt(double(k.hd));
+  std::vector<double> out;
+  for (int b = 0; b < k.B; ++b)
+    for (int h = 0; h < k.H; ++h) {
+      const int kv = h / g;
+      const double* q = &in.q.ref[(size_t(b) * k.H + h) * k.hd];
+      std::vector<double> score;
+      std::vector<int> slot;
+      for (int s = 0; s < k.S; ++s) {
+        if (k.newest - s < k.window || s < k.pad[b]) continue;
+        std::vector<double> key(k.hd);
+        for (int d = 0; d < k.hd; ++d) {
+          double x = k.bias ? in.bk.ref[size_t(kv) * k.hd + d] : 0;
+          // The rotated dims from kr as the kernels read it (rounded to T), the rest from the latent.
+          if (d < k.rot) x += emu_test::from_half(in.kr[(size_t(b) * k.S + s) * k.Hkv * k.rot + size_t(kv) * k.rot + d]);
+          else
+            for (int j = 0; j < k.r; ++j) x += in.wk.ref[(size_t(kv) * k.hd + d) * k.r + j] * in.c.ref[(size_t(b) * k.S + s) * k.r + j];
+          key[d] = x;
+        }
+        double x = 0;
+        for (int i = 0; i < half; ++i) {
+          const double cs = in.cos[size_t(s) * half + i], sn = in.sin[size_t(s) * half + i];
+          x += q[i] * (key[i] * cs - key[i + half] * sn) + q[i + half] * (key[i + half] * cs + key[i] * sn);
+        }
+        for (int d = k.rot; d < k.hd; ++d) x += q[d] * key[d];
+        score.push_back(x * scale);
+        slot.push_back(s);
+      }
+      double m = -INFINITY, z = 0;
+      for (double x : score) m = std::max(m, x);
+      std::vector<double> pc(k.r, 0.0);
+      for (size_t i = 0; i < score.size(); ++i) {
+        const double e = std::exp(score[i] - m);
+        z += e;
+        for (int j = 0; j < k.r; ++j) pc[j] += e * in.c.ref[(size_t(b) * k.S + slot[i]) * k.r + j];
+      }
+      for (int j = 0; j < k.r; ++j) out.push_back(z > 0 ? pc[j] / z : 0.0);
+    }
+  return out;
+}
+
+// The latent chunks' partial outputs (ml, acc) merged in double: per (b, h), Σ p·c / L over them.
+std::vector<double> merge_latent_chunks(const Case& k, const std::vector<float>& ml, const std::vector<float>& acc, int nchunks, int nring) {
+  std::vector<double> out;
+  for (int head = 0; head < k.B * k.H; ++head) {
+    double M = -INFINITY, L = 0;
+    for (int c = 0; c < nchunks; ++c) M = std::max(M, double(ml[(size_t(head) * (nchunks + nring) + c) * 2]));
+    std::vector<double> pc(k.r, 0.0);
+    for (int c = 0; c < nchunks && M != -INFINITY; ++c) {
+      const double mc = ml[(size_t(head) * (nchunks + nring) + c) * 2];
+      if (mc == -INFINITY) continue;
+      const double f = std::exp(mc - M);
+      L += f * ml[(size_t(head) * (nchunks + nring) + c) * 2 + 1];
+      for (int j = 0; j < k.r; ++j) pc[j] += f * acc[(size_t(head) * nchunks + c) * k.r + j];
+    }
+    for (int j = 0; j < k.r; ++j) out.push_back(L > 0 ? pc[j] / L : 0.0);
+  }
+  return out;
+}
+
 // The same bits (empty vectors included: memcmp may not be given their null data()).
 template <typename T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
@@ -137,8 +206,12 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 // `fresh`: the new token's key, value and latent handed over as their own tensors while their
 // cache slots hold stale values; the kernels must read the new ones and the combine kernel must
 // write them into the caches (checked here: a failure returns NaNs).
+// batched: the latents one slot per warp (0), four (1), four with RoPE absorbed (2), or on the tensor
+// cores (3: step_qw, then step_latent_mma with its own chunks, step_partial for the ring alone).
+// With `pc`, the latent chunks' partial outputs merged in double are returned there too.
 template <typename T, int G>
-std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool vec, bool fresh) {
+std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool vec, bool fresh, std::vector<double>* pc_out = nullptr) {
+  const bool mma = batched == 3;
   std::vector<T> rk = in.rk.dev, rv = in.rv.dev, c = in.c.dev;  // the caches, written by a fresh step
   std::vector<T> nk, nv, nc;                                     // the new token's own rows
   const int64_t slot = k.keep > 0 ? k.newest % k.keep : k.newest;
@@ -167,7 +240,7 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
   p.q_sh = k.hd;
   p.pos = &k.newest;
   p.pad = k.pad.data();
-  p.batched = batched > 0;
+  p.batched = batched == 1 || batched == 2;
   p.rope_absorbed = batched == 2;
   if (k.W) {
     p.rk = rk.data();
@@ -196,8 +269,9 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
     p.bk = k.bias ? in.bk.dev.data() : nullptr;
     p.window = k.window;
     p.S = k.S;
-    p.chunk = k.chunk;
-    p.nchunks = (k.S + k.chunk - 1) / k.chunk;
+    p.chunk = mma ? k.mma_chunk : k.chunk;
+    p.nchunks = (k.S + p.chunk - 1) / p.chunk;
+    p.chunk0 = mma ? p.nchunks : 0;
     p.r = k.r;
   }
   p.hd = k.hd;
@@ -226,7 +300,17 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
     cw.new_c = p.new_c;
     cw.nc_sb = p.nc_sb;
   }
-  emu::launch(step_partial<T, G>, dim3(p.nchunks + p.nring, k.B * k.Hkv), dim3(kThreads), smem_floats(G, p.r, k.hd, p.rope_absorbed ? k.rot : 0) * sizeof(float), p);
+  std::vector<float> qw(size_t(k.B) * k.H * (p.r + 1));
+  if (mma) {
+    p.qw = qw.data();
+    p.qbeta = p.qw + size_t(k.B) * k.H * p.r;
+    emu::launch(step_qw<T>, dim3(k.B * k.H), dim3(kThreads), 0, p);
+    emu::launch(latent_mma_kernel<T>(k.r), dim3(p.nchunks, k.B, (k.H + kMmaHeads - 1) / kMmaHeads), dim3(kThreads), mma_smem_bytes(k.r, k.rot), p);
+  }
+  if (p.nchunks + p.nring - p.chunk0 > 0)
+    emu::launch(step_partial<T, G>, dim3(p.nchunks + p.nring - p.chunk0, k.B * k.Hkv), dim3(kThreads),
+                smem_floats(G, p.r, k.hd, p.rope_absorbed ? k.rot : 0) * sizeof(float), p);
+  if (pc_out) *pc_out = merge_latent_chunks(k, ml, acc, p.nchunks, p.nring);
   std::vector<double> out(size_t(k.B) * k.H * k.hd);
   if (p.rope_absorbed) {
     // The combine kernel applies Wv itself and writes [B, H, hd].
@@ -265,12 +349,12 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
 }
 
 template <typename T>
-std::vector<double> run_g(const Case& k, const Inputs<T>& in, int batched, bool vec, bool fresh) {
+std::vector<double> run_g(const Case& k, const Inputs<T>& in, int batched, bool vec, bool fresh, std::vector<double>* pc = nullptr) {
   switch (k.H / k.Hkv) {
-    case 1: return run<T, 1>(k, in, batched, vec, fresh);
-    case 2: return run<T, 2>(k, in, batched, vec, fresh);
-    case 3: return run<T, 3>(k, in, batched, vec, fresh);
-    case 4: return run<T, 4>(k, in, batched, vec, fresh);
+    case 1: return run<T, 1>(k, in, batched, vec, fresh, pc);
+    case 2: return run<T, 2>(k, in, batched, vec, fresh, pc);
+    case 3: return run<T, 3>(k, in, batched, vec, fresh, pc);
+    case 4: return run<T, 4>(k, in, batched, vec, fresh, pc);
     default: std::abort();
   }
 }
@@ -283,14 +367,30 @@ bool check(const Case& k, const char* dtype, unsigned seed) {
   // A window one slot wider where there are latents, else the newest slot left out.
   const auto planted = k.S ? reference(k, in, 1, 0) : reference(k, in, 0, 1);
   const double bound = std::is_same_v<T, __half> ? 4e-3 : 1.6e-2;
+  // The distant part alone, fp32 partials: what is left is P's 16-bit rounding in the mma path (up to
+  // 1.2e-3 in bf16, 5e-5 in fp16); qw in 16 bits without its lo part gives 2.9e-3 / 1.6e-4 (fails).
+  const double pc_bound = std::is_same_v<T, __half> ? 1e-4 : 2e-3;
+  const auto want_pc = k.S ? reference_pc(k, in) : std::vector<double>();
+  Case wider = k;  // the planted reference: a window one slot wider
+  ++wider.window;
+  const auto planted_pc = k.S ? reference_pc(wider, in) : std::vector<double>();
   bool ok = true;
   // Latent loops: 0 one slot per warp, 1 four at a time (kr), 2 four at a time with RoPE absorbed
   // (and Wv applied by the combine kernel).
-  const char* loops[] = {" latents×1", " latents×4", " latents×4 rope-absorbed"};
-  for (int batched = 0; batched <= (k.S ? 2 : 0); ++batched)
-    for (int vec = 0; vec <= (k.W ? 1 : 0); ++vec)
+  // 3: on the tensor cores (step_latent_mma).
+  const char* loops[] = {" latents×1", " latents×4", " latents×4 rope-absorbed", " latents mma"};
+  for (int batched = k.mma_only ? 3 : 0; batched <= (k.S ? 3 : 0); ++batched)
+    for (int vec = k.mma_only && k.W ? 1 : 0; vec <= (k.W ? 1 : 0); ++vec)
       for (int fresh = 0; fresh <= 1; ++fresh) {
-        const auto got = run_g<T>(k, in, batched, vec, fresh);
+        std::vector<double> pc;
+        const auto got = run_g<T>(k, in, batched, vec, fresh, &pc);
+        if (k.S && !fresh && vec == (k.W ? 1 : 0) && (batched == 0 || batched == 3)) {
+          // The distant part's Σ p·c / L before any 16-bit rounding after the partial kernels: where
+          // the mma path's own roundings (qw as hi + lo, P in 16 bits) would show; the one-slot loop
+          // (fp32 throughout) for comparison.
+          const std::string what = std::string(k.name) + " " + dtype + (batched ? " mma" : " latents×1") + ": distant Σp·c/L";
+          ok &= emu_test::verdict(what, emu_test::rel_err(pc, want_pc), emu_test::rel_err(planted_pc, want_pc), pc_bound);
+        }
         const std::string what = std::string(k.name) + " " + dtype + (k.S ? loops[batched] : "") + (k.W ? (vec ? " packs" : " scalar") : "") +
                                  (fresh ? " fresh" : "");
         ok &= emu_test::verdict(what, emu_test::rel_err(got, want), emu_test::rel_err(planted, want), bound);
@@ -311,7 +411,18 @@ bool all_cases() {
       {.name = "DAR (Llama, grouped)", .B = 1, .H = 6, .Hkv = 2, .hd = 32, .W = 4, .keep = 4, .S = 50, .r = 48, .rot = 32, .window = 4,
        .newest = 49, .pad = {0}},
       // Uniform: latents only (window 0), no full-width slots, unrotated keys.
-      {.name = "uniform", .B = 2, .H = 2, .Hkv = 2, .hd = 64, .S = 40, .r = 16, .rot = 0, .window = 0, .bias = true, .newest = 37, .pad = {3, 0}},
+      {.name = "uniform", .B = 2, .H = 2, .Hkv = 2, .hd = 64, .S = 40, .r = 16, .rot = 0, .window = 0, .bias = true, .newest = 37, .pad = {3, 0},
+       .mma_chunk = 24},
+      // Pythia-70M's shape (8 heads, hd 64, r 128, a quarter rotated, biases): the tensor-core path's
+      // 16-head tile half full; spans and chunks not multiples of its 16-slot tiles.
+      {.name = "DAR (Pythia-70M)", .B = 2, .H = 8, .Hkv = 8, .hd = 64, .W = 8, .keep = 8, .S = 150, .r = 128, .rot = 16, .window = 8, .bias = true,
+       .newest = 149, .pad = {0, 19}, .mma_chunk = 80, .mma_only = true},
+      // Grouped heads, 12 over 4 (Llama-like, every dim rotated, no biases).
+      {.name = "DAR (12 heads over 4)", .B = 2, .H = 12, .Hkv = 4, .hd = 32, .W = 4, .keep = 4, .S = 90, .r = 64, .rot = 32, .window = 4,
+       .newest = 89, .pad = {5, 0}, .mma_chunk = 40, .mma_only = true},
+      // 18 heads over 6: two 16-head tiles, the second with two rows.
+      {.name = "DAR (18 heads over 6)", .B = 1, .H = 18, .Hkv = 6, .hd = 32, .W = 16, .keep = 16, .S = 70, .r = 32, .rot = 16, .window = 16,
+       .bias = true, .newest = 69, .pad = {0}, .mma_chunk = 32, .mma_only = true},
   };
   bool ok = true;
   unsigned seed = 1;
@@ -319,6 +430,7 @@ bool all_cases() {
     ok &= check<__nv_bfloat16>(k, "bf16", seed++);
   }
   ok &= check<__half>(cases[2], "fp16", seed++);
+  ok &= check<__half>(cases[5], "fp16", seed++);
   return ok;
 }
 

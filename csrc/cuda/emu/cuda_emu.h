@@ -261,8 +261,9 @@ T exchange(T v, int src) {
   return r;
 }
 
-// mma.sync m16n8k16 (bf16 in, fp32 accumulate) from the 32 lanes' fragments, laid out as the PTX
-// ISA says (csrc/cuda/mma.cuh): each lane publishes its registers, then computes its own outputs.
+// mma.sync m16n8k16 (bf16 or, `f16`, fp16 in; fp32 accumulate) from the 32 lanes' fragments, laid
+// out as the PTX ISA says (csrc/cuda/mma.cuh): each lane publishes its registers, then computes its
+// own outputs.
 struct MmaFragments {
   uint32_t a[32][4], b[32][2];
 };
@@ -272,15 +273,17 @@ inline float bf16_half_of(uint32_t reg, int k) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-inline void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+inline float f16_half_of(uint32_t reg, int k) { return __half2float(__half{uint16_t(k & 1 ? reg >> 16 : reg & 0xffffu)}); }
+inline void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2], bool f16) {
   static MmaFragments frag[64];  // one per warp of the running block
   MmaFragments& f = frag[tid / 32];
   const int lane = tid % 32, group = lane / 4, t = lane % 4;
   std::memcpy(f.a[lane], a, sizeof(f.a[lane]));
   std::memcpy(f.b[lane], b, sizeof(f.b[lane]));
   warp().bar->arrive_and_wait();
-  auto A = [&](int row, int k) { return bf16_half_of(f.a[(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k); };
-  auto B = [&](int k, int n) { return bf16_half_of(f.b[n * 4 + (k % 8) / 2][k >= 8 ? 1 : 0], k); };
+  auto half_of = [&](uint32_t reg, int k) { return f16 ? f16_half_of(reg, k) : bf16_half_of(reg, k); };
+  auto A = [&](int row, int k) { return half_of(f.a[(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k); };
+  auto B = [&](int k, int n) { return half_of(f.b[n * 4 + (k % 8) / 2][k >= 8 ? 1 : 0], k); };
   for (int e = 0; e < 4; ++e) {
     const int row = group + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
     double acc = c[e];
