@@ -136,10 +136,10 @@ extern "C" char* attnlab_dar_band_bwd(tensor q, tensor k, tensor v, tensor out, 
     if (T > 0) {
       if (D == 64) {
         // dQ first: it writes each row's D, which the dK / dV kernel reads.
-        launch(band_bwd_dq<64>, p, blocks, B, band_bwd_smem_bytes(64), stream);
+        launch(band_bwd_dq<64>, p, blocks, B, band_smem_bytes(64), stream);
         launch(band_bwd_dkdv<64>, p, blocks, B, band_bwd_smem_bytes(64), stream);
       } else {
-        launch(band_bwd_dq<128>, p, blocks, B, band_bwd_smem_bytes(128), stream);
+        launch(band_bwd_dq<128>, p, blocks, B, band_smem_bytes(128), stream);
         launch(band_bwd_dkdv<128>, p, blocks, B, band_bwd_smem_bytes(128), stream);
       }
     }

@@ -9,7 +9,8 @@
 // the key tiles its band touches: ⌈(w + 63) / 64⌉ + 1 of 64 keys at most, not the T/64 of causal.
 //
 // One block per (64 queries, b, h), four warps of 16 queries each. Per key tile: K and V in shared
-// memory, read back by ldmatrix (four 8×8 fragments a warp-wide load; transposed for the B operand
+// memory (two stages: the next tile's cp.async copies in flight while this one's products run),
+// read back by ldmatrix (four 8×8 fragments a warp-wide load; transposed for the B operand
 // of P·V, whose registers hold pairs down a column); S = Q·Kᵀ on the tensor cores (mma m16n8k16,
 // Q's fragments held in registers), masked to the band, an online softmax per row in fp32 (each
 // row's 64 scores spread over the four lanes of a quad), P packed to bf16 as the A operand of
@@ -20,7 +21,8 @@
 // The backward (band_bwd_dkdv, band_bwd_dq) below. Right on the CPU (make cuda-emu-test: output,
 // lse and the gradients against DAR's definition in double) and on one H100 (bench --check), where
 // its first form (B fragments gathered by 16-bit shared loads) trained slower than split-merge-fused
-// (BENCHMARKS.md); the ldmatrix form awaits its timing.
+// (BENCHMARKS.md), as did the ldmatrix form (0.96–0.97×: shared loads were not the bound); the
+// two-stage form, whose global loads no longer wait in line before each tile's products, awaits its timing.
 #pragma once
 #include "mma.cuh"
 #include <cmath>
@@ -53,8 +55,10 @@ struct BandParams {
   float scale;
 };
 
-// Shared memory of one block: two tiles of kBandKeys rows, each row padded by 8 values (bank spread).
-__host__ __device__ inline int64_t band_smem_bytes(int D) { return 2 * (int64_t)kBandKeys * (D + 8) * 2; }
+// One shared tile: kBandKeys rows, each padded by 8 values (bank spread).
+__host__ __device__ inline int64_t band_tile_bytes(int D) { return (int64_t)kBandKeys * (D + 8) * 2; }
+// Shared memory of the forward and of band_bwd_dq: two stages of a K and a V tile.
+__host__ __device__ inline int64_t band_smem_bytes(int D) { return 4 * band_tile_bytes(D); }
 
 // Where a thread works: its warp, its quad in the warp (group, the fragments' row) and place in the
 // quad (t, their column pair), and its block's (b, h).
@@ -93,22 +97,29 @@ __device__ __forceinline__ void load_a_shared(const __nv_bfloat16* xs, int r0, u
   for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(a[kk], xs + (r0 + ld_row()) * LD + kk * 16 + ld_col());
 }
 
-// Rows n0.. of two [T, D] views into shared tiles of kBandKeys rows (zero past T), 16 bytes a load
-// (the launcher requires 16-byte aligned rows).
+// Rows n0.. of two [T, D] views into shared tiles of kBandKeys rows (zero past T) by cp.async, 16
+// bytes a copy (the launcher requires 16-byte aligned rows); they land at the caller's wait.
 template <int D>
 __device__ __forceinline__ void load_tiles(const View& x, const View& y, int b, int h, int n0, int T, __nv_bfloat16* xs, __nv_bfloat16* ys) {
   constexpr int LD = D + 8;
   for (int i = threadIdx.x; i < kBandKeys * D / 8; i += kBandThreads) {
     const int r = i / (D / 8), c = 8 * (i % (D / 8)), j = n0 + r;
-    Pack8 xv{}, yv{};
-    if (j < T) {
-      xv = *reinterpret_cast<const Pack8*>(x.at(b, j, h) + c);
-      yv = *reinterpret_cast<const Pack8*>(y.at(b, j, h) + c);
-    }
-    *reinterpret_cast<Pack8*>(xs + r * LD + c) = xv;
-    *reinterpret_cast<Pack8*>(ys + r * LD + c) = yv;
+    cp_async<16>(xs + r * LD + c, j < T ? x.at(b, j, h) + c : x.p, j < T);
+    cp_async<16>(ys + r * LD + c, j < T ? y.at(b, j, h) + c : y.p, j < T);
   }
 }
+
+// The key (or query) tiles a block visits, from n_first, kBandKeys apart: `tiles` of them. Each
+// iteration of its loop starts the copies of the next tile into the other stage, then waits for its
+// own (cp.async groups are per thread: the barrier after the wait makes every thread's visible).
+__device__ __forceinline__ void wait_for_tile(int it, int tiles) {
+  if (it + 1 < tiles) cp_async_wait<1>();
+  else cp_async_wait<0>();
+  __syncthreads();
+}
+
+// Two 16-bit values as one 32-bit store (dst 4-byte aligned: an even column of an even-width row).
+__device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x0, float x1) { *reinterpret_cast<uint32_t*>(dst) = pack_bf16(x0, x1); }
 
 // acc (16 × D) += P (16 × 64, as eight C fragments of 8 columns) · X (64 × D rows of a shared tile).
 template <int D>
@@ -164,8 +175,7 @@ __device__ __forceinline__ void store_rows(const float acc[D / 8][4], float scal
         x0 += to_f(extra[col]);
         x1 += to_f(extra[col + 1]);
       }
-      o[col] = from_f<__nv_bfloat16>(x0);
-      o[col + 1] = from_f<__nv_bfloat16>(x1);
+      store_pair(o + col, x0, x1);
     }
   }
 }
@@ -173,23 +183,30 @@ __device__ __forceinline__ void store_rows(const float acc[D / 8][4], float scal
 template <int D>
 __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
   ATTNLAB_DYNAMIC_SHARED(__nv_bfloat16, smem);
-  constexpr int LD = D + 8, NT = kBandKeys / 8;
-  __nv_bfloat16* ks = smem;
-  __nv_bfloat16* vs = smem + kBandKeys * LD;
+  constexpr int LD = D + 8, NT = kBandKeys / 8, TILE = kBandKeys * LD;
   const auto [warp, group, t, b, h] = place(p.H);
   const int q0 = blockIdx.x * kBandRows;
   const int row0 = q0 + warp * 16 + group;  // this lane's rows: row0 and row0 + 8
+  const int first = max(0, q0 - (p.w - 1)), last = min(p.T, q0 + kBandRows);  // keys the block's band touches
+  const int n_first = first - first % kBandKeys, tiles = (last - n_first + kBandKeys - 1) / kBandKeys;
+  load_tiles<D>(p.k, p.v, b, h, n_first, p.T, smem, smem + TILE);  // stage 0: K, V
+  cp_async_commit();
   uint32_t qa[D / 16][4];
   load_a_rows<D>(p.q, b, h, row0, p.T, qa);
   float o[D / 8][4];
   for (int d = 0; d < D / 8; ++d)
     for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  const int first = max(0, q0 - (p.w - 1)), last = min(p.T, q0 + kBandRows);  // keys the block's band touches
-  for (int n0 = first - first % kBandKeys; n0 < last; n0 += kBandKeys) {
-    __syncthreads();  // the previous tile is no longer read
-    load_tiles<D>(p.k, p.v, b, h, n0, p.T, ks, vs);
-    __syncthreads();
+  for (int it = 0; it < tiles; ++it) {
+    const int n0 = n_first + it * kBandKeys;
+    if (it + 1 < tiles) {
+      __nv_bfloat16* next = smem + ((it + 1) & 1) * 2 * TILE;
+      load_tiles<D>(p.k, p.v, b, h, n0 + kBandKeys, p.T, next, next + TILE);
+      cp_async_commit();
+    }
+    wait_for_tile(it, tiles);
+    const __nv_bfloat16* ks = smem + (it & 1) * 2 * TILE;
+    const __nv_bfloat16* vs = ks + TILE;
     float s[NT][4];
     mma_a_xt<D>(s, qa, ks);  // S = Q·Kᵀ: 16 rows × 64 keys a warp
     // Band mask and the online softmax, per row (e < 2: row0, else row0 + 8).
@@ -217,6 +234,7 @@ __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
         l[e / 2] += pe;
       }
     mma_p_x<D>(o, s, vs);  // O += P·V
+    __syncthreads();  // this stage is read: the tile after next may be copied into it
   }
   // The rows' sums over the quad, the band's lse, and the merge with the distant part.
   for (int r = 0; r < 2; ++r) {
@@ -245,8 +263,7 @@ __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
         x0 += c * to_f(far[col]);
         x1 += c * to_f(far[col + 1]);
       }
-      out[col] = from_f<__nv_bfloat16>(x0);
-      out[col + 1] = from_f<__nv_bfloat16>(x1);
+      store_pair(out + col, x0, x1);
     }
     if (t == 0) p.lse[((int64_t)b * p.H + h) * p.T + i] = lse;
   }
@@ -270,38 +287,54 @@ struct BandBwdParams {
   float scale;
 };
 
-// Shared memory of the backward (dkdv's, the larger): four tiles, and a query tile's lse and D.
-__host__ __device__ inline int64_t band_bwd_smem_bytes(int D) { return 2 * band_smem_bytes(D) + 2 * kBandKeys * (int64_t)sizeof(float); }
+// Shared memory of the backward (dkdv's, the larger): the block's K and V tiles, and two stages of a
+// query tile's Q, dO, lse and D.
+__host__ __device__ inline int64_t band_bwd_smem_bytes(int D) { return 6 * band_tile_bytes(D) + 4 * kBandKeys * (int64_t)sizeof(float); }
+
+// A query tile's rows n0.. of Q and dO, and their lse and D (zeros past T), into one stage of
+// band_bwd_dkdv's shared memory by cp.async.
+template <int D>
+__device__ __forceinline__ void load_query_tile(const BandBwdParams& p, int b, int h, int n0, __nv_bfloat16* qs, float* lse_s) {
+  load_tiles<D>(p.q, p.dout, b, h, n0, p.T, qs, qs + kBandKeys * (D + 8));
+  for (int r = threadIdx.x; r < kBandKeys; r += kBandThreads) {
+    const int i = n0 + r;
+    const int64_t row = ((int64_t)b * p.H + h) * p.T + i;
+    cp_async<4>(lse_s + r, i < p.T ? p.lse + row : p.lse, i < p.T);
+    cp_async<4>(lse_s + kBandKeys + r, i < p.T ? p.dd + row : p.dd, i < p.T);
+  }
+}
 
 template <int D>
 __global__ void __launch_bounds__(kBandThreads) band_bwd_dkdv(BandBwdParams p) {
   ATTNLAB_DYNAMIC_SHARED(__nv_bfloat16, smem);
-  constexpr int LD = D + 8, NT = kBandKeys / 8;
+  constexpr int LD = D + 8, NT = kBandKeys / 8, TILE = kBandKeys * LD;
   // The block's own keys and values (read as A fragments when needed, not held in registers), then
-  // each query tile's Q and dO, its lse and D.
+  // two stages of a query tile's Q and dO, and of its lse and D.
   __nv_bfloat16* ks = smem;
-  __nv_bfloat16* vs = ks + kBandKeys * LD;
-  __nv_bfloat16* qs = vs + kBandKeys * LD;
-  __nv_bfloat16* dos = qs + kBandKeys * LD;
-  float* lse_s = reinterpret_cast<float*>(dos + kBandKeys * LD);
-  float* dd_s = lse_s + kBandKeys;
+  __nv_bfloat16* vs = ks + TILE;
+  float* lse_base = reinterpret_cast<float*>(smem + 6 * TILE);
   const auto [warp, group, t, b, h] = place(p.H);
   const int k0 = blockIdx.x * kBandKeys, key0 = k0 + warp * 16 + group;  // this lane's keys: key0, key0 + 8
+  const int last = min(p.T, k0 + kBandKeys + p.w - 1);  // queries that see a key of the block
+  const int tiles = (last - k0 + kBandKeys - 1) / kBandKeys;
   load_tiles<D>(p.k, p.v, b, h, k0, p.T, ks, vs);
+  load_query_tile<D>(p, b, h, k0, smem + 2 * TILE, lse_base);  // one group with the block's K, V
+  cp_async_commit();
   float dk[D / 8][4], dv[D / 8][4];
   for (int d = 0; d < D / 8; ++d)
     for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
-  const int last = min(p.T, k0 + kBandKeys + p.w - 1);  // queries that see a key of the block
-  for (int n0 = k0; n0 < last; n0 += kBandKeys) {
-    __syncthreads();
-    load_tiles<D>(p.q, p.dout, b, h, n0, p.T, qs, dos);
-    for (int r = threadIdx.x; r < kBandKeys; r += kBandThreads) {
-      const int i = n0 + r;
-      const int64_t row = ((int64_t)b * p.H + h) * p.T + i;
-      dd_s[r] = i < p.T ? p.dd[row] : 0.f;
-      lse_s[r] = i < p.T ? p.lse[row] : 0.f;
+  for (int it = 0; it < tiles; ++it) {
+    const int n0 = k0 + it * kBandKeys;
+    if (it + 1 < tiles) {
+      const int next = (it + 1) & 1;
+      load_query_tile<D>(p, b, h, n0 + kBandKeys, smem + (2 + 2 * next) * TILE, lse_base + 2 * kBandKeys * next);
+      cp_async_commit();
     }
-    __syncthreads();
+    wait_for_tile(it, tiles);
+    const __nv_bfloat16* qs = smem + (2 + 2 * (it & 1)) * TILE;
+    const __nv_bfloat16* dos = qs + TILE;
+    const float* lse_s = lse_base + 2 * kBandKeys * (it & 1);
+    const float* dd_s = lse_s + kBandKeys;
     float s[NT][4], dp[NT][4];
     {
       uint32_t a[D / 16][4];
@@ -319,6 +352,7 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dkdv(BandBwdParams p) {
       }
     mma_p_x<D>(dv, s, dos);  // dV += Pᵀ·dO
     mma_p_x<D>(dk, dp, qs);  // dK += dSᵀ·Q (scaled at the end)
+    __syncthreads();  // this stage is read: the tile after next may be copied into it
   }
   store_rows<D>(dv, 1.f, nullptr, 0, p.dv, b, h, key0, p.T, p.H);
   store_rows<D>(dk, p.scale, nullptr, 0, p.dk, b, h, key0, p.T, p.H);
@@ -327,11 +361,13 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dkdv(BandBwdParams p) {
 template <int D>
 __global__ void __launch_bounds__(kBandThreads) band_bwd_dq(BandBwdParams p) {
   ATTNLAB_DYNAMIC_SHARED(__nv_bfloat16, smem);
-  constexpr int LD = D + 8, NT = kBandKeys / 8;
-  __nv_bfloat16* ks = smem;
-  __nv_bfloat16* vs = smem + kBandKeys * LD;
+  constexpr int LD = D + 8, NT = kBandKeys / 8, TILE = kBandKeys * LD;
   const auto [warp, group, t, b, h] = place(p.H);
   const int q0 = blockIdx.x * kBandRows, row0 = q0 + warp * 16 + group;
+  const int first = max(0, q0 - (p.w - 1)), last = min(p.T, q0 + kBandRows);
+  const int n_first = first - first % kBandKeys, tiles = (last - n_first + kBandKeys - 1) / kBandKeys;
+  load_tiles<D>(p.k, p.v, b, h, n_first, p.T, smem, smem + TILE);  // stage 0, in flight while D is summed
+  cp_async_commit();
   uint32_t qa[D / 16][4], da[D / 16][4];
   load_a_rows<D>(p.q, b, h, row0, p.T, qa);
   load_a_rows<D>(p.dout, b, h, row0, p.T, da);
@@ -355,11 +391,16 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dq(BandBwdParams p) {
   float dq[D / 8][4];
   for (int d = 0; d < D / 8; ++d)
     for (int e = 0; e < 4; ++e) dq[d][e] = 0.f;
-  const int first = max(0, q0 - (p.w - 1)), last = min(p.T, q0 + kBandRows);
-  for (int n0 = first - first % kBandKeys; n0 < last; n0 += kBandKeys) {
-    __syncthreads();
-    load_tiles<D>(p.k, p.v, b, h, n0, p.T, ks, vs);
-    __syncthreads();
+  for (int it = 0; it < tiles; ++it) {
+    const int n0 = n_first + it * kBandKeys;
+    if (it + 1 < tiles) {
+      __nv_bfloat16* next = smem + ((it + 1) & 1) * 2 * TILE;
+      load_tiles<D>(p.k, p.v, b, h, n0 + kBandKeys, p.T, next, next + TILE);
+      cp_async_commit();
+    }
+    wait_for_tile(it, tiles);
+    const __nv_bfloat16* ks = smem + (it & 1) * 2 * TILE;
+    const __nv_bfloat16* vs = ks + TILE;
     float s[NT][4], dp[NT][4];
     mma_a_xt<D>(s, qa, ks);   // S = Q·Kᵀ
     mma_a_xt<D>(dp, da, vs);  // dP = dO·Vᵀ
@@ -370,6 +411,7 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dq(BandBwdParams p) {
         dp[nt][e] = pe * (dp[nt][e] - dd[r]);
       }
     mma_p_x<D>(dq, dp, ks);  // dQ += dS·K (scaled at the end)
+    __syncthreads();  // this stage is read: the tile after next may be copied into it
   }
   store_rows<D>(dq, p.scale, &p.far_dq, p.w, p.dq, b, h, row0, p.T, p.H);
 }

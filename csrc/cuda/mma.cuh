@@ -55,6 +55,30 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row) { em
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* row) { emu::ldmatrix_x4(r, row, true); }
 #endif
 
+// Asynchronous copies global → shared (PTX cp.async, sm_80+): `bytes` (4, 8 or 16) from src to dst,
+// both aligned to it, or zeros where `valid` is false (source size 0: src is not read); they land
+// once cp_async_wait<N>() has returned with at most N of this thread's committed groups pending, and
+// other threads see them after a barrier that follows. Under the emulator a copy lands only then.
+#ifndef ATTNLAB_CUDA_EMU
+template <int Bytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
+  static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  const int n = valid ? Bytes : 0;
+  if constexpr (Bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(n) : "memory");
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(s), "l"(src), "n"(Bytes), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+#else
+template <int Bytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) { emu::cp_async(dst, src, Bytes, valid); }
+__device__ __forceinline__ void cp_async_commit() { emu::cp_async_commit(); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { emu::cp_async_wait(N); }
+#endif
+
 #ifndef ATTNLAB_CUDA_EMU
 __device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
   asm volatile(

@@ -293,6 +293,42 @@ inline void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2], bool
   warp().bar->arrive_and_wait();
 }
 
+// cp.async (csrc/cuda/mma.cuh), at either end of the window in which the GPU may complete a copy:
+// normally a thread's copies land only when its cp.async.wait_group lets them (the latest moment),
+// so a tile read before its wait (and the barrier after it) shows the old bytes, or the NaNs dynamic
+// shared memory starts with; under run-ahead they land at once (the earliest), so a leader that
+// starts copying into a stage the others still read (a missing barrier after a tile's use) changes
+// what they read. `bytes` 4, 8 or 16, both ends aligned to it; `valid` false: zeros (the PTX source
+// size 0), the source not read.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  int bytes;
+  bool valid;
+};
+inline thread_local std::vector<AsyncCopy> async_open;  // issued, not yet committed
+inline thread_local std::vector<std::vector<AsyncCopy>> async_groups;  // committed, oldest first
+inline void land(const AsyncCopy& c) {
+  if (c.valid) std::memcpy(c.dst, c.src, c.bytes);
+  else std::memset(c.dst, 0, c.bytes);
+}
+inline void cp_async(void* dst, const void* src, int bytes, bool valid) {
+  check_aligned(dst, bytes, "a cp.async destination");
+  if (valid) check_aligned(src, bytes, "a cp.async source");
+  async_open.push_back({dst, src, bytes, valid});
+  if (run_ahead) land(async_open.back()), async_open.pop_back();
+}
+inline void cp_async_commit() {
+  async_groups.push_back(std::move(async_open));
+  async_open.clear();
+}
+inline void cp_async_wait(int pending) {
+  while ((int)async_groups.size() > pending) {
+    for (const AsyncCopy& c : async_groups.front()) land(c);
+    async_groups.erase(async_groups.begin());
+  }
+}
+
 // ldmatrix.x4 (csrc/cuda/mma.cuh): each lane publishes the row it names, then gathers its pairs.
 inline void ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
   static const unsigned char* rows[64][32];  // per warp of the running block, per lane

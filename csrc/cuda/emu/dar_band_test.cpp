@@ -179,7 +179,7 @@ bool check(int B, int T, int H, int w, unsigned seed) {
   std::vector<float> dd(size_t(B) * H * T, NAN);  // a row dQ's kernel leaves unwritten shows in dK / dV
   g.dd = dd.data();
   const dim3 grid((T + kBandKeys - 1) / kBandKeys, B * H);
-  emu::launch(band_bwd_dq<D>, grid, dim3(kBandThreads), band_bwd_smem_bytes(D), g);
+  emu::launch(band_bwd_dq<D>, grid, dim3(kBandThreads), band_smem_bytes(D), g);
   emu::launch(band_bwd_dkdv<D>, grid, dim3(kBandThreads), band_bwd_smem_bytes(D), g);
   ok &= verdict("dq (band + distant), " + at, rel_err(as_double(dq), gw.dq), rel_err(gp.dq, gw.dq), 2.5e-2);
   ok &= verdict("dk_l, " + at, rel_err(as_double(dk), gw.dkl), rel_err(gp.dkl, gw.dkl), 2.5e-2);
