@@ -135,21 +135,23 @@ for what in "${@:-all}"; do
       # Issue 34 items 2-3: decode through the fused step (csrc/cuda/attend_step.cu; its full-width
       # slots by 16-byte loads, or scalar with ATTNLAB_STEP_SCALAR=1; the latents four slots at a time
       # with ATTNLAB_STEP_BATCHED=1, and without the kr matmul with ATTNLAB_STEP_ROPE=absorbed; `fresh`:
-      # absorbed, and the new token written by the combine kernel, ATTNLAB_STEP_FRESH=1; FUSED_MODES
+      # absorbed, and the new token written by the combine kernel, ATTNLAB_STEP_FRESH=1; `mma`: the
+      # latents on the tensor cores, every head of a chunk in one block, ATTNLAB_STEP_MMA=1; FUSED_MODES
       # picks, `scalar` too) vs the aten step
       # (ATTNLAB_FUSED_STEP=0: DAR's rebuilt keys below 32K slots, the absorbed read above), all
       # graphed, interleaved: vanilla, window, DAR, uniform.
       GL=${GRAPH_LENGTHS:-1024,4096,16384,65536}
       for ((r = 0; r < ${GRAPH_REPEATS:-2}; r++)); do
         for g in ${FUSED_MODES:-1 batched absorbed fresh 0}; do
-          unset ATTNLAB_STEP_SCALAR ATTNLAB_STEP_BATCHED ATTNLAB_STEP_ROPE ATTNLAB_STEP_FRESH
+          unset ATTNLAB_STEP_SCALAR ATTNLAB_STEP_BATCHED ATTNLAB_STEP_ROPE ATTNLAB_STEP_FRESH ATTNLAB_STEP_MMA
+          [ $g = mma ] && export ATTNLAB_STEP_MMA=1
           [ $g = scalar ] && export ATTNLAB_STEP_SCALAR=1
           [ $g = batched ] && export ATTNLAB_STEP_BATCHED=1
           [ $g = absorbed ] && export ATTNLAB_STEP_ROPE=absorbed
           [ $g = fresh ] && export ATTNLAB_STEP_ROPE=absorbed ATTNLAB_STEP_FRESH=1
           ATTNLAB_FUSED_STEP=$([ $g = 0 ] && echo 0 || echo 1) run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $GL --attention vanilla,window,dar,uniform --new-tokens 64 \
             | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/" >> "$OUT/decode_fused$g.jsonl"
-        done; unset ATTNLAB_STEP_SCALAR ATTNLAB_STEP_BATCHED ATTNLAB_STEP_ROPE ATTNLAB_STEP_FRESH
+        done; unset ATTNLAB_STEP_SCALAR ATTNLAB_STEP_BATCHED ATTNLAB_STEP_ROPE ATTNLAB_STEP_FRESH ATTNLAB_STEP_MMA
       done ;;
     ruler)
       # Issue 34 item 4: RULER S-NIAH-1 at 4K, 100 samples, on the Pythia-70M shape (a vanilla model

@@ -639,37 +639,6 @@ __device__ __forceinline__ void finish_scores(const Params& p, int b, int h0, in
     }
 }
 
-// One tile's scores into the running max m and (lane-partial) sum l of the lane's two rows (a
-// row's 16 scores are spread over the four lanes of a quad), the output o rescaled; s becomes P.
-template <int NT>
-__device__ __forceinline__ void softmax_tile(float s[2][4], float m[2], float l[2], float o[NT][4]) {
-  float mx[2] = {m[0], m[1]}, f[2];
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
-    f[r] = mx[r] == -INFINITY ? 1.f : __expf(m[r] - mx[r]);  // m = −inf: nothing yet (f·0)
-    m[r] = mx[r];
-    l[r] *= f[r];
-  }
-#pragma unroll
-  for (int d = 0; d < NT; ++d)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[d][e] *= f[e / 2];
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float pe = s[nt][e] == -INFINITY ? 0.f : __expf(s[nt][e] - m[e / 2]);
-      s[nt][e] = pe;
-      l[e / 2] += pe;
-    }
-}
-
 // o (16 heads × R) += P (16 × 16 slots, the C fragments of s) · C (the tile): P packed to 16 bits
 // as the A operand; C's B fragments down its columns by transposing loads (matrices 0 / 1: slots
 // 0–7 / 8–15 of column block d, 2 / 3 of d + 1).
@@ -742,7 +711,7 @@ __global__ void __launch_bounds__(kThreads) step_latent_mma(Params p) {
     float s[2][4];
     latent_scores<T, R>(qwh, qwl, tile, s);
     finish_scores<T>(p, b, h0, rows, s0, lo, hi, qrot, bkr, beta, s);
-    softmax_tile<NT>(s, m, l, o);
+    online_softmax<2, NT>(s, m, l, o);
     mma_p_c<T, R>(o, s, tile);
   }
 #pragma unroll

@@ -118,6 +118,21 @@ __device__ __forceinline__ void wait_for_tile(int it, int tiles) {
   __syncthreads();
 }
 
+// The start of iteration `it` of a loop over key tiles from n_first in two stages (the forward's
+// and dQ's): the next tile's K and V copies issued into the other stage, this one's awaited. Returns
+// this tile's K tile (its V tile follows).
+template <int D>
+__device__ __forceinline__ const __nv_bfloat16* key_tile(const View& k, const View& v, int b, int h, int n_first, int it, int tiles, int T, __nv_bfloat16* smem) {
+  constexpr int TILE = kBandKeys * (D + 8);
+  if (it + 1 < tiles) {
+    __nv_bfloat16* next = smem + ((it + 1) & 1) * 2 * TILE;
+    load_tiles<D>(k, v, b, h, n_first + (it + 1) * kBandKeys, T, next, next + TILE);
+    cp_async_commit();
+  }
+  wait_for_tile(it, tiles);
+  return smem + (it & 1) * 2 * TILE;
+}
+
 // Two 16-bit values as one 32-bit store (dst 4-byte aligned: an even column of an even-width row).
 __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x0, float x1) { *reinterpret_cast<uint32_t*>(dst) = pack_bf16(x0, x1); }
 
@@ -199,40 +214,17 @@ __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   for (int it = 0; it < tiles; ++it) {
     const int n0 = n_first + it * kBandKeys;
-    if (it + 1 < tiles) {
-      __nv_bfloat16* next = smem + ((it + 1) & 1) * 2 * TILE;
-      load_tiles<D>(p.k, p.v, b, h, n0 + kBandKeys, p.T, next, next + TILE);
-      cp_async_commit();
-    }
-    wait_for_tile(it, tiles);
-    const __nv_bfloat16* ks = smem + (it & 1) * 2 * TILE;
+    const __nv_bfloat16* ks = key_tile<D>(p.k, p.v, b, h, n_first, it, tiles, p.T, smem);
     const __nv_bfloat16* vs = ks + TILE;
     float s[NT][4];
     mma_a_xt<D>(s, qa, ks);  // S = Q·Kᵀ: 16 rows × 64 keys a warp
-    // Band mask and the online softmax, per row (e < 2: row0, else row0 + 8).
-    float mx[2] = {m[0], m[1]};
+    // The band mask (e < 2: row0, else row0 + 8), then the online softmax.
     for (int nt = 0; nt < NT; ++nt)
       for (int e = 0; e < 4; ++e) {
         const int i = row0 + (e >= 2 ? 8 : 0), j = n0 + nt * 8 + 2 * t + (e & 1);
         s[nt][e] = in_band(i, j, p.w, p.T) ? s[nt][e] * p.scale : -INFINITY;
-        mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
       }
-    float f[2];
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
-      f[r] = mx[r] == -INFINITY ? 1.f : __expf(m[r] - mx[r]);  // m = −inf: nothing yet (f·0)
-      m[r] = mx[r];
-      l[r] *= f[r];
-    }
-    for (int d = 0; d < D / 8; ++d)
-      for (int e = 0; e < 4; ++e) o[d][e] *= f[e / 2];
-    for (int nt = 0; nt < NT; ++nt)
-      for (int e = 0; e < 4; ++e) {
-        const float pe = s[nt][e] == -INFINITY ? 0.f : __expf(s[nt][e] - m[e / 2]);
-        s[nt][e] = pe;
-        l[e / 2] += pe;
-      }
+    online_softmax<NT, D / 8>(s, m, l, o);
     mma_p_x<D>(o, s, vs);  // O += P·V
     __syncthreads();  // this stage is read: the tile after next may be copied into it
   }
@@ -393,13 +385,7 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dq(BandBwdParams p) {
     for (int e = 0; e < 4; ++e) dq[d][e] = 0.f;
   for (int it = 0; it < tiles; ++it) {
     const int n0 = n_first + it * kBandKeys;
-    if (it + 1 < tiles) {
-      __nv_bfloat16* next = smem + ((it + 1) & 1) * 2 * TILE;
-      load_tiles<D>(p.k, p.v, b, h, n0 + kBandKeys, p.T, next, next + TILE);
-      cp_async_commit();
-    }
-    wait_for_tile(it, tiles);
-    const __nv_bfloat16* ks = smem + (it & 1) * 2 * TILE;
+    const __nv_bfloat16* ks = key_tile<D>(p.k, p.v, b, h, n_first, it, tiles, p.T, smem);
     const __nv_bfloat16* vs = ks + TILE;
     float s[NT][4], dp[NT][4];
     mma_a_xt<D>(s, qa, ks);   // S = Q·Kᵀ

@@ -9,6 +9,7 @@
 // computed from every lane's fragments as laid out above (cuda_emu.h).
 #pragma once
 #include "half.cuh"
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -104,4 +105,37 @@ template <typename T>
 __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
   if constexpr (std::is_same_v<T, __half>) mma_f16_16816(c, a, b);
   else mma_bf16_16816(c, a, b);
+}
+
+// One tile of scores into a running softmax over rows of C fragments (a row's scores spread over the
+// four lanes of a quad; e < 2 of a fragment: the lane's first row, else its row + 8): s (NS fragments
+// of 8 columns, masked ones −inf) becomes P = e^{s − m}, the rows' max m and lane-partial sum l are
+// updated, and the output o (NO fragments) is rescaled to the new max.
+template <int NS, int NO>
+__device__ __forceinline__ void online_softmax(float s[NS][4], float m[2], float l[2], float o[NO][4]) {
+  float mx[2] = {m[0], m[1]}, f[2];
+#pragma unroll
+  for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
+    f[r] = mx[r] == -INFINITY ? 1.f : __expf(m[r] - mx[r]);  // m = −inf: nothing yet (f·0)
+    m[r] = mx[r];
+    l[r] *= f[r];
+  }
+#pragma unroll
+  for (int d = 0; d < NO; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[d][e] *= f[e / 2];
+#pragma unroll
+  for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float pe = s[nt][e] == -INFINITY ? 0.f : __expf(s[nt][e] - m[e / 2]);
+      s[nt][e] = pe;
+      l[e / 2] += pe;
+    }
 }

@@ -635,14 +635,20 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         // Every kind with the new token written into the caches before the step
         // (ATTNLAB_STEP_FRESH=0), then the kinds of the fused step with it handed over fresh (=1: the
         // caches written by the combine kernel), whichever of the two decoding takes by default;
-        // DAR's with the RoPE-absorbed loop too (ATTNLAB_STEP_ROPE=absorbed).
+        // DAR's with the RoPE-absorbed loop too (ATTNLAB_STEP_ROPE=absorbed), and with the latents on
+        // the tensor cores (ATTNLAB_STEP_MMA=1), written first and fresh.
         let cases = ["vanilla", "window", "dar", "uniform", "still-budget", "lolcats"].map(|n| (n, false));
         with_env(&[("ATTNLAB_STEP_FRESH", "0")], || {
             for (name, planted) in cases.into_iter().chain([("vanilla", true)]) {
                 note(decode_row(name, planted, ""));
             }
         });
-        let fresh = [(&["vanilla", "window", "dar", "uniform"][..], "-fresh", &[("ATTNLAB_STEP_FRESH", "1")][..]), (&["dar", "uniform"], "-absorbed-fresh", &[("ATTNLAB_STEP_FRESH", "1"), ("ATTNLAB_STEP_ROPE", "absorbed")])];
+        let fresh = [
+            (&["vanilla", "window", "dar", "uniform"][..], "-fresh", &[("ATTNLAB_STEP_FRESH", "1")][..]),
+            (&["dar", "uniform"], "-absorbed-fresh", &[("ATTNLAB_STEP_FRESH", "1"), ("ATTNLAB_STEP_ROPE", "absorbed")]),
+            (&["dar", "uniform"], "-mma", &[("ATTNLAB_STEP_FRESH", "0"), ("ATTNLAB_STEP_MMA", "1")]),
+            (&["dar", "uniform"], "-mma-fresh", &[("ATTNLAB_STEP_FRESH", "1"), ("ATTNLAB_STEP_MMA", "1")]),
+        ];
         for (names, suffix, vars) in fresh {
             with_env(vars, || names.iter().for_each(|name| note(decode_row(name, false, suffix))));
         }
