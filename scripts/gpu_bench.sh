@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/data/ for ruler (make gpu-data), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|kernels|band|hybrid|decode|graphs|absorb|fused|ruler|prefill|peers|peers410|profile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|kernels|band|hybrid|decode|graphs|absorb|fused|ruler|prefill|peers|peers410|profile|dprofile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -221,6 +221,19 @@ PYEOF
       cp "$P/where_time_goes.csv" "$P/top_kernels.csv" "$OUT/"
       tar -C "$P" -czf "$OUT/traces.tar.gz" .
       ;;
+    dprofile)
+      # Issue 34: which kernels a decode step spends its time in, per kind: `bench-decode --profile`
+      # (each row's decode steps, graphed as usual, under libtorch's profiler) at DPROFILE_LENGTHS
+      # (4096), DPROFILE_ATTENTION kinds; DAR and uniform again with ATTNLAB_STEP_MMA=1 (their own
+      # folder). Summary in $OUT/decode_profile.md and decode_top_kernels.csv; rows (slower than
+      # unprofiled ones) in decode_profiled.jsonl.
+      P=${PROFILE_DIR:-/tmp/attnlab-profile}/decode; rm -rf "$P"; mkdir -p "$P"
+      run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DPROFILE_LENGTHS:-4096} --new-tokens 32 --profile "$P" \
+        --attention ${DPROFILE_ATTENTION:-vanilla,dar,uniform,still-budget,lolcats} | grep '^{' >> "$OUT/decode_profiled.jsonl"
+      ATTNLAB_STEP_MMA=1 run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DPROFILE_LENGTHS:-4096} --new-tokens 32 \
+        --profile "$P/mma" --attention dar,uniform | grep '^{' | sed 's/^{/{"mma":1,/' >> "$OUT/decode_profiled.jsonl"
+      { $PY scripts/profile_table.py "$P" && echo "## ATTNLAB_STEP_MMA=1" && $PY scripts/profile_table.py "$P/mma"; } > "$OUT/decode_profile.md"
+      { cat "$P/top_kernels.csv"; tail -n +2 "$P/mma/top_kernels.csv"; } > "$OUT/decode_top_kernels.csv" ;;
     peers410)
       # Issue 33's 410M ratio on an 80 GB card, where HF's peer at its micro-batch 32 runs out of
       # memory: both at micro-batch PEER410_BATCH (16), vanilla, interleaved, PEER410_REPEATS (2)

@@ -213,11 +213,16 @@ pub fn profile(spec: &Spec, dir: &Path, attention_only: bool, vocab: usize, warm
         let r = train_bench_traced(spec, vocab, warmup, steps, Some(&dir.join(&trace)))?;
         lines.push(json_line(&ProfiledRun { trace, reps: steps, what: "step", result: &r }));
     }
+    append_runs(dir, &lines)?;
+    Ok(lines)
+}
+
+/// Add `lines` to `dir/runs.jsonl` (what scripts/profile_table.py reads).
+fn append_runs(dir: &Path, lines: &[String]) -> Result<()> {
     let runs = dir.join("runs.jsonl");
     let mut text = std::fs::read_to_string(&runs).unwrap_or_default();
     lines.iter().for_each(|l| text.push_str(&format!("{l}\n")));
-    std::fs::write(&runs, text).map_err(|e| crate::Error::io(&runs, e))?;
-    Ok(lines)
+    std::fs::write(&runs, text).map_err(|e| crate::Error::io(&runs, e))
 }
 
 /// `attention_bench` for every attention kind and implementation at the spec's shape; `each` gets
@@ -317,6 +322,7 @@ pub fn bench_command(spec: &Spec, mode: BenchMode, json: bool, mut line: impl Fn
 /// `attention`, each (attention, length) `repeats` times, interleaved; `each` gets every measured row
 /// as it comes.
 #[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)]
 pub fn decode_rows(
     from: Option<&std::path::Path>,
     src: &crate::spec::SpecSource,
@@ -325,6 +331,7 @@ pub fn decode_rows(
     new_tokens: usize,
     repeats: usize,
     vocab: usize,
+    profile: Option<&Path>,
     each: impl FnMut(&crate::eval::generate::DecodeBench),
 ) -> Result<Vec<crate::eval::generate::DecodeBench>> {
     use crate::eval::decode_bench;
@@ -334,7 +341,19 @@ pub fn decode_rows(
     let base = src.load()?;
     let device = crate::device::parse_device(base.train.device.as_deref().unwrap_or("auto"))?;
     eprintln!("random-initialised weights and random prompt tokens: cache memory and speed only, not quality");
-    decode_bench::run(&base, &decode_bench::split_names(attention), lengths, new_tokens, repeats, vocab, device, each)
+    if let Some(dir) = profile {
+        std::fs::create_dir_all(dir).map_err(|e| crate::Error::io(dir, e))?;
+    }
+    let rows = decode_bench::run(&base, &decode_bench::split_names(attention), lengths, new_tokens, repeats, vocab, device, profile, each)?;
+    if let Some(dir) = profile {
+        // One line per trace for scripts/profile_table.py: a repetition is one decode step.
+        let lines: Vec<String> = rows
+            .iter()
+            .map(|r| json_line(&ProfiledRun { trace: decode_bench::trace_name(&r.attention, r.context, r.repeat), reps: r.steps.max(1) as usize, what: "decode", result: r }))
+            .collect();
+        append_runs(dir, &lines)?;
+    }
+    Ok(rows)
 }
 
 /// A measured bench-decode row as a progress line.
@@ -384,5 +403,26 @@ mod tests {
         let layers = spec.shape().layers;
         assert_eq!(count(&step, "dar.distant_kv"), 2 * layers, "{step:?}");
         assert_eq!(count(&step, "attn.op"), 2 * layers);
+    }
+
+    /// `bench-decode --profile` on CPU: one trace per row with its decode steps and not its prefill
+    /// (one embedding lookup a step: a traced prefill would add one), listed in runs.jsonl with the
+    /// steps as repetitions.
+    #[test]
+    fn decode_profile_traces_the_steps_alone() {
+        let _rng = crate::testutil::rng();
+        let src = crate::spec::SpecSource { sets: vec!["train.device=cpu".into()], ..Default::default() };
+        let tmp = tempfile::tempdir().unwrap();
+        let rows = decode_rows(None, &src, "vanilla,dar", &[24], 5, 1, 64, Some(tmp.path()), |_| {}).unwrap();
+        let runs: Vec<serde_json::Value> = std::fs::read_to_string(tmp.path().join("runs.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(runs.len(), 2);
+        for (run, row) in runs.iter().zip(&rows) {
+            let trace = run["trace"].as_str().unwrap();
+            assert_eq!(trace, format!("decode-{}-24-r0.json", row.attention));
+            assert!(row.steps > 0 && run["reps"].as_i64() == Some(row.steps), "{run}");
+            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join(trace)).unwrap()).unwrap();
+            let embeddings = v["traceEvents"].as_array().unwrap().iter().filter(|e| e["name"] == "aten::embedding").count() as i64;
+            assert_eq!(embeddings, row.steps, "{trace}");
+        }
     }
 }

@@ -312,6 +312,11 @@ enum Cmd {
         /// Print one JSON line per row (on stdout) instead of progress lines and the table.
         #[arg(long)]
         json: bool,
+        /// Run every row's decode steps (not its prefill) under libtorch's profiler: one Chrome trace
+        /// per row in DIR and a line per trace in DIR/runs.jsonl; `scripts/profile_table.py DIR` says
+        /// which kernels a step spends its time in. Rows measured so are slower than without.
+        #[arg(long, value_name = "DIR", conflicts_with = "from")]
+        profile: Option<PathBuf>,
     },
     /// Data tools.
     #[command(subcommand)]
@@ -558,9 +563,9 @@ fn run(cli: Cli) -> Result<()> {
             let g = c.stats;
             eprintln!("{} prompt + {} new tokens; prefill {:.3}s, decode {:.1} tokens/s, cache {} bytes", g.prompt_tokens, g.tokens.len(), g.prefill_s, g.decode_tokens_per_s, g.cache_bytes);
         }
-        Cmd::BenchDecode { spec, lengths, new_tokens, repeats, vocab, attention, plot, from, json } => {
+        Cmd::BenchDecode { spec, lengths, new_tokens, repeats, vocab, attention, plot, from, json, profile } => {
             let each = |r: &_| if json { println!("{}", bench::json_line(r)) } else { eprintln!("{}", bench::decode_line(r)) };
-            let rows = bench::decode_rows(from.as_deref(), &spec.source(), &attention, &lengths, new_tokens, repeats as usize, vocab, each)?;
+            let rows = bench::decode_rows(from.as_deref(), &spec.source(), &attention, &lengths, new_tokens, repeats as usize, vocab, profile.as_deref(), each)?;
             if !json {
                 print!("{}", eval::decode_bench::table(&rows));
             }

@@ -8,6 +8,7 @@ use crate::model::{Llama, Model};
 use crate::spec::{AttentionKind, Spec};
 use crate::{Error, Result};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
 use tch::{nn::VarStore, Device};
 
 /// The attention names `--attention` knows, with what they build: every softmax kind, then every
@@ -85,12 +86,28 @@ pub fn bench_model(base: &Spec, name: &str, vocab: usize, device: Device) -> Res
     Ok((vs, model))
 }
 
+/// The trace of one profiled (attention, context, repeat) in `bench-decode --profile DIR`.
+pub fn trace_name(attention: &str, context: i64, repeat: usize) -> String {
+    format!("decode-{attention}-{context}-r{repeat}.json")
+}
+
 /// Measure every (attention, context) pair `repeats` times, interleaved (each repeat runs every
 /// attention at every context, so that drifts of the machine spread over all of them), calling
 /// `each` on every row as it comes. A context that fails (out of memory) is reported on stderr and
-/// ends that attention's sweeps at it and beyond: larger ones would fail too.
+/// ends that attention's sweeps at it and beyond: larger ones would fail too. With `profile`, each
+/// row's decode steps run under libtorch's profiler, its trace in that folder ([`trace_name`]).
 #[allow(clippy::too_many_arguments)]
-pub fn run(base: &Spec, names: &[String], lengths: &[i64], new_tokens: usize, repeats: usize, vocab: usize, device: Device, mut each: impl FnMut(&DecodeBench)) -> Result<Vec<DecodeBench>> {
+pub fn run(
+    base: &Spec,
+    names: &[String],
+    lengths: &[i64],
+    new_tokens: usize,
+    repeats: usize,
+    vocab: usize,
+    device: Device,
+    profile: Option<&Path>,
+    mut each: impl FnMut(&DecodeBench),
+) -> Result<Vec<DecodeBench>> {
     let mut models = Vec::new();
     for name in names {
         // Every model from the same seed: the greedy tokens (tokens_digest) of one model in two
@@ -98,7 +115,7 @@ pub fn run(base: &Spec, names: &[String], lengths: &[i64], new_tokens: usize, re
         tch::manual_seed(0);
         let (vs, model) = bench_model(base, name, vocab, device)?;
         // Warm-up (CUDA context, cuBLAS handles, allocator) outside the timed runs.
-        let _ = decode_bench(&model, label(name), 256, 4, device);
+        decode_bench(&model, label(name), 256, 4, device, None)?;
         models.push((name, vs, model));
     }
     let mut fails_at: Vec<Option<i64>> = vec![None; models.len()];
@@ -109,8 +126,10 @@ pub fn run(base: &Spec, names: &[String], lengths: &[i64], new_tokens: usize, re
                 if fail.is_some_and(|f| t >= f) {
                     break;
                 }
-                match catch_unwind(AssertUnwindSafe(|| decode_bench(model, label(name), t, new_tokens, device))) {
-                    Ok(mut r) => {
+                let trace = profile.map(|dir| dir.join(trace_name(label(name), t, repeat)));
+                match catch_unwind(AssertUnwindSafe(|| decode_bench(model, label(name), t, new_tokens, device, trace.as_deref()))) {
+                    Ok(r) => {
+                        let mut r = r?;
                         r.repeat = repeat;
                         each(&r);
                         rows.push(r);
@@ -220,7 +239,7 @@ mod tests {
     use super::*;
 
     fn row(attention: &str, context: i64, cache_bytes: i64) -> DecodeBench {
-        DecodeBench { attention: attention.into(), context, cache_bytes, cache_bytes_per_token: cache_bytes as f64 / context as f64, prefill_s: 0.5, decode_tokens_per_s: 100.0, repeat: 0, new_tokens: 32, graphed: false, tokens_digest: String::new(), tokens: Vec::new() }
+        DecodeBench { attention: attention.into(), context, cache_bytes, cache_bytes_per_token: cache_bytes as f64 / context as f64, prefill_s: 0.5, decode_tokens_per_s: 100.0, repeat: 0, new_tokens: 32, graphed: false, tokens_digest: String::new(), tokens: Vec::new(), steps: 31 }
     }
 
     /// The ratio column divides by vanilla's cache at the same context; repeats collapse into one

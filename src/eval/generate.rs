@@ -238,6 +238,8 @@ pub struct Generated {
     pub cache_tokens: i64,
     /// Whether the decode steps ran as CUDA-graph replays.
     pub graphed: bool,
+    /// Forward steps run after the prefill.
+    pub steps: i64,
 }
 
 /// Run the prompt `ids` `[B, T]` into an empty `cache` in one call, through each variant's fast
@@ -262,6 +264,12 @@ pub use super::stepper::STOP_CHECK_EVERY;
 /// through the host (`super::stepper`: CUDA graphs where the variant has a device-side step), which
 /// reads the tokens every [`STOP_CHECK_EVERY`] steps, so the cache may hold a few tokens past the stop.
 pub fn generate(model: &Model, prompt: &[u32], max_new: usize, sampling: Sampling, stop: Option<u32>, device: Device) -> Generated {
+    generate_traced(model, prompt, max_new, sampling, stop, device, None).expect("generation without a profiler has no error to return")
+}
+
+/// `generate`, with its decode steps (not the prefill) under libtorch's profiler when `trace` is
+/// given: the Chrome trace goes there (`bench-decode --profile`).
+pub fn generate_traced(model: &Model, prompt: &[u32], max_new: usize, sampling: Sampling, stop: Option<u32>, device: Device, trace: Option<&Path>) -> Result<Generated> {
     let kind = model.head_weight().kind();
     let mut cache = model.new_cache(1, kind, device);
     let reserved = (prompt.len() + max_new) as i64;
@@ -271,13 +279,19 @@ pub fn generate(model: &Model, prompt: &[u32], max_new: usize, sampling: Samplin
     let logits = prefill(model, &mut cache, &ids);
     sync(device);
     let prefill_s = t0.elapsed().as_secs_f64();
+    if trace.is_some() {
+        crate::kernels::profiler_start(device.is_cuda())?;
+    }
     let t1 = Instant::now();
     let d = super::stepper::decode(model, &mut cache, &logits, max_new, sampling, stop, reserved);
     sync(device);
     let secs = t1.elapsed().as_secs_f64().max(1e-9);
+    if let Some(path) = trace {
+        crate::kernels::profiler_stop(path)?;
+    }
     // Decode steps per second (one forward per token, as hf_decode.py counts).
     let tokens = d.rows.into_iter().next().unwrap_or_default();
-    Generated { decode_tokens_per_s: d.steps as f64 / secs, tokens, prompt_tokens: prompt.len(), prefill_s, cache_bytes: cache.bytes(), cache_tokens: cache.len(), graphed: d.graphed }
+    Ok(Generated { decode_tokens_per_s: d.steps as f64 / secs, tokens, prompt_tokens: prompt.len(), prefill_s, cache_bytes: cache.bytes(), cache_tokens: cache.len(), graphed: d.graphed, steps: d.steps })
 }
 
 /// Greedy continuations of several prompts in one batch (softmax variants; see
@@ -340,6 +354,9 @@ pub struct DecodeBench {
     /// The greedy tokens themselves (where two digests differ: from which step on).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tokens: Vec<u32>,
+    /// Decode steps (forward passes) timed (rows of older runs read as 0).
+    #[serde(default)]
+    pub steps: i64,
 }
 
 /// FNV-1a (64 bit) of token ids, as hex.
@@ -349,13 +366,14 @@ pub fn tokens_digest(tokens: &[u32]) -> String {
 }
 
 /// Prefill `context` random tokens, then decode `new_tokens` greedily; report cache size and speed.
-pub fn decode_bench(model: &Model, attention: &str, context: i64, new_tokens: usize, device: Device) -> DecodeBench {
+/// With `trace`, the decode steps run under libtorch's profiler (slower), its trace written there.
+pub fn decode_bench(model: &Model, attention: &str, context: i64, new_tokens: usize, device: Device, trace: Option<&Path>) -> Result<DecodeBench> {
     let vocab = model.vocab() as i64;
     tch::manual_seed(0);
     let prompt: Vec<u32> = Vec::<i64>::try_from(Tensor::randint(vocab.min(50277), [context], (Kind::Int64, Device::Cpu))).expect("ids").into_iter().map(|x| x as u32).collect();
-    let g = generate(model, &prompt, new_tokens, Sampling { temperature: 0.0, seed: 0 }, None, device);
+    let g = generate_traced(model, &prompt, new_tokens, Sampling { temperature: 0.0, seed: 0 }, None, device, trace)?;
     let total = g.cache_tokens;
-    DecodeBench {
+    Ok(DecodeBench {
         attention: attention.to_string(),
         context,
         cache_bytes: g.cache_bytes,
@@ -367,7 +385,8 @@ pub fn decode_bench(model: &Model, attention: &str, context: i64, new_tokens: us
         graphed: g.graphed,
         tokens_digest: tokens_digest(&g.tokens),
         tokens: g.tokens,
-    }
+        steps: g.steps,
+    })
 }
 
 #[cfg(test)]
