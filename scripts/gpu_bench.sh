@@ -226,7 +226,8 @@ PYEOF
       # (each row's decode steps, graphed as usual, under libtorch's profiler) at DPROFILE_LENGTHS
       # (4096), DPROFILE_ATTENTION kinds; DAR and uniform again with ATTNLAB_STEP_MMA=1 (their own
       # folder). Summary in $OUT/decode_profile.md and decode_top_kernels.csv; rows (slower than
-      # unprofiled ones) in decode_profiled.jsonl.
+      # unprofiled ones) in decode_profiled.jsonl. A trace without kernels is an error (profiler_stop):
+      # if graph replays go untraced on the card, run the phase with ATTNLAB_CUDA_GRAPHS=0.
       P=${PROFILE_DIR:-/tmp/attnlab-profile}/decode; rm -rf "$P"; mkdir -p "$P"
       run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DPROFILE_LENGTHS:-4096} --new-tokens 32 --profile "$P" \
         --attention ${DPROFILE_ATTENTION:-vanilla,dar,uniform,still-budget,lolcats} | grep '^{' >> "$OUT/decode_profiled.jsonl"
