@@ -73,6 +73,20 @@ Inputs<T> make(const Case& k, std::mt19937& rng) {
 
 int64_t ring_position(int64_t newest, int64_t s, int64_t keep) { return keep > 0 ? newest - (((newest - s) % keep) + keep) % keep : s; }
 
+// Σ_i softmax(score)_i · rows[i] (rows `width` wide, one per score; zeros when there is none).
+std::vector<double> softmax_mix(const std::vector<double>& score, const std::vector<double>& rows, int width) {
+  double m = -INFINITY, z = 0;
+  for (double s : score) m = std::max(m, s);
+  std::vector<double> o(width, 0.0);
+  for (size_t i = 0; i < score.size(); ++i) {
+    const double e = std::exp(score[i] - m);
+    z += e;
+    for (int d = 0; d < width; ++d) o[d] += e * rows[i * width + d];
+  }
+  for (double& x : o) x = z > 0 ? x / z : 0.0;
+  return o;
+}
+
 // The step's output [B, H, hd] by its definition; `window_shift` / `newest_shift` plant a mask one
 // slot off (the test's own check that it can fail).
 template <typename T>
@@ -119,15 +133,8 @@ std::vector<double> reference(const Case& k, const Inputs<T>& in, int window_shi
         score.push_back(x * scale);
         val.insert(val.end(), v.begin(), v.end());
       }
-      double m = -INFINITY, z = 0;
-      for (double s : score) m = std::max(m, s);
-      std::vector<double> o(k.hd, 0.0);
-      for (size_t i = 0; i < score.size(); ++i) {
-        const double e = std::exp(score[i] - m);
-        z += e;
-        for (int d = 0; d < k.hd; ++d) o[d] += e * val[i * k.hd + d];
-      }
-      for (int d = 0; d < k.hd; ++d) out.push_back(z > 0 ? o[d] / z : 0.0);
+      const std::vector<double> o = softmax_mix(score, val, k.hd);
+      out.insert(out.end(), o.begin(), o.end());
     }
   return out;
 }
@@ -143,8 +150,7 @@ std::vector<double> reference_pc(const Case& k, const Inputs<T>& in) {
     for (int h = 0; h < k.H; ++h) {
       const int kv = h / g;
       const double* q = &in.q.ref[(size_t(b) * k.H + h) * k.hd];
-      std::vector<double> score;
-      std::vector<int> slot;
+      std::vector<double> score, latents;  // latents: one r-row per visible slot
       for (int s = 0; s < k.S; ++s) {
         if (k.newest - s < k.window || s < k.pad[b]) continue;
         std::vector<double> key(k.hd);
@@ -163,17 +169,11 @@ std::vector<double> reference_pc(const Case& k, const Inputs<T>& in) {
         }
         for (int d = k.rot; d < k.hd; ++d) x += q[d] * key[d];
         score.push_back(x * scale);
-        slot.push_back(s);
+        const auto c = in.c.ref.begin() + (size_t(b) * k.S + s) * k.r;
+        latents.insert(latents.end(), c, c + k.r);
       }
-      double m = -INFINITY, z = 0;
-      for (double x : score) m = std::max(m, x);
-      std::vector<double> pc(k.r, 0.0);
-      for (size_t i = 0; i < score.size(); ++i) {
-        const double e = std::exp(score[i] - m);
-        z += e;
-        for (int j = 0; j < k.r; ++j) pc[j] += e * in.c.ref[(size_t(b) * k.S + slot[i]) * k.r + j];
-      }
-      for (int j = 0; j < k.r; ++j) out.push_back(z > 0 ? pc[j] / z : 0.0);
+      const std::vector<double> pc = softmax_mix(score, latents, k.r);
+      out.insert(out.end(), pc.begin(), pc.end());
     }
   return out;
 }
