@@ -48,6 +48,22 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// Head h's partial softmaxes of the block's warps merged (wm [kWarps][heads]: each warp's running
+// max): M = max over the warps, returned Σ_w e^{m_w − M}·x[w·x_stride] over the warps that saw a
+// slot (0, and M = −inf, when none did).
+__device__ __forceinline__ float merge_warps(const float* wm, int heads, int h, const float* x, int x_stride, float& M) {
+  M = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wm[w * heads + h]);
+  float sum = 0.f;
+  if (M != -INFINITY) {
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = wm[w * heads + h];
+      if (mw != -INFINITY) sum += __expf(mw - M) * x[w * x_stride];
+    }
+  }
+  return sum;
+}
+
 struct Params {
   // q [B, H, hd]: strides of b and h, unit d stride.
   const void* q;
@@ -487,15 +503,8 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
   // Merge the warps: each (head, column) by one thread.
   for (int i = tid; i < G * n_acc; i += kThreads) {
     const int h = i / n_acc, j = i % n_acc;
-    float M = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wm[w * G + h]);
-    float sum = 0.f;
-    if (M != -INFINITY) {
-      for (int w = 0; w < kWarps; ++w) {
-        const float mw = wm[w * G + h];
-        if (mw != -INFINITY) sum += __expf(mw - M) * wacc[(w * G + h) * width + j];
-      }
-    }
+    float M;
+    const float sum = merge_warps(wm, G, h, wacc + h * width + j, G * width, M);
     const int64_t head = (int64_t)b * H + kvh * G + h;
     if (ring) {
       p.accv[(head * p.nring + chunk - p.nchunks) * p.hd + j] = sum;
@@ -505,14 +514,8 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
   }
   if (tid < G) {
     const int h = tid;
-    float M = -INFINITY, L = 0.f;
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wm[w * G + h]);
-    if (M != -INFINITY) {
-      for (int w = 0; w < kWarps; ++w) {
-        const float mw = wm[w * G + h];
-        if (mw != -INFINITY) L += __expf(mw - M) * wl[w * G + h];
-      }
-    }
+    float M;
+    const float L = merge_warps(wm, G, h, wl + h, G, M);
     const int64_t head = (int64_t)b * H + kvh * G + h;
     float* o = p.ml + (head * (p.nchunks + p.nring) + chunk) * 2;
     o[0] = M;
@@ -639,24 +642,6 @@ __device__ __forceinline__ void finish_scores(const Params& p, int b, int h0, in
     }
 }
 
-// o (16 heads × R) += P (16 × 16 slots, the C fragments of s) · C (the tile): P packed to 16 bits
-// as the A operand; C's B fragments down its columns by transposing loads (matrices 0 / 1: slots
-// 0–7 / 8–15 of column block d, 2 / 3 of d + 1).
-template <typename T, int R>
-__device__ __forceinline__ void mma_p_c(float o[R / 8][4], const float s[2][4], const T* tile) {
-  constexpr int LD = R + 8;
-  const int lane = threadIdx.x & 31;
-  const int row = lane % 8 + 8 * ((lane / 8) % 2), col = 8 * (lane / 16);
-  const uint32_t pa[4] = {pack_pair<T>(s[0][0], s[0][1]), pack_pair<T>(s[0][2], s[0][3]), pack_pair<T>(s[1][0], s[1][1]), pack_pair<T>(s[1][2], s[1][3])};
-#pragma unroll
-  for (int d = 0; d < R / 8; d += 2) {
-    uint32_t cb[4];
-    ldmatrix_x4_trans(cb, tile + row * LD + d * 8 + col);
-    mma_16816<T>(o[d], pa, cb);
-    mma_16816<T>(o[d + 1], pa, cb + 2);
-  }
-}
-
 // One block per (chunk of distant slots, row b, 16 query heads): every latent of the chunk read once
 // for the block's heads. Four warps take its 16-slot tiles in turn, each with its own tile in shared
 // memory and its own online softmax; the warps' results merged at the end into the same partial
@@ -712,7 +697,7 @@ __global__ void __launch_bounds__(kThreads) step_latent_mma(Params p) {
     latent_scores<T, R>(qwh, qwl, tile, s);
     finish_scores<T>(p, b, h0, rows, s0, lo, hi, qrot, bkr, beta, s);
     online_softmax<2, NT>(s, m, l, o);
-    mma_p_c<T, R>(o, s, tile);
+    mma_p_x<T, kMmaSlots, R>(o, s, tile);  // O += P·C
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -736,22 +721,14 @@ __global__ void __launch_bounds__(kThreads) step_latent_mma(Params p) {
   // Merge the warps: each (head, column) by one thread, as step_partial does.
   for (int i = tid; i < rows * R; i += kThreads) {
     const int h = i / R, j = i % R;
-    float M = -INFINITY, sum = 0.f;
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wm[w * kMmaHeads + h]);
-    for (int w = 0; w < kWarps && M != -INFINITY; ++w) {
-      const float mw = wm[w * kMmaHeads + h];
-      if (mw != -INFINITY) sum += __expf(mw - M) * work[(w * kMmaHeads + h) * R + j];
-    }
+    float M;
+    const float sum = merge_warps(wm, kMmaHeads, h, work + h * R + j, kMmaHeads * R, M);
     p.acc[(((int64_t)b * H + h0 + h) * p.nchunks + blockIdx.x) * p.r + j] = sum;
   }
   if (tid < rows) {
     const int h = tid;
-    float M = -INFINITY, L = 0.f;
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wm[w * kMmaHeads + h]);
-    for (int w = 0; w < kWarps && M != -INFINITY; ++w) {
-      const float mw = wm[w * kMmaHeads + h];
-      if (mw != -INFINITY) L += __expf(mw - M) * wl[w * kMmaHeads + h];
-    }
+    float M;
+    const float L = merge_warps(wm, kMmaHeads, h, wl + h, kMmaHeads, M);
     float* o2 = p.ml + (((int64_t)b * H + h0 + h) * (p.nchunks + p.nring) + blockIdx.x) * 2;
     o2[0] = M;
     o2[1] = L;

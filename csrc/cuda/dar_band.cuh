@@ -134,25 +134,7 @@ __device__ __forceinline__ const __nv_bfloat16* key_tile(const View& k, const Vi
 }
 
 // Two 16-bit values as one 32-bit store (dst 4-byte aligned: an even column of an even-width row).
-__device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x0, float x1) { *reinterpret_cast<uint32_t*>(dst) = pack_bf16(x0, x1); }
-
-// acc (16 × D) += P (16 × 64, as eight C fragments of 8 columns) · X (64 × D rows of a shared tile).
-template <int D>
-__device__ __forceinline__ void mma_p_x(float acc[D / 8][4], const float p[kBandKeys / 8][4], const __nv_bfloat16* xs) {
-  constexpr int LD = D + 8;
-  for (int kc = 0; kc < kBandKeys / 16; ++kc) {
-    const uint32_t pa[4] = {pack_bf16(p[2 * kc][0], p[2 * kc][1]), pack_bf16(p[2 * kc][2], p[2 * kc][3]), pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]),
-                            pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3])};
-    // B fragments of columns d and d + 1: X's rows kc·16 + 2t (+ 1, + 8, + 9) down a column, by one
-    // transposing load (matrices 0 / 1: k rows 0–7 / 8–15 of column block d; 2 / 3: of d + 1).
-    for (int d = 0; d < D / 8; d += 2) {
-      uint32_t xb[4];
-      ldmatrix_x4_trans(xb, xs + (kc * 16 + ld_row()) * LD + d * 8 + ld_col());
-      mma_bf16_16816(acc[d], pa, xb);
-      mma_bf16_16816(acc[d + 1], pa, xb + 2);
-    }
-  }
-}
+__device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x0, float x1) { *reinterpret_cast<uint32_t*>(dst) = pack_pair<__nv_bfloat16>(x0, x1); }
 
 // s (16 × 64, eight C fragments) = A (16 × D, registers) · Xᵀ (X: 64 × D rows of a shared tile).
 template <int D>
@@ -225,7 +207,7 @@ __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
         s[nt][e] = in_band(i, j, p.w, p.T) ? s[nt][e] * p.scale : -INFINITY;
       }
     online_softmax<NT, D / 8>(s, m, l, o);
-    mma_p_x<D>(o, s, vs);  // O += P·V
+    mma_p_x<__nv_bfloat16, kBandKeys, D>(o, s, vs);  // O += P·V
     __syncthreads();  // this stage is read: the tile after next may be copied into it
   }
   // The rows' sums over the quad, the band's lse, and the merge with the distant part.
@@ -342,8 +324,8 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dkdv(BandBwdParams p) {
         s[nt][e] = pe;
         dp[nt][e] = pe * (dp[nt][e] - dd_s[c]);
       }
-    mma_p_x<D>(dv, s, dos);  // dV += Pᵀ·dO
-    mma_p_x<D>(dk, dp, qs);  // dK += dSᵀ·Q (scaled at the end)
+    mma_p_x<__nv_bfloat16, kBandKeys, D>(dv, s, dos);  // dV += Pᵀ·dO
+    mma_p_x<__nv_bfloat16, kBandKeys, D>(dk, dp, qs);  // dK += dSᵀ·Q (scaled at the end)
     __syncthreads();  // this stage is read: the tile after next may be copied into it
   }
   store_rows<D>(dv, 1.f, nullptr, 0, p.dv, b, h, key0, p.T, p.H);
@@ -396,7 +378,7 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dq(BandBwdParams p) {
         const float pe = in_band(i, j, p.w, p.T) ? __expf(s[nt][e] * p.scale - lse[r]) : 0.f;
         dp[nt][e] = pe * (dp[nt][e] - dd[r]);
       }
-    mma_p_x<D>(dq, dp, ks);  // dQ += dS·K (scaled at the end)
+    mma_p_x<__nv_bfloat16, kBandKeys, D>(dq, dp, ks);  // dQ += dS·K (scaled at the end)
     __syncthreads();  // this stage is read: the tile after next may be copied into it
   }
   store_rows<D>(dq, p.scale, &p.far_dq, p.w, p.dq, b, h, row0, p.T, p.H);

@@ -10,17 +10,7 @@
 #pragma once
 #include "half.cuh"
 #include <cmath>
-#include <cstring>
 #include <type_traits>
-
-// Two bf16 in one 32-bit register, `lo` in the low half.
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat16 a = from_f<__nv_bfloat16>(lo), b = from_f<__nv_bfloat16>(hi);
-  uint16_t x, y;
-  memcpy(&x, &a, 2);
-  memcpy(&y, &b, 2);
-  return uint32_t(x) | (uint32_t(y) << 16);
-}
 
 // Two 16-bit values of type T (bf16 or fp16) in one 32-bit register, `lo` in the low half.
 template <typename T>
@@ -138,4 +128,23 @@ __device__ __forceinline__ void online_softmax(float s[NS][4], float m[2], float
       s[nt][e] = pe;
       l[e / 2] += pe;
     }
+}
+
+// acc (16 × D) += P (16 × K: K / 8 C fragments of scores, packed to T here as the A operand) · X
+// (K × D, rows of a shared tile D + 8 values apart). X's B fragments of columns d and d + 1 by one
+// transposing ldmatrix (matrices 0 / 1: rows kc·16 + 0–7 / 8–15 of column block d; 2 / 3: of d + 1).
+template <typename T, int K, int D>
+__device__ __forceinline__ void mma_p_x(float acc[D / 8][4], const float p[K / 8][4], const T* xs) {
+  constexpr int LD = D + 8;
+  const int lane = threadIdx.x % 32, row = lane % 8 + 8 * ((lane / 8) % 2), col = 8 * (lane / 16);
+  for (int kc = 0; kc < K / 16; ++kc) {
+    const uint32_t pa[4] = {pack_pair<T>(p[2 * kc][0], p[2 * kc][1]), pack_pair<T>(p[2 * kc][2], p[2 * kc][3]),
+                            pack_pair<T>(p[2 * kc + 1][0], p[2 * kc + 1][1]), pack_pair<T>(p[2 * kc + 1][2], p[2 * kc + 1][3])};
+    for (int d = 0; d < D / 8; d += 2) {
+      uint32_t xb[4];
+      ldmatrix_x4_trans(xb, xs + (kc * 16 + row) * LD + d * 8 + col);
+      mma_16816<T>(acc[d], pa, xb);
+      mma_16816<T>(acc[d + 1], pa, xb + 2);
+    }
+  }
 }
