@@ -136,8 +136,9 @@ for what in "${@:-all}"; do
       # slots by 16-byte loads, or scalar with ATTNLAB_STEP_SCALAR=1; the latents four slots at a time
       # with ATTNLAB_STEP_BATCHED=1, and without the kr matmul with ATTNLAB_STEP_ROPE=absorbed; `fresh`:
       # absorbed, and the new token written by the combine kernel, ATTNLAB_STEP_FRESH=1; `mma`: the
-      # latents on the tensor cores, every head of a chunk in one block, ATTNLAB_STEP_MMA=1; FUSED_MODES
-      # picks, `scalar` too) vs the aten step
+      # latents on the tensor cores, every head of a chunk in one block, ATTNLAB_STEP_MMA=1, which `1`
+      # (the default step) takes from 8,192 latent slots on; `loops`: never, ATTNLAB_STEP_MMA=0;
+      # FUSED_MODES picks, `scalar` too) vs the aten step
       # (ATTNLAB_FUSED_STEP=0: DAR's rebuilt keys below 32K slots, the absorbed read above), all
       # graphed, interleaved: vanilla, window, DAR, uniform.
       GL=${GRAPH_LENGTHS:-1024,4096,16384,65536}
@@ -145,6 +146,7 @@ for what in "${@:-all}"; do
         for g in ${FUSED_MODES:-1 batched absorbed fresh 0}; do
           unset ATTNLAB_STEP_SCALAR ATTNLAB_STEP_BATCHED ATTNLAB_STEP_ROPE ATTNLAB_STEP_FRESH ATTNLAB_STEP_MMA
           [ $g = mma ] && export ATTNLAB_STEP_MMA=1
+          [ $g = loops ] && export ATTNLAB_STEP_MMA=0
           [ $g = scalar ] && export ATTNLAB_STEP_SCALAR=1
           [ $g = batched ] && export ATTNLAB_STEP_BATCHED=1
           [ $g = absorbed ] && export ATTNLAB_STEP_ROPE=absorbed
@@ -190,7 +192,8 @@ PYEOF
       PA=${PREFILL_ATTENTION:-vanilla,dar,uniform,window,still-budget,lolcats}
       run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $PL --attention $PA --new-tokens 16 --repeats 2 \
         | grep '^{' >> "$OUT/prefill.jsonl"
-      # The same with cuDNN (SDPA / split-merge-cudnn) instead of flash from 16K on (vanilla, DAR).
+      # The default takes flash below 32K keys and cuDNN from there (attention::PREFILL_CUDNN_FROM);
+      # here cuDNN (SDPA / split-merge-cudnn) from 16K on (vanilla, DAR).
       ATTNLAB_PREFILL_SDPA_FROM=16384 run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths 16384,65536 --attention vanilla,dar \
         --new-tokens 16 --repeats 2 | grep '^{' >> "$OUT/prefill_cudnn.jsonl"
       (cd .gpu/bench && PYTHONUNBUFFERED=1 run $PY hf_decode.py --lengths $PL --new 16) | grep '^{' >> "$OUT/prefill_peer.jsonl" ;;

@@ -10,6 +10,11 @@
 
 namespace {
 
+// Latent slots from which the tensor-core path reads DAR's and uniform's latents unless
+// ATTNLAB_STEP_MMA says (the launcher's comment gives the timings): a decode span of 8,192, a 4K
+// context's, is where the two paths tie.
+constexpr int64_t kMmaFromSlots = 8192;
+
 template <typename T, int G>
 void launch_partial(const Params& p, int B, size_t smem, cudaStream_t stream) {
   auto kernel = step_partial<T, G>;
@@ -96,12 +101,15 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     // on a GPU.
     const char* rope = std::getenv("ATTNLAB_STEP_ROPE");
     bool absorb_rope = !scalar_loops && rope && std::strcmp(rope, "absorbed") == 0;
-    // ATTNLAB_STEP_MMA=1: the latents by step_latent_mma (all query heads of a row in one block, the
-    // scores and Σ p·c on the tensor cores; attend_step.cuh), right on the CPU, not yet run on a GPU.
-    // It reads kr, so it takes precedence over ATTNLAB_STEP_ROPE=absorbed; shapes it does not take
-    // (r not built: latent_mma_kernel, unaligned latent rows) keep the loops above.
+    // The latents by step_latent_mma (all query heads of a row in one block, the scores and Σ p·c on
+    // the tensor cores; attend_step.cuh) from kMmaFromSlots latent slots on, or always / never with
+    // ATTNLAB_STEP_MMA=1 / 0. One H100, Pythia-70M shape, graphed decode, × the loops: 0.90 / 0.92 at
+    // 1K (DAR / uniform, 2,048 slots), 1.00 / 1.03 at 4K (8,192), 1.06 / 1.10 at 16K, 2.17 / 2.29 at
+    // 64K (BENCHMARKS.md, results/bench/2026-12-06d-h100/decode_fused*.jsonl). It reads kr, so it
+    // takes precedence over ATTNLAB_STEP_ROPE=absorbed; shapes it does not take (r not built:
+    // latent_mma_kernel, unaligned latent rows) keep the loops above.
     const char* mma_env = std::getenv("ATTNLAB_STEP_MMA");
-    bool use_mma = mma_env && std::strcmp(mma_env, "1") == 0;
+    bool use_mma = false;
     p.batched = !scalar_loops && (absorb_rope || std::getenv("ATTNLAB_STEP_BATCHED") != nullptr);
     p.q = q.data_ptr();
     p.q_sb = q.stride(0);
@@ -198,7 +206,7 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
       const bool rows_aligned = p.c_sb % 8 == 0 && p.c_ss % 8 == 0 && reinterpret_cast<uintptr_t>(p.c) % 16 == 0 &&
                                 (!p.new_c || (reinterpret_cast<uintptr_t>(p.new_c) % 16 == 0 && p.nc_sb % 8 == 0));
       const bool mma_built = q.scalar_type() == at::kBFloat16 ? latent_mma_kernel<__nv_bfloat16>(r) != nullptr : latent_mma_kernel<__half>(r) != nullptr;
-      use_mma = use_mma && rows_aligned && mma_built && mma_smem_bytes(r, rotated) <= 200 * 1024;
+      use_mma = (mma_env ? std::strcmp(mma_env, "1") == 0 : S >= kMmaFromSlots) && rows_aligned && mma_built && mma_smem_bytes(r, rotated) <= 200 * 1024;
       if (use_mma) absorb_rope = false;
       // The batched loop holds a slot's latent in its lanes' registers: r ≤ 256.
       if (r > 256) p.batched = 0;

@@ -14,7 +14,8 @@
 // The partial kernel: one block per (row b, kv head, chunk of slots, distant or full-width); four
 // warps each take every fourth slot with an online softmax, then merge. It writes (max, sum) and
 // Σ p·c_s (distant, r wide) or Σ p·v_j (full width, hd wide), unnormalised.
-// Or, ATTNLAB_STEP_MMA=1 (MLA-style: a latent is shared by every head of the layer), the distant
+// Or, from 8,192 latent slots on (attend_step.cu: kMmaFromSlots; ATTNLAB_STEP_MMA=1 / 0: always /
+// never; MLA-style: a latent is shared by every head of the layer), the distant
 // chunks by step_latent_mma and only the full-width ones by step_partial (from chunk0 = nchunks on):
 // step_qw computes qw and β of every head once a step (fp32), then one block per (chunk, b, 16 query
 // heads) reads each latent of its chunk once for all its heads. Its four warps take 16-slot tiles

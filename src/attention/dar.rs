@@ -406,9 +406,17 @@ impl LayerOp for DarLayer {
 pub fn dar(q: &Tensor, kl: &Tensor, vl: &Tensor, kg: &Tensor, vg: &Tensor, window: i64, imp: AttentionImpl) -> Tensor {
     let t = q.size()[2];
     let imp = match imp {
-        // cuDNN's global part with the fused merge trains fastest (1.83 vs 1.99 ms unfused at T 2048,
-        // and it passes bench --check on the GPU); without a gradient, flash needs no plan per shape.
-        AttentionImpl::Auto if split_merge_supported(q) && super::needs_grad(&[q, kl, vl, kg, vg]) => AttentionImpl::SplitMergeFused,
+        // Training: cuDNN's distant part with the local band and the merge in our kernels (one H100:
+        // 1.620 vs 1.657 ms split-merge-fused at T 2048, 4.128 vs 4.223 at T 4096; training 1.000–1.002×;
+        // both pass bench --check), else with the merge fused (1.83 vs 1.99 ms unfused). Without a
+        // gradient, flash needs no plan per shape.
+        AttentionImpl::Auto if split_merge_supported(q) && super::needs_grad(&[q, kl, vl, kg, vg]) => {
+            if kernels::cuda::band_available(&[q, kl, vl, kg, vg]) {
+                AttentionImpl::SplitMergeBand
+            } else {
+                AttentionImpl::SplitMergeFused
+            }
+        }
         AttentionImpl::Auto if split_merge_supported(q) && super::cudnn_for_long_prefill(t) => AttentionImpl::SplitMergeCudnn,
         AttentionImpl::Auto if split_merge_supported(q) => AttentionImpl::SplitMerge,
         AttentionImpl::Auto if band_split_pays(q, window) => AttentionImpl::BandSplit,

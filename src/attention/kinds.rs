@@ -27,8 +27,9 @@ pub enum LineStyle {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum AttentionImpl {
-    /// Fastest available: on CUDA (bf16/fp16, head dim a multiple of 8, ≤ 256) split-merge-fused when
-    /// training, split-merge (flash) at inference; on the CPU (fp32 / fp64) band-split where T ≥ 256
+    /// Fastest available: on CUDA (bf16/fp16, head dim a multiple of 8, ≤ 256) split-merge-band when
+    /// training where it takes the inputs, else split-merge-fused; split-merge (flash) at inference,
+    /// split-merge-cudnn from 32K keys on; on the CPU (fp32 / fp64) band-split where T ≥ 256
     /// and w ≤ T/16 (measured faster there); masked SDPA otherwise.
     #[default]
     Auto,
@@ -42,13 +43,13 @@ pub enum AttentionImpl {
     /// As split-merge, with cuDNN attention for the global part.
     SplitMergeCudnn,
     /// Split-merge with cuDNN, the merge in one pass in place (bf16 out, log-sum-exp kept) and
-    /// dK_g / dV_g by one padded write (issue 28); `auto`'s choice for training since it passes
-    /// `bench --check` on the GPU (issue 33).
+    /// dK_g / dV_g by one padded write (issue 28); `auto`'s choice for training where
+    /// split-merge-band does not take the inputs.
     SplitMergeFused,
     /// Split-merge with cuDNN for the distant part and our band kernels for the local part, the merge
     /// in the band's epilogue and dQ's scatter-add in its backward (csrc/cuda/dar_band.cu; issue 35;
-    /// CUDA, bf16, head dim 64 / 128, with the kernel library; else split-merge-fused). Not `auto`'s
-    /// choice until `bench --check` passes it on a GPU and it measures faster.
+    /// CUDA, bf16, head dim 64 / 128, with the kernel library; else split-merge-fused). `auto`'s
+    /// choice for training: it passes `bench --check` on a GPU and is the fastest op (issue 35).
     SplitMergeBand,
     /// CPU (fp32 / fp64): the local band by blocks of queries against the keys their band touches,
     /// the distant keys by the CPU flash kernel (causal over the shifted sequences), merged by

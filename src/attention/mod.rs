@@ -42,11 +42,25 @@ pub use vanilla::causal;
 use tch::{Device, Kind, Tensor};
 
 /// Whether an inference call over `t` keys takes cuDNN (through SDPA / split-merge-cudnn) instead of
-/// flash: only with `ATTNLAB_PREFILL_SDPA_FROM=N` and t ≥ N (issue 34: a warm cuDNN may beat flash on
-/// long prefills, a first call pays its plan; `gpu_bench.sh prefill` measures both). Off by default.
+/// flash: from [`PREFILL_CUDNN_FROM`] keys on, or as `ATTNLAB_PREFILL_SDPA_FROM` says (N, or `off`).
 pub fn cudnn_for_long_prefill(t: i64) -> bool {
     static FROM: std::sync::OnceLock<Option<i64>> = std::sync::OnceLock::new();
-    FROM.get_or_init(|| std::env::var("ATTNLAB_PREFILL_SDPA_FROM").ok().and_then(|v| v.parse().ok())).is_some_and(|n| t >= n)
+    FROM.get_or_init(|| prefill_cudnn_from(std::env::var("ATTNLAB_PREFILL_SDPA_FROM").ok().as_deref())).is_some_and(|n| t >= n)
+}
+
+/// A warm cuDNN beats flash on long prefills and a process's first call at a shape pays its plan
+/// (one H100, Pythia-70M shape, warm / first call, seconds: vanilla 0.0069 / 0.538 vs flash 0.0093 at
+/// 16K, 0.064 / 0.116 vs 0.094 at 64K; `gpu_bench.sh prefill`, results/bench/2026-12-06d-h100/). From
+/// 32K keys on, one call repays the plan.
+pub const PREFILL_CUDNN_FROM: i64 = 32768;
+
+/// `ATTNLAB_PREFILL_SDPA_FROM`'s value: unset, the default; `off`, never; else the first length.
+fn prefill_cudnn_from(var: Option<&str>) -> Option<i64> {
+    match var.map(str::trim) {
+        None | Some("") => Some(PREFILL_CUDNN_FROM),
+        Some("off") => None,
+        Some(v) => Some(v.parse().unwrap_or_else(|_| panic!("ATTNLAB_PREFILL_SDPA_FROM={v:?}: expected a number of keys or `off`"))),
+    }
 }
 
 /// Whether autograd will ask for a gradient through any of `ts` (false at inference, under no_grad).
@@ -164,6 +178,17 @@ pub(crate) mod tests {
     pub(crate) fn grads_of(out: &Tensor, go: &Tensor, wrt: &[Tensor]) -> Vec<Tensor> {
         let gs = Tensor::run_backward(&[(out * go).sum(Kind::Double)], &wrt.iter().collect::<Vec<_>>(), true, false);
         gs.into_iter().zip(wrt).map(|(g, x)| if g.defined() { g } else { x.zeros_like() }).collect()
+    }
+
+    /// The long-prefill switch: the default when unset, never with `off`, the caller's length, and a
+    /// clear refusal of anything else.
+    #[test]
+    fn prefill_cudnn_from_reads_its_variable() {
+        assert_eq!(prefill_cudnn_from(None), Some(PREFILL_CUDNN_FROM));
+        assert_eq!(prefill_cudnn_from(Some("off")), None);
+        assert_eq!(prefill_cudnn_from(Some(" 16384 ")), Some(16384));
+        let bad = std::panic::catch_unwind(|| prefill_cudnn_from(Some("16k"))).unwrap_err();
+        assert!(bad.downcast_ref::<String>().is_some_and(|m| m.contains("ATTNLAB_PREFILL_SDPA_FROM=\"16k\"")));
     }
 
     /// SDPA over concatenated keys equals the explicit oracle, outputs and every input gradient,

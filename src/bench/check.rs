@@ -597,13 +597,14 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         // The step's loops (csrc/cuda/attend_step.cu): the default, one slot per warp everywhere
         // (ATTNLAB_STEP_SCALAR), the latents four slots at a time (ATTNLAB_STEP_BATCHED), and those
         // with RoPE absorbed into the query (ATTNLAB_STEP_ROPE=absorbed), and every head's scores
-        // over a chunk of latents as one tensor-core product (ATTNLAB_STEP_MMA), whether or not
-        // decoding takes the fused step by default.
+        // over a chunk of latents as one tensor-core product (ATTNLAB_STEP_MMA; the default from
+        // 8,192 latent slots on, so the loops' rows say =0), whether or not decoding takes the fused
+        // step by default.
         let loops: [(&str, &[(&str, &str)]); 5] = [
             ("", &[]),
-            ("-scalar", &[("ATTNLAB_STEP_SCALAR", "1")]),
-            ("-batched", &[("ATTNLAB_STEP_BATCHED", "1")]),
-            ("-rope-absorbed", &[("ATTNLAB_STEP_ROPE", "absorbed")]),
+            ("-scalar", &[("ATTNLAB_STEP_SCALAR", "1"), ("ATTNLAB_STEP_MMA", "0")]),
+            ("-batched", &[("ATTNLAB_STEP_BATCHED", "1"), ("ATTNLAB_STEP_MMA", "0")]),
+            ("-rope-absorbed", &[("ATTNLAB_STEP_ROPE", "absorbed"), ("ATTNLAB_STEP_MMA", "0")]),
             ("-mma", &[("ATTNLAB_STEP_MMA", "1")]),
         ];
         with_env(&[("ATTNLAB_FUSED_STEP", "1")], || {
@@ -645,7 +646,7 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         });
         let fresh = [
             (&["vanilla", "window", "dar", "uniform"][..], "-fresh", &[("ATTNLAB_STEP_FRESH", "1")][..]),
-            (&["dar", "uniform"], "-absorbed-fresh", &[("ATTNLAB_STEP_FRESH", "1"), ("ATTNLAB_STEP_ROPE", "absorbed")]),
+            (&["dar", "uniform"], "-absorbed-fresh", &[("ATTNLAB_STEP_FRESH", "1"), ("ATTNLAB_STEP_ROPE", "absorbed"), ("ATTNLAB_STEP_MMA", "0")]),
             (&["dar", "uniform"], "-mma", &[("ATTNLAB_STEP_FRESH", "0"), ("ATTNLAB_STEP_MMA", "1")]),
             (&["dar", "uniform"], "-mma-fresh", &[("ATTNLAB_STEP_FRESH", "1"), ("ATTNLAB_STEP_MMA", "1")]),
         ];
