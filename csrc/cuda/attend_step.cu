@@ -272,7 +272,8 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     const int grid = B * H;
     const void* bvptr = bv && cp ? bvc.data_ptr() : nullptr;
     const void* wvptr = out_in_combine && cp ? wvp->data_ptr() : nullptr;
-    const size_t combine_smem = out_in_combine ? r * sizeof(float) : 0;
+    const size_t combine_smem = combine_smem_bytes(p.nchunks + p.nring, r, out_in_combine);
+    TORCH_CHECK(combine_smem <= 48 * 1024, "attend_step: ", p.nchunks + p.nring, " chunks to combine (more than its shared memory holds)");
     auto ptr_or_null = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
     if (q.scalar_type() == at::kBFloat16) {
       using T = __nv_bfloat16;

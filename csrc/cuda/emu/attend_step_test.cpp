@@ -315,7 +315,7 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
   if (p.rope_absorbed) {
     // The combine kernel applies Wv itself and writes [B, H, hd].
     std::vector<T> o(size_t(k.B) * k.H * k.hd);
-    emu::launch(step_combine<T>, dim3(k.B * k.H), dim3(kThreads), size_t(p.r) * sizeof(float), (const float*)p.ml, (const float*)p.acc,
+    emu::launch(step_combine<T>, dim3(k.B * k.H), dim3(kThreads), combine_smem_bytes(p.nchunks + p.nring, p.r, true), (const float*)p.ml, (const float*)p.acc,
                 (const float*)p.accv, (const void*)(k.bias ? in.bv.dev.data() : nullptr), k.B, k.H, G, p.r, k.hd, p.nchunks, p.nring, (T*)nullptr,
                 (T*)nullptr, (const void*)(k.S ? in.wv.dev.data() : nullptr), o.data(), cw);
     for (size_t i = 0; i < o.size(); ++i) out[i] = emu_test::from_half(o[i]);
@@ -327,7 +327,7 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
     return out;
   }
   std::vector<T> pc(size_t(k.Hkv) * k.B * G * p.r), extra(size_t(k.Hkv) * k.B * G * k.hd);
-  emu::launch(step_combine<T>, dim3(k.B * k.H), dim3(kThreads), 0, (const float*)p.ml, (const float*)p.acc, (const float*)p.accv,
+  emu::launch(step_combine<T>, dim3(k.B * k.H), dim3(kThreads), combine_smem_bytes(p.nchunks + p.nring, p.r, false), (const float*)p.ml, (const float*)p.acc, (const float*)p.accv,
               (const void*)(k.bias ? in.bv.dev.data() : nullptr), k.B, k.H, G, p.r, k.hd, p.nchunks, p.nring, k.S ? pc.data() : (T*)nullptr,
               extra.data(), (const void*)nullptr, (T*)nullptr, cw);
   // The launcher's baddbmm: [Hkv, B·g, hd] = extra + pc · Wvᵀ, in the 16-bit type, then [B, H, hd].
@@ -423,6 +423,12 @@ bool all_cases() {
       // 18 heads over 6: two 16-head tiles, the second with two rows.
       {.name = "DAR (18 heads over 6)", .B = 1, .H = 18, .Hkv = 6, .hd = 32, .W = 16, .keep = 16, .S = 70, .r = 32, .rot = 16, .window = 16,
        .bias = true, .newest = 69, .pad = {0}, .mma_chunk = 32, .mma_only = true},
+      // More chunks than the combine kernel has threads (150 of one slot; a thread reduces two), the
+      // first 40 left of the pad: chunks that saw no slot.
+      {.name = "vanilla, 150 chunks", .B = 1, .H = 2, .Hkv = 2, .hd = 64, .W = 150, .keep = 0, .newest = 145, .pad = {40}, .ring_chunk = 1},
+      // 140 latent chunks of one slot, r 32 (four stripes of chunks in the combine kernel).
+      {.name = "DAR, 140 latent chunks", .B = 1, .H = 2, .Hkv = 2, .hd = 64, .W = 8, .keep = 8, .S = 140, .r = 32, .rot = 16, .window = 8,
+       .bias = true, .newest = 139, .pad = {0}, .chunk = 1, .mma_chunk = 16},
   };
   bool ok = true;
   unsigned seed = 1;
