@@ -138,7 +138,9 @@ for what in "${@:-all}"; do
       # absorbed, and the new token written by the combine kernel, ATTNLAB_STEP_FRESH=1; `mma`: the
       # latents on the tensor cores, every head of a chunk in one block, ATTNLAB_STEP_MMA=1, which `1`
       # (the default step) takes from 8,192 latent slots on; `loops`: never, ATTNLAB_STEP_MMA=0;
-      # FUSED_MODES picks, `scalar` too) vs the aten step
+      # `writes`: the new token handed over fresh alone, ATTNLAB_STEP_FRESH=1, DAR's and uniform's
+      # caches written by the combine kernel instead of index_copy; FUSED_MODES picks, `scalar` too)
+      # vs the aten step
       # (ATTNLAB_FUSED_STEP=0: DAR's rebuilt keys below 32K slots, the absorbed read above), all
       # graphed, interleaved: vanilla, window, DAR, uniform.
       GL=${GRAPH_LENGTHS:-1024,4096,16384,65536}
@@ -147,6 +149,7 @@ for what in "${@:-all}"; do
           unset ATTNLAB_STEP_SCALAR ATTNLAB_STEP_BATCHED ATTNLAB_STEP_ROPE ATTNLAB_STEP_FRESH ATTNLAB_STEP_MMA
           [ $g = mma ] && export ATTNLAB_STEP_MMA=1
           [ $g = loops ] && export ATTNLAB_STEP_MMA=0
+          [ $g = writes ] && export ATTNLAB_STEP_FRESH=1
           [ $g = scalar ] && export ATTNLAB_STEP_SCALAR=1
           [ $g = batched ] && export ATTNLAB_STEP_BATCHED=1
           [ $g = absorbed ] && export ATTNLAB_STEP_ROPE=absorbed
