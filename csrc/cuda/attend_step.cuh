@@ -34,6 +34,7 @@
 // Device code only (no ATen, no launches): csrc/cuda/emu runs it on the CPU in `make test`;
 // csrc/cuda/attend_step.cu launches it.
 #pragma once
+#include "block.cuh"
 #include "mma.cuh"
 #include <cmath>
 #include <cstdint>
@@ -769,23 +770,6 @@ struct CacheWrite {
   const int64_t* pos;
 };
 
-// The block's max (kMax) or sum of x, every thread gets it; `red` holds kWarps floats. Its barriers
-// also publish the shared writes made before it.
-template <bool kMax>
-__device__ __forceinline__ float combine_reduce(float x, float* red) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffff, x, off);
-    x = kMax ? fmaxf(x, y) : x + y;
-  }
-  __syncthreads();  // red may still be read from the previous call
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
-  __syncthreads();
-  float r = red[0];
-  for (int w = 1; w < kWarps; ++w) r = kMax ? fmaxf(r, red[w]) : r + red[w];
-  return r;
-}
-
 // Σ_c w[c]·x[c·width + j] over c < count, for every j < width, by all the block's threads: where
 // width < kThreads, kThreads / width stripes of chunks each, summed through `part` [kThreads]. The
 // loads of a thread's chunks are independent (no branch: a chunk that saw no slot has weight 0 and
@@ -810,7 +794,7 @@ __device__ __forceinline__ void chunk_sum(const float* w, const float* x, int co
     }
     part[threadIdx.x] = s;
     __syncthreads();
-    if (threadIdx.x < width) {
+    if ((int)threadIdx.x < width) {
       float t = 0.f;
       for (int k = 0; k < stripes; ++k) t += part[k * width + threadIdx.x];
       emit(threadIdx.x, t);
@@ -848,7 +832,7 @@ __global__ void __launch_bounds__(kThreads) step_combine(const float* ml, const 
   const float* m = ml + (int64_t)head * n * 2;
   float mx = -INFINITY;
   for (int c = threadIdx.x; c < n; c += kThreads) mx = fmaxf(mx, m[2 * c]);
-  const float M = combine_reduce<true>(mx, red);
+  const float M = block_reduce<kThreads, true>(mx, red);
   float l = 0.f, f = 0.f;
   for (int c = threadIdx.x; c < n; c += kThreads) {
     const float e = m[2 * c] == -INFINITY ? 0.f : __expf(m[2 * c] - M);
@@ -856,8 +840,8 @@ __global__ void __launch_bounds__(kThreads) step_combine(const float* ml, const 
     l += e * m[2 * c + 1];
     if (c < nchunks) f += e * m[2 * c + 1];
   }
-  const float L = combine_reduce<false>(l, red);
-  const float far = combine_reduce<false>(f, red);
+  const float L = block_reduce<kThreads, false>(l, red);
+  const float far = block_reduce<kThreads, false>(f, red);
   const float inv = L > 0.f ? 1.f / L : 0.f;
   const int64_t row = (((int64_t)kvh * B + b) * g + hg);
   if (pc || wv) {

@@ -13,6 +13,7 @@
 //
 // Device code only: csrc/cuda/emu runs it on the CPU in `make test`; csrc/cuda/hybrid_step.cu launches it.
 #pragma once
+#include "block.cuh"
 #include "half.cuh"
 #include <cmath>
 #include <cstdint>
@@ -44,21 +45,6 @@ struct MixParams {
   int linear, compensate;
   void* y;  // [B, H, 1, D] contiguous, q's dtype
 };
-
-// The block's max / sum of x (every thread gets it); `red` holds kMixThreads / 32 floats.
-template <bool kMax>
-__device__ __forceinline__ float block_reduce(float x, float* red) {
-  for (int off = 16; off > 0; off >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffff, x, off);
-    x = kMax ? fmaxf(x, y) : x + y;
-  }
-  __syncthreads();  // red may still be read from the previous call
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
-  __syncthreads();
-  float r = red[0];
-  for (int w = 1; w < kMixThreads / 32; ++w) r = kMax ? fmaxf(r, red[w]) : r + red[w];
-  return r;
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
@@ -94,7 +80,7 @@ __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
     e[i] = s;
     mx = fmaxf(mx, s);
   }
-  const float m = block_reduce<true>(mx, red);
+  const float m = block_reduce<kMixThreads, true>(mx, red);
   float part = 0.f;
   for (int i = threadIdx.x; i < n; i += kMixThreads) {
     const float x = e[i] == -INFINITY ? 0.f : __expf(e[i] - m);
@@ -102,7 +88,7 @@ __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
     part += x;
   }
   const float gam = p.gamma ? p.gamma[h] : 1.f;
-  const float z_sm = block_reduce<false>(part, red) * gam;  // its barriers also publish e[]
+  const float z_sm = block_reduce<kMixThreads, false>(part, red) * gam;  // its barriers also publish e[]
   float z_lin = 0.f;
   if (p.linear) {
     const float* z = p.z + ((int64_t)b * p.H + h) * p.F;

@@ -1,0 +1,26 @@
+// Block-wide reductions for the decode kernels (csrc/cuda/attend_step.cuh, hybrid_step.cuh): device
+// code only, all inline; csrc/cuda/emu runs it on the CPU.
+#pragma once
+#include <cmath>
+
+namespace {
+
+// The block's max (kMax) or sum of x over its kThreadsN threads (a multiple of 32); every thread
+// gets it. `red` holds kThreadsN / 32 floats of shared memory. Its barriers also publish the shared
+// writes made before it.
+template <int kThreadsN, bool kMax>
+__device__ __forceinline__ float block_reduce(float x, float* red) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffff, x, off);
+    x = kMax ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads();  // red may still be read from the previous call
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = red[0];
+  for (int w = 1; w < kThreadsN / 32; ++w) r = kMax ? fmaxf(r, red[w]) : r + red[w];
+  return r;
+}
+
+}  // namespace
