@@ -435,9 +435,9 @@ bool all_cases() {
   const std::vector<Case> many_chunks = {
       // More chunks than the combine kernel has threads (150 of one slot; a thread reduces two), all
       // but the last 21 left of the pad: chunks that saw no slot, the visible ones past thread 127.
-      {.name = "vanilla, 150 chunks", .B = 1, .H = 2, .Hkv = 2, .hd = 64, .W = 150, .keep = 0, .newest = 145, .pad = {125}, .ring_chunk = 1},
+      {.name = "vanilla, 150 chunks", .B = 1, .H = 1, .Hkv = 1, .hd = 32, .W = 150, .keep = 0, .newest = 145, .pad = {125}, .ring_chunk = 1},
       // 140 latent chunks of one slot, r 32 (four stripes of chunks in the combine kernel), 7 visible.
-      {.name = "DAR, 140 latent chunks", .B = 1, .H = 2, .Hkv = 2, .hd = 64, .W = 8, .keep = 8, .S = 140, .r = 32, .rot = 16, .window = 8,
+      {.name = "DAR, 140 latent chunks", .B = 1, .H = 1, .Hkv = 1, .hd = 32, .W = 8, .keep = 8, .S = 140, .r = 32, .rot = 16, .window = 8,
        .bias = true, .newest = 139, .pad = {125}, .chunk = 1, .mma_chunk = 16},
   };
   for (const auto& k : many_chunks) ok &= check<__nv_bfloat16>(k, "bf16", seed++);
