@@ -63,12 +63,12 @@ cuda-emu-test: target/cuda-emu-test
 target/cuda-emu-test: csrc/cuda/*.cuh csrc/cuda/emu/*
 	mkdir -p target
 	$(CXX) -std=c++20 -O2 -pthread -fno-strict-aliasing -Wall -Wno-unknown-pragmas -o $@ csrc/cuda/emu/*.cpp
-# The same tests under AddressSanitizer + UBSan (about 3 min, not part of `make test`): a kernel that
-# reads or writes outside its buffers fails here; run it after changing a kernel's indexing.
+# The same tests under AddressSanitizer + UBSan (about 10 min on 2 cores, not part of `make test`): a
+# kernel that reads or writes outside its buffers fails here; run it after changing a kernel's indexing.
 cuda-emu-asan:
 	mkdir -p target
 	$(CXX) -std=c++20 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -pthread -fno-strict-aliasing -Wall -Wno-unknown-pragmas -o target/cuda-emu-asan csrc/cuda/emu/*.cpp
-	./target/cuda-emu-asan
+	CUDA_EMU_ALARM_S=1200 ./target/cuda-emu-asan
 
 # Regenerate the Hugging Face parity fixture (needs torch + transformers in .venv-fixture).
 fixture:

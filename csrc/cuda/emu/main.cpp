@@ -36,19 +36,23 @@ static bool conversions() {
 static emu_test::Register conversions_test("cuda_emu: bf16 / fp16 conversions by their bits", conversions);
 
 static const char* running = "";
+// Seconds a test (all three schedules) may take before it counts as a deadlock: 300, or
+// CUDA_EMU_ALARM_S (the AddressSanitizer build runs several times slower).
+static unsigned alarm_s = 300;
 
 static void on_alarm(int) {
-  std::fprintf(stderr, "cuda-emu: %s did not finish in 300 s: a deadlock (a shuffle or __syncthreads not every thread reaches)?\n", running);
+  std::fprintf(stderr, "cuda-emu: %s did not finish in %u s: a deadlock (a shuffle or __syncthreads not every thread reaches)?\n", running, alarm_s);
   std::_Exit(2);
 }
 
 int main(int argc, char** argv) {
   std::signal(SIGALRM, on_alarm);
+  if (const char* v = std::getenv("CUDA_EMU_ALARM_S")) alarm_s = static_cast<unsigned>(std::strtoul(v, nullptr, 10));
   int failed = 0, ran = 0;
   for (auto& t : emu_test::registry()) {
     if (argc > 1 && std::string(t.name).find(argv[1]) == std::string::npos) continue;
     running = t.name;
-    alarm(300);
+    alarm(alarm_s);
     std::printf("%s\n", t.name);
     std::fflush(stdout);
     emu::jitter = 0;
