@@ -138,6 +138,9 @@ else:  # jobs before 2026-12-06: rows tagged ln_kernel / heads_kernel, baseline 
                  lambda v: {(0, 0): "aten", (1, 0): "LayerNorm kernel", (0, 1): "heads kernel", (1, 1): "both"}[v])
 _ratio_table("DAR training, band kernels vs split-merge-fused (train_band.jsonl):", rows("train_band.jsonl"),
              lambda r: r.get("impl", "?"), "split-merge-fused", lambda v: v)
+for _att in dict.fromkeys(r["attention"] for r in rows("train_rms.jsonl")):
+    _ratio_table(f"{_att} training, RMSNorm kernel vs aten's (train_rms.jsonl):", [r for r in rows("train_rms.jsonl") if r["attention"] == _att],
+                 lambda r: r.get("rms", 0), 0, lambda v: "RMSNorm kernel" if v else "aten")
 
 fused = {p.stem.replace("decode_fused", "") or "?": rows(p.name) for p in sorted(out.glob("decode_fused*.jsonl"))}
 if fused:

@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/data/ for ruler (make gpu-data), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|kernels|band|hybrid|decode|graphs|absorb|fused|ruler|prefill|peers|peers410|profile|dprofile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|decode|graphs|absorb|fused|ruler|prefill|peers|peers410|profile|dprofile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -54,6 +54,21 @@ for what in "${@:-all}"; do
             ATTNLAB_LN_KERNEL=$ln ATTNLAB_HEADS_KERNEL=$heads ATTNLAB_CE_HELD=$ce run $A bench experiments/pythia-70m-vanilla.yaml --json --steps 20 --warmup 5 \
               --set model.flavor=pythia-$f --set train.batch_size=$b --set "attention={kind: vanilla}" | grep '^{' \
               | sed "s/^{/{\"variant\":\"$v\",\"repeat\":$r,/" >> "$OUT/train_kernels.jsonl"
+          done
+        done
+      done ;;
+    rms)
+      # RMSNorm by the LayerNorm kernels' RMS form (ATTNLAB_RMS_KERNEL=1) against aten's, interleaved,
+      # RMS_REPEATS (2) rounds: Llama 30M / 120M and OLMo 2 120M training at T 2048, vanilla and DAR
+      # (train_rms.jsonl, rows tagged "rms"). Run `check` first (its rms-norm-kernel rows).
+      for ((r = 0; r < ${RMS_REPEATS:-2}; r++)); do
+        for size in llama-30m:32 llama-120m:16 olmo2-120m:16; do
+          IFS=: read -r f b <<< "$size"
+          for att in "{kind: vanilla}" "{kind: dar, d_down: 128, window: 128}"; do
+            for k in 0 1; do
+              ATTNLAB_RMS_KERNEL=$k run $A bench experiments/pythia-70m-vanilla.yaml --json --steps 20 --warmup 5 --set model.flavor=$f \
+                --set train.batch_size=$b --set "attention=$att" | grep '^{' | sed "s/^{/{\"rms\":$k,\"repeat\":$r,/" >> "$OUT/train_rms.jsonl"
+            done
           done
         done
       done ;;
@@ -138,8 +153,9 @@ for what in "${@:-all}"; do
       # absorbed, and the new token written by the combine kernel, ATTNLAB_STEP_FRESH=1; `mma`: the
       # latents on the tensor cores, every head of a chunk in one block, ATTNLAB_STEP_MMA=1, which `1`
       # (the default step) takes from 8,192 latent slots on; `loops`: never, ATTNLAB_STEP_MMA=0;
-      # `writes`: the new token handed over fresh alone, ATTNLAB_STEP_FRESH=1, DAR's and uniform's
-      # caches written by the combine kernel instead of index_copy; FUSED_MODES picks, `scalar` too)
+      # `copied`: the new token written into the caches by index_copy before the step,
+      # ATTNLAB_STEP_FRESH=0, where the default hands it over fresh to the combine kernel, which
+      # writes it; FUSED_MODES picks, `scalar` too)
       # vs the aten step
       # (ATTNLAB_FUSED_STEP=0: DAR's rebuilt keys below 32K slots, the absorbed read above), all
       # graphed, interleaved: vanilla, window, DAR, uniform.
@@ -149,7 +165,7 @@ for what in "${@:-all}"; do
           unset ATTNLAB_STEP_SCALAR ATTNLAB_STEP_BATCHED ATTNLAB_STEP_ROPE ATTNLAB_STEP_FRESH ATTNLAB_STEP_MMA
           [ $g = mma ] && export ATTNLAB_STEP_MMA=1
           [ $g = loops ] && export ATTNLAB_STEP_MMA=0
-          [ $g = writes ] && export ATTNLAB_STEP_FRESH=1
+          [ $g = copied ] && export ATTNLAB_STEP_FRESH=0
           [ $g = scalar ] && export ATTNLAB_STEP_SCALAR=1
           [ $g = batched ] && export ATTNLAB_STEP_BATCHED=1
           [ $g = absorbed ] && export ATTNLAB_STEP_ROPE=absorbed

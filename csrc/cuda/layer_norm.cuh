@@ -1,4 +1,4 @@
-// LayerNorm from the fp32 residual stream straight to bf16 / fp16 (issue 33; the 410M profile's
+// LayerNorm (and RMSNorm: RMS = true) from the fp32 residual stream straight to bf16 / fp16 (issue 33; the 410M profile's
 // LayerNorms and their casts: ≈ 65 of 430 ms). Under autocast aten runs LayerNorm in fp32 and the
 // next matmul casts its output down, so each LayerNorm reads and writes fp32 and a cast reads it
 // again. Here the forward reads x (fp32) once, takes its statistics in two passes over registers
@@ -80,10 +80,12 @@ bool with_cols(int64_t d, F&& f) {
 
 // Both kernels take a chunk of kRowsPerChunk rows, R = kRowsAtOnce<COLS> at a time; thread t
 // holds columns t, t + kThreads, … (COLS of them, COLS·kThreads ≥ d) of those rows in registers, so
-// every input is read once.
+// every input is read once. RMS = true is Llama's / OLMo 2's RMSNorm, y = x·rstd·γ with rstd =
+// 1/√(mean(x²) + eps): the same kernels with the mean taken as 0 and no β (beta, mean_out, mean and
+// dbeta_part are not read or written, and may be null).
 
 // y = (x − mean)·rstd·γ + β in T, and each row's mean and rstd (two passes over the registers).
-template <typename T, int COLS>
+template <typename T, int COLS, bool RMS = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<COLS>)
     ln_forward(const float* x, const float* gamma, const float* beta, int64_t n, int64_t d, float eps, T* y, float* mean_out, float* rstd_out) {
   constexpr int R = kRowsAtOnce<COLS>;
@@ -101,10 +103,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<COLS>)
         mean[i] += xv[i][k];
       }
     }
-    block_sums(mean, shared);
+    if constexpr (!RMS) block_sums(mean, shared);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      mean[i] /= d;
+      mean[i] = RMS ? 0.f : mean[i] / d;
       var[i] = 0.f;
 #pragma unroll
       for (int k = 0; k < COLS; ++k) {
@@ -120,10 +122,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<COLS>)
 #pragma unroll
       for (int k = 0; k < COLS; ++k) {
         const int64_t c = threadIdx.x + (int64_t)k * kThreads;
-        if (c < d) y[(r + i) * d + c] = from_f<T>((xv[i][k] - mean[i]) * rstd * gamma[c] + beta[c]);
+        if (c < d) y[(r + i) * d + c] = from_f<T>((xv[i][k] - mean[i]) * rstd * gamma[c] + (RMS ? 0.f : beta[c]));
       }
       if (threadIdx.x == 0) {
-        mean_out[r + i] = mean[i];
+        if (!RMS) mean_out[r + i] = mean[i];
         rstd_out[r + i] = rstd;
       }
     }
@@ -132,7 +134,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<COLS>)
 
 //   dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), g = dy·γ, x̂ = (x − mean)·rstd,
 // and dγ += dy·x̂, dβ += dy summed in registers over the chunk, written as the chunk's partial row.
-template <typename T, int COLS>
+// RMSNorm: x̂ = x·rstd and dx = rstd·(g − x̂·mean(g·x̂)) (no mean(g) term: no mean was subtracted).
+template <typename T, int COLS, bool RMS = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<COLS>) ln_backward(const T* dy, const float* x, const float* gamma, const float* mean, const float* rstd,
                                                         int64_t n, int64_t d, float* dx, float* dgamma_part, float* dbeta_part) {
   constexpr int R = kRowsAtOnce<COLS> / 2 > 0 ? kRowsAtOnce<COLS> / 2 : 1;
@@ -151,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<COLS>) ln_backward(const 
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       const bool row = r + i < r1;
-      const float mu = row ? mean[r + i] : 0.f;
+      const float mu = row && !RMS ? mean[r + i] : 0.f;
       rs[i] = row ? rstd[r + i] : 0.f;
       sums[i] = sums[R + i] = 0.f;
 #pragma unroll
@@ -171,7 +174,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<COLS>) ln_backward(const 
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       if (r + i >= r1) break;
-      const float ma = sums[i] / d, mb = sums[R + i] / d;
+      const float ma = RMS ? 0.f : sums[i] / d, mb = sums[R + i] / d;
 #pragma unroll
       for (int k = 0; k < COLS; ++k) {
         const int64_t c = threadIdx.x + (int64_t)k * kThreads;
@@ -184,7 +187,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<COLS>) ln_backward(const 
     const int64_t c = threadIdx.x + (int64_t)k * kThreads;
     if (c < d) {
       dgamma_part[blockIdx.x * d + c] = dg[k];
-      dbeta_part[blockIdx.x * d + c] = db[k];
+      if (!RMS) dbeta_part[blockIdx.x * d + c] = db[k];
     }
   }
 }

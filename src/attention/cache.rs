@@ -500,7 +500,7 @@ pub(crate) fn decode_recent_at(cache: &mut LayerCache, h: &Heads, at: &StepAt) -
         use crate::kernels::cuda;
         // Fresh: the kernels read the new key / value from h and write them into their slot
         // themselves; else they are written first.
-        let fresh = cuda::fresh_enabled(true).then_some(cuda::Fresh { kv: Some((&h.k, &h.v)), latent: None });
+        let fresh = cuda::fresh_enabled().then_some(cuda::Fresh { kv: Some((&h.k, &h.v)), latent: None });
         let views = if fresh.is_some() { recent.slot_views_at(at) } else { recent.write_slot_at(&h.k, &h.v, at) };
         let (k, v, keep) = views.expect("a vanilla / window cache holds at least one slot");
         let pad = recent.pad.as_ref().map(|p| p.rows());

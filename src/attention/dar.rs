@@ -755,8 +755,8 @@ impl DarCache {
         let (cos, sin) = h.kv.rotary_tables(at.span)?;
         let (cos, sin) = (cos.to_kind(tch::Kind::Float), sin.to_kind(tch::Kind::Float));
         // Fresh: the kernels read the new key, value and latent from here and write them into the
-        // caches themselves; else they are written first.
-        let fresh = cuda::fresh_enabled(false);
+        // caches themselves; else they are written first (see `fresh_enabled` for the numbers).
+        let fresh = cuda::fresh_enabled();
         let full = if fresh {
             self.recent.slot_views_at(at)
         } else {

@@ -483,32 +483,46 @@ fn decode_model_check_in(base: &Spec, name: &str, device: Device, half: bool, pl
 }
 
 /// The LayerNorm kernel (`kernels::cuda::layer_norm_half`, under bf16 autocast) against aten's
-/// fp32 LayerNorm on `[n, d]`: the output and the gradients of x, γ and β for one bf16 upstream
-/// gradient. The baseline is autocast's own path (the fp32 output cast down; its gradients are the
-/// fp32 ones). None where the kernel is not loaded.
-pub fn layer_norm_check(n: i64, d: i64, device: Device) -> Option<CheckRow> {
+/// fp32 LayerNorm on `[n, d]`, or with `rms` its RMSNorm form (`rms_norm_half`) against RMSNorm in
+/// fp32 aten ops (x·rsqrt(mean(x²) + eps)·γ): the output and the gradients of x, γ (and β) for one
+/// bf16 upstream gradient. The baseline is autocast's own path (the fp32 output cast down; its
+/// gradients are the fp32 ones). None where the kernel is not loaded.
+pub fn layer_norm_check(n: i64, d: i64, rms: bool, device: Device) -> Option<CheckRow> {
     tch::manual_seed(n + d);
     let f32 = (Kind::Float, device);
     let x = Tensor::randn([n, d], f32) * 3.0 + 1.0;
     let (w, b) = (Tensor::randn([d], f32), Tensor::randn([d], f32));
     let go = Tensor::randn([n, d], (Kind::BFloat16, device)).to_kind(Kind::Float);
-    let leaves = || [&x, &w, &b].map(|t| t.detach().set_requires_grad(true));
-    let grads = |y: &Tensor, l: &[Tensor; 3]| Tensor::run_backward(&[(y.to_kind(Kind::Float) * &go).sum(Kind::Float)], &l.iter().collect::<Vec<_>>(), false, false);
+    let leaves = || if rms { vec![&x, &w] } else { vec![&x, &w, &b] }.into_iter().map(|t| t.detach().set_requires_grad(true)).collect::<Vec<_>>();
+    let grads = |y: &Tensor, l: &[Tensor]| Tensor::run_backward(&[(y.to_kind(Kind::Float) * &go).sum(Kind::Float)], &l.iter().collect::<Vec<_>>(), false, false);
+    let eps = 1e-5;
     let exact_in = leaves();
-    let exact = exact_in[0].layer_norm([d], Some(&exact_in[1]), Some(&exact_in[2]), 1e-5, false);
+    let exact = if rms {
+        let ms = exact_in[0].square().mean_dim(-1, true, Kind::Float);
+        &exact_in[0] * (ms + eps).rsqrt() * &exact_in[1]
+    } else {
+        exact_in[0].layer_norm([d], Some(&exact_in[1]), Some(&exact_in[2]), eps, false)
+    };
     let exact_g = grads(&exact, &exact_in);
     crate::kernels::set_autocast_bf16().ok()?;
-    // The kernel is checked even where the caller turned it off (`ATTNLAB_LN_KERNEL=0`).
+    // The kernel is checked even where the caller turned it off (`ATTNLAB_LN_KERNEL=0`) or has not
+    // turned it on (`ATTNLAB_RMS_KERNEL`).
     let fast_in = leaves();
-    let fast = with_env(&[("ATTNLAB_LN_KERNEL", "1")], || crate::kernels::autocast(true, || crate::kernels::cuda::layer_norm_half(&fast_in[0], &fast_in[1], &fast_in[2], 1e-5)));
-    let fast = fast?.unwrap_or_else(|e| panic!("LayerNorm kernel failed: {e}"));
+    let fast = crate::kernels::autocast(true, || {
+        if rms {
+            with_env(&[("ATTNLAB_RMS_KERNEL", "1")], || crate::kernels::cuda::rms_norm_half(&fast_in[0], &fast_in[1], eps))
+        } else {
+            with_env(&[("ATTNLAB_LN_KERNEL", "1")], || crate::kernels::cuda::layer_norm_half(&fast_in[0], &fast_in[1], &fast_in[2], eps))
+        }
+    });
+    let fast = fast?.unwrap_or_else(|e| panic!("{} kernel failed: {e}", if rms { "RMSNorm" } else { "LayerNorm" }));
     let fast_g = grads(&fast, &fast_in);
     let kind = fast.kind();
     let mut tensors = vec![compare("out", &fast, &exact.to_kind(kind), &exact, kind, n, 0.0)];
-    for (i, name) in ["dx", "dgamma", "dbeta"].into_iter().enumerate() {
+    for (i, name) in ["dx", "dgamma", "dbeta"].into_iter().take(fast_in.len()).enumerate() {
         tensors.push(compare(name, &fast_g[i], &exact_g[i], &exact_g[i], kind, n, 0.0));
     }
-    Some(CheckRow::new("layer-norm-kernel", &[n, d], None, kind, tensors, false))
+    Some(CheckRow::new(if rms { "rms-norm-kernel" } else { "layer-norm-kernel" }, &[n, d], None, kind, tensors, false))
 }
 
 /// (q, k_l, v_l, k_g, v_g) `[B, H, T, hd]` with k_g, v_g cut to the T − w positions split-merge
@@ -664,7 +678,13 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     if device.is_cuda() {
         // At the Pythia-70M width the kernels hold 2, 3 and 10 columns a thread (templates 2, 4, 16).
         for (n, d) in [(4096, s.d_model as i64), (1000, 768), (64, 2500)] {
-            if let Some(row) = layer_norm_check(n, d, device) {
+            if let Some(row) = layer_norm_check(n, d, false, device) {
+                note(row);
+            }
+        }
+        // RMSNorm at SmolLM2-135M's width (576: 3 columns a thread, template 4) and Llama-1B's (2048).
+        for (n, d) in [(4096, 576), (1000, 2048), (64, 96)] {
+            if let Some(row) = layer_norm_check(n, d, true, device) {
                 note(row);
             }
         }

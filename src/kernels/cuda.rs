@@ -12,6 +12,7 @@ type CeGradInPlace = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, *mu
 type Err = *mut libc::c_char;
 type Handle = *mut libc::c_void;
 type LayerNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> Err;
+type RmsNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> Err;
 type AttendStepFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 type SplitRotateFn = unsafe extern "C" fn(*mut C_tensor, i64, i64, i64, *mut C_tensor, *mut C_tensor, *mut *mut C_tensor) -> Err;
 type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, *mut *mut C_tensor) -> Err;
@@ -34,6 +35,8 @@ struct Library {
     attend_step: Option<AttendStepFn>,
     /// None in a library built before csrc/cuda/layer_norm.cu.
     layer_norm_half: Option<LayerNormHalfFn>,
+    /// None in a library built before the kernels' RMSNorm form.
+    rms_norm_half: Option<RmsNormHalfFn>,
     /// DAR's band kernels (csrc/cuda/dar_band.cu), handed to the split-merge op when found.
     band: bool,
     /// None in a library built before csrc/cuda/heads.cu.
@@ -91,6 +94,7 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
         })();
         let attend_step = find(c"attnlab_attend_step").map(|p| std::mem::transmute::<*mut libc::c_void, AttendStepFn>(p));
         let layer_norm_half = find(c"attnlab_layer_norm_half").map(|p| std::mem::transmute::<*mut libc::c_void, LayerNormHalfFn>(p));
+        let rms_norm_half = find(c"attnlab_rms_norm_half").map(|p| std::mem::transmute::<*mut libc::c_void, RmsNormHalfFn>(p));
         let band = match (find(c"attnlab_dar_band_merge"), find(c"attnlab_dar_band_bwd")) {
             (Some(merge), Some(bwd)) => {
                 super::set_band_kernels(merge, bwd);
@@ -100,7 +104,7 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
         };
         let split_rotate = find(c"attnlab_split_rotate_cuda").map(|p| std::mem::transmute::<*mut libc::c_void, SplitRotateFn>(p));
         let hybrid_mix = find(c"attnlab_hybrid_mix").map(|p| std::mem::transmute::<*mut libc::c_void, HybridMixFn>(p));
-        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step, layer_norm_half, band, split_rotate, hybrid_mix })
+        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step, layer_norm_half, rms_norm_half, band, split_rotate, hybrid_mix })
     }
 }
 
@@ -203,13 +207,13 @@ fn switch(name: &str, by_default: bool) -> bool {
 }
 
 /// Whether fused steps hand the new token over as [`Fresh`] rows (the caches written by the combine
-/// kernel, no index_copy before the step); `ATTNLAB_STEP_FRESH` = 0 / 1 overrides `by_default`.
-/// Callers pass what was measured for them: on for full-width caches (vanilla, window: `bench
-/// --check` passed and decode 1.03–1.08× faster with the same greedy tokens on one H100,
-/// results/bench/2026-12-05-h100), off for DAR / uniform (timed only with the absorbed RoPE read,
-/// which is slower).
-pub fn fresh_enabled(by_default: bool) -> bool {
-    switch("ATTNLAB_STEP_FRESH", by_default)
+/// kernel, no index_copy before the step); on unless `ATTNLAB_STEP_FRESH=0`. Measured for every kind
+/// that has the fused step, with the same greedy tokens and its gate rows passing: vanilla and the
+/// window 1.03–1.08× faster on one H100 (results/bench/2026-12-05-h100); DAR 1.01–1.13× in 8 of 8 rows
+/// at 1K–64K, uniform 0.96–1.03× (median 1.00) (results/bench/2026-12-06e-h100,
+/// `decode_fused{1,writes}-{a,b}.jsonl`).
+pub fn fresh_enabled() -> bool {
+    switch("ATTNLAB_STEP_FRESH", true)
 }
 
 /// The new token's key / value `[B, H_kv, 1, hd]` (for the full-width slots) and latent `[B, 1, r]`
@@ -297,6 +301,27 @@ pub fn layer_norm_half(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> 
     // SAFETY: valid tensor handles read during the call; on success the shim hands over a new
     // tensor we then own, or leaves `out` null when it does not apply.
     let r = check(unsafe { f(p(x), p(weight), p(bias), eps, &mut out) });
+    match r {
+        Err(e) => Some(Err(e)),
+        Ok(()) if out.is_null() => None,
+        Ok(()) => Some(Ok(unsafe { Tensor::from_ptr(out) })),
+    }
+}
+
+/// RMSNorm (Llama's, OLMo 2's: x·rsqrt(mean(x²) + eps)·γ) of the fp32 residual stream `x` `[.., d]`
+/// with an fp32 `weight` `[d]`, written straight in autocast's half dtype: the LayerNorm kernels'
+/// RMS form (csrc/cuda/layer_norm.cuh), one pass each way where aten runs a pow, a mean, an rsqrt,
+/// two muls and their backward. Equal to HF's `LlamaRMSNorm` / `Olmo2RMSNorm` on fp32 input, whose
+/// fp32 output autocast's next matmul casts down. Off unless `ATTNLAB_RMS_KERNEL=1` until `bench
+/// --check`'s rms-norm-kernel rows pass on a GPU and it is timed. `None` (aten's form) otherwise.
+pub fn rms_norm_half(x: &Tensor, weight: &Tensor, eps: f64) -> Option<Result<Tensor>> {
+    if !x.device().is_cuda() || x.kind() != tch::Kind::Float || !switch("ATTNLAB_RMS_KERNEL", false) {
+        return None;
+    }
+    let f = library()?.rms_norm_half?;
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: as layer_norm_half.
+    let r = check(unsafe { f(handle(x), handle(weight), eps, &mut out) });
     match r {
         Err(e) => Some(Err(e)),
         Ok(()) if out.is_null() => None,

@@ -1,7 +1,8 @@
 // The LayerNorm kernels (csrc/cuda/layer_norm.cuh) on the CPU against LayerNorm's formulas in
 // double: y from the fp32 residual stream in the 16-bit type, dx in fp32, dγ and dβ summed over
 // chunks of rows; rows of fewer and of more elements than a block has threads (1 to kMaxCols
-// columns a thread), more rows than one chunk of the column sums.
+// columns a thread), more rows than one chunk of the column sums. The same for their RMSNorm form
+// (RMS = true: no mean, no β) against RMSNorm's formulas.
 #include "emu_test.h"
 #include "../layer_norm.cuh"
 
@@ -11,22 +12,24 @@ struct Ref {
   std::vector<double> y, dx, dg, db;
 };
 
-// LayerNorm of x [n, d] and its gradients for dy; the `planted` one drops β from y and the
-// x̂·mean(g·x̂) term from dx, and sums dy·x for dγ.
+// LayerNorm (rms: RMSNorm, x̂ = x·rstd, no β) of x [n, d] and its gradients for dy; the `planted`
+// one drops β from y (RMSNorm: subtracts the mean, as LayerNorm does) and the x̂·mean(g·x̂) term
+// from dx, and sums dy·x for dγ.
 Ref reference(const std::vector<float>& x, const std::vector<float>& g, const std::vector<float>& b, const std::vector<double>& dy, int n, int d,
-              double eps, bool planted) {
+              double eps, bool rms, bool planted) {
   Ref r{std::vector<double>(size_t(n) * d), std::vector<double>(size_t(n) * d), std::vector<double>(d), std::vector<double>(d)};
   for (int i = 0; i < n; ++i) {
     const float* xr = &x[size_t(i) * d];
     double mu = 0, var = 0;
     for (int j = 0; j < d; ++j) mu += xr[j];
-    mu /= d;
+    mu = rms && !planted ? 0.0 : mu / d;
     for (int j = 0; j < d; ++j) var += (xr[j] - mu) * (xr[j] - mu);
     const double rs = 1.0 / std::sqrt(var / d + eps);
+    const double beta_on = rms || planted ? 0.0 : 1.0;
     double mg = 0, mgx = 0;
     for (int j = 0; j < d; ++j) {
       const double xh = (xr[j] - mu) * rs, gr = dy[size_t(i) * d + j] * g[j];
-      r.y[size_t(i) * d + j] = xh * g[j] + (planted ? 0.0 : b[j]);
+      r.y[size_t(i) * d + j] = xh * g[j] + beta_on * b[j];
       mg += gr / d;
       mgx += gr * xh / d;
       r.dg[j] += dy[size_t(i) * d + j] * (planted ? xr[j] : xh);
@@ -34,13 +37,13 @@ Ref reference(const std::vector<float>& x, const std::vector<float>& g, const st
     }
     for (int j = 0; j < d; ++j) {
       const double xh = (xr[j] - mu) * rs;
-      r.dx[size_t(i) * d + j] = rs * (dy[size_t(i) * d + j] * g[j] - mg - (planted ? 0.0 : xh * mgx));
+      r.dx[size_t(i) * d + j] = rs * (dy[size_t(i) * d + j] * g[j] - (rms ? 0.0 : mg) - (planted ? 0.0 : xh * mgx));
     }
   }
   return r;
 }
 
-template <typename T>
+template <typename T, bool RMS = false>
 bool check(int n, int d, const char* dtype, unsigned seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> N(0.f, 1.f);
@@ -50,20 +53,23 @@ bool check(int n, int d, const char* dtype, unsigned seed) {
   for (auto& v : b) v = 0.2f * N(rng);
   const auto dy = emu_test::normal<T>(rng, size_t(n) * d, 1.0);
   const double eps = 1e-5;
-  const Ref want = reference(x, g, b, dy.ref, n, d, eps, false), bad = reference(x, g, b, dy.ref, n, d, eps, true);
+  const Ref want = reference(x, g, b, dy.ref, n, d, eps, RMS, false), bad = reference(x, g, b, dy.ref, n, d, eps, RMS, true);
+  // RMSNorm's kernels take no β (null) and write no mean nor dβ partials (null too).
+  const float* beta = RMS ? nullptr : b.data();
 
   std::vector<T> y(size_t(n) * d);
   std::vector<float> mean(n), rstd(n), dx(size_t(n) * d);
   const int chunks = (n + kRowsPerChunk - 1) / kRowsPerChunk;
   // With as few columns a thread as d needs, as csrc/cuda/layer_norm.cu's launches take them.
   with_cols(d, [&](auto cols) {
-    emu::launch(ln_forward<T, decltype(cols)::value>, dim3(chunks), dim3(kThreads), 0, (const float*)x.data(), (const float*)g.data(),
-                (const float*)b.data(), (int64_t)n, (int64_t)d, (float)eps, y.data(), mean.data(), rstd.data());
+    emu::launch(ln_forward<T, decltype(cols)::value, RMS>, dim3(chunks), dim3(kThreads), 0, (const float*)x.data(), (const float*)g.data(), beta,
+                (int64_t)n, (int64_t)d, (float)eps, y.data(), RMS ? nullptr : mean.data(), rstd.data());
   });
   std::vector<float> dgp(size_t(chunks) * d), dbp(size_t(chunks) * d);
   with_cols(d, [&](auto cols) {
-    emu::launch(ln_backward<T, decltype(cols)::value>, dim3(chunks), dim3(kThreads), 0, (const T*)dy.dev.data(), (const float*)x.data(),
-                (const float*)g.data(), (const float*)mean.data(), (const float*)rstd.data(), (int64_t)n, (int64_t)d, dx.data(), dgp.data(), dbp.data());
+    emu::launch(ln_backward<T, decltype(cols)::value, RMS>, dim3(chunks), dim3(kThreads), 0, (const T*)dy.dev.data(), (const float*)x.data(),
+                (const float*)g.data(), RMS ? nullptr : (const float*)mean.data(), (const float*)rstd.data(), (int64_t)n, (int64_t)d, dx.data(), dgp.data(),
+                RMS ? nullptr : dbp.data());
   });
 
   std::vector<double> gy, gdx(dx.begin(), dx.end()), gdg(d, 0.0), gdb(d, 0.0);
@@ -74,12 +80,13 @@ bool check(int n, int d, const char* dtype, unsigned seed) {
       gdb[j] += dbp[size_t(c) * d + j];
     }
   const double half_bound = std::is_same_v<T, __half> ? 2e-3 : 1e-2;
-  const std::string at = std::string(dtype) + " " + std::to_string(n) + "×" + std::to_string(d);
+  const std::string at = std::string(RMS ? "rms " : "") + dtype + " " + std::to_string(n) + "×" + std::to_string(d);
   using emu_test::rel_err;
   using emu_test::verdict;
   bool ok = verdict("y " + at, rel_err(gy, want.y), rel_err(bad.y, want.y), half_bound);
   ok &= verdict("dx " + at, rel_err(gdx, want.dx), rel_err(bad.dx, want.dx), 1e-4);
   ok &= verdict("dγ " + at, rel_err(gdg, want.dg), rel_err(bad.dg, want.dg), 1e-4);
+  if (RMS) return ok;
   // dβ = Σ dy has no planted variant of its own: the same sums with a row left out must fail.
   std::vector<double> short_db = want.db;
   for (int j = 0; j < d; ++j) short_db[j] -= dy.ref[size_t(n - 1) * d + j];
@@ -94,6 +101,11 @@ bool all_cases() {
   ok &= check<__nv_bfloat16>(7, 512, "bf16", 16);  // 2 columns a thread, 4 rows at a time, the last 3
   ok &= check<__nv_bfloat16>(3, 2500, "bf16", 14);  // 16 columns a thread, the last group ragged
   ok &= check<__nv_bfloat16>(1, 8192, "bf16", 15);  // the widest row (kMaxCols columns a thread), one row
+  // RMSNorm: Llama widths (576 = SmolLM2-135M: 4 columns a thread, the last group ragged), an fp16
+  // row shorter than a block, and more rows than a chunk.
+  ok &= check<__nv_bfloat16, true>(300, 576, "bf16", 17);
+  ok &= check<__half, true>(9, 96, "fp16", 18);
+  ok &= check<__nv_bfloat16, true>(3, 2048, "bf16", 19);
   return ok;
 }
 
