@@ -269,7 +269,8 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     at::Tensor pc = cp && !out_in_combine ? at::empty({hkv, B * g, r}, q.options()) : at::Tensor();
     at::Tensor extra = out_in_combine ? at::Tensor() : at::empty({hkv, B * g, hd}, q.options());
     at::Tensor o = out_in_combine ? at::empty({B, H, 1, hd}, q.options()) : at::Tensor();
-    const int grid = B * H;
+    const CombineGrid cg = combine_grid(r, hd, out_in_combine);
+    const dim3 grid(B * H, cg.slabs);
     const void* bvptr = bv && cp ? bvc.data_ptr() : nullptr;
     const void* wvptr = out_in_combine && cp ? wvp->data_ptr() : nullptr;
     const size_t combine_smem = combine_smem_bytes(p.nchunks + p.nring, r, out_in_combine);
@@ -278,12 +279,12 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     if (q.scalar_type() == at::kBFloat16) {
       using T = __nv_bfloat16;
       launch_parts<T>(p, B, smem, use_mma && cp, stream);
-      step_combine<T><<<grid, kThreads, combine_smem, stream>>>(p.ml, p.acc, p.accv, bvptr, B, H, g, r, hd, p.nchunks, p.nring, static_cast<T*>(ptr_or_null(pc)),
+      step_combine<T><<<grid, kThreads, combine_smem, stream>>>(p.ml, p.acc, p.accv, bvptr, B, H, g, r, hd, p.nchunks, p.nring, cg.slab, static_cast<T*>(ptr_or_null(pc)),
                                                                 static_cast<T*>(ptr_or_null(extra)), wvptr, static_cast<T*>(ptr_or_null(o)), cw);
     } else if (q.scalar_type() == at::kHalf) {
       using T = __half;
       launch_parts<T>(p, B, smem, use_mma && cp, stream);
-      step_combine<T><<<grid, kThreads, combine_smem, stream>>>(p.ml, p.acc, p.accv, bvptr, B, H, g, r, hd, p.nchunks, p.nring, static_cast<T*>(ptr_or_null(pc)),
+      step_combine<T><<<grid, kThreads, combine_smem, stream>>>(p.ml, p.acc, p.accv, bvptr, B, H, g, r, hd, p.nchunks, p.nring, cg.slab, static_cast<T*>(ptr_or_null(pc)),
                                                                 static_cast<T*>(ptr_or_null(extra)), wvptr, static_cast<T*>(ptr_or_null(o)), cw);
     } else {
       TORCH_CHECK(false, "attend_step: q must be bf16 or fp16, not ", q.scalar_type());

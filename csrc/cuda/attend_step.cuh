@@ -531,26 +531,48 @@ constexpr int kMmaHeads = 16;  // query heads a block: the mma's M
 constexpr int kMmaSlots = 16;  // distant slots a warp's tile: two n blocks of 8 for S, the k of P·C
 
 // qw_h = q_h[rot:] · Wk[k][rot:, :] and β_h = q_h[rot:] · bk[k][rot:] of query head h (kv head k),
-// fp32, one block per (b, h): computed once a step, not by each of step_latent_mma's blocks.
+// fp32, one block per (b, h): computed once a step, not by each of step_latent_mma's blocks. The
+// four warps take every fourth dim d and each lane the columns lane + 32·m (r ≤ 256: m < 8) in
+// registers, so a thread's loads are independent within a d and it waits on memory (hd − rot) / 4
+// times; the warps' partial rows are summed in shared memory. (One thread per column over every d
+// waited hd − rot times: 11 µs a layer on one H100, as long as step_latent_mma's own 4K read.)
 template <typename T>
 __global__ void __launch_bounds__(kThreads) step_qw(Params p) {
+  constexpr int kMaxR = 256, kCols = kMaxR / 32;
+  __shared__ float part[kWarps][kMaxR];
   const int H = p.hkv * p.g, b = blockIdx.x / H, h = blockIdx.x % H, kvh = h / p.g;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const T* q = static_cast<const T*>(p.q) + b * p.q_sb + (int64_t)h * p.q_sh;
   const T* wk = static_cast<const T*>(p.wk) + (int64_t)kvh * p.hd * p.r;
+  float s[kCols];
+#pragma unroll
+  for (int m = 0; m < kCols; ++m) s[m] = 0.f;
+  for (int d = p.rot + warp; d < p.hd; d += kWarps) {
+    const float qd = to_f(q[d]);
+    const T* row = wk + (int64_t)d * p.r;
+#pragma unroll
+    for (int m = 0; m < kCols; ++m) {
+      if (lane + 32 * m < p.r) s[m] += qd * to_f(row[lane + 32 * m]);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < kCols; ++m) {
+    if (lane + 32 * m < p.r) part[warp][lane + 32 * m] = s[m];
+  }
+  __syncthreads();
   for (int j = threadIdx.x; j < p.r; j += kThreads) {
-    float s = 0.f;
-    for (int d = p.rot; d < p.hd; ++d) s += to_f(q[d]) * to_f(wk[(int64_t)d * p.r + j]);
-    p.qw[(int64_t)blockIdx.x * p.r + j] = s;
+    float sum = 0.f;
+    for (int w = 0; w < kWarps; ++w) sum += part[w][j];
+    p.qw[(int64_t)blockIdx.x * p.r + j] = sum;
   }
   if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    float s = 0.f;
+    float sb = 0.f;
     if (p.bk) {
       const T* bk = static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd;
-      for (int d = p.rot + lane; d < p.hd; d += 32) s += to_f(q[d]) * to_f(bk[d]);
+      for (int d = p.rot + lane; d < p.hd; d += 32) sb += to_f(q[d]) * to_f(bk[d]);
     }
-    s = warp_sum(s);
-    if (lane == 0) p.qbeta[blockIdx.x] = s;
+    sb = warp_sum(sb);
+    if (lane == 0) p.qbeta[blockIdx.x] = sb;
   }
 }
 
@@ -770,19 +792,20 @@ struct CacheWrite {
   const int64_t* pos;
 };
 
-// Σ_c w[c]·x[c·width + j] over c < count, for every j < width, by all the block's threads: where
+// Σ_c w[c]·x[c·stride + j] over c < count, for every j < width, by all the block's threads: where
 // width < kThreads, kThreads / width stripes of chunks each, summed through `part` [kThreads]. The
 // loads of a thread's chunks are independent (no branch: a chunk that saw no slot has weight 0 and
 // its x, never written, is dropped by the select), so they overlap. emit(j, sum) runs once per j;
-// a barrier ends it.
+// a barrier ends it (width is the same in every thread: nothing at all for width ≤ 0).
 template <typename F>
-__device__ __forceinline__ void chunk_sum(const float* w, const float* x, int count, int width, float* part, F&& emit) {
+__device__ __forceinline__ void chunk_sum(const float* w, const float* x, int count, int width, int stride, float* part, F&& emit) {
+  if (width <= 0) return;
   const int stripes = width < kThreads ? kThreads / width : 1;
   if (stripes == 1) {
     for (int j = threadIdx.x; j < width; j += kThreads) {
       float s = 0.f;
 #pragma unroll 8
-      for (int c = 0; c < count; ++c) s += w[c] == 0.f ? 0.f : w[c] * x[(int64_t)c * width + j];
+      for (int c = 0; c < count; ++c) s += w[c] == 0.f ? 0.f : w[c] * x[(int64_t)c * stride + j];
       emit(j, s);
     }
   } else {
@@ -790,7 +813,7 @@ __device__ __forceinline__ void chunk_sum(const float* w, const float* x, int co
     float s = 0.f;
     if (first < stripes) {
 #pragma unroll 4
-      for (int c = first; c < count; c += stripes) s += w[c] == 0.f ? 0.f : w[c] * x[(int64_t)c * width + j];
+      for (int c = first; c < count; c += stripes) s += w[c] == 0.f ? 0.f : w[c] * x[(int64_t)c * stride + j];
     }
     part[threadIdx.x] = s;
     __syncthreads();
@@ -803,13 +826,28 @@ __device__ __forceinline__ void chunk_sum(const float* w, const float* x, int co
   __syncthreads();
 }
 
+// Columns of pc / extra a combine block sums (blockIdx.y: which kCombineSlab of them), so that a
+// thread's chunk loop is kThreads / kCombineSlab times shorter than with one block a head: each
+// thread reduced every chunk of its column (r ≥ kThreads) in a chain of waits on memory (DAR at 4K,
+// 128 chunks of r 128: 17.5 µs a layer on one H100, twice vanilla's). With Wv applied in the kernel
+// a block needs all of pc: one block a head, every column.
+constexpr int kCombineSlab = 32;
+struct CombineGrid {
+  int slabs, slab;
+};
+inline CombineGrid combine_grid(int r, int hd, bool wv_in_combine) {
+  if (wv_in_combine) return {1, r > hd ? r : hd};
+  const int widest = r > hd ? r : hd;
+  return {(widest + kCombineSlab - 1) / kCombineSlab, kCombineSlab};
+}
+
 // The combine kernel's dynamic shared memory: the n chunks' weights, the reductions' kWarps and
 // kThreads floats, and pc's r floats where it applies Wv itself.
 inline size_t combine_smem_bytes(int64_t n, int64_t r, bool wv_in_combine) {
   return size_t(n + kWarps + kThreads + (wv_in_combine ? r : 0)) * sizeof(float);
 }
 
-// One block per (b, head): the chunks merged. Either pc [Hkv, B, g, r] and extra [Hkv, B, g, hd]
+// One block per (b, head) and slab of `slab` columns (combine_grid): the chunks merged. Either pc [Hkv, B, g, r] and extra [Hkv, B, g, hd]
 // (the layout of the batched matmul by Wv per kv head that the launcher runs after), or, with `out`,
 // the step's output [B, H, hd] itself: extra + pc · Wv[kv]ᵀ here, pc kept in fp32 in shared memory
 // (wv [Hkv, hd, r] contiguous, null without latents). The chunks' maxima and sums are reduced by
@@ -818,8 +856,8 @@ inline size_t combine_smem_bytes(int64_t n, int64_t r, bool wv_in_combine) {
 // (one H100, Pythia-70M shape: 43% of vanilla's step). Dynamic shared memory: combine_smem_bytes.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) step_combine(const float* ml, const float* acc, const float* accv, const void* bv_,
-                                                               int B, int H, int g, int r, int hd, int nchunks, int nring, T* pc, T* extra,
-                                                               const void* wv_, T* out, CacheWrite cw) {
+                                                               int B, int H, int g, int r, int hd, int nchunks, int nring, int slab, T* pc,
+                                                               T* extra, const void* wv_, T* out, CacheWrite cw) {
   ATTNLAB_DYNAMIC_SHARED(float, sh);
   const int head = blockIdx.x;  // b * H + h
   const int b = head / H, h = head % H, kvh = h / g, hg = h % g;
@@ -844,14 +882,19 @@ __global__ void __launch_bounds__(kThreads) step_combine(const float* ml, const 
   const float far = block_reduce<kThreads, false>(f, red);
   const float inv = L > 0.f ? 1.f / L : 0.f;
   const int64_t row = (((int64_t)kvh * B + b) * g + hg);
+  // This block's columns: j0 .. j0 + slab of pc and of extra.
+  const int j0 = blockIdx.y * slab;
+  const auto width = [&](int all) { return min(slab, all - j0); };
   if (pc || wv) {
-    chunk_sum(w, acc + (int64_t)head * nchunks * r, nchunks, r, part, [&](int j, float s) {
+    chunk_sum(w, acc + (int64_t)head * nchunks * r + j0, nchunks, width(r), r, part, [&](int jj, float s) {
+      const int j = j0 + jj;
       if (out) pcs[j] = s * inv;
       else pc[row * r + j] = from_f<T>(s * inv);
     });
   }
   const T* bv = static_cast<const T*>(bv_);
-  chunk_sum(w + nchunks, accv + (int64_t)head * nring * hd, nring, hd, part, [&](int d, float s) {
+  chunk_sum(w + nchunks, accv + (int64_t)head * nring * hd + j0, nring, width(hd), hd, part, [&](int dd, float s) {
+    const int d = j0 + dd;
     float e = s * inv;
     if (bv) e += far * inv * to_f(bv[(int64_t)kvh * hd + d]);
     if (!out) {
@@ -864,8 +907,9 @@ __global__ void __launch_bounds__(kThreads) step_combine(const float* ml, const 
     }
     out[(int64_t)head * hd + d] = from_f<T>(e);
   });
-  // The new token into the caches: its key / value by the first query head of each kv head, its
-  // latent by head 0 of each row.
+  // The new token into the caches (by the first slab's blocks): its key / value by the first query
+  // head of each kv head, its latent by head 0 of each row.
+  if (blockIdx.y != 0) return;
   if (cw.k && hg == 0) {
     const int64_t newest = *cw.pos, slot = cw.keep > 0 ? newest % cw.keep : newest;
     const T* nk = static_cast<const T*>(cw.new_k) + b * cw.nk_sb + (int64_t)kvh * cw.nk_sh;

@@ -55,6 +55,8 @@ pub enum Steps {
     /// nothing and a step over a span of masked slots reads up to twice the keys. The tiny model
     /// on 2 cores, 256 new tokens, medians of 3 interleaved runs, host ÷ device-side tok/s: vanilla
     /// 1.19× at 1K, 1.02× at 4K; DAR 1.03× / 1.02×; STILL (budget) 1.06× / 1.06×; LoLCATs 0.99× / 1.06×.
+    /// `ATTNLAB_DEVICE_STEPS=1` takes device-side steps on a CPU too: `bench-decode --profile` there
+    /// then lists the ops a GPU step runs (aten's forms of the kernels).
     Auto,
     /// `Model::extend_hidden_at` per token (models without one fall back to host steps).
     DeviceSide,
@@ -78,7 +80,7 @@ pub fn decode_with(model: &Model, cache: &mut Cache, logits: &Tensor, max_new: u
     tch::manual_seed(sampling.seed as i64);
     let first = choose(logits, sampling);
     let device_side = match steps {
-        Steps::Auto => first.device().is_cuda(),
+        Steps::Auto => first.device().is_cuda() || std::env::var("ATTNLAB_DEVICE_STEPS").as_deref() == Ok("1"),
         Steps::DeviceSide => true,
         Steps::Host => false,
     };

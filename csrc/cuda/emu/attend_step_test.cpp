@@ -315,8 +315,9 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
   if (p.rope_absorbed) {
     // The combine kernel applies Wv itself and writes [B, H, hd].
     std::vector<T> o(size_t(k.B) * k.H * k.hd);
-    emu::launch(step_combine<T>, dim3(k.B * k.H), dim3(kThreads), combine_smem_bytes(p.nchunks + p.nring, p.r, true), (const float*)p.ml, (const float*)p.acc,
-                (const float*)p.accv, (const void*)(k.bias ? in.bv.dev.data() : nullptr), k.B, k.H, G, p.r, k.hd, p.nchunks, p.nring, (T*)nullptr,
+    const CombineGrid cg = combine_grid(p.r, k.hd, true);
+    emu::launch(step_combine<T>, dim3(k.B * k.H, cg.slabs), dim3(kThreads), combine_smem_bytes(p.nchunks + p.nring, p.r, true), (const float*)p.ml, (const float*)p.acc,
+                (const float*)p.accv, (const void*)(k.bias ? in.bv.dev.data() : nullptr), k.B, k.H, G, p.r, k.hd, p.nchunks, p.nring, cg.slab, (T*)nullptr,
                 (T*)nullptr, (const void*)(k.S ? in.wv.dev.data() : nullptr), o.data(), cw);
     for (size_t i = 0; i < o.size(); ++i) out[i] = emu_test::from_half(o[i]);
     // A fresh step leaves the caches as a written one: the stale slots overwritten by the new rows.
@@ -327,8 +328,9 @@ std::vector<double> run(const Case& k, const Inputs<T>& in, int batched, bool ve
     return out;
   }
   std::vector<T> pc(size_t(k.Hkv) * k.B * G * p.r), extra(size_t(k.Hkv) * k.B * G * k.hd);
-  emu::launch(step_combine<T>, dim3(k.B * k.H), dim3(kThreads), combine_smem_bytes(p.nchunks + p.nring, p.r, false), (const float*)p.ml, (const float*)p.acc, (const float*)p.accv,
-              (const void*)(k.bias ? in.bv.dev.data() : nullptr), k.B, k.H, G, p.r, k.hd, p.nchunks, p.nring, k.S ? pc.data() : (T*)nullptr,
+  const CombineGrid cg = combine_grid(p.r, k.hd, false);
+  emu::launch(step_combine<T>, dim3(k.B * k.H, cg.slabs), dim3(kThreads), combine_smem_bytes(p.nchunks + p.nring, p.r, false), (const float*)p.ml, (const float*)p.acc, (const float*)p.accv,
+              (const void*)(k.bias ? in.bv.dev.data() : nullptr), k.B, k.H, G, p.r, k.hd, p.nchunks, p.nring, cg.slab, k.S ? pc.data() : (T*)nullptr,
               extra.data(), (const void*)nullptr, (T*)nullptr, cw);
   // The launcher's baddbmm: [Hkv, B·g, hd] = extra + pc · Wvᵀ, in the 16-bit type, then [B, H, hd].
   for (int kv = 0; kv < k.Hkv; ++kv)

@@ -36,12 +36,12 @@ static bool conversions() {
 static emu_test::Register conversions_test("cuda_emu: bf16 / fp16 conversions by their bits", conversions);
 
 static const char* running = "";
-// Seconds a test (all three schedules) may take before it counts as a deadlock: 300, or
+// Seconds one schedule of a test may take before it counts as a deadlock: 300, or
 // CUDA_EMU_ALARM_S (the AddressSanitizer build runs several times slower).
 static unsigned alarm_s = 300;
 
 static void on_alarm(int) {
-  std::fprintf(stderr, "cuda-emu: %s did not finish in %u s: a deadlock (a shuffle or __syncthreads not every thread reaches)?\n", running, alarm_s);
+  std::fprintf(stderr, "cuda-emu: %s: a schedule did not finish in %u s: a deadlock (a shuffle or __syncthreads not every thread reaches)?\n", running, alarm_s);
   std::_Exit(2);
 }
 
@@ -61,12 +61,14 @@ int main(int argc, char** argv) {
     std::printf(" with a jittered schedule:\n");
     std::fflush(stdout);
     emu::jitter = 0x5eed;
+    alarm(alarm_s);
     ok &= t.run();
     emu::jitter = 0;
     // And with one warp of each block always ahead of the others.
     std::printf(" with one warp running ahead:\n");
     std::fflush(stdout);
     emu::run_ahead = true;
+    alarm(alarm_s);
     ok &= t.run();
     emu::run_ahead = false;
     alarm(0);
