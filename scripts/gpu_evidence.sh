@@ -122,6 +122,9 @@ longrange() { # SWEEP EVAL-ARGS...
   local marker=recall.json; [ "$1" = --task ] && [ "${2#ruler:}" != "$2" ] && marker=ruler.json
   for d in $LR/*/; do
     [ -f "$d/DONE" ] && [ ! -f "$d/$marker" ] || continue
+    # A run restored from an archive has no checkpoint: only a sweep that scores in the run (the
+    # niah sweep's eval.ruler) keeps its score across calls.
+    if [ ! -d "$d/checkpoints" ]; then log "cannot score $d: no checkpoint on this machine"; continue; fi
     if [ "$(left)" -lt 20 ]; then log "no time left to score $d"; break; fi
     timeout --kill-after=5 "$(left)" $A eval "$d" "$@" 2>&1 | grep -v "\[.*\]" | tail -6 | tee -a "$OUT/evidence.log"
   done

@@ -481,7 +481,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Train { spec, quiet, stop_after, gpus } => {
             let s = spec.source().load()?;
-            let Some(o) = train::workers::train_command(s, &gpus, quiet, stop_after)? else { return Ok(()) };
+            let Some(o) = train::workers::train_command(s, &gpus, quiet, stop_after, Some(attnlab::eval::ruler::score_trained))? else { return Ok(()) };
             print_outcome("trained", &o.dir, o.step, o.already_done);
             print!("{}", perplexity::table(&[(o.dir.display().to_string(), o.eval)]));
         }

@@ -303,4 +303,59 @@ mod tests {
         let e = eval(Path::new("/some/run"), None, None, &EvalArgs { out: Some(out), ..Default::default() }).err().unwrap().to_string();
         assert!(e.contains("--out is for pretrained models"), "{e}");
     }
+
+    /// `eval.ruler` scores the trained model before the run is marked done, and its per-sample
+    /// answers are the ones `attnlab eval RUN --task ruler:…` gives from the run's checkpoint; a bad
+    /// task or a missing essay stops the run before it trains.
+    #[test]
+    fn a_run_scores_its_ruler_task_before_it_is_done() {
+        let _rng = crate::testutil::rng();
+        let tmp = tempfile::tempdir().unwrap();
+        let tok = tmp.path().join("tok.json");
+        std::fs::write(&tok, crate::testutil::shared_text("data/tokenizers/gpt-neox-20b.json")).unwrap();
+        let prose = tmp.path().join("prose.txt");
+        std::fs::write(&prose, crate::testutil::shared_text("data/text/wikitext-2/test.raw.txt").chars().take(20_000).collect::<String>()).unwrap();
+        let run = tmp.path().join("run");
+        let yaml = |ruler: &str| {
+            format!(
+                "model: {{flavor: tiny}}\nattention: {{kind: vanilla}}\ndata: {{tokenizer: {}, train: {{path: {}, format: text}}, seq_len: 64}}\n\
+                 train: {{steps: 2, batch_size: 2, device: cpu}}\neval: {{every: 0, ruler: {ruler}}}\ncheckpoint: {{every: 0, keep: 1}}\noutput: {}\n",
+                tok.display(),
+                prose.display(),
+                run.display()
+            )
+        };
+        let spec = crate::spec::from_str(&yaml("{task: niah_single_1, lengths: [96, 128], samples: 2, max_new_tokens: 3}"), "t.yaml", &[]).unwrap();
+        let opts = crate::train::TrainOptions { quiet: true, finish: Some(ruler::score_trained), ..Default::default() };
+        crate::train::train(spec, &opts).unwrap();
+        assert!(run.join("DONE").is_file());
+        let cells: Vec<ruler::Cell> = serde_json::from_str(&std::fs::read_to_string(run.join("ruler.json")).unwrap()).unwrap();
+        assert_eq!(cells.iter().map(|c| (c.task.as_str(), c.length, c.samples)).collect::<Vec<_>>(), [("niah_single_1", 96, 2), ("niah_single_1", 128, 2)]);
+        // The same task from the checkpoint, into another folder: the same answers, sample by sample.
+        let out = tmp.path().join("again");
+        let a = LongContextArgs { grid: ruler::Grid { lengths: vec![96, 128], samples: 2 }, max_new_tokens: Some(3), ..Default::default() };
+        long_context(&run, &out, "ruler:niah_single_1", None, Some("cpu"), &a).unwrap();
+        for len in [96, 128] {
+            let read = |dir: &Path| std::fs::read_to_string(dir.join(format!("ruler_samples/niah_single_1-{len}.jsonl"))).unwrap();
+            assert_eq!(read(&run), read(&out), "length {len}");
+        }
+        // Bad settings name their key; a missing essay stops the run before any step.
+        let e = crate::spec::from_str(&yaml("{task: niah_single_9, lengths: [96]}"), "t.yaml", &[]).unwrap_err().to_string();
+        assert!(e.contains("eval.ruler.task") && e.contains("niah_single_9"), "{e}");
+        let e = crate::spec::from_str(&yaml("{task: niah_single_2, lengths: [96]}"), "t.yaml", &[]).unwrap_err().to_string();
+        assert!(e.contains("eval.ruler.essay"), "{e}");
+        let e = crate::spec::from_str(&yaml("{task: niah_single_1, lengths: []}"), "t.yaml", &[]).unwrap_err().to_string();
+        assert!(e.contains("eval.ruler.lengths"), "{e}");
+        std::fs::remove_dir_all(&run).unwrap();
+        let missing = tmp.path().join("no-essay.json");
+        let spec = crate::spec::from_str(&yaml(&format!("{{task: niah_single_2, lengths: [96], essay: {}}}", missing.display())), "t.yaml", &[]).unwrap();
+        let e = crate::train::train(spec, &opts).err().unwrap().to_string();
+        assert!(e.contains("no-essay.json"), "{e}");
+        assert!(!run.join("metrics.jsonl").is_file(), "trained before finding the essay missing");
+        // A caller without a scorer is refused before training too.
+        std::fs::remove_dir_all(&run).unwrap();
+        let spec = crate::spec::from_str(&yaml("{task: niah_single_1, lengths: [96]}"), "t.yaml", &[]).unwrap();
+        let e = crate::train::train(spec, &crate::train::TrainOptions { quiet: true, ..Default::default() }).err().unwrap().to_string();
+        assert!(e.contains("does not score RULER"), "{e}");
+    }
 }

@@ -212,6 +212,25 @@ pub fn write_cells(run: &std::path::Path, file: &str, cells: &[Cell]) -> crate::
     Ok(path)
 }
 
+/// A spec's `eval.ruler` on the model the trainer holds before it marks the run done
+/// (`train::TrainOptions::finish`): ruler.json and ruler_samples/ into `run`, as `attnlab eval
+/// --task ruler:<task>` writes them (without the lm-eval file), no chat template (models trained
+/// here), on the spec's training device. Nothing without `eval.ruler`.
+pub fn score_trained(model: &crate::model::Model, tok: &crate::data::Tok, spec: &crate::spec::Spec, run: &std::path::Path, quiet: bool) -> crate::Result<()> {
+    let Some(r) = &spec.eval.ruler else { return Ok(()) };
+    let essay = r.essay.as_deref().map(read_essay).transpose()?;
+    let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
+    let grid = Grid { lengths: r.lengths.clone(), samples: r.samples.unwrap_or(100) };
+    let b = Budget { grid, chat: None, max_new: r.max_new_tokens.unwrap_or(TOKENS_TO_GENERATE), device, quiet, batch_size: None };
+    let mut cells = Vec::new();
+    for (cell, records) in evaluate(model, tok, &r.task, essay.as_deref(), &b)? {
+        write_samples(run, &cell, &records)?;
+        cells.push(cell);
+    }
+    write_cells(run, "ruler.json", &cells)?;
+    Ok(())
+}
+
 /// Write one cell's per-sample records to `ruler_samples/<task>-<length>[-<overrides>].jsonl`.
 pub fn write_samples(run: &std::path::Path, cell: &Cell, records: &[Record]) -> crate::Result<std::path::PathBuf> {
     let slug: String = cell.overrides.as_deref().map(|o| format!("-{}", o.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect::<String>())).unwrap_or_default();

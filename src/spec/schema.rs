@@ -508,6 +508,31 @@ pub struct EvalSpec {
     /// codes,loss}` in metrics.jsonl, recall.json at the end. Needs the built-in tokenizer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recall: Option<RecallEvalSpec>,
+    /// A RULER task scored once on the trained model before the run is marked done: ruler.json and
+    /// ruler_samples/ in the run directory, as `attnlab eval RUN --task ruler:<task>` writes them, so
+    /// that the score travels with the run's small files where its checkpoint cannot (a GPU machine
+    /// that is handed back between calls).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ruler: Option<RulerEvalSpec>,
+}
+
+/// `eval.ruler`: the RULER task the trainer scores at the end (`attnlab eval --task ruler:…`'s options).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RulerEvalSpec {
+    /// A RULER task name (e.g. niah_single_1).
+    pub task: String,
+    /// Context lengths in tokens (`--lengths`).
+    pub lengths: Vec<usize>,
+    /// Samples per length (default 100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples: Option<usize>,
+    /// Tokens generated per sample (default: RULER's 128).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_new_tokens: Option<usize>,
+    /// RULER's essay haystack, needed by the essay tasks (`--essay`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub essay: Option<PathBuf>,
 }
 
 /// `eval.recall`: which recall documents the trainer scores.
@@ -751,6 +776,23 @@ impl Spec {
             }
             if !matches!(&self.data.tokenizer, Some(TokenizerSpec::Path(p)) if p == "builtin") {
                 return bad("eval.recall", "the recall test needs the built-in word-level tokenizer (data.tokenizer: builtin)".into());
+            }
+        }
+        if let Some(r) = &mut self.eval.ruler {
+            let Some(task) = super::ruler_tasks::task(&r.task) else {
+                return bad("eval.ruler.task", format!("unknown RULER task `{}` (one of {})", r.task, super::ruler_tasks::TASKS.join(", ")));
+            };
+            if task.haystack == super::ruler_tasks::Haystack::Essay && r.essay.is_none() {
+                return bad("eval.ruler.essay", format!("task `{}` has an essay haystack: give the essay file", r.task));
+            }
+            if r.lengths.is_empty() || r.lengths.contains(&0) {
+                return bad("eval.ruler.lengths", format!("{:?}: want one or more lengths > 0", r.lengths));
+            }
+            if *r.samples.get_or_insert(100) == 0 {
+                return bad("eval.ruler.samples", "must be > 0".into());
+            }
+            if r.max_new_tokens == Some(0) {
+                return bad("eval.ruler.max_new_tokens", "must be > 0".into());
             }
         }
         let ce = *self.checkpoint.every.get_or_insert(if tiny { 0 } else { 1000 });

@@ -31,11 +31,17 @@ use tch::{nn::VarStore, Device, Kind, Tensor};
 #[derive(Default, Clone)]
 pub struct TrainOptions {
     pub quiet: bool,
+    /// Run on the trained model before the run is marked done (rank 0): the command layer's scoring
+    /// of `eval.ruler` (train knows nothing of eval). A spec with `eval.ruler` needs one.
+    pub finish: Option<Finish>,
     /// Stop (as if interrupted) after this many optimizer steps in total: for resume tests.
     pub stop_after: Option<u64>,
     /// This process is one worker of a data-parallel job (distributed::DistEnv::from_env()).
     pub dist: Option<distributed::DistEnv>,
 }
+
+/// [`TrainOptions::finish`]: (model, tokenizer, spec, run directory, quiet).
+pub type Finish = fn(&Model, &crate::data::Tok, &Spec, &std::path::Path, bool) -> Result<()>;
 
 pub struct Outcome {
     pub dir: PathBuf,
@@ -97,6 +103,15 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
     let resume = if rank0 { checkpoint::resume_point(&dir.path)? } else { None };
     let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
     let autocast = use_autocast(&spec, device)?;
+    // eval.ruler's scorer and essay now, so that neither stops the run after it trained.
+    if let Some(r) = &spec.eval.ruler {
+        if opts.finish.is_none() {
+            return Err(Error::Other("eval.ruler: this caller of train does not score RULER tasks (`attnlab train` and `attnlab sweep` do)".into()));
+        }
+        if let Some(essay) = &r.essay {
+            crate::data::niah::read_essay(essay)?;
+        }
+    }
     let (mut comm, dog) = match &opts.dist {
         Some(env) => {
             let timeout = std::time::Duration::from_secs_f64(spec.train.dist_timeout_s.unwrap_or(600.0));
@@ -164,6 +179,9 @@ pub fn train(spec: Spec, opts: &TrainOptions) -> Result<Outcome> {
     dir.write_eval(steps, &results)?;
     if !recall.is_empty() {
         crate::recall::write(&dir.path, steps, &recall)?;
+    }
+    if let Some(finish) = opts.finish {
+        finish(&model, &tok, &spec, &dir.path, quiet)?;
     }
     dir.mark_done()?;
     Ok(Outcome { dir: dir.path.clone(), step: steps, eval: results, already_done: false, tokens_per_s: ran.tokens_per_s })

@@ -43,7 +43,7 @@ pub fn launch_or_join(spec: &mut Spec, args: &[std::ffi::OsString]) -> Result<Ro
 /// launching one worker per device (this executable again, with this process's arguments) and
 /// training here. Returns the outcome where one is reported: a single-process run, or rank 0 of a
 /// data-parallel one; `None` on the launcher and on the other ranks.
-pub fn train_command(mut spec: Spec, gpus: &[String], quiet: bool, stop_after: Option<u64>) -> Result<Option<super::Outcome>> {
+pub fn train_command(mut spec: Spec, gpus: &[String], quiet: bool, stop_after: Option<u64>, finish: Option<super::Finish>) -> Result<Option<super::Outcome>> {
     if !gpus.is_empty() {
         spec.train.devices = Some(gpus.iter().cloned().map(crate::spec::DeviceEntry::Name).collect());
         spec = spec.resolve().map_err(|(key, msg)| Error::Other(format!("--gpus: `{key}`: {msg}")))?;
@@ -54,6 +54,6 @@ pub fn train_command(mut spec: Spec, gpus: &[String], quiet: bool, stop_after: O
         Role::Train(dist) => dist,
     };
     let rank0 = dist.as_ref().is_none_or(|d| d.rank == 0);
-    let o = super::train(spec, &super::TrainOptions { quiet, stop_after, dist })?;
+    let o = super::train(spec, &super::TrainOptions { quiet, finish, stop_after, dist })?;
     Ok(rank0.then_some(o))
 }
