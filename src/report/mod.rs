@@ -12,10 +12,12 @@ pub mod frame;
 pub mod groups;
 pub mod load;
 pub mod longctx;
+pub mod paired;
 pub mod paper;
 /// The line charts (`src/plots.rs`, below eval: `bench-decode` draws with them too).
 pub use crate::plots;
 pub mod recall;
+pub mod ruler_arms;
 pub mod render;
 pub mod stats;
 pub mod tables;
@@ -126,8 +128,9 @@ pub fn run_report(results_dir: &Path, out: &Path, formats: &[String], unit: &str
 
     // RULER / BABILong scores and STILL's ablations (also of linearized runs, which `runs` lacks).
     let mut long = longctx::build(&longctx::discover(results_dir)?, &paper::still()?);
-    // The recall test pooled over seeds, with paired differences between arms.
+    // The recall test and RULER scores pooled over seeds by arm, with paired differences between arms.
     long.extend(recall::build(&runs));
+    long.extend(ruler_arms::build(&runs));
     // Recall learning curves (scored while training) and capacity (codes right vs facts).
     let (curves, mut recall_figs) = recall::curves(&runs, out)?;
     let (capacity, capacity_figs) = recall::capacity(&runs, out)?;

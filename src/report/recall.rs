@@ -95,40 +95,12 @@ pub fn build(runs: &[Run]) -> Vec<Grid> {
         });
 
         // Paired differences of digit accuracy, per gap.
-        let mut pairs = Vec::new();
-        for &gap in &gaps {
-            for (i, (a, sa)) in arms.iter().enumerate() {
-                for (b, sb) in &arms[i + 1..] {
-                    let by_seed: BTreeMap<u64, f64> = sa
-                        .iter()
-                        .filter_map(|(seed, g)| Some((*seed, 100.0 * (g.get(&gap)?.digit_accuracy - sb.get(seed)?.get(&gap)?.digit_accuracy))))
-                        .collect();
-                    let Some(st) = Stat::of(&by_seed.values().copied().collect::<Vec<_>>()) else { continue };
-                    let seeds: Vec<String> = by_seed.iter().map(|(s, v)| format!("s{s} {v:.1}")).collect();
-                    pairs.push(vec![
-                        Cell::Text(a.label()),
-                        Cell::Text(b.label()),
-                        Cell::Text(gap.to_string()),
-                        Cell::Stat(st),
-                        Cell::Text(seeds.join(", ")),
-                        st.t_test_p().map_or(Cell::Empty, |p| Cell::Text(Stat::p_text(p))),
-                        st.ci.map_or(Cell::Empty, |(lo, hi)| Cell::Text(if lo > 0.0 || hi < 0.0 { "yes" } else { "no" }.into())),
-                    ]);
-                }
-            }
-        }
-        if !pairs.is_empty() {
-            let rows = pairs.len();
-            out.push(Grid {
-                id: format!("{id}-paired"),
-                title: format!("Long-range recall, paired differences, recipe `{}`", groups::key_id(&key)),
-                notes: vec!["A − B: % of answer digits right, per seed (same seed = same data order and, outside the bottleneck, the same initial weights), then over seeds; paired t-test.".into()],
-                head: ["A", "B", "gap", "A − B: digits right (points)", "per seed", "p (paired t)", "95% interval excludes 0"].map(String::from).to_vec(),
-                body: pairs,
-                rows,
-                missing: Vec::new(),
-            });
-        }
+        let rows: Vec<Vec<Cell>> = gaps
+            .iter()
+            .flat_map(|&gap| super::paired::pairs(&arms, move |g| g.get(&gap).map(|s| 100.0 * s.digit_accuracy)).into_iter().map(move |p| super::paired::row(p, gap.to_string())))
+            .collect();
+        let title = format!("Long-range recall, paired differences, recipe `{}`", groups::key_id(&key));
+        out.extend(super::paired::grid(format!("{id}-paired"), title, "gap", "digits right (points)", "% of answer digits right", rows));
     }
     out
 }

@@ -663,6 +663,36 @@ fn recall_scores_pool_over_seeds_with_paired_differences() {
     assert!(pairs.contains(&format!("| DAR (d_down 16, w 8) | window-only (w 8) | 64 | 44.00 ± 8.49 (2) [{:.2}, {:.2}] | s1 50.0, s2 38.0 |", 44.0 - half, 44.0 + half)), "{pairs}");
 }
 
+/// ruler.json of each run (as `eval.ruler` writes it) → per recipe a table by arm, seeds pooled,
+/// and DAR − window-only paired by seed: at 1024 DAR 80 / 60%, window-only 10 / 12% → differences
+/// 70, 48: mean 59, s.d. 15.56. The recall test's own cells and cells with overrides are not arms'.
+#[test]
+fn ruler_scores_pool_over_seeds_by_arm_with_paired_differences() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("results");
+    let cell = |task: &str, length: usize, score: f64, overrides: Option<&str>| json!({"task": task, "length": length, "samples": 100, "score": score, "mean_prompt_tokens": 900.0, "overrides": overrides});
+    for (seed, dar, win) in [(1u64, 80.0, 10.0), (2, 60.0, 12.0)] {
+        for (att, dir, score) in [("{kind: dar, d_down: 16, window: 8}", "d", dar), ("{kind: window, window: 8}", "w", win), ("{kind: vanilla}", "v", 95.0)] {
+            let mut s = spec("tiny", att, 40, &["synthetic"], &root.join(format!("{dir}{seed}")));
+            s.train.seed = Some(seed);
+            let d = finished(&s, &[], &[("synthetic", 20.0, 40.0)]);
+            let cells = json!([cell("niah_single_1", 512, 100.0, None), cell("niah_single_1", 1024, score, None), cell("recall", 256, 3.0, None), cell("niah_single_1", 1024, 0.0, Some("attention.window=2"))]);
+            std::fs::write(d.path.join("ruler.json"), cells.to_string()).unwrap();
+        }
+    }
+    let (runs, _) = load::discover(&root).unwrap();
+    let grids = ruler_arms::build(&runs);
+    assert_eq!(grids.len(), 2);
+    let md = render::markdown_grid(&grids[0].head, &grids[0].body);
+    assert!(md.contains("| DAR (d_down 16, w 8) | niah_single_1 | 1024 | 2 | 70.00 ± 14.14 (2) ["), "{md}");
+    assert!(md.contains("| window-only (w 8) | niah_single_1 | 512 | 2 | 100.00 ± 0.00 (2)"), "{md}");
+    assert!(!md.contains("recall"), "{md}");
+    assert_eq!(grids[0].rows, 6, "3 arms × 2 lengths: {md}");
+    let pairs = render::markdown_grid(&grids[1].head, &grids[1].body);
+    let half = 12.706_204_736_174_7 * (22.0 * 22.0 / 2.0f64).sqrt() / 2f64.sqrt();
+    assert!(pairs.contains(&format!("| DAR (d_down 16, w 8) | window-only (w 8) | niah_single_1 @ 1024 | 59.00 ± 15.56 (2) [{:.2}, {:.2}] | s1 70.0, s2 48.0 |", 59.0 - half, 59.0 + half)), "{pairs}");
+}
+
 /// Steps to 50%, by hand: linear between the evaluations around the first crossing.
 #[test]
 fn steps_to_half_interpolates_between_evaluations() {
