@@ -28,25 +28,29 @@ int64_t chunks_of(int64_t n) { return (n + kRowsPerChunk - 1) / kRowsPerChunk; }
 const float* fptr(const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 float* fptr_mut(Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
-// The kernels with the fewest registers that hold ⌈d / kThreads⌉ columns a thread.
-template <typename T, bool RMS>
+// The kernels with the fewest registers that hold ⌈d / kThreads⌉ columns a thread; their RMSNorm
+// form where β (forward) or the mean (backward) is undefined.
+template <typename T>
 void launch_forward(const Tensor& x, const Tensor& g, const Tensor& b, double eps, Tensor& y, Tensor& mean, Tensor& rstd, cudaStream_t stream) {
   const int64_t d = x.size(-1), n = x.numel() / d;
   const bool fits = with_cols(d, [&](auto cols) {
-    ln_forward<T, decltype(cols)::value, RMS><<<chunks_of(n), kThreads, 0, stream>>>(x.data_ptr<float>(), g.data_ptr<float>(), fptr(b), n, d, (float)eps,
-                                                                                    ptr<T>(y), fptr_mut(mean), rstd.data_ptr<float>());
+    constexpr int C = decltype(cols)::value;
+    auto kernel = b.defined() ? ln_forward<T, C, false> : ln_forward<T, C, true>;
+    kernel<<<chunks_of(n), kThreads, 0, stream>>>(x.data_ptr<float>(), g.data_ptr<float>(), fptr(b), n, d, (float)eps, ptr<T>(y), fptr_mut(mean),
+                                                  rstd.data_ptr<float>());
   });
   TORCH_CHECK(fits, "layer_norm_half: rows of ", d, " are wider than the kernels take");
 }
 
-template <typename T, bool RMS>
+template <typename T>
 void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dg, Tensor& db,
                      cudaStream_t stream) {
   const int64_t d = x.size(-1), n = x.numel() / d;
   const bool fits = with_cols(d, [&](auto cols) {
-    ln_backward<T, decltype(cols)::value, RMS><<<dg.size(0), kThreads, 0, stream>>>(ptr<T>(dy), x.data_ptr<float>(), g.data_ptr<float>(), fptr(mean),
-                                                                                   rstd.data_ptr<float>(), n, d, dx.data_ptr<float>(), dg.data_ptr<float>(),
-                                                                                   fptr_mut(db));
+    constexpr int C = decltype(cols)::value;
+    auto kernel = mean.defined() ? ln_backward<T, C, false> : ln_backward<T, C, true>;
+    kernel<<<dg.size(0), kThreads, 0, stream>>>(ptr<T>(dy), x.data_ptr<float>(), g.data_ptr<float>(), fptr(mean), rstd.data_ptr<float>(), n, d,
+                                                dx.data_ptr<float>(), dg.data_ptr<float>(), fptr_mut(db));
   });
   TORCH_CHECK(fits, "layer_norm_half: rows of ", d, " are wider than the kernels take");
 }
@@ -63,27 +67,26 @@ struct LayerNormHalf : public torch::autograd::Function<LayerNormHalf> {
     Tensor xc = x.contiguous(), g = gamma.contiguous(), b = rms ? Tensor() : beta.contiguous();
     const int64_t n = xc.numel() / d;
     const auto kind = static_cast<at::ScalarType>(out_kind);
-    TORCH_CHECK(kind == at::kBFloat16 || kind == at::kHalf, "layer_norm_half: the output must be bf16 or fp16");
     Tensor y = at::empty(x.sizes(), x.options().dtype(kind));
     Tensor mean = rms ? Tensor() : at::empty({n}, x.options()), rstd = at::empty({n}, x.options());
     auto stream = c10::cuda::getCurrentCUDAStream();
     if (n > 0) {
-      const bool bf16 = kind == at::kBFloat16;
-      if (bf16 && rms) launch_forward<__nv_bfloat16, true>(xc, g, b, eps, y, mean, rstd, stream);
-      if (bf16 && !rms) launch_forward<__nv_bfloat16, false>(xc, g, b, eps, y, mean, rstd, stream);
-      if (!bf16 && rms) launch_forward<__half, true>(xc, g, b, eps, y, mean, rstd, stream);
-      if (!bf16 && !rms) launch_forward<__half, false>(xc, g, b, eps, y, mean, rstd, stream);
+      if (kind == at::kBFloat16) {
+        launch_forward<__nv_bfloat16>(xc, g, b, eps, y, mean, rstd, stream);
+      } else {
+        TORCH_CHECK(kind == at::kHalf, "layer_norm_half: the output must be bf16 or fp16");
+        launch_forward<__half>(xc, g, b, eps, y, mean, rstd, stream);
+      }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     ctx->save_for_backward({xc, g, rstd, mean});  // mean undefined for RMSNorm
-    ctx->saved_data["rms"] = rms;
     return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const bool rms = ctx->saved_data["rms"].toBool();
     Tensor x = saved[0], g = saved[1], rstd = saved[2], mean = saved[3];
+    const bool rms = !mean.defined();
     const int64_t d = x.size(-1), n = x.numel() / d;
     Tensor dy = grads[0].contiguous();
     c10::cuda::CUDAGuard guard(x.device());
@@ -94,13 +97,12 @@ struct LayerNormHalf : public torch::autograd::Function<LayerNormHalf> {
     Tensor dg = at::empty({std::max<int64_t>(chunks, 1), d}, x.options());
     Tensor db = rms ? Tensor() : at::empty({std::max<int64_t>(chunks, 1), d}, x.options());
     if (n > 0) {
-      const auto kind = dy.scalar_type();
-      TORCH_CHECK(kind == at::kBFloat16 || kind == at::kHalf, "layer_norm_half: dy must be bf16 or fp16");
-      const bool bf16 = kind == at::kBFloat16;
-      if (bf16 && rms) launch_backward<__nv_bfloat16, true>(dy, x, g, mean, rstd, dx, dg, db, stream);
-      if (bf16 && !rms) launch_backward<__nv_bfloat16, false>(dy, x, g, mean, rstd, dx, dg, db, stream);
-      if (!bf16 && rms) launch_backward<__half, true>(dy, x, g, mean, rstd, dx, dg, db, stream);
-      if (!bf16 && !rms) launch_backward<__half, false>(dy, x, g, mean, rstd, dx, dg, db, stream);
+      if (dy.scalar_type() == at::kBFloat16) {
+        launch_backward<__nv_bfloat16>(dy, x, g, mean, rstd, dx, dg, db, stream);
+      } else {
+        TORCH_CHECK(dy.scalar_type() == at::kHalf, "layer_norm_half: dy must be bf16 or fp16");
+        launch_backward<__half>(dy, x, g, mean, rstd, dx, dg, db, stream);
+      }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
       dg.zero_();

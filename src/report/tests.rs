@@ -65,6 +65,14 @@ fn results(v: &[(&str, f64, f64)]) -> BTreeMap<String, CorpusResult> {
     v.iter().map(|&(c, p, w)| (c.to_string(), result(p, w))).collect()
 }
 
+/// `spec` of a tiny run with a synthetic eval corpus and train.seed = `seed` (the seeded arms of
+/// the paired tests).
+fn seeded(attention: &str, steps: u64, out: &Path, seed: u64) -> Spec {
+    let mut s = spec("tiny", attention, steps, &["synthetic"], out);
+    s.train.seed = Some(seed);
+    s
+}
+
 /// A finished run: train rows every 10 steps, evaluations at 20 and at the end, eval.json, DONE.
 fn finished(s: &Spec, mid: &[(&str, f64, f64)], end: &[(&str, f64, f64)]) -> RunDir {
     let dir = RunDir::prepare(s).unwrap();
@@ -461,11 +469,7 @@ fn still_paper_rows() {
 fn seeds_pool_into_rows_with_intervals_and_rel_is_paired_by_seed() {
     let tmp = tempfile::tempdir().unwrap();
     let (root, out) = (tmp.path().join("results"), tmp.path().join("report"));
-    let s = |att: &str, dir: &str, seed: u64| {
-        let mut s = spec("tiny", att, 40, &["synthetic"], &root.join(dir));
-        s.train.seed = Some(seed);
-        s
-    };
+    let s = |att: &str, dir: &str, seed: u64| seeded(att, 40, &root.join(dir), seed);
     // word PPL: vanilla 20, 30, 40; DAR 22, 30, 36 → per-seed 110, 100, 90 % (mean 100), while the
     // ratio of the means would be 88/90 = 97.8 %.
     let (van, dar) = ([20.0, 30.0, 40.0], [22.0, 30.0, 36.0]);
@@ -529,11 +533,7 @@ fn seeds_pool_into_rows_with_intervals_and_rel_is_paired_by_seed() {
 fn window_only_rows_and_paired_differences_by_seed() {
     let tmp = tempfile::tempdir().unwrap();
     let (root, out) = (tmp.path().join("results"), tmp.path().join("report"));
-    let s = |att: &str, dir: &str, seed: u64| {
-        let mut s = spec("tiny", att, 40, &["synthetic"], &root.join(dir));
-        s.train.seed = Some(seed);
-        s
-    };
+    let s = |att: &str, dir: &str, seed: u64| seeded(att, 40, &root.join(dir), seed);
     let (dar, win, uni) = ([95.35, 95.09, 97.26], [96.70, 97.40, 98.04], [109.92, 109.84, 111.61]);
     for (i, seed) in [1u64, 2, 3].into_iter().enumerate() {
         let end = |ppl: f64| vec![("synthetic", ppl, 2.0 * ppl)];
@@ -592,8 +592,7 @@ fn loss_by_position_is_read_and_drawn() {
             ("{kind: dar, d_down: 16, window: 2}", "d", [5.0, 4.1, 3.4, 2.8 + seed as f64 / 10.0]),
             ("{kind: window, window: 2}", "w", [5.0, 4.1, 3.6, 3.2]),
         ] {
-            let mut s = spec("tiny", att, 40, &["synthetic"], &root.join(format!("{dir}{seed}")));
-            s.train.seed = Some(seed);
+            let s = seeded(att, 40, &root.join(format!("{dir}{seed}")), seed);
             let dir = finished(&s, &[], &[("synthetic", 20.0, 40.0)]);
             let mut r = results(&[("synthetic", 20.0, 40.0)]);
             r.get_mut("synthetic").unwrap().by_position = Some(pos(l));
@@ -646,8 +645,7 @@ fn recall_scores_pool_over_seeds_with_paired_differences() {
     };
     for (seed, dar, win) in [(1u64, 0.6, 0.1), (2, 0.5, 0.12)] {
         for (att, dir, acc) in [("{kind: dar, d_down: 16, window: 8}", "d", dar), ("{kind: window, window: 8}", "w", win), ("{kind: vanilla}", "v", 0.9)] {
-            let mut s = spec("tiny", att, 40, &["synthetic"], &root.join(format!("{dir}{seed}")));
-            s.train.seed = Some(seed);
+            let s = seeded(att, 40, &root.join(format!("{dir}{seed}")), seed);
             let d = finished(&s, &[], &[("synthetic", 20.0, 40.0)]);
             let v = json!({"step": 40, "gaps": [score(64, acc), score(8, 0.95)]});
             std::fs::write(d.path.join("recall.json"), v.to_string()).unwrap();
@@ -673,8 +671,7 @@ fn ruler_scores_pool_over_seeds_by_arm_with_paired_differences() {
     let cell = |task: &str, length: usize, score: f64, overrides: Option<&str>| json!({"task": task, "length": length, "samples": 100, "score": score, "mean_prompt_tokens": 900.0, "overrides": overrides});
     for (seed, dar, win) in [(1u64, 80.0, 10.0), (2, 60.0, 12.0)] {
         for (att, dir, score) in [("{kind: dar, d_down: 16, window: 8}", "d", dar), ("{kind: window, window: 8}", "w", win), ("{kind: vanilla}", "v", 95.0)] {
-            let mut s = spec("tiny", att, 40, &["synthetic"], &root.join(format!("{dir}{seed}")));
-            s.train.seed = Some(seed);
+            let s = seeded(att, 40, &root.join(format!("{dir}{seed}")), seed);
             let d = finished(&s, &[], &[("synthetic", 20.0, 40.0)]);
             let cells = json!([cell("niah_single_1", 512, 100.0, None), cell("niah_single_1", 1024, score, None), cell("recall", 256, 3.0, None), cell("niah_single_1", 1024, 0.0, Some("attention.window=2"))]);
             std::fs::write(d.path.join("ruler.json"), cells.to_string()).unwrap();
@@ -721,8 +718,7 @@ fn recall_curves_give_steps_to_half_over_seeds() {
         ("{kind: window, window: 8}", "w", 2, [0.0, 0.001, 0.001]),
     ];
     for (att, dir, seed, codes) in curves {
-        let mut s = spec("tiny", att, 1500, &["synthetic"], &root.join(format!("{dir}{seed}")));
-        s.train.seed = Some(seed);
+        let s = seeded(att, 1500, &root.join(format!("{dir}{seed}")), seed);
         let d = RunDir::prepare(&s).unwrap();
         for (i, c) in codes.iter().enumerate() {
             let step = 500 * (i as u64 + 1);
@@ -762,8 +758,7 @@ fn recall_capacity_pools_codes_right_per_number_of_facts() {
     for (att, dir, base) in [("{kind: dar, d_down: 16, window: 8}", "d", 0.6), ("{kind: vanilla}", "v", 0.9)] {
         for facts in [2usize, 8] {
             for seed in [1u64, 2] {
-                let mut s = spec("tiny", att, 40, &["synthetic"], &root.join(format!("{dir}-f{facts}-s{seed}")));
-                s.train.seed = Some(seed);
+                let mut s = seeded(att, 40, &root.join(format!("{dir}-f{facts}-s{seed}")), seed);
                 s.data.train = SourceSpec::Synthetic { synthetic: SyntheticSpec { seed: 1, docs: 10, recall_gap: Some(RecallGap::One(64)), recall_facts: Some(facts) } };
                 let d = finished(&s, &[], &[("synthetic", 20.0, 40.0)]);
                 let codes = base / facts as f64 + 0.01 * seed as f64;
