@@ -622,6 +622,18 @@ fn loss_by_position_is_read_and_drawn() {
     assert!(v1.by_position.is_empty() && v1.warnings.is_empty() && v1.final_eval("ppl")["synthetic"] == 20.0);
 }
 
+/// Finished runs of DAR (d_down 16, w 8), window-only (w 8) and vanilla under `root` for each
+/// (seed, DAR's value, window-only's value), vanilla's value the same at every seed; `write` puts the
+/// value into each run's directory.
+fn three_arms(root: &Path, seeds: [(u64, f64, f64); 2], vanilla: f64, write: impl Fn(&Path, f64)) {
+    for (seed, dar, win) in seeds {
+        for (att, dir, v) in [("{kind: dar, d_down: 16, window: 8}", "d", dar), ("{kind: window, window: 8}", "w", win), ("{kind: vanilla}", "v", vanilla)] {
+            let d = finished(&seeded(att, 40, &root.join(format!("{dir}{seed}")), seed), &[], &[("synthetic", 20.0, 40.0)]);
+            write(&d.path, v);
+        }
+    }
+}
+
 /// recall.json of each run → one table per recipe, seeds pooled, and DAR − window-only paired by
 /// seed: DAR 60% / 50% of digits, window-only 10% / 12% → differences 50, 38: mean 44, s.d. 8.485.
 #[test]
@@ -643,14 +655,10 @@ fn recall_scores_pool_over_seeds_with_paired_differences() {
         window_reach: None,
         mean_tokens: 100.0,
     };
-    for (seed, dar, win) in [(1u64, 0.6, 0.1), (2, 0.5, 0.12)] {
-        for (att, dir, acc) in [("{kind: dar, d_down: 16, window: 8}", "d", dar), ("{kind: window, window: 8}", "w", win), ("{kind: vanilla}", "v", 0.9)] {
-            let s = seeded(att, 40, &root.join(format!("{dir}{seed}")), seed);
-            let d = finished(&s, &[], &[("synthetic", 20.0, 40.0)]);
-            let v = json!({"step": 40, "gaps": [score(64, acc), score(8, 0.95)]});
-            std::fs::write(d.path.join("recall.json"), v.to_string()).unwrap();
-        }
-    }
+    three_arms(&root, [(1, 0.6, 0.1), (2, 0.5, 0.12)], 0.9, |d, acc| {
+        let v = json!({"step": 40, "gaps": [score(64, acc), score(8, 0.95)]});
+        std::fs::write(d.join("recall.json"), v.to_string()).unwrap();
+    });
     let (runs, _) = load::discover(&root).unwrap();
     let grids = recall::build(&runs);
     assert_eq!(grids.len(), 2);
@@ -669,14 +677,10 @@ fn ruler_scores_pool_over_seeds_by_arm_with_paired_differences() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("results");
     let cell = |task: &str, length: usize, score: f64, overrides: Option<&str>| json!({"task": task, "length": length, "samples": 100, "score": score, "mean_prompt_tokens": 900.0, "overrides": overrides});
-    for (seed, dar, win) in [(1u64, 80.0, 10.0), (2, 60.0, 12.0)] {
-        for (att, dir, score) in [("{kind: dar, d_down: 16, window: 8}", "d", dar), ("{kind: window, window: 8}", "w", win), ("{kind: vanilla}", "v", 95.0)] {
-            let s = seeded(att, 40, &root.join(format!("{dir}{seed}")), seed);
-            let d = finished(&s, &[], &[("synthetic", 20.0, 40.0)]);
-            let cells = json!([cell("niah_single_1", 512, 100.0, None), cell("niah_single_1", 1024, score, None), cell("recall", 256, 3.0, None), cell("niah_single_1", 1024, 0.0, Some("attention.window=2"))]);
-            std::fs::write(d.path.join("ruler.json"), cells.to_string()).unwrap();
-        }
-    }
+    three_arms(&root, [(1, 80.0, 10.0), (2, 60.0, 12.0)], 95.0, |d, score| {
+        let cells = json!([cell("niah_single_1", 512, 100.0, None), cell("niah_single_1", 1024, score, None), cell("recall", 256, 3.0, None), cell("niah_single_1", 1024, 0.0, Some("attention.window=2"))]);
+        std::fs::write(d.join("ruler.json"), cells.to_string()).unwrap();
+    });
     let (runs, _) = load::discover(&root).unwrap();
     let grids = ruler_arms::build(&runs);
     assert_eq!(grids.len(), 2);
