@@ -56,8 +56,10 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const T
 }
 
 struct LayerNormHalf : public torch::autograd::Function<LayerNormHalf> {
-  // beta undefined: RMSNorm.
-  static Tensor forward(AutogradContext* ctx, Tensor x, Tensor gamma, Tensor beta, double eps, int64_t out_kind) {
+  // No β: RMSNorm. An optional, not an undefined Tensor: autograd's apply reads every Tensor
+  // argument's device, and an undefined one has none.
+  static Tensor forward(AutogradContext* ctx, Tensor x, Tensor gamma, std::optional<Tensor> beta_opt, double eps, int64_t out_kind) {
+    const Tensor beta = beta_opt.value_or(Tensor());
     const bool rms = !beta.defined();
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat, "layer_norm_half: x must be fp32 on CUDA");
     TORCH_CHECK(gamma.scalar_type() == at::kFloat && (rms || beta.scalar_type() == at::kFloat), "layer_norm_half: γ, β must be fp32");
@@ -125,7 +127,8 @@ char* norm_half(tensor x, tensor gamma, const Tensor& beta, double eps, tensor* 
     const at::ScalarType kind = at::autocast::get_autocast_dtype(at::kCUDA);
     if (kind != at::kBFloat16 && kind != at::kHalf) return nullptr;
     if (x->dim() == 0 || x->size(-1) == 0 || x->size(-1) > (int64_t)kMaxCols * kThreads) return nullptr;  // wider than the kernels take
-    *out = new at::Tensor(LayerNormHalf::apply(*x, *gamma, beta, eps, static_cast<int64_t>(kind)));
+    const std::optional<Tensor> beta_opt = beta.defined() ? std::optional<Tensor>(beta) : std::nullopt;
+    *out = new at::Tensor(LayerNormHalf::apply(*x, *gamma, beta_opt, eps, static_cast<int64_t>(kind)));
     return nullptr;
   } catch (const std::exception& e) {
     return strdup(e.what());
