@@ -37,13 +37,10 @@ void launch_partial_g(const Params& p, int B, size_t smem, cudaStream_t stream) 
   }
 }
 
-// The distant part on the tensor cores: qw and β once (step_qw), then one block per (chunk, b, 16
-// query heads) (step_latent_mma).
+// The distant part on the tensor cores: one block per (chunk, b, 16 query heads) (step_latent_mma).
 template <typename T>
 void launch_latent_mma(const Params& p, int B, cudaStream_t stream) {
   const int H = p.hkv * p.g;
-  step_qw<T><<<B * H, kThreads, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   auto kernel = latent_mma_kernel<T>(p.r);
   const size_t smem = mma_smem_bytes(p.r, p.rot);
   if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -52,10 +49,14 @@ void launch_latent_mma(const Params& p, int B, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The partial kernels: the latents by step_latent_mma and the ring by step_partial (p.chunk0 =
-// nchunks), or everything by step_partial.
+// The partial kernels: with latents qw and β once (step_qw), then the latents by step_latent_mma
+// and the ring by step_partial (p.chunk0 = nchunks), or everything by step_partial.
 template <typename T>
 void launch_parts(const Params& p, int B, size_t smem, bool mma, cudaStream_t stream) {
+  if (p.nchunks > 0) {
+    step_qw<T><<<B * p.hkv * p.g, kThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   if (mma && p.nchunks > 0) launch_latent_mma<T>(p, B, stream);
   if (p.nchunks + p.nring - p.chunk0 > 0) launch_partial_g<T>(p, B, smem, stream);
 }
@@ -257,7 +258,7 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     p.acc = acc.data_ptr<float>();
     p.accv = accv.data_ptr<float>();
     at::Tensor qwbuf;
-    if (use_mma && cp) {
+    if (cp) {
       qwbuf = at::empty({B * H * r + B * H}, f32);
       p.qw = qwbuf.data_ptr<float>();
       p.qbeta = p.qw + B * H * r;

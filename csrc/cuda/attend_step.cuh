@@ -11,15 +11,15 @@
 //     or, ATTNLAB_STEP_ROPE=absorbed, no kr: the rotated dims through per-pair query vectors, rope_terms);
 //   full-width slot j: score = scale · q_h · k_j, visible iff the position it holds (j itself, or for
 //   a ring of `keep` slots p − ((p − j) mod keep)) is in [pad[b], p].
-// The partial kernel: one block per (row b, kv head, chunk of slots, distant or full-width); four
-// warps each take every fourth slot with an online softmax, then merge. It writes (max, sum) and
-// Σ p·c_s (distant, r wide) or Σ p·v_j (full width, hd wide), unnormalised.
+// With latents, step_qw first computes qw and β of every head once a step (fp32). The partial
+// kernel: one block per (row b, kv head, chunk of slots, distant or full-width); four warps each
+// take every fourth slot with an online softmax, then merge. It writes (max, sum) and Σ p·c_s
+// (distant, r wide) or Σ p·v_j (full width, hd wide), unnormalised.
 // Or, from 8,192 latent slots on (attend_step.cu: kMmaFromSlots; ATTNLAB_STEP_MMA=1 / 0: always /
 // never; MLA-style: a latent is shared by every head of the layer), the distant
 // chunks by step_latent_mma and only the full-width ones by step_partial (from chunk0 = nchunks on):
-// step_qw computes qw and β of every head once a step (fp32), then one block per (chunk, b, 16 query
-// heads) reads each latent of its chunk once for all its heads. Its four warps take 16-slot tiles
-// in turn (a tile in shared memory by 16-byte loads, read back by ldmatrix): the scores
+// one block per (chunk, b, 16 query heads) reads each latent of its chunk once for all its heads.
+// Its four warps take 16-slot tiles in turn (a tile in shared memory by 16-byte loads, read back by ldmatrix): the scores
 // S[heads, slots] = QW·Cᵀ on the tensor cores (mma m16n8k16, fp32 accumulate; QW as 16-bit hi + lo,
 // two mmas, 4–5× closer than hi alone), β and the rotated dims from kr added per (head, slot) by
 // FMAs, an online softmax per head row, P in 16 bits and O[heads, r] += P·C by mma. Writes the same
@@ -110,7 +110,7 @@ struct Params {
   // step_partial's first block is chunk `chunk0` (nchunks: the ring's blocks alone, the latents'
   // taken by step_latent_mma; else 0).
   int chunk0;
-  // step_latent_mma: qw [B, H, r] and β [B, H] in fp32, written by step_qw.
+  // qw [B, H, r] and β [B, H] in fp32, written by step_qw for the latent blocks of both paths.
   float* qw;
   float* qbeta;
 };
@@ -412,22 +412,10 @@ __global__ void __launch_bounds__(kThreads) step_partial(Params p) {
   __syncthreads();
   const int n_acc = ring ? p.hd : p.r;  // the width of what the block accumulates
   if (!ring) {
-    // qw_h = q_h[rot:] · Wk[kvh][rot:, :], β_h = q_h[rot:] · bk[kvh][rot:].
-    const T* wk = static_cast<const T*>(p.wk) + (int64_t)kvh * p.hd * p.r;
-    for (int i = tid; i < G * p.r; i += kThreads) {
-      const int h = i / p.r, j = i % p.r;
-      float s = 0.f;
-      for (int d = p.rot; d < p.hd; ++d) s += qs[h * p.hd + d] * to_f(wk[(int64_t)d * p.r + j]);
-      qw[i] = s;
-    }
-    if (tid < G) {
-      float s = 0.f;
-      if (p.bk) {
-        const T* bk = static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd;
-        for (int d = p.rot; d < p.hd; ++d) s += qs[tid * p.hd + d] * to_f(bk[d]);
-      }
-      beta[tid] = s;
-    }
+    // qw and β of the block's heads, from step_qw (run before this kernel).
+    const int64_t head0 = (int64_t)b * H + kvh * G;
+    for (int i = tid; i < G * p.r; i += kThreads) qw[i] = p.qw[head0 * p.r + i];
+    if (tid < G) beta[tid] = p.qbeta[head0 + tid];
     if (p.rope_absorbed) rope_terms<T, G>(p, kvh, qs, rq, rb);
     __syncthreads();
   }
@@ -531,41 +519,56 @@ constexpr int kMmaHeads = 16;  // query heads a block: the mma's M
 constexpr int kMmaSlots = 16;  // distant slots a warp's tile: two n blocks of 8 for S, the k of P·C
 
 // qw_h = q_h[rot:] · Wk[k][rot:, :] and β_h = q_h[rot:] · bk[k][rot:] of query head h (kv head k),
-// fp32, one block per (b, h): computed once a step, not by each of step_latent_mma's blocks. The
-// four warps take every fourth dim d and each lane the columns lane + 32·m (r ≤ 256: m < 8) in
-// registers, so a thread's loads are independent within a d and it waits on memory (hd − rot) / 4
-// times; the warps' partial rows are summed in shared memory. (One thread per column over every d
-// waited hd − rot times: 11 µs a layer on one H100, as long as step_latent_mma's own 4K read.)
+// fp32, one block per (b, h): computed once a step for every latent path (step_partial's latent
+// blocks and step_latent_mma's read it), not by each block. A thread takes a pack of 8 columns and
+// every `groups`-th dim d, so its loads are independent and it waits on memory about
+// (hd − rot) / groups times (groups = 8 at r = 128), not hd − rot; the groups' partial rows are
+// summed in shared memory. (One thread per column over every d, as each of step_partial's blocks
+// did before: 11 µs a layer on one H100 at Pythia-70M's shape.)
 template <typename T>
 __global__ void __launch_bounds__(kThreads) step_qw(Params p) {
-  constexpr int kMaxR = 256, kCols = kMaxR / 32;
-  __shared__ float part[kWarps][kMaxR];
+  constexpr int kPack = 8;
+  __shared__ float part[kThreads * kPack];
   const int H = p.hkv * p.g, b = blockIdx.x / H, h = blockIdx.x % H, kvh = h / p.g;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const T* q = static_cast<const T*>(p.q) + b * p.q_sb + (int64_t)h * p.q_sh;
   const T* wk = static_cast<const T*>(p.wk) + (int64_t)kvh * p.hd * p.r;
-  float s[kCols];
+  float* qw = p.qw + (int64_t)blockIdx.x * p.r;
+  // P packs of columns; with P < kThreads, `groups` threads share a pack, each over its own dims.
+  const int P = (p.r + kPack - 1) / kPack, groups = P >= kThreads ? 1 : kThreads / P;
+  for (int task = threadIdx.x; task < P * groups; task += kThreads) {
+    const int c0 = (task % P) * kPack, grp = task / P;
+    float s[kPack];
 #pragma unroll
-  for (int m = 0; m < kCols; ++m) s[m] = 0.f;
-  for (int d = p.rot + warp; d < p.hd; d += kWarps) {
-    const float qd = to_f(q[d]);
-    const T* row = wk + (int64_t)d * p.r;
+    for (int i = 0; i < kPack; ++i) s[i] = 0.f;
+#pragma unroll 4
+    for (int d = p.rot + grp; d < p.hd; d += groups) {
+      const float qd = to_f(q[d]);
+      const T* row = wk + (int64_t)d * p.r + c0;
 #pragma unroll
-    for (int m = 0; m < kCols; ++m) {
-      if (lane + 32 * m < p.r) s[m] += qd * to_f(row[lane + 32 * m]);
+      for (int i = 0; i < kPack; ++i) {
+        if (c0 + i < p.r) s[i] += qd * to_f(row[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPack; ++i) {
+      if (c0 + i >= p.r) break;
+      if (groups == 1) {
+        qw[c0 + i] = s[i];
+      } else {
+        part[grp * P * kPack + c0 + i] = s[i];
+      }
     }
   }
-#pragma unroll
-  for (int m = 0; m < kCols; ++m) {
-    if (lane + 32 * m < p.r) part[warp][lane + 32 * m] = s[m];
-  }
-  __syncthreads();
-  for (int j = threadIdx.x; j < p.r; j += kThreads) {
-    float sum = 0.f;
-    for (int w = 0; w < kWarps; ++w) sum += part[w][j];
-    p.qw[(int64_t)blockIdx.x * p.r + j] = sum;
+  if (groups > 1) {
+    __syncthreads();
+    for (int j = threadIdx.x; j < p.r; j += kThreads) {
+      float sum = 0.f;
+      for (int grp = 0; grp < groups; ++grp) sum += part[grp * P * kPack + j];
+      qw[j] = sum;
+    }
   }
   if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
     float sb = 0.f;
     if (p.bk) {
       const T* bk = static_cast<const T*>(p.bk) + (int64_t)kvh * p.hd;
