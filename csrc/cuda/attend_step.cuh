@@ -643,30 +643,66 @@ __device__ __forceinline__ void latent_scores(const T* qwh, const T* qwl, const 
 // The rest of each score of the lane's fragments (head row group (+ 8), slot 2t (+ 1, + 8, + 9)):
 // β_h and the rotated dims q_rot,h · RoPE_s(kr_s + bk_rot) by fp32 FMAs (rot is small), scaled; −inf
 // for slots outside the visible [lo, hi). Rows past the block's heads (rows) keep S alone: zero.
+// Pair by pair, the loads of all eight scores (kr's two halves each, cos / sin of the four slots)
+// are issued before any is used: one wait on memory a pair, not one a pair and score.
 template <typename T>
 __device__ __forceinline__ void finish_scores(const Params& p, int b, int h0, int rows, int s0, int64_t lo, int64_t hi, const float* qrot,
                                               const float* bkr, const float* beta, float s[2][4]) {
   const int lane = threadIdx.x & 31, group = lane / 4, t = lane % 4, half = p.rot / 2;
+  const T* kr[2][4];
+  bool rope[2][4];
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = group + (e >= 2 ? 8 : 0), slot = s0 + nt * 8 + 2 * t + (e & 1);
-      if (slot < lo || slot >= hi) {
-        s[nt][e] = -INFINITY;
-        continue;
-      }
-      float x = s[nt][e] + beta[row];
-      if (row < rows && half > 0) {
-        const T* kr = static_cast<const T*>(p.kr) + b * p.kr_sb + (int64_t)slot * p.kr_ss + (int64_t)((h0 + row) / p.g) * p.rot;
-        const float* cs = p.cos + (int64_t)slot * p.cs_s;
-        const float* sn = p.sin + (int64_t)slot * p.cs_s;
-        const float* qh = qrot + row * p.rot;
-        const float* bh = bkr + row * p.rot;
-        for (int i = 0; i < half; ++i) x += rope_pair_dot(qh, i, half, to_f(kr[i]) + bh[i], to_f(kr[i + half]) + bh[i + half], cs[i], sn[i]);
-      }
-      s[nt][e] = x * p.scale;
+      const bool visible = slot >= lo && slot < hi;
+      rope[nt][e] = visible && row < rows && half > 0;
+      kr[nt][e] = rope[nt][e] ? static_cast<const T*>(p.kr) + b * p.kr_sb + (int64_t)slot * p.kr_ss + (int64_t)((h0 + row) / p.g) * p.rot : nullptr;
+      s[nt][e] = visible ? s[nt][e] + beta[row] : -INFINITY;
     }
+  // The lane's four slots: nt · 8 + 2t + (0, 1).
+  const float* cs[2][2];
+  const float* sn[2][2];
+  bool slot_rope[2][2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int o = 0; o < 2; ++o) {
+      const int slot = s0 + nt * 8 + 2 * t + o;
+      slot_rope[nt][o] = rope[nt][o] || rope[nt][o + 2];
+      cs[nt][o] = p.cos + (int64_t)slot * p.cs_s;
+      sn[nt][o] = p.sin + (int64_t)slot * p.cs_s;
+    }
+  for (int i = 0; i < half; ++i) {
+    float k1[2][4], k2[2][4], c[2][2], n[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        k1[nt][e] = rope[nt][e] ? to_f(kr[nt][e][i]) : 0.f;
+        k2[nt][e] = rope[nt][e] ? to_f(kr[nt][e][i + half]) : 0.f;
+      }
+#pragma unroll
+      for (int o = 0; o < 2; ++o) {
+        c[nt][o] = slot_rope[nt][o] ? cs[nt][o][i] : 0.f;
+        n[nt][o] = slot_rope[nt][o] ? sn[nt][o][i] : 0.f;
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (!rope[nt][e]) continue;
+        const int row = group + (e >= 2 ? 8 : 0);
+        const float* bh = bkr + row * p.rot;
+        s[nt][e] += rope_pair_dot(qrot + row * p.rot, i, half, k1[nt][e] + bh[i], k2[nt][e] + bh[i + half], c[nt][e & 1], n[nt][e & 1]);
+      }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] *= p.scale;
 }
 
 // One block per (chunk of distant slots, row b, 16 query heads): every latent of the chunk read once
