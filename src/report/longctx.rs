@@ -16,7 +16,8 @@ use std::path::{Path, PathBuf};
 
 /// The task name the ablations score S-NIAH with (the paper's S-NIAH-1).
 pub const SNIAH: &str = "niah_single_1";
-/// Rows every evaluated run is expected to have in the long-context table.
+/// Rows every evaluated linearized run is expected to have in the long-context table (the STILL
+/// paper's protocol); a training run is expected to have what its recipe's other runs were scored on.
 const EXPECTED: [&str; 5] = ["niah_single_1", "niah_single_2", "niah_single_3", "babilong:qa1", "babilong:qa2"];
 
 /// A STILL configuration as the ablations name it.
@@ -39,6 +40,8 @@ pub struct LongRun {
     pub attention: String,
     /// Set for linearized STILL runs.
     pub still: Option<StillKey>,
+    /// A linearized run (STILL, LoLCATs, …), not a training run.
+    pub linearized: bool,
     /// Runs with one recipe differ only in the ablated keys (and bookkeeping).
     pub recipe: String,
     /// RULER cells (task as in ruler.json) and BABILong cells (task `babilong:qa1`, …).
@@ -130,7 +133,9 @@ pub fn discover(root: &Path) -> crate::Result<Vec<LongRun>> {
     for dir in dirs {
         let Ok(text) = std::fs::read_to_string(dir.join("config.yaml")) else { continue };
         use crate::run_kind::RunKind;
-        let (attention, still, recipe) = match RunKind::of_config(&text) {
+        let kind = RunKind::of_config(&text);
+        let linearized = matches!(kind, Ok(RunKind::Linearize));
+        let (attention, still, recipe) = match kind {
             Ok(RunKind::Linearize) => {
                 let Ok(spec) = LinearizeSpec::from_yaml(&text) else { continue };
                 // STILL's runs are told apart by its ablated components; every other hybrid by its label.
@@ -157,7 +162,7 @@ pub fn discover(root: &Path) -> crate::Result<Vec<LongRun>> {
             Ok(p) => p.to_string_lossy().into_owned(),
             Err(_) => dir.to_string_lossy().into_owned(),
         };
-        out.push(LongRun { rel, attention, still, recipe, cells, warnings });
+        out.push(LongRun { rel, attention, still, linearized, recipe, cells, warnings });
     }
     Ok(out)
 }
@@ -208,8 +213,17 @@ fn scores(runs: &[LongRun]) -> Option<Grid> {
     head.push("mean".into());
     let (mut body, mut missing, mut rows) = (Vec::new(), Vec::new(), 0);
     let order = |t: &str| ruler::TASKS.iter().position(|x| *x == t).unwrap_or(ruler::TASKS.len()) as i64;
+    // A training sweep scores what its spec's eval.ruler asks: its runs are held to their recipe's tasks.
+    let mut recipe_tasks: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for r in evaluated.iter().filter(|r| !r.linearized) {
+        recipe_tasks.entry(r.recipe.as_str()).or_default().extend(r.cells.iter().map(|c| c.task.as_str()));
+    }
     for r in &evaluated {
-        let mut tasks: Vec<String> = EXPECTED.iter().map(|t| t.to_string()).collect();
+        let mut tasks: Vec<String> = if r.linearized {
+            EXPECTED.iter().map(|t| t.to_string()).collect()
+        } else {
+            recipe_tasks[r.recipe.as_str()].iter().map(|t| t.to_string()).collect()
+        };
         for c in &r.cells {
             if !tasks.contains(&c.task) {
                 tasks.push(c.task.clone());

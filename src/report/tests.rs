@@ -390,6 +390,28 @@ fn ruler_and_babilong_scores_per_run_and_length() {
     assert!(!g.body.iter().any(|r| matches!(&r[0], render::Cell::Text(s) if s == "lin/hh")));
     assert!(g.missing.iter().any(|m| m.contains("lin/ss niah_single_3") && m.contains("--task ruler:niah_single_3")), "{:?}", g.missing);
     assert!(g.missing.iter().any(|m| m.contains("lin/diag babilong:qa1") && m.contains("babilong.json")), "{:?}", g.missing);
+    // A training run is held to its recipe's tasks, not to the STILL paper's.
+    assert!(!g.missing.iter().any(|m| m.contains("t/dar")), "{:?}", g.missing);
+}
+
+#[test]
+fn training_runs_are_expected_to_have_their_recipes_tasks() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (rel, attention, scored) in [("dar", "{kind: dar, d_down: 32, window: 8}", vec![("niah_single_1", 512, 80.0), ("niah_single_2", 512, 40.0)]), ("window", "{kind: window, window: 8}", vec![("niah_single_1", 512, 0.0)])] {
+        let dir = finished(&spec("tiny", attention, 40, &["synthetic"], &tmp.path().join(rel)), &[("synthetic", 40.0, 60.0)], &[("synthetic", 30.0, 50.0)]);
+        cells(&dir.path, "ruler.json", &scored);
+    }
+    let runs = longctx::discover(tmp.path()).unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[0].recipe, runs[1].recipe, "one recipe: only the attention differs");
+    let grids = longctx::build(&runs, &[]);
+    let g = grids.iter().find(|g| g.id == "long-context").unwrap();
+    // The window run lacks the task its sibling was scored on; nobody lacks the paper's BABILong.
+    assert_eq!(g.missing.len(), 1, "{:?}", g.missing);
+    assert!(g.missing[0].contains("window niah_single_2") && g.missing[0].contains("--task ruler:niah_single_2"), "{:?}", g.missing);
+    let window = runs.iter().find(|r| r.rel == "window").unwrap();
+    assert_eq!(value(g, &["window", &window.attention, "niah_single_2"], "0.5K"), None);
+    assert_eq!(value(g, &["window", &window.attention, "niah_single_1"], "0.5K"), Some(0.0));
 }
 
 #[test]
