@@ -70,7 +70,8 @@ typedef at::Tensor* tensor;
 // The step's output [B, H, 1, hd]. ts (null where absent): q [B, H, 1, hd]; pos [1] i64 (CUDA); pad
 // [B] i64 or null; full-width k, v [B, Hkv, W, hd] or null; latents [B, S, r], wk, wv [Hkv, hd, r],
 // bk, bv [Hkv, hd], cos, sin fp32 [S, rot/2] (any row stride), all null without a distant part.
-// ts[12..15]: the new token's key, value [B, Hkv, 1, hd] and latent [B, 1, r], or null (then its
+// ts[15]: wk's rotated rows [Hkv·rot, r], contiguous (null without a distant part).
+// ts[12], ts[13], ts[14]: the new token's key, value [B, Hkv, 1, hd] and latent [B, 1, r], or null (then its
 // slots must already hold them): read for their slots and written into the caches by the combine
 // kernel. keep: 0 when full-width slot j holds position j, else the ring's slot count; window:
 // distant slots are those at distance ≥ window; chunk / ring_chunk: slots per block.
@@ -79,7 +80,7 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     const at::Tensor q = last_unit(*ts[0]);
     const at::Tensor& pos = *ts[1];
     tensor pad = ts[2], rk = ts[3], rv = ts[4], cp = ts[5], wkp = ts[6], wvp = ts[7], bk = ts[8], bv = ts[9], cosp = ts[10], sinp = ts[11];
-    tensor new_k = ts[12], new_v = ts[13], new_c = ts[14];
+    tensor new_k = ts[12], new_v = ts[13], new_c = ts[14], wk_rot = ts[15];
     CacheWrite cw{};
     cw.pos = pos.data_ptr<int64_t>();
     TORCH_CHECK(q.is_cuda() && q.dim() == 4 && q.size(2) == 1, "attend_step: q must be CUDA [B, H, 1, hd]");
@@ -217,8 +218,12 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
         TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.size(0) >= S && cos.size(1) == rotated / 2 && cos.stride(1) == 1 && cos.strides() == sinp->strides() &&
                         sinp->scalar_type() == at::kFloat, "attend_step: cos / sin must be fp32 [S, rot/2]");
         if (!p.rope_absorbed) {
-          // kr [B, S, Hkv·rot] = c · Wk[:, :rot, :]ᵀ: one matmul on the tensor cores.
-          kr = at::matmul(c, wk.narrow(1, 0, rotated).reshape({hkv * rotated, r}).t());
+          // kr [B, S, Hkv·rot] = c · Wk[:, :rot, :]ᵀ: one matmul on the tensor cores, its weight
+          // made contiguous once by the caller (out of wk it is a copy each step where rot < hd).
+          TORCH_CHECK(wk_rot && wk_rot->is_contiguous() && wk_rot->dim() == 2 && wk_rot->size(0) == hkv * rotated && wk_rot->size(1) == r &&
+                          wk_rot->scalar_type() == wk.scalar_type(),
+                      "attend_step: wk_rot must be wk's rotated rows [Hkv·rot, r], contiguous");
+          kr = at::matmul(c, wk_rot->t());
           p.kr = kr.data_ptr();
           p.kr_sb = kr.stride(0);
           p.kr_ss = kr.stride(1);

@@ -764,7 +764,7 @@ impl DarCache {
             self.recent.write_slot_at(&h.k, &h.v, at)
         };
         let latents = self.latent.view(at.span);
-        let distant = cuda::Distant { latents: &latents, wk: &a.wk, wv: &a.wv, bk: a.bk.as_ref(), bv: a.bv.as_ref(), cos: &cos, sin: &sin, rotated: a.rotated, window: self.window };
+        let distant = cuda::Distant { latents: &latents, wk: &a.wk, wk_rot: &a.wk_rot, wv: &a.wv, bk: a.bk.as_ref(), bv: a.bv.as_ref(), cos: &cos, sin: &sin, rotated: a.rotated, window: self.window };
         let step = cuda::Step {
             q: &h.q,
             pos: &at.pos,

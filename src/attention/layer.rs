@@ -129,6 +129,17 @@ pub struct AbsorbedKv {
     /// `[H_kv, hd]`.
     pub bv: Option<Tensor>,
     pub rotated: i64,
+    /// `[H_kv·rotated, r]`, contiguous: wk's rotated rows, the weight of the fused decode step's
+    /// matmul for the rotated key dims (made once here: out of wk it is a copy where rotated < hd).
+    pub wk_rot: Tensor,
+}
+
+impl AbsorbedKv {
+    pub fn new(wk: Tensor, bk: Option<Tensor>, wv: Tensor, bv: Option<Tensor>, rotated: i64) -> Self {
+        let (hkv, r) = (wk.size()[0], wk.size()[2]);
+        let wk_rot = wk.narrow(1, 0, rotated).reshape([hkv * rotated, r]).contiguous();
+        AbsorbedKv { wk, bk, wv, bv, rotated, wk_rot }
+    }
 }
 
 /// One layer's attention inputs, from the model.

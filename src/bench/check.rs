@@ -345,9 +345,11 @@ pub fn step_check(c: DecodeCase, device: Device, kind: Kind, planted: bool) -> O
     let xs = decode_inputs(c, device, kind);
     use crate::kernels::cuda;
     let pos = if planted && !c.latents { &xs[8] + 1 } else { xs[8].shallow_clone() };
+    let wk_rot = c.latents.then(|| crate::attention::AbsorbedKv::new(xs[2].shallow_clone(), None, xs[3].shallow_clone(), None, c.rot).wk_rot);
     let distant = c.latents.then(|| cuda::Distant {
         latents: &xs[1],
         wk: &xs[2],
+        wk_rot: wk_rot.as_ref().expect("made with the latents"),
         wv: &xs[3],
         bk: c.bias.then_some(&xs[4]),
         bv: c.bias.then_some(&xs[5]),
@@ -756,7 +758,7 @@ mod tests {
             let c = DecodeCase { span: case.span.min(70), window: case.window.min(9), ..case };
             let xs = decode_inputs(c, Device::Cpu, Kind::Double);
             let reference = step_reference(&xs, c, Kind::Double);
-            let a = crate::attention::AbsorbedKv { wk: xs[2].shallow_clone(), bk: Some(xs[4].shallow_clone()), wv: xs[3].shallow_clone(), bv: Some(xs[5].shallow_clone()), rotated: c.rot };
+            let a = crate::attention::AbsorbedKv::new(xs[2].shallow_clone(), Some(xs[4].shallow_clone()), xs[3].shallow_clone(), Some(xs[5].shallow_clone()), c.rot);
             let far = distant_mask(&xs, c.window, c.span);
             let ring = (xs[10].shallow_clone(), xs[11].shallow_clone(), xs[12].shallow_clone());
             let aten = crate::attention::dar::read_latents(&xs[0], (c.window > 0).then_some(&ring), &xs[1], &far, &a, &xs[6].to_kind(Kind::Double), &xs[7].to_kind(Kind::Double));

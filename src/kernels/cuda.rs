@@ -171,6 +171,8 @@ pub struct FullWidth<'a> {
 pub struct Distant<'a> {
     pub latents: &'a Tensor,
     pub wk: &'a Tensor,
+    /// `AbsorbedKv::wk_rot`: wk's rotated rows `[H_kv·rotated, r]`, contiguous.
+    pub wk_rot: &'a Tensor,
     pub wv: &'a Tensor,
     pub bk: Option<&'a Tensor>,
     pub bv: Option<&'a Tensor>,
@@ -276,6 +278,7 @@ pub fn attend_step(x: &Step) -> Option<Result<Tensor>> {
         o(x.fresh.as_ref().and_then(|f| f.kv.map(|kv| kv.0))),
         o(x.fresh.as_ref().and_then(|f| f.kv.map(|kv| kv.1))),
         o(x.fresh.as_ref().and_then(|f| f.latent)),
+        o(d.map(|d| d.wk_rot)),
     ];
     let rows = x.q.size()[0] * full.map_or_else(|| d.map_or(1, |d| d.wk.size()[0]), |f| f.k.size()[1]);
     let chunk = d.map_or(32, |d| slots_per_block(d.latents.size()[1], rows));

@@ -569,7 +569,7 @@ impl KvMap for LayerKv<'_> {
         }
         let (kvh, hd) = (c.num_key_value_heads as i64, c.head_dim() as i64);
         let per_head = |l: &Linear| l.weight.view([kvh, hd, -1]).matmul(w);
-        Some(AbsorbedKv { wk: per_head(&b.k_proj), bk: None, wv: per_head(&b.v_proj), bv: None, rotated: hd })
+        Some(AbsorbedKv::new(per_head(&b.k_proj), None, per_head(&b.v_proj), None, hd))
     }
 
     /// cos / sin of positions 0..n `[n, hd/2]`: HF's tables repeat their first half.

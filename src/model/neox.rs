@@ -266,14 +266,14 @@ impl KvMap for LayerKv<'_> {
         let (h, hd, d) = (m.cfg.heads as i64, m.cfg.head_dim() as i64, m.cfg.d_model as i64);
         let qkv = self.layer.query_key_value.ws.view([h, 3, hd, d]);
         let bias = self.layer.query_key_value.bs.as_ref().map(|b| b.view([h, 3, hd]));
-        Some(AbsorbedKv {
-            wk: qkv.select(1, 1).matmul(w),
-            // Contiguous once here, not per step in the fused decode step.
-            bk: bias.as_ref().map(|b| b.select(1, 1).contiguous()),
-            wv: qkv.select(1, 2).matmul(w),
-            bv: bias.as_ref().map(|b| b.select(1, 2).contiguous()),
-            rotated: m.rope.dims,
-        })
+        // The biases contiguous once here, not per step in the fused decode step.
+        Some(AbsorbedKv::new(
+            qkv.select(1, 1).matmul(w),
+            bias.as_ref().map(|b| b.select(1, 1).contiguous()),
+            qkv.select(1, 2).matmul(w),
+            bias.as_ref().map(|b| b.select(1, 2).contiguous()),
+            m.rope.dims,
+        ))
     }
 
     fn rotary_tables(&self, n: i64) -> Option<(Tensor, Tensor)> {
