@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/data/ for ruler (make gpu-data), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|decode|graphs|absorb|fused|ruler|prefill|peers|peers410|profile|dprofile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|decode|graphs|absorb|fused|ruler|prefill|pprofile|peers|peers410|profile|dprofile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -216,6 +216,16 @@ PYEOF
       ATTNLAB_PREFILL_SDPA_FROM=16384 run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths 16384,65536 --attention vanilla,dar \
         --new-tokens 16 --repeats 2 | grep '^{' >> "$OUT/prefill_cudnn.jsonl"
       (cd .gpu/bench && PYTHONUNBUFFERED=1 run $PY hf_decode.py --lengths $PL --new 16) | grep '^{' >> "$OUT/prefill_peer.jsonl" ;;
+    pprofile)
+      # Issue 34: where a prefill spends its time (STILL / LoLCATs prefill ≤ vanilla at 16K is not
+      # met): each row's prefill under libtorch's profiler (ATTNLAB_PROFILE_PREFILL=1), two repeats
+      # in one process at PPROFILE_LENGTHS (16384) for PPROFILE_ATTENTION; the -r1 traces are warm.
+      # Summary in $OUT/prefill_profile.md and prefill_top_kernels.csv.
+      P=${PROFILE_DIR:-/tmp/attnlab-profile}/prefill; rm -rf "$P"; mkdir -p "$P"
+      ATTNLAB_PROFILE_PREFILL=1 run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${PPROFILE_LENGTHS:-16384} --new-tokens 2 \
+        --repeats 2 --profile "$P" --attention ${PPROFILE_ATTENTION:-vanilla,dar,still-budget,lolcats} | grep '^{' >> "$OUT/prefill_profiled.jsonl"
+      $PY scripts/profile_table.py "$P" > "$OUT/prefill_profile.md"
+      cp "$P/top_kernels.csv" "$OUT/prefill_top_kernels.csv" ;;
     smprobe)
       # Where split-merge spends its time: w = 1 (global part + merge only) vs w = 128, with and
       # without contiguous cuDNN inputs.

@@ -344,12 +344,21 @@ pub fn decode_rows(
     if let Some(dir) = profile {
         std::fs::create_dir_all(dir).map_err(|e| crate::Error::io(dir, e))?;
     }
-    let rows = decode_bench::run(&base, &decode_bench::split_names(attention), lengths, new_tokens, repeats, vocab, device, profile, each)?;
+    use crate::eval::generate::Traced;
+    let part = Traced::from_env();
+    let rows = decode_bench::run(&base, &decode_bench::split_names(attention), lengths, new_tokens, repeats, vocab, device, profile.map(|d| (d, part)), each)?;
     if let Some(dir) = profile {
-        // One line per trace for scripts/profile_table.py: a repetition is one decode step.
+        // One line per trace for scripts/profile_table.py: a repetition is one decode step, or the
+        // one prefill where that was traced.
         let lines: Vec<String> = rows
             .iter()
-            .map(|r| json_line(&ProfiledRun { trace: decode_bench::trace_name(&r.attention, r.context, r.repeat), reps: r.steps.max(1) as usize, what: "decode", result: r }))
+            .map(|r| {
+                let (what, reps) = match part {
+                    Traced::Decode => ("decode", r.steps.max(1) as usize),
+                    Traced::Prefill => ("prefill", 1),
+                };
+                json_line(&ProfiledRun { trace: decode_bench::trace_name(part, &r.attention, r.context, r.repeat), reps, what, result: r })
+            })
             .collect();
         append_runs(dir, &lines)?;
     }

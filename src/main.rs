@@ -315,6 +315,8 @@ enum Cmd {
         /// Run every row's decode steps (not its prefill) under libtorch's profiler: one Chrome trace
         /// per row in DIR and a line per trace in DIR/runs.jsonl; `scripts/profile_table.py DIR` says
         /// which kernels a step spends its time in. Rows measured so are slower than without.
+        /// ATTNLAB_PROFILE_PREFILL=1 traces each row's prefill instead (use --repeats 2: the second
+        /// finds every per-shape plan built).
         #[arg(long, value_name = "DIR", conflicts_with = "from")]
         profile: Option<PathBuf>,
     },

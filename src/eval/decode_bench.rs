@@ -2,7 +2,7 @@
 //! size, over context lengths (issue 6). The GPT-NeoX variants (vanilla, DAR, uniform) are built from
 //! the spec (and window: sliding-window only); the linearized hybrids' students (STILL, LoLCATs, …) are Llamas of the same width, depth, heads, MLP width and
 //! vocabulary. Weights and prompt tokens are random: the numbers are speed and memory, not quality.
-use super::generate::{decode_bench, DecodeBench};
+use super::generate::{decode_bench, DecodeBench, Traced};
 use crate::attention::{Attention, Variant};
 use crate::model::{Llama, Model};
 use crate::spec::{AttentionKind, Spec};
@@ -86,16 +86,21 @@ pub fn bench_model(base: &Spec, name: &str, vocab: usize, device: Device) -> Res
     Ok((vs, model))
 }
 
-/// The trace of one profiled (attention, context, repeat) in `bench-decode --profile DIR`.
-pub fn trace_name(attention: &str, context: i64, repeat: usize) -> String {
-    format!("decode-{attention}-{context}-r{repeat}.json")
+/// The trace of one profiled (part, attention, context, repeat) in `bench-decode --profile DIR`.
+pub fn trace_name(part: Traced, attention: &str, context: i64, repeat: usize) -> String {
+    let part = match part {
+        Traced::Decode => "decode",
+        Traced::Prefill => "prefill",
+    };
+    format!("{part}-{attention}-{context}-r{repeat}.json")
 }
 
 /// Measure every (attention, context) pair `repeats` times, interleaved (each repeat runs every
 /// attention at every context, so that drifts of the machine spread over all of them), calling
 /// `each` on every row as it comes. A context that fails (out of memory) is reported on stderr and
 /// ends that attention's sweeps at it and beyond: larger ones would fail too. With `profile`, each
-/// row's decode steps run under libtorch's profiler, its trace in that folder ([`trace_name`]).
+/// row's decode steps (or its prefill) run under libtorch's profiler, its trace in that folder
+/// ([`trace_name`]).
 #[allow(clippy::too_many_arguments)]
 pub fn run(
     base: &Spec,
@@ -105,7 +110,7 @@ pub fn run(
     repeats: usize,
     vocab: usize,
     device: Device,
-    profile: Option<&Path>,
+    profile: Option<(&Path, Traced)>,
     mut each: impl FnMut(&DecodeBench),
 ) -> Result<Vec<DecodeBench>> {
     let mut models = Vec::new();
@@ -126,8 +131,8 @@ pub fn run(
                 if fail.is_some_and(|f| t >= f) {
                     break;
                 }
-                let trace = profile.map(|dir| dir.join(trace_name(label(name), t, repeat)));
-                match catch_unwind(AssertUnwindSafe(|| decode_bench(model, label(name), t, new_tokens, device, trace.as_deref()))) {
+                let trace = profile.map(|(dir, part)| (dir.join(trace_name(part, label(name), t, repeat)), part));
+                match catch_unwind(AssertUnwindSafe(|| decode_bench(model, label(name), t, new_tokens, device, trace.as_ref().map(|(p, part)| (p.as_path(), *part))))) {
                     Ok(r) => {
                         let mut r = r?;
                         r.repeat = repeat;

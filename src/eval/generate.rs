@@ -267,26 +267,53 @@ pub fn generate(model: &Model, prompt: &[u32], max_new: usize, sampling: Samplin
     generate_traced(model, prompt, max_new, sampling, stop, device, None).expect("generation without a profiler has no error to return")
 }
 
-/// `generate`, with its decode steps (not the prefill) under libtorch's profiler when `trace` is
-/// given: the Chrome trace goes there (`bench-decode --profile`).
-pub fn generate_traced(model: &Model, prompt: &[u32], max_new: usize, sampling: Sampling, stop: Option<u32>, device: Device, trace: Option<&Path>) -> Result<Generated> {
+/// Which part of a generation `bench-decode --profile` traces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Traced {
+    /// The decode steps (the default).
+    Decode,
+    /// The prefill alone: its time in the row is then the profiled one.
+    Prefill,
+}
+
+impl Traced {
+    /// What `bench-decode --profile` traces: ATTNLAB_PROFILE_PREFILL=1 says the prefill.
+    pub fn from_env() -> Self {
+        if std::env::var("ATTNLAB_PROFILE_PREFILL").is_ok_and(|v| v == "1") {
+            Traced::Prefill
+        } else {
+            Traced::Decode
+        }
+    }
+}
+
+/// `generate`, with its decode steps or its prefill under libtorch's profiler when `trace` says which
+/// and where: the Chrome trace goes there (`bench-decode --profile`).
+pub fn generate_traced(model: &Model, prompt: &[u32], max_new: usize, sampling: Sampling, stop: Option<u32>, device: Device, trace: Option<(&Path, Traced)>) -> Result<Generated> {
     let kind = model.head_weight().kind();
     let mut cache = model.new_cache(1, kind, device);
     let reserved = (prompt.len() + max_new) as i64;
     reserve(&mut cache, reserved);
     let ids = Tensor::from_slice(&prompt.iter().map(|&t| t as i64).collect::<Vec<_>>()).view([1, -1]).to_device(device);
+    let profiled = |part: Traced| trace.is_some_and(|t| t.1 == part);
+    if profiled(Traced::Prefill) {
+        crate::kernels::profiler_start(device.is_cuda())?;
+    }
     let t0 = Instant::now();
     let logits = prefill(model, &mut cache, &ids);
     sync(device);
     let prefill_s = t0.elapsed().as_secs_f64();
-    if trace.is_some() {
+    if let Some((path, Traced::Prefill)) = trace {
+        crate::kernels::profiler_stop(path)?;
+    }
+    if profiled(Traced::Decode) {
         crate::kernels::profiler_start(device.is_cuda())?;
     }
     let t1 = Instant::now();
     let d = super::stepper::decode(model, &mut cache, &logits, max_new, sampling, stop, reserved);
     sync(device);
     let secs = t1.elapsed().as_secs_f64().max(1e-9);
-    if let Some(path) = trace {
+    if let Some((path, Traced::Decode)) = trace {
         crate::kernels::profiler_stop(path)?;
     }
     // Decode steps per second (one forward per token, as hf_decode.py counts).
@@ -367,7 +394,7 @@ pub fn tokens_digest(tokens: &[u32]) -> String {
 
 /// Prefill `context` random tokens, then decode `new_tokens` greedily; report cache size and speed.
 /// With `trace`, the decode steps run under libtorch's profiler (slower), its trace written there.
-pub fn decode_bench(model: &Model, attention: &str, context: i64, new_tokens: usize, device: Device, trace: Option<&Path>) -> Result<DecodeBench> {
+pub fn decode_bench(model: &Model, attention: &str, context: i64, new_tokens: usize, device: Device, trace: Option<(&Path, Traced)>) -> Result<DecodeBench> {
     let vocab = model.vocab() as i64;
     tch::manual_seed(0);
     let prompt: Vec<u32> = Vec::<i64>::try_from(Tensor::randint(vocab.min(50277), [context], (Kind::Int64, Device::Cpu))).expect("ids").into_iter().map(|x| x as u32).collect();
@@ -445,6 +472,28 @@ mod tests {
                 assert_eq!(g.tokens, want[..=at], "{kind:?}: stop token {} first at {at}", want[pick]);
             }
         }
+    }
+
+    /// `bench-decode --profile` traces the part asked for: the prefill once per layer, or every
+    /// decode step; the tokens are those of an untraced generation.
+    #[test]
+    fn traced_generation_profiles_the_prefill_or_the_decode_steps() {
+        let _rng = crate::testutil::rng();
+        let (_vs, m) = tiny(AttentionKind::Vanilla, 0, 0);
+        let prompt: Vec<u32> = vec![3, 17, 42, 8, 8, 29, 1];
+        let greedy = Sampling { temperature: 0.0, seed: 0 };
+        let want = generate(&m, &prompt, 12, greedy, None, Device::Cpu).tokens;
+        let dir = tempfile::tempdir().unwrap();
+        let mut norms = Vec::new();
+        for part in [Traced::Prefill, Traced::Decode] {
+            let path = dir.path().join(format!("{part:?}.json"));
+            let g = generate_traced(&m, &prompt, 12, greedy, None, Device::Cpu, Some((&path, part))).unwrap();
+            assert_eq!(g.tokens, want, "{part:?}");
+            let trace = std::fs::read_to_string(&path).unwrap();
+            norms.push(trace.matches("\"aten::layer_norm\"").count());
+        }
+        // Two layers and the final norm: 5 in the prefill, 5 a step in the 11 decode steps.
+        assert!(norms[0] >= 5 && norms[1] >= 5 * norms[0], "layer norms traced (prefill, decode): {norms:?}");
     }
 
     /// The same for Llama models: vanilla, and STILL / LoLCATs students: 40 greedy tokens after a
