@@ -70,10 +70,10 @@ typedef at::Tensor* tensor;
 // The step's output [B, H, 1, hd]. ts (null where absent): q [B, H, 1, hd]; pos [1] i64 (CUDA); pad
 // [B] i64 or null; full-width k, v [B, Hkv, W, hd] or null; latents [B, S, r], wk, wv [Hkv, hd, r],
 // bk, bv [Hkv, hd], cos, sin fp32 [S, rot/2] (any row stride), all null without a distant part.
-// ts[15]: wk's rotated rows [Hkv·rot, r], contiguous (null without a distant part).
-// ts[12], ts[13], ts[14]: the new token's key, value [B, Hkv, 1, hd] and latent [B, 1, r], or null (then its
-// slots must already hold them): read for their slots and written into the caches by the combine
-// kernel. keep: 0 when full-width slot j holds position j, else the ring's slot count; window:
+// ts[12], ts[13], ts[14]: the new token's key, value [B, Hkv, 1, hd] and latent [B, 1, r], or null
+// (then its slots must already hold them): read for their slots and written into the caches by the
+// combine kernel. ts[15]: wk's rotated rows [Hkv·rot, r], contiguous (null without a distant part).
+// keep: 0 when full-width slot j holds position j, else the ring's slot count; window:
 // distant slots are those at distance ≥ window; chunk / ring_chunk: slots per block.
 extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window, int64_t keep, int64_t chunk, int64_t ring_chunk, tensor* out_) {
   try {
