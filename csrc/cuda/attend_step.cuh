@@ -22,8 +22,9 @@
 // Its four warps take 16-slot tiles in turn (a tile in shared memory by 16-byte loads, read back
 // by ldmatrix): the scores S[heads, slots] = QW·Cᵀ on the tensor cores (mma m16n8k16, fp32
 // accumulate; QW as 16-bit hi + lo, two mmas, 4–5× closer than hi alone), β and the rotated dims
-// from kr added per (head, slot) by FMAs, an online softmax per head row, P in 16 bits and O[heads, r] += P·C by mma. Writes the same
-// ml / acc as step_partial's latent chunks, so the combine kernel is unchanged. Taken for r in
+// from kr added per (head, slot) by FMAs, an online softmax per head row, P in 16 bits and
+// O[heads, r] += P·C by mma. Writes the same ml / acc as step_partial's latent chunks, so the
+// combine kernel is unchanged. Taken for r in
 // latent_mma_kernel's list (multiples of 16 up to 256) with 16-byte aligned latent rows; bf16 by the
 // bf16 mma, fp16 by the f16 one; any H (above 16, a block per 16 heads, each re-reading the chunk).
 // The combine kernel merges the chunks: pc_h = Σ p·c / L and extra_h = (Σ p_far / L)·bv + Σ p·v / L,
