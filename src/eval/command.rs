@@ -238,13 +238,7 @@ fn long_context(run: &Path, out: &Path, task: &str, step: Option<u64>, device: O
     let name = task.strip_prefix("ruler:").ok_or_else(|| Error::Other(format!("--task `{task}`: want ruler:<task> or babilong:<task>")))?;
     let b = budget(ruler::TOKENS_TO_GENERATE);
     let t0 = std::time::Instant::now();
-    let (mut cells, mut all_records) = (Vec::new(), Vec::new());
-    for (cell, records) in ruler::evaluate(&loaded.model, &loaded.tok, name, essay.as_deref(), &b)? {
-        let cell = with_overrides(cell);
-        ruler::write_samples(out, &cell, &records)?;
-        cells.push(cell);
-        all_records.extend(records);
-    }
+    let (cells, all_records) = ruler::evaluate_into(out, &loaded.model, &loaded.tok, name, essay.as_deref(), &b, overrides)?;
     let info = lm_info(out, loaded.step, loaded.device, Some(a.grid.samples), t0.elapsed().as_secs_f64());
     let lm = lm_eval::write(&info, &[lm_eval::ruler_task(name, &cells, &all_records, b.max_new)])?;
     let path = ruler::write_cells(out, "ruler.json", &cells)?;

@@ -295,8 +295,7 @@ pub fn generate_traced(model: &Model, prompt: &[u32], max_new: usize, sampling: 
     let reserved = (prompt.len() + max_new) as i64;
     reserve(&mut cache, reserved);
     let ids = Tensor::from_slice(&prompt.iter().map(|&t| t as i64).collect::<Vec<_>>()).view([1, -1]).to_device(device);
-    let profiled = |part: Traced| trace.is_some_and(|t| t.1 == part);
-    if profiled(Traced::Prefill) {
+    if let Some((_, Traced::Prefill)) = trace {
         crate::kernels::profiler_start(device.is_cuda())?;
     }
     let t0 = Instant::now();
@@ -306,7 +305,7 @@ pub fn generate_traced(model: &Model, prompt: &[u32], max_new: usize, sampling: 
     if let Some((path, Traced::Prefill)) = trace {
         crate::kernels::profiler_stop(path)?;
     }
-    if profiled(Traced::Decode) {
+    if let Some((_, Traced::Decode)) = trace {
         crate::kernels::profiler_start(device.is_cuda())?;
     }
     let t1 = Instant::now();

@@ -222,13 +222,31 @@ pub fn score_trained(model: &crate::model::Model, tok: &crate::data::Tok, spec: 
     let device = crate::device::parse_device(spec.train.device.as_deref().unwrap_or("auto"))?;
     let grid = Grid { lengths: r.lengths.clone(), samples: r.samples.unwrap_or(100) };
     let b = Budget { grid, chat: None, max_new: r.max_new_tokens.unwrap_or(TOKENS_TO_GENERATE), device, quiet, batch_size: None };
-    let mut cells = Vec::new();
-    for (cell, records) in evaluate(model, tok, &r.task, essay.as_deref(), &b)? {
-        write_samples(run, &cell, &records)?;
-        cells.push(cell);
-    }
+    let (cells, _) = evaluate_into(run, model, tok, &r.task, essay.as_deref(), &b, None)?;
     write_cells(run, "ruler.json", &cells)?;
     Ok(())
+}
+
+/// [`evaluate`], each cell (tagged with `overrides`) and its per-sample records written under `run`
+/// as it comes ([`write_samples`]): the cells, and every record.
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate_into(
+    run: &std::path::Path,
+    model: &crate::model::Model,
+    tok: &crate::data::Tok,
+    name: &str,
+    essay: Option<&str>,
+    b: &Budget,
+    overrides: Option<String>,
+) -> crate::Result<(Vec<Cell>, Vec<Record>)> {
+    let (mut cells, mut all) = (Vec::new(), Vec::new());
+    for (cell, records) in evaluate(model, tok, name, essay, b)? {
+        let cell = Cell { overrides: overrides.clone(), ..cell };
+        write_samples(run, &cell, &records)?;
+        cells.push(cell);
+        all.extend(records);
+    }
+    Ok((cells, all))
 }
 
 /// Write one cell's per-sample records to `ruler_samples/<task>-<length>[-<overrides>].jsonl`.
