@@ -107,7 +107,8 @@ extern "C" char* attnlab_attend_step(tensor* ts, int64_t rotated, int64_t window
     // the tensor cores; attend_step.cuh) from kMmaFromSlots latent slots on, or always / never with
     // ATTNLAB_STEP_MMA=1 / 0. One H100, Pythia-70M shape, graphed decode, × the loops: 0.90 / 0.92 at
     // 1K (DAR / uniform, 2,048 slots), 1.00 / 1.03 at 4K (8,192), 1.06 / 1.10 at 16K, 2.17 / 2.29 at
-    // 64K (BENCHMARKS.md, results/bench/2026-12-06d-h100/decode_fused*.jsonl). It reads kr, so it
+    // 64K (BENCHMARKS.md, results/bench/2026-12-06d-h100/decode_fused*.jsonl); again with q·Wk once a step
+    // (2026-12-06g-h100): 0.93 / 0.96 at 1K, 1.03 / 1.07 at 4K. It reads kr, so it
     // takes precedence over ATTNLAB_STEP_ROPE=absorbed; shapes it does not take (r not built:
     // latent_mma_kernel, unaligned latent rows) keep the loops above.
     const char* mma_env = std::getenv("ATTNLAB_STEP_MMA");

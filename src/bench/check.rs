@@ -511,8 +511,8 @@ pub fn layer_norm_check(n: i64, d: i64, rms: bool, device: Device) -> Option<Che
     };
     let exact_g = grads(&exact, &exact_in);
     crate::kernels::set_autocast_bf16().ok()?;
-    // The kernel is checked even where the caller turned it off (`ATTNLAB_LN_KERNEL=0`) or has not
-    // turned it on (`ATTNLAB_RMS_KERNEL`).
+    // The kernel is checked even where the caller turned it off (`ATTNLAB_LN_KERNEL=0`,
+    // `ATTNLAB_RMS_KERNEL=0`).
     let fast_in = leaves();
     let fast = crate::kernels::autocast(true, || {
         if rms {

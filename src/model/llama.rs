@@ -265,7 +265,7 @@ fn projection(p: nn::Path, i: usize, o: usize) -> Linear {
 /// RMSNorm with statistics in fp32. HF LlamaRMSNorm casts back to the input dtype before the weight;
 /// Olmo2RMSNorm multiplies by the weight in fp32 and casts after. On the fp32 residual stream under
 /// CUDA autocast both are x·rstd·w in fp32, which `kernels::cuda::rms_norm_half` writes straight in
-/// the half dtype the next matmul would cast it to (with `ATTNLAB_RMS_KERNEL=1`).
+/// the half dtype the next matmul would cast it to (unless `ATTNLAB_RMS_KERNEL=0`).
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, family: Family) -> Tensor {
     if let Some(y) = crate::kernels::cuda::rms_norm_half(x, w, eps) {
         return y.unwrap_or_else(|e| panic!("RMSNorm kernel failed: {e}"));
