@@ -2,7 +2,7 @@
 //! training path over chunks (§3), the softmax part masked blocks per group of chunks (the window's
 //! 2C keys, and the selected tokens the group's chunks see), the linear part prefix sums of
 //! per-chunk states.
-use super::{dims4, pad_to, two_chunks, HybridCache, Scorer, Selection};
+use super::{dims4, dims5, pad_to, two_chunks, HybridCache, Scorer, Selection};
 use crate::attention::feature_maps::FeatureMap;
 use tch::{Kind, Tensor};
 
@@ -14,13 +14,26 @@ const SEL_GROUP_CHUNKS: i64 = 16;
 
 /// One softmax's unnormalised sums over key blocks (logits masked with −∞, each with its values),
 /// without copying the blocks into one: Σ e^{s−m}·v, Σ e^{s−m} and the max m over all of them (the
-/// linear terms meet the softmax at this m, §3).
+/// linear terms meet the softmax at this m, §3). A block's values have the logits' shape but for the
+/// last two dims (`[.., keys, D]`), or, one dim fewer, are shared by every chunk of a
+/// `[B, H, n, C, keys]` block (`[B, H, keys, D]`: the selected tokens).
 fn softmax_sums(logits: &[Tensor], values: &[Tensor], kind: Kind) -> (Tensor, Tensor, Tensor) {
     let m = logits.iter().map(|x| x.amax(-1, true)).reduce(|x, y| x.maximum(&y)).expect("a key block");
     let e: Vec<Tensor> = logits.iter().map(|x| (x - &m).exp()).collect();
     let z = e.iter().map(|x| x.sum_dim_intlist(-1, true, kind)).reduce(|x, y| x + y).expect("a key block");
-    let num = e.iter().zip(values).map(|(e, v)| e.matmul(v)).reduce(|x, y| x + y).expect("a key block");
+    let num = e.iter().zip(values).map(|(e, v)| by_chunk(e, v)).reduce(|x, y| x + y).expect("a key block");
     (num, z, m)
+}
+
+/// a `[B, H, n, C, K]` · b: per chunk against b `[B, H, n, K, N]`, or against one b `[B, H, K, N]` shared
+/// by every chunk as one matmul of `[B, H, n·C, K]` (a broadcast b would be expanded into a copy per
+/// chunk first). Any other shapes: a plain matmul.
+fn by_chunk(a: &Tensor, b: &Tensor) -> Tensor {
+    if a.dim() != 5 || b.dim() != 4 {
+        return a.matmul(b);
+    }
+    let (bs, h, n, c, _) = dims5(a);
+    a.reshape([bs, h, n * c, -1]).matmul(b).view([bs, h, n, c, -1])
 }
 
 /// Everything the hybrid operator needs besides q, k, v and the gate: §3 for STILL, §7 for LoLCATs.
@@ -91,9 +104,9 @@ impl Hybrid<'_> {
                     let kc = Tensor::from_slice(&key_chunk[..seen as usize]).to_device(dev).view([1, 1, seen]);
                     let qc = Tensor::arange_start(from, to, (Kind::Int64, dev)).view([len, 1, 1]);
                     let ok = (kc + 2).le_tensor(&qc).expand([len, c, seen], false);
-                    let s_sel = qs.narrow(2, from, len).matmul(&ks.narrow(2, 0, seen).unsqueeze(2).transpose(-2, -1));
+                    let s_sel = by_chunk(&qs.narrow(2, from, len), &ks.narrow(2, 0, seen).transpose(-2, -1));
                     logits.push(s_sel.masked_fill(&ok.logical_not(), f64::NEG_INFINITY));
-                    values.push(vs.narrow(2, 0, seen).unsqueeze(2));
+                    values.push(vs.narrow(2, 0, seen));
                 }
             }
             per_group.push(softmax_sums(&logits, &values, kind));
