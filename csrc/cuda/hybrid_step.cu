@@ -1,6 +1,6 @@
 // Launch of the STILL / LoLCATs decode mix (csrc/cuda/hybrid_step.cuh says what it computes). Taken
-// by `Hybrid::step_at` with ATTNLAB_HYBRID_KERNEL=1 (src/kernels/cuda.rs) until bench --check's
-// decode rows pass it on a GPU.
+// by `Hybrid::step_at` with ATTNLAB_HYBRID_KERNEL=1 (src/kernels/cuda.rs) until
+// `scripts/gpu_bench.sh check hybrid` shows it faster than aten's mix.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>

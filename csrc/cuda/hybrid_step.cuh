@@ -7,9 +7,13 @@
 //   n_lin = φ(q)·S (times the gate g), z_lin = φ(q)·z, both times e^{−m} when compensated, zero
 //   without the linear branch;
 //   y = (n_sm + n_lin) / (z_sm + z_lin + eps).
-// One block per (b, h): the logits (a thread per slot) in shared memory, a block max and sum, then a
-// thread per output dim. φ(q) comes in computed (the feature map is a small matmul); the caches'
-// writes and the routing scores stay where they are.
+// One block per (b, h): the logits (a thread per slot) in shared memory, a block max and sum; then the
+// block's threads split into G = ⌊threads / D⌋ groups of D, group g summing Σ e·v over every G-th slot and
+// φ(q)·S over every G-th feature for its dims, and the groups' partial sums added. (A thread per output
+// dim walking all 2C + cap slots, as this kernel first did, waits on a load per slot in turn: 512
+// waits at still-budget's 384 + 128 slots, which made it slower than aten's ≈ 25 kernels.) φ(q)
+// comes in computed (the feature map is a small matmul); the caches' writes and the routing scores
+// stay where they are.
 //
 // Device code only: csrc/cuda/emu runs it on the CPU in `make test`; csrc/cuda/hybrid_step.cu launches it.
 #pragma once
@@ -20,7 +24,7 @@
 
 namespace {
 
-constexpr int kMixThreads = 128;
+constexpr int kMixThreads = 256;
 
 struct MixParams {
   const void* q;  // [B, H, 1, D]: strides q_sb, q_sh, unit d
@@ -75,6 +79,7 @@ __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
     float s = -INFINITY;
     if (vis) {
       s = 0.f;
+#pragma unroll 8
       for (int d = 0; d < p.D; ++d) s += qs[d] * to_f(k[d]);
     }
     e[i] = s;
@@ -89,33 +94,59 @@ __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
   }
   const float gam = p.gamma ? p.gamma[h] : 1.f;
   const float z_sm = block_reduce<kMixThreads, false>(part, red) * gam;  // its barriers also publish e[]
-  float z_lin = 0.f;
-  if (p.linear) {
-    const float* z = p.z + ((int64_t)b * p.H + h) * p.F;
-    for (int f = 0; f < p.F; ++f) z_lin += phi[f] * z[f];
-  }
+  float z_part = 0.f;
+  const float* z = p.z + ((int64_t)b * p.H + h) * p.F;
+  if (p.linear)
+    for (int f = threadIdx.x; f < p.F; f += kMixThreads) z_part += phi[f] * z[f];
+  const float z_lin = block_reduce<kMixThreads, false>(z_part, red);
   const float lin_scale = p.linear ? (p.compensate ? __expf(-m) : 1.f) : 0.f;
   const float den = z_sm + z_lin * lin_scale + p.eps;
-  const T* g = p.g ? static_cast<const T*>(p.g) + b * p.g_sb + h * p.g_sh : nullptr;
   const float* S = p.S + ((int64_t)b * p.H + h) * p.F * p.D;
-  T* y = static_cast<T*>(p.y) + ((int64_t)b * p.H + h) * p.D;
-  for (int d = threadIdx.x; d < p.D; d += kMixThreads) {
+  const T* wv = static_cast<const T*>(p.wv) + b * p.w_sb + h * p.w_sh;
+  const T* sv = p.cap ? static_cast<const T*>(p.sv) + b * p.s_sb + h * p.s_sh : nullptr;
+  // Thread t < G·D: group t / D, dim t % D (with D wider than the block, G = 1 and a thread takes
+  // every kMixThreads-th dim). A masked slot's weight is 0: its value is read (the buffers hold
+  // every slot) and not added, so stale memory cannot turn into NaN.
+  const int G = max(1, kMixThreads / p.D);
+  float* num_part = red + kMixThreads / 32;  // [G·D]
+  float* lin_part = num_part + G * p.D;      // [G·D]
+  for (int t = threadIdx.x; t < G * p.D; t += kMixThreads) {
+    const int g = t / p.D, d = t % p.D;
     float num = 0.f;
-    for (int i = 0; i < n; ++i) {
-      if (e[i] == 0.f) continue;
-      const T* v = i < W2 ? static_cast<const T*>(p.wv) + b * p.w_sb + h * p.w_sh + i * p.w_ss
-                          : static_cast<const T*>(p.sv) + b * p.s_sb + h * p.s_sh + (int64_t)(i - W2) * p.s_ss;
-      num += e[i] * to_f(v[d]);
+#pragma unroll 4
+    for (int i = g; i < W2; i += G) {
+      const float x = e[i], v = to_f(wv[(int64_t)i * p.w_ss + d]);
+      num += x != 0.f ? x * v : 0.f;
+    }
+#pragma unroll 4
+    for (int i = W2 + g; i < n; i += G) {
+      const float x = e[i], v = to_f(sv[(int64_t)(i - W2) * p.s_ss + d]);
+      num += x != 0.f ? x * v : 0.f;
     }
     float lin = 0.f;
     if (p.linear) {
-      for (int f = 0; f < p.F; ++f) lin += phi[f] * S[(int64_t)f * p.D + d];
-      if (g) lin *= to_f(g[d]);
+#pragma unroll 4
+      for (int f = g; f < p.F; f += G) lin += phi[f] * S[(int64_t)f * p.D + d];
     }
+    num_part[t] = num;
+    lin_part[t] = lin;
+  }
+  __syncthreads();
+  const T* gate = p.g ? static_cast<const T*>(p.g) + b * p.g_sb + h * p.g_sh : nullptr;
+  T* y = static_cast<T*>(p.y) + ((int64_t)b * p.H + h) * p.D;
+  for (int d = threadIdx.x; d < p.D; d += kMixThreads) {
+    float num = 0.f, lin = 0.f;
+    for (int g = 0; g < G; ++g) num += num_part[g * p.D + d], lin += lin_part[g * p.D + d];
+    if (gate) lin *= to_f(gate[d]);
     y[d] = from_f<T>((num * gam + lin * lin_scale) / den);
   }
 }
 
-__host__ __device__ inline int64_t mix_smem_floats(int D, int F, int C, int cap) { return (int64_t)D + F + 2 * C + cap + kMixThreads / 32; }
+// Shared memory of one block: q, φ(q), the weights, the reduction's partials, then the groups' partial
+// numerators and linear terms (G·D each: at most max(kMixThreads, D)).
+__host__ __device__ inline int64_t mix_smem_floats(int D, int F, int C, int cap) {
+  const int64_t gd = (int64_t)(kMixThreads / D > 1 ? kMixThreads / D : 1) * D;
+  return (int64_t)D + F + 2 * C + cap + kMixThreads / 32 + 2 * gd;
+}
 
 }  // namespace

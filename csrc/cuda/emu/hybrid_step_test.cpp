@@ -119,8 +119,12 @@ bool all_cases() {
       {"LoLCATs, mid-chunk", 2, 3, 16, 0, 64, 128, 77, 0, true, false, true, false},
       // STILL: Sel partly filled, the gate, max-compensated; at a chunk's first token.
       {"STILL, a chunk's first token", 1, 4, 16, 24, 64, 64, 96, 20, false, true, true, true},
-      // Early: the ring not yet full (slots holding no token yet), D wider than a block.
+      // Early: the ring not yet full (slots holding no token yet), D 160: one group of slots.
       {"STILL, ring not full, D 160", 1, 2, 8, 4, 160, 32, 9, 3, false, true, true, false},
+      // D 96: two groups of 96 threads, the block's last 64 idle; Sel full.
+      {"STILL, D 96, two slot groups", 1, 3, 16, 12, 96, 192, 150, 12, false, true, true, false},
+      // D 320, wider than the block: one group, a thread taking two dims.
+      {"LoLCATs, D 320", 1, 2, 8, 0, 320, 64, 21, 0, true, true, true, true},
       // The softmax alone (no linear branch).
       {"softmax only", 1, 2, 8, 8, 32, 16, 40, 8, true, false, false, false},
   };
