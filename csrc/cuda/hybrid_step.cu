@@ -12,8 +12,10 @@ typedef at::Tensor* tensor;
 
 // ts (null where absent): q [B, H, 1, D] (bf16 / fp16 / fp32); phi [B, H, 1, F] fp32; the window
 // ring k, v [B, H, 2C, D]; Sel k, v [B, H, cap, D] and n_sel [1] i64; S [B, H, F, D] and z [B, H, F]
-// fp32; the gate [B, H, 1, D]; γ [H]; pos [1] i64. k, v, Sel and the gate in q's dtype. *out: y [B, H, 1, D].
-extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64_t linear, int64_t compensate, tensor* out) {
+// fp32; the gate [B, H, 1, D]; γ [H]; pos [1] i64; the ring of routing scores [B, H, 2C] fp32, which
+// the kernel writes the new token's score into (score_kind, hybrid_step.cuh's kScore*; 0: none). k, v,
+// Sel and the gate in q's dtype. *out: y [B, H, 1, D].
+extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64_t linear, int64_t compensate, int64_t score_kind, tensor* out) {
   try {
     const at::Tensor &q = *ts[0], &phi = *ts[1], &wk = *ts[2], &wv = *ts[3];
     tensor sk = ts[4], sv = ts[5], n_sel = ts[6], gate = ts[9], gamma = ts[10];
@@ -56,6 +58,16 @@ extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64
       p.gamma = gm.data_ptr<float>();
     }
     p.pos = pos.data_ptr<int64_t>();
+    if (score_kind != kScoreNone) {
+      TORCH_CHECK(score_kind == kScoreSelfSaliency || score_kind == kScoreDiagAttention || score_kind == kScoreSelfLogit, "hybrid_mix: unknown score kind ", score_kind);
+      TORCH_CHECK(ts[12], "hybrid_mix: a score kind needs the ring of scores");
+      at::Tensor& sc = *ts[12];
+      TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.dim() == 3 && sc.size(0) == B && sc.size(1) == H && sc.size(2) == 2 * chunk && sc.stride(2) == 1,
+                  "hybrid_mix: the ring of scores must be fp32 [B, H, 2C] with unit last stride");
+      p.score = sc.data_ptr<float>();
+      p.sc_sb = sc.stride(0), p.sc_sh = sc.stride(1);
+      p.score_kind = (int)score_kind;
+    }
     p.H = H, p.C = chunk, p.cap = cap, p.D = D, p.F = F;
     p.eps = (float)eps;
     p.scale = 1.f / std::sqrt((float)D);

@@ -12,8 +12,9 @@
 // φ(q)·S over every G-th feature for its dims, and the groups' partial sums added. (A thread per output
 // dim walking all 2C + cap slots, as this kernel first did, waits on a load per slot in turn: 512
 // waits at still-budget's 384 + 128 slots, which made it slower than aten's ≈ 25 kernels.) φ(q)
-// comes in computed (the feature map is a small matmul); the caches' writes and the routing scores
-// stay where they are.
+// comes in computed (the feature map is a small matmul); the caches' writes stay where they are. The
+// new token's routing score (self-saliency, a_tt or its logit) is computed from the same logits and
+// written into the ring of scores, where `Hybrid::step_at` computed it by ≈ 20 more aten kernels.
 //
 // Device code only: csrc/cuda/emu runs it on the CPU in `make test`; csrc/cuda/hybrid_step.cu launches it.
 #pragma once
@@ -48,7 +49,57 @@ struct MixParams {
   float eps, scale;
   int linear, compensate;
   void* y;  // [B, H, 1, D] contiguous, q's dtype
+  // The new token's routing score, written at its ring slot pos mod 2C of `score` [B, H, 2C] (fp32,
+  // strides sc_sb, sc_sh, unit slot) when score_kind is not kScoreNone.
+  float* score;
+  int64_t sc_sb, sc_sh;
+  int score_kind;
 };
+
+// Routing scores the kernel computes (routing.rs, `Scorer::scores`, still.md §4), over the new token's
+// C most recent keys W = positions max(0, pos − C + 1) .. pos, a the softmax of its logits over W and
+// b the softmax over W without itself (b ≡ 0 when W holds only itself):
+constexpr int kScoreNone = 0;
+constexpr int kScoreSelfSaliency = 1;  // Σ_W a·ln((a + ε) / (b + ε)), ε = 1e-8 (the paper's form)
+constexpr int kScoreDiagAttention = 2; // a at the token itself
+constexpr int kScoreSelfLogit = 3;     // the token's own logit q·k / √D
+constexpr float kScoreEps = 1e-8f;
+
+// The new token's routing score (score_kind) from the logits e[] of the ring's 2C slots (every slot of
+// W visible, so finite), written by thread 0. Block-wide: every thread calls it.
+__device__ __forceinline__ void routing_score(const MixParams& p, const float* e, int64_t pos, int b, int h, float* red) {
+  const int W2 = 2 * p.C, self = (int)(pos % W2);
+  const int64_t first = max((int64_t)0, pos - p.C + 1);
+  auto recent = [&](int i) { return pos - (((pos - i) % W2) + W2) % W2 >= first; };
+  float ma = -INFINITY, mb = -INFINITY;
+  for (int i = threadIdx.x; i < W2; i += kMixThreads)
+    if (recent(i)) {
+      ma = fmaxf(ma, e[i]);
+      if (i != self) mb = fmaxf(mb, e[i]);
+    }
+  ma = block_reduce<kMixThreads, true>(ma, red);
+  mb = block_reduce<kMixThreads, true>(mb, red);
+  float sa = 0.f, sb = 0.f;
+  for (int i = threadIdx.x; i < W2; i += kMixThreads)
+    if (recent(i)) {
+      sa += expf(e[i] - ma);
+      if (i != self) sb += expf(e[i] - mb);
+    }
+  sa = block_reduce<kMixThreads, false>(sa, red);
+  sb = block_reduce<kMixThreads, false>(sb, red);
+  float sc = p.score_kind == kScoreSelfLogit ? e[self] : expf(e[self] - ma) / sa;
+  if (p.score_kind == kScoreSelfSaliency) {
+    float part = 0.f;
+    for (int i = threadIdx.x; i < W2; i += kMixThreads)
+      if (recent(i)) {
+        const float a = expf(e[i] - ma) / sa, bq = i != self && sb > 0.f ? expf(e[i] - mb) / sb : 0.f;
+        part += a * logf((a + kScoreEps) / (bq + kScoreEps));
+      }
+    sc = block_reduce<kMixThreads, false>(part, red);
+  }
+  if (threadIdx.x == 0) p.score[b * p.sc_sb + h * p.sc_sh + self] = sc;
+  __syncthreads();  // every read of e[] done before the caller overwrites it with the weights
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
@@ -85,7 +136,8 @@ __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
     e[i] = s;
     mx = fmaxf(mx, s);
   }
-  const float m = block_reduce<kMixThreads, true>(mx, red);
+  const float m = block_reduce<kMixThreads, true>(mx, red);  // its barriers also publish e[]
+  if (p.score_kind != kScoreNone) routing_score(p, e, pos, b, h, red);
   float part = 0.f;
   for (int i = threadIdx.x; i < n; i += kMixThreads) {
     const float x = e[i] == -INFINITY ? 0.f : __expf(e[i] - m);

@@ -15,7 +15,7 @@ type LayerNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, *mut C
 type RmsNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> Err;
 type AttendStepFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 type SplitRotateFn = unsafe extern "C" fn(*mut C_tensor, i64, i64, i64, *mut C_tensor, *mut C_tensor, *mut *mut C_tensor) -> Err;
-type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, *mut *mut C_tensor) -> Err;
+type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 
 /// The CUDA-graph entry points (csrc/cuda/graph.cu).
 struct GraphFns {
@@ -353,7 +353,9 @@ pub fn split_rotate(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, 
 /// One STILL / LoLCATs decode step's mixing (`Hybrid::mix` over `Hybrid::step_at`'s blocks) for
 /// csrc/cuda/hybrid_step.cu: the new token's query `[B, H, 1, D]` and φ(q) `[B, H, 1, F]` (fp32), the
 /// window ring `[B, H, 2C, D]`, Sel `[B, H, cap, D]` with its filled count `[1]`, S `[B, H, F, D]` and
-/// z `[B, H, F]` (fp32), the gate `[B, H, 1, D]`, γ `[H]`, the position `[1]`.
+/// z `[B, H, F]` (fp32), the gate `[B, H, 1, D]`, γ `[H]`, the position `[1]`; and where the kernel
+/// also scores the new token for routing, the ring of scores `[B, H, 2C]` (fp32) it writes that score
+/// into (its slot pos mod 2C) with the score's kind.
 pub struct Mix<'a> {
     pub q: &'a Tensor,
     pub phi: &'a Tensor,
@@ -369,6 +371,16 @@ pub struct Mix<'a> {
     pub eps: f64,
     pub linear: bool,
     pub compensate: bool,
+    pub score: Option<(&'a Tensor, KernelScore)>,
+}
+
+/// The routing scores csrc/cuda/hybrid_step.cuh computes (its kScore* codes): `Scorer::scores`'s over
+/// the new token's C most recent keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelScore {
+    SelfSaliency = 1,
+    DiagAttention = 2,
+    SelfLogit = 3,
 }
 
 /// Whether STILL / LoLCATs decode steps take csrc/cuda/hybrid_step.cu's mixing kernel for a query
@@ -409,9 +421,12 @@ pub fn hybrid_mix(m: &Mix) -> Option<Result<Tensor>> {
         o(m.gate),
         o(m.gamma),
         p(m.pos),
+        o(m.score.map(|s| s.0)),
     ];
-    // SAFETY: valid tensor handles (or null where absent), read during the call.
-    Some(new_tensor(|out| unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.linear as i64, m.compensate as i64, out) }))
+    let score_kind = m.score.map_or(0, |s| s.1 as i64);
+    // SAFETY: valid tensor handles (or null where absent), read during the call (the ring of scores
+    // written).
+    Some(new_tensor(|out| unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.linear as i64, m.compensate as i64, score_kind, out) }))
 }
 
 /// Whether the library holds the heads op's kernels ([`split_rotate`] takes them unless

@@ -14,7 +14,44 @@ struct Case {
   int B, H, C, cap, D, F;
   int64_t pos, n_sel;
   bool gamma, gate, linear, compensate;
+  int score;  // kScore*: the routing score the kernel also writes
 };
+
+// The routing score (still.md §4, routing.rs) of the token at `pos` of row bh in double, over positions
+// max(0, pos − C + 1) .. pos of the ring. `plant`: a window one token too long, or, where the window
+// starts at 0 (pos < C), b taken with the token itself; the own logit: the previous token's (pos ≥ 1).
+double score_reference(int kind, const std::vector<double>& q, const std::vector<double>& wk, size_t bh, int C, int D, int64_t pos, bool plant) {
+  const int W2 = 2 * C;
+  const int64_t first = std::max<int64_t>(0, pos - C + 1 - (plant ? 1 : 0));
+  const bool b_with_self = plant && pos < C;
+  std::vector<double> s;
+  for (int64_t t = first; t <= pos; ++t) {
+    const double* kk = &wk[(bh * W2 + t % W2) * D];
+    double x = 0;
+    for (int d = 0; d < D; ++d) x += q[bh * D + d] * kk[d];
+    s.push_back(x / std::sqrt(double(D)));
+  }
+  const double self_logit = s.back();
+  auto softmax = [](std::vector<double> x) {
+    double m = -INFINITY, z = 0;
+    for (double v : x) m = std::max(m, v);
+    for (double& v : x) z += (v = std::exp(v - m));
+    for (double& v : x) v /= z;
+    return x;
+  };
+  const auto a = softmax(s);
+  if (kind == kScoreSelfLogit) return plant ? s[s.size() - 2] : self_logit;  // planted: the previous token's logit
+  if (kind == kScoreDiagAttention) return a.back();
+  std::vector<double> b(s.size(), 0.0);
+  if (b_with_self) b = a;
+  else if (s.size() > 1) {
+    const auto others = softmax(std::vector<double>(s.begin(), s.end() - 1));
+    std::copy(others.begin(), others.end(), b.begin());
+  }
+  double sc = 0;
+  for (size_t j = 0; j < s.size(); ++j) sc += a[j] * std::log((a[j] + 1e-8) / (b[j] + 1e-8));
+  return sc;
+}
 
 bool check(const Case& k, unsigned seed) {
   std::mt19937 rng(seed);
@@ -106,27 +143,56 @@ bool check(const Case& k, unsigned seed) {
   p.compensate = k.compensate;
   std::vector<Bf> y(size_t(k.B) * k.H * k.D);
   p.y = y.data();
+  // The ring of scores: the kernel writes the new token's slot and leaves the others as they were.
+  const float kept = -7.f;
+  std::vector<float> score(size_t(k.B) * k.H * W2, kept);
+  p.score = k.score ? score.data() : nullptr;
+  p.sc_sh = W2;
+  p.sc_sb = int64_t(k.H) * W2;
+  p.score_kind = k.score;
   emu::launch(hybrid_mix<Bf>, dim3(k.B * k.H), dim3(kMixThreads), mix_smem_floats(k.D, k.F, k.C, k.cap) * sizeof(float), p);
   std::vector<double> got;
   for (auto v : y) got.push_back(emu_test::from_half(v));
   const auto want = reference(0);
-  return emu_test::verdict(k.name, emu_test::rel_err(got, want), emu_test::rel_err(reference(k.C), want), 1.6e-2);
+  bool ok = emu_test::verdict(k.name, emu_test::rel_err(got, want), emu_test::rel_err(reference(k.C), want), 1.6e-2);
+  if (k.score) {
+    std::vector<double> got_score, want_score, planted_score;
+    bool others_kept = true;
+    for (size_t bh = 0; bh < size_t(k.B) * k.H; ++bh)
+      for (int i = 0; i < W2; ++i) {
+        const float x = score[bh * W2 + i];
+        if (i != k.pos % W2) {
+          others_kept &= x == kept;
+          continue;
+        }
+        got_score.push_back(x);
+        want_score.push_back(score_reference(k.score, q.ref, wk.ref, bh, k.C, k.D, k.pos, false));
+        planted_score.push_back(score_reference(k.score, q.ref, wk.ref, bh, k.C, k.D, k.pos, true));
+      }
+    const char* names[] = {"", "self-saliency", "a_tt", "own logit"};
+    ok &= emu_test::verdict(std::string(k.name) + ": " + names[k.score] + " score", others_kept ? emu_test::rel_err(got_score, want_score) : INFINITY,
+                            emu_test::rel_err(planted_score, want_score), 1e-3);
+  }
+  return ok;
 }
 
 bool all_cases() {
   const std::vector<Case> cases = {
       // LoLCATs: γ, no Sel, the linear branch plain; mid-chunk, the ring full.
-      {"LoLCATs, mid-chunk", 2, 3, 16, 0, 64, 128, 77, 0, true, false, true, false},
+      {"LoLCATs, mid-chunk", 2, 3, 16, 0, 64, 128, 77, 0, true, false, true, false, kScoreNone},
       // STILL: Sel partly filled, the gate, max-compensated; at a chunk's first token.
-      {"STILL, a chunk's first token", 1, 4, 16, 24, 64, 64, 96, 20, false, true, true, true},
+      {"STILL, a chunk's first token", 1, 4, 16, 24, 64, 64, 96, 20, false, true, true, true, kScoreSelfSaliency},
       // Early: the ring not yet full (slots holding no token yet), D 160: one group of slots.
-      {"STILL, ring not full, D 160", 1, 2, 8, 4, 160, 32, 9, 3, false, true, true, false},
+      {"STILL, ring not full, D 160", 1, 2, 8, 4, 160, 32, 9, 3, false, true, true, false, kScoreSelfSaliency},
       // D 96: two groups of 96 threads, the block's last 64 idle; Sel full.
-      {"STILL, D 96, two slot groups", 1, 3, 16, 12, 96, 192, 150, 12, false, true, true, false},
+      {"STILL, D 96, two slot groups", 1, 3, 16, 12, 96, 192, 150, 12, false, true, true, false, kScoreDiagAttention},
       // D 320, wider than the block: one group, a thread taking two dims.
-      {"LoLCATs, D 320", 1, 2, 8, 0, 320, 64, 21, 0, true, true, true, true},
+      {"LoLCATs, D 320", 1, 2, 8, 0, 320, 64, 21, 0, true, true, true, true, kScoreNone},
+      // The first two tokens: W is the token alone (b ≡ 0), then two tokens.
+      {"STILL, position 0", 1, 2, 8, 4, 64, 32, 0, 0, false, true, true, false, kScoreSelfSaliency},
+      {"STILL, position 1", 1, 2, 8, 4, 64, 32, 1, 0, false, true, true, false, kScoreSelfSaliency},
       // The softmax alone (no linear branch).
-      {"softmax only", 1, 2, 8, 8, 32, 16, 40, 8, true, false, false, false},
+      {"softmax only", 1, 2, 8, 8, 32, 16, 40, 8, true, false, false, false, kScoreSelfLogit},
   };
   bool ok = true;
   unsigned seed = 51;

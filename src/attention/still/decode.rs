@@ -351,23 +351,27 @@ impl Hybrid<'_> {
         let _ = f.win_v.index_copy_(2, &slot, &v.to_kind(f.win_v.kind()));
         let qf = q.to_kind(kind);
         let qs = &qf * (1.0 / (d as f64).sqrt());
-        // The mixing kernel (csrc/cuda/hybrid_step.cu) computes the logits itself.
+        // The mixing kernel (csrc/cuda/hybrid_step.cu) computes the logits itself, and from them the
+        // new token's routing score where it can (`score_in_kernel`).
         let fused = crate::kernels::cuda::hybrid_mix_enabled(q) && f.win_k.kind() == q.kind() && f.sel_k.kind() == q.kind();
         let scorer = self.scorer.filter(|sc| !sc.by_position());
+        let score_in_kernel = scorer.and_then(|sc| sc.kernel_score()).filter(|_| fused && f.win_scores.kind() == Kind::Float);
         let window_logits = || qs.matmul(&f.win_k.to_kind(kind).transpose(-2, -1)); // [B, H, 1, 2C]
-        let s_win = (!fused || scorer.is_some()).then(window_logits);
+        let s_win = (!fused || (scorer.is_some() && score_in_kernel.is_none())).then(window_logits);
 
         // The new token's score over its C most recent keys (positions pos − C + 1 .. pos).
-        let score = match (scorer, &s_win) {
-            (Some(sc), Some(s_win)) => {
-                let recent = Tensor::arange(c, (Kind::Int64, dev)) + (&at.pos - (c - 1));
-                let valid = recent.ge(0).view([1, c]);
-                let s_w = s_win.index_select(-1, &recent.remainder(2 * c)).masked_fill(&valid.logical_not(), 0.0);
-                sc.scores(&s_w, &valid, &k.to_kind(kind), &at.pos)
-            }
-            _ => Tensor::zeros([q.size()[0], q.size()[1], 1], (kind, dev)),
-        };
-        let _ = f.win_scores.index_copy_(2, &slot, &score.to_kind(f.win_scores.kind()));
+        if score_in_kernel.is_none() {
+            let score = match (scorer, &s_win) {
+                (Some(sc), Some(s_win)) => {
+                    let recent = Tensor::arange(c, (Kind::Int64, dev)) + (&at.pos - (c - 1));
+                    let valid = recent.ge(0).view([1, c]);
+                    let s_w = s_win.index_select(-1, &recent.remainder(2 * c)).masked_fill(&valid.logical_not(), 0.0);
+                    sc.scores(&s_w, &valid, &k.to_kind(kind), &at.pos)
+                }
+                _ => Tensor::zeros([q.size()[0], q.size()[1], 1], (kind, dev)),
+            };
+            let _ = f.win_scores.index_copy_(2, &slot, &score.to_kind(f.win_scores.kind()));
+        }
         if fused {
             let cap = f.sel_k.size()[2];
             let phi = self.fq.forward(&qf);
@@ -386,10 +390,11 @@ impl Hybrid<'_> {
                 eps: self.eps,
                 linear: self.linear,
                 compensate: self.compensate,
+                score: score_in_kernel.map(|kind| (&f.win_scores, kind)),
             };
-            if let Some(y) = crate::kernels::cuda::hybrid_mix(&m) {
-                return y.unwrap_or_else(|e| panic!("STILL / LoLCATs decode mix failed: {e}"));
-            }
+            // Some: `fused` asked hybrid_mix_enabled (and the score, if the kernel took it, is written).
+            let y = crate::kernels::cuda::hybrid_mix(&m).expect("the mixing kernel is enabled");
+            return y.unwrap_or_else(|e| panic!("STILL / LoLCATs decode mix failed: {e}"));
         }
         let s_win = s_win.unwrap_or_else(window_logits);
 

@@ -178,6 +178,18 @@ impl Scorer {
         }
     }
 
+    /// The score the decode step's mixing kernel computes itself (csrc/cuda/hybrid_step.cuh), where it
+    /// does: self-saliency (the paper's form), a_tt and the own logit.
+    pub(super) fn kernel_score(&self) -> Option<crate::kernels::cuda::KernelScore> {
+        use crate::kernels::cuda::KernelScore;
+        match self.routing {
+            Routing::SelfSaliency => Some(KernelScore::SelfSaliency),
+            Routing::DiagAttention => Some(KernelScore::DiagAttention),
+            Routing::SelfLogit => Some(KernelScore::SelfLogit),
+            _ => None,
+        }
+    }
+
     /// Whether the score is a function of the position alone (random, uniform routing): computed on
     /// the host, so a device-side decode step leaves it to the chunk's routing.
     pub(super) fn by_position(&self) -> bool {
