@@ -13,16 +13,26 @@ typedef at::Tensor* tensor;
 // ts (null where absent): q [B, H, 1, D] (bf16 / fp16 / fp32); phi [B, H, 1, F] fp32; the window
 // ring k, v [B, H, 2C, D]; Sel k, v [B, H, cap, D] and n_sel [1] i64; S [B, H, F, D] and z [B, H, F]
 // fp32; the gate [B, H, 1, D]; γ [H]; pos [1] i64; the ring of routing scores [B, H, 2C] fp32, which
-// the kernel writes the new token's score into (score_kind, hybrid_step.cuh's kScore*; 0: none). k, v,
-// Sel and the gate in q's dtype. *out: y [B, H, 1, D].
-extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64_t linear, int64_t compensate, int64_t score_kind, tensor* out) {
+// the kernel writes the new token's score into (score_kind, hybrid_step.cuh's kScore*; 0: none); the
+// query map's folded matrix W' [H, D, F/2] fp32, from which the kernel computes φ(q) itself (then phi may
+// be null; fmap_kind 1: u = q·W', 2: with the norm re-injection; 0: φ given). k, v, Sel and the gate in
+// q's dtype. *out: y [B, H, 1, D].
+extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64_t linear, int64_t compensate, int64_t score_kind, int64_t fmap_kind,
+                                    tensor* out) {
   try {
-    const at::Tensor &q = *ts[0], &phi = *ts[1], &wk = *ts[2], &wv = *ts[3];
-    tensor sk = ts[4], sv = ts[5], n_sel = ts[6], gate = ts[9], gamma = ts[10];
+    const at::Tensor &q = *ts[0], &wk = *ts[2], &wv = *ts[3];
+    tensor phi = ts[1], sk = ts[4], sv = ts[5], n_sel = ts[6], gate = ts[9], gamma = ts[10], fmap = ts[13];
     const at::Tensor S = ts[7]->contiguous(), z = ts[8]->contiguous(), &pos = *ts[11];
     TORCH_CHECK(q.is_cuda() && q.dim() == 4 && q.size(2) == 1 && q.stride(3) == 1, "hybrid_mix: q must be CUDA [B, H, 1, D] with unit last stride");
-    const int64_t B = q.size(0), H = q.size(1), D = q.size(3), F = phi.size(3);
-    TORCH_CHECK(phi.scalar_type() == at::kFloat && phi.dim() == 4 && phi.size(0) == B && phi.size(1) == H && phi.stride(3) == 1, "hybrid_mix: φ(q) must be fp32 [B, H, 1, F]");
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
+    TORCH_CHECK(fmap_kind == 0 || ((fmap_kind == 1 || fmap_kind == 2) && fmap), "hybrid_mix: fmap_kind ", fmap_kind, " needs W'");
+    TORCH_CHECK(fmap_kind != 0 || phi, "hybrid_mix: φ(q) or W' is needed");
+    const int64_t F = fmap_kind ? 2 * fmap->size(2) : phi->size(3);
+    if (fmap_kind) {
+      TORCH_CHECK(fmap->scalar_type() == at::kFloat && fmap->is_contiguous() && fmap->dim() == 3 && fmap->size(0) == H && fmap->size(1) == D, "hybrid_mix: W' must be contiguous fp32 [H, D, F/2]");
+    } else {
+      TORCH_CHECK(phi->scalar_type() == at::kFloat && phi->dim() == 4 && phi->size(0) == B && phi->size(1) == H && phi->stride(3) == 1, "hybrid_mix: φ(q) must be fp32 [B, H, 1, F]");
+    }
     TORCH_CHECK(wk.dim() == 4 && wk.size(2) == 2 * chunk && wk.size(3) == D && wk.strides() == wv.strides() && wk.stride(3) == 1 && wk.scalar_type() == q.scalar_type() &&
                     wv.scalar_type() == q.scalar_type(), "hybrid_mix: the window must be [B, H, 2C, D] in q's dtype");
     TORCH_CHECK(S.scalar_type() == at::kFloat && S.sizes() == at::IntArrayRef({B, H, F, D}) && z.scalar_type() == at::kFloat && z.sizes() == at::IntArrayRef({B, H, F}),
@@ -31,8 +41,13 @@ extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64
     MixParams p{};
     p.q = q.data_ptr();
     p.q_sb = q.stride(0), p.q_sh = q.stride(1);
-    p.phi = phi.data_ptr<float>();
-    p.phi_sb = phi.stride(0), p.phi_sh = phi.stride(1);
+    if (fmap_kind) {
+      p.fmap = fmap->data_ptr<float>();
+      p.fmap_reinject = fmap_kind == 2;
+    } else {
+      p.phi = phi->data_ptr<float>();
+      p.phi_sb = phi->stride(0), p.phi_sh = phi->stride(1);
+    }
     p.wk = wk.data_ptr(), p.wv = wv.data_ptr();
     p.w_sb = wk.stride(0), p.w_sh = wk.stride(1), p.w_ss = wk.stride(2);
     int64_t cap = 0;

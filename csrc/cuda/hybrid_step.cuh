@@ -12,7 +12,8 @@
 // φ(q)·S over every G-th feature for its dims, and the groups' partial sums added. (A thread per output
 // dim walking all 2C + cap slots, as this kernel first did, waits on a load per slot in turn: 512
 // waits at still-budget's 384 + 128 slots, which made it slower than aten's ≈ 25 kernels.) φ(q)
-// comes in computed (the feature map is a small matmul); the caches' writes stay where they are. The
+// comes in computed, or is computed here from the query map's folded matrix (feature_map(): ≈ 18 aten
+// kernels of STILL's NP-Map); the caches' writes stay where they are. The
 // new token's routing score (self-saliency, a_tt or its logit) is computed from the same logits and
 // written into the ring of scores, where `Hybrid::step_at` computed it by ≈ 20 more aten kernels.
 //
@@ -30,8 +31,12 @@ constexpr int kMixThreads = 256;
 struct MixParams {
   const void* q;  // [B, H, 1, D]: strides q_sb, q_sh, unit d
   int64_t q_sb, q_sh;
-  const float* phi;  // φ(q) [B, H, 1, F]: strides phi_sb, phi_sh, unit f
+  const float* phi;  // φ(q) [B, H, 1, F]: strides phi_sb, phi_sh, unit f; or null with fmap
   int64_t phi_sb, phi_sh;
+  // Or φ(q) computed here (feature_map()): the query map's linear part W'_h [H, D, F/2] (fp32,
+  // contiguous; STILL's Householder reflection folded in), with the norm re-injection or without.
+  const float* fmap;
+  int fmap_reinject;
   const void* wk;  // the window ring [B, H, 2C, D], strides w_sb, w_sh, w_ss, unit d
   const void* wv;
   int64_t w_sb, w_sh, w_ss;
@@ -101,6 +106,43 @@ __device__ __forceinline__ void routing_score(const MixParams& p, const float* e
   __syncthreads();  // every read of e[] done before the caller overwrites it with the weights
 }
 
+// φ(q) = clamp_min([softmax(u) ⊕ softmax(−u)], 1e-12) of the raw query qr[D] into phi[F] (feature_maps.rs):
+// f = qr·W'_h, u = f / max(‖f‖, 1e-12)·‖qr‖ with the re-injection, else u = f. Block-wide.
+__device__ __forceinline__ void feature_map(const MixParams& p, const float* qr, int h, float* phi, float* red) {
+  const int Fh = p.F / 2;
+  const float* W = p.fmap + (int64_t)h * p.D * Fh;
+  float f2 = 0.f, x2 = 0.f;
+  for (int f = threadIdx.x; f < Fh; f += kMixThreads) {
+    float u = 0.f;
+#pragma unroll 8
+    for (int d = 0; d < p.D; ++d) u += qr[d] * W[(int64_t)d * Fh + f];
+    phi[f] = u;
+    f2 += u * u;
+  }
+  for (int d = threadIdx.x; d < p.D; d += kMixThreads) x2 += qr[d] * qr[d];
+  float scale = 1.f;
+  if (p.fmap_reinject) {
+    f2 = block_reduce<kMixThreads, false>(f2, red);
+    x2 = block_reduce<kMixThreads, false>(x2, red);
+    scale = sqrtf(x2) / fmaxf(sqrtf(f2), 1e-12f);
+  }
+  // Each thread reads back only the u it wrote, until the reductions' barriers.
+  float mp = -INFINITY, mn = -INFINITY;
+  for (int f = threadIdx.x; f < Fh; f += kMixThreads) mp = fmaxf(mp, phi[f] * scale), mn = fmaxf(mn, -phi[f] * scale);
+  mp = block_reduce<kMixThreads, true>(mp, red);
+  mn = block_reduce<kMixThreads, true>(mn, red);
+  float sp = 0.f, sn = 0.f;
+  for (int f = threadIdx.x; f < Fh; f += kMixThreads) sp += expf(phi[f] * scale - mp), sn += expf(-phi[f] * scale - mn);
+  sp = block_reduce<kMixThreads, false>(sp, red);
+  sn = block_reduce<kMixThreads, false>(sn, red);
+  for (int f = threadIdx.x; f < Fh; f += kMixThreads) {
+    const float u = phi[f] * scale;
+    phi[f] = fmaxf(expf(u - mp) / sp, 1e-12f);
+    phi[Fh + f] = fmaxf(expf(-u - mn) / sn, 1e-12f);
+  }
+  __syncthreads();  // φ complete before any thread reads it
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
   ATTNLAB_DYNAMIC_SHARED(float, sh);
@@ -112,8 +154,15 @@ __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
   const int b = blockIdx.x / p.H, h = blockIdx.x % p.H;
   const T* q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh;
   for (int d = threadIdx.x; d < p.D; d += kMixThreads) qs[d] = to_f(q[d]) * p.scale;
-  for (int f = threadIdx.x; f < p.F; f += kMixThreads) phi[f] = p.phi[b * p.phi_sb + h * p.phi_sh + f];
-  __syncthreads();
+  if (p.fmap) {
+    float* qr = red + kMixThreads / 32;  // [D], free until the groups' partial sums
+    for (int d = threadIdx.x; d < p.D; d += kMixThreads) qr[d] = to_f(q[d]);
+    __syncthreads();
+    feature_map(p, qr, h, phi, red);
+  } else {
+    for (int f = threadIdx.x; f < p.F; f += kMixThreads) phi[f] = p.phi[b * p.phi_sb + h * p.phi_sh + f];
+    __syncthreads();
+  }
   const int64_t pos = *p.pos, from = max((int64_t)0, (pos / p.C - 1) * p.C), n_sel = p.cap ? *p.n_sel : 0;
   float mx = -INFINITY;
   for (int i = threadIdx.x; i < n; i += kMixThreads) {
@@ -195,9 +244,10 @@ __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
 }
 
 // Shared memory of one block: q, φ(q), the weights, the reduction's partials, then the groups' partial
-// numerators and linear terms (G·D each: at most max(kMixThreads, D)).
+// numerators and linear terms (G·D each: at most max(kMixThreads, D)), where the raw q sits while φ(q)
+// is computed.
 __host__ __device__ inline int64_t mix_smem_floats(int D, int F, int C, int cap) {
-  const int64_t gd = (int64_t)(kMixThreads / D > 1 ? kMixThreads / D : 1) * D;
+  const int64_t gd = (int64_t)(kMixThreads / D > 1 ? kMixThreads / D : 1) * D;  // ≥ D: room for the raw q first
   return (int64_t)D + F + 2 * C + cap + kMixThreads / 32 + 2 * gd;
 }
 

@@ -100,6 +100,18 @@ impl FeatureMap {
         let u = self.pre_softmax(x);
         Tensor::cat(&[u.softmax(-1, x.kind()), (-u).softmax(-1, x.kind())], -1).clamp_min(1e-12)
     }
+
+    /// The map's linear part as one matrix per head `[H, D, F]` in `kind`: the Householder reflection
+    /// folded into W_h, W'_h = (I − 2ûûᵀ)·W_h = W_h − 2û(ûᵀW_h), so that x·W'_h is [`FeatureMap::pre_softmax`]'s
+    /// f (its u before any norm re-injection). A decode step's mixing kernel computes φ(q) from it
+    /// (csrc/cuda/hybrid_step.cuh), made once per generation while the parameters stay as they are.
+    pub fn folded_linear(&self, kind: Kind) -> Tensor {
+        let w = self.layer.to_kind(kind);
+        let Some(u) = &self.householder else { return w.contiguous() };
+        let u = u.to_kind(kind);
+        let uhat = (&u / u.norm_scalaropt_dim(2, -1, true).clamp_min(1e-6)).unsqueeze(-1); // [H, D, 1]
+        (&w - &uhat * uhat.transpose(-2, -1).matmul(&w) * 2.0).contiguous()
+    }
 }
 
 fn layer_var(p: &nn::Path, heads: i64, d: i64, f: i64, init: ParamInit, kaiming_bound: f64) -> Tensor {
@@ -178,6 +190,22 @@ mod tests {
             let (a, b) = (fm.forward(&x), phi_loop(fm, &x));
             assert_eq!(a.size(), [2, 3, 7, fm.dim()]);
             assert!(max_diff(&a, &b) < 1e-12, "{}", max_diff(&a, &b));
+        }
+    }
+
+    /// The folded matrix gives the map's u: x·W' (re-injected for the NP-Map: f/‖f‖·‖x‖) is
+    /// `pre_softmax(x)` for every kind of map.
+    #[test]
+    fn folded_linear_is_the_maps_linear_part() {
+        let _rng = crate::testutil::seeded(3);
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let fms = maps(&vs);
+        vs.double();
+        let x = Tensor::randn([2, 3, 7, 8], (Kind::Double, Device::Cpu)) * 2.0;
+        for fm in &fms {
+            let f = x.matmul(&fm.folded_linear(Kind::Double));
+            let u = if fm.norm_reinject { &f / f.norm_scalaropt_dim(2, -1, true) * x.norm_scalaropt_dim(2, -1, true) } else { f };
+            assert!(max_diff(&u, &fm.pre_softmax(&x)) < 1e-12, "{}", max_diff(&u, &fm.pre_softmax(&x)));
         }
     }
 

@@ -15,7 +15,7 @@ type LayerNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, *mut C
 type RmsNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> Err;
 type AttendStepFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 type SplitRotateFn = unsafe extern "C" fn(*mut C_tensor, i64, i64, i64, *mut C_tensor, *mut C_tensor, *mut *mut C_tensor) -> Err;
-type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, i64, *mut *mut C_tensor) -> Err;
+type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 
 /// The CUDA-graph entry points (csrc/cuda/graph.cu).
 struct GraphFns {
@@ -353,12 +353,14 @@ pub fn split_rotate(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, 
 /// One STILL / LoLCATs decode step's mixing (`Hybrid::mix` over `Hybrid::step_at`'s blocks) for
 /// csrc/cuda/hybrid_step.cu: the new token's query `[B, H, 1, D]` and φ(q) `[B, H, 1, F]` (fp32), the
 /// window ring `[B, H, 2C, D]`, Sel `[B, H, cap, D]` with its filled count `[1]`, S `[B, H, F, D]` and
-/// z `[B, H, F]` (fp32), the gate `[B, H, 1, D]`, γ `[H]`, the position `[1]`; and where the kernel
+/// z `[B, H, F]` (fp32), the gate `[B, H, 1, D]`, γ `[H]`, the position `[1]`; where the kernel
 /// also scores the new token for routing, the ring of scores `[B, H, 2C]` (fp32) it writes that score
-/// into (its slot pos mod 2C) with the score's kind.
+/// into (its slot pos mod 2C) with the score's kind; and φ(q) given, or computed by the kernel from the
+/// query map's folded matrix `[H, D, F/2]` (fp32, `FeatureMap::folded_linear`) with the norm
+/// re-injection (true) or without.
 pub struct Mix<'a> {
     pub q: &'a Tensor,
-    pub phi: &'a Tensor,
+    pub phi: FeatureMapInput<'a>,
     pub win_k: &'a Tensor,
     pub win_v: &'a Tensor,
     pub sel: Option<(&'a Tensor, &'a Tensor, &'a Tensor)>,
@@ -372,6 +374,12 @@ pub struct Mix<'a> {
     pub linear: bool,
     pub compensate: bool,
     pub score: Option<(&'a Tensor, KernelScore)>,
+}
+
+/// How [`Mix`] gets φ(q): computed, or computed by the kernel from the folded matrix.
+pub enum FeatureMapInput<'a> {
+    Given(&'a Tensor),
+    Folded { matrix: &'a Tensor, reinject_norm: bool },
 }
 
 /// The routing scores csrc/cuda/hybrid_step.cuh computes (its kScore* codes): `Scorer::scores`'s over
@@ -408,9 +416,13 @@ pub fn hybrid_mix(m: &Mix) -> Option<Result<Tensor>> {
     }
     let f = library()?.hybrid_mix?;
     let (p, o) = (handle, handle_or_null);
+    let (phi, matrix, fmap_kind) = match m.phi {
+        FeatureMapInput::Given(phi) => (Some(phi), None, 0),
+        FeatureMapInput::Folded { matrix, reinject_norm } => (None, Some(matrix), 1 + reinject_norm as i64),
+    };
     let ts = [
         p(m.q),
-        p(m.phi),
+        o(phi),
         p(m.win_k),
         p(m.win_v),
         o(m.sel.map(|s| s.0)),
@@ -422,11 +434,12 @@ pub fn hybrid_mix(m: &Mix) -> Option<Result<Tensor>> {
         o(m.gamma),
         p(m.pos),
         o(m.score.map(|s| s.0)),
+        o(matrix),
     ];
     let score_kind = m.score.map_or(0, |s| s.1 as i64);
     // SAFETY: valid tensor handles (or null where absent), read during the call (the ring of scores
     // written).
-    Some(new_tensor(|out| unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.linear as i64, m.compensate as i64, score_kind, out) }))
+    Some(new_tensor(|out| unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.linear as i64, m.compensate as i64, score_kind, fmap_kind, out) }))
 }
 
 /// Whether the library holds the heads op's kernels ([`split_rotate`] takes them unless

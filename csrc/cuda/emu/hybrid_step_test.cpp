@@ -15,6 +15,7 @@ struct Case {
   int64_t pos, n_sel;
   bool gamma, gate, linear, compensate;
   int score;  // kScore*: the routing score the kernel also writes
+  int fmap;   // 0: φ(q) given; 1: computed from W' (u = q·W'); 2: with the norm re-injection
 };
 
 // The routing score (still.md §4, routing.rs) of the token at `pos` of row bh in double, over positions
@@ -63,6 +64,31 @@ bool check(const Case& k, unsigned seed) {
   std::uniform_real_distribution<float> U(0.f, 1.f);
   std::vector<float> phi(size_t(k.B) * k.H * k.F), S(size_t(k.B) * k.H * k.F * k.D), z(size_t(k.B) * k.H * k.F), gamma(k.H);
   for (auto& x : phi) x = U(rng);
+  // With fmap, φ(q) = clamp_min([softmax(u) ⊕ softmax(−u)], 1e-12) of the rounded query (feature_maps.rs)
+  // replaces the given φ in the reference; the kernel gets W' alone.
+  std::vector<float> W(size_t(k.H) * k.D * (k.F / 2));
+  for (auto& x : W) x = 0.4f * (U(rng) - 0.5f);
+  std::vector<double> phi_ref(phi.begin(), phi.end());
+  if (k.fmap) {
+    const int Fh = k.F / 2;
+    for (size_t bh = 0; bh < size_t(k.B) * k.H; ++bh) {
+      const int h = int(bh % k.H);
+      std::vector<double> u(Fh, 0.0);
+      double f2 = 0, x2 = 0;
+      for (int f = 0; f < Fh; ++f) {
+        for (int d = 0; d < k.D; ++d) u[f] += q.ref[bh * k.D + d] * W[(size_t(h) * k.D + d) * Fh + f];
+        f2 += u[f] * u[f];
+      }
+      for (int d = 0; d < k.D; ++d) x2 += q.ref[bh * k.D + d] * q.ref[bh * k.D + d];
+      const double scale = k.fmap == 2 ? std::sqrt(x2) / std::max(std::sqrt(f2), 1e-12) : 1.0;
+      for (int sign : {1, -1}) {
+        double m = -INFINITY, z = 0;
+        for (double x : u) m = std::max(m, sign * x * scale);
+        for (double x : u) z += std::exp(sign * x * scale - m);
+        for (int f = 0; f < Fh; ++f) phi_ref[bh * k.F + (sign == 1 ? 0 : Fh) + f] = std::max(std::exp(sign * u[f] * scale - m) / z, 1e-12);
+      }
+    }
+  }
   for (auto& x : S) x = 3.f * (U(rng) - 0.5f);
   for (auto& x : z) x = 2.f * U(rng);
   for (auto& x : gamma) x = 0.5f + U(rng);
@@ -96,11 +122,11 @@ bool check(const Case& k, unsigned seed) {
         const double gam = k.gamma ? gamma[h] : 1.0, lin_scale = k.linear ? (k.compensate ? std::exp(-m) : 1.0) : 0.0;
         double z_sm = 0, z_lin = 0;
         for (double x : s) z_sm += std::exp(x - m);
-        for (int f = 0; f < k.F; ++f) z_lin += phi[bh * k.F + f] * z[bh * k.F + f];
+        for (int f = 0; f < k.F; ++f) z_lin += phi_ref[bh * k.F + f] * z[bh * k.F + f];
         for (int d = 0; d < k.D; ++d) {
           double num = 0, lin = 0;
           for (size_t i = 0; i < s.size(); ++i) num += std::exp(s[i] - m) * v[i][d];
-          for (int f = 0; f < k.F; ++f) lin += phi[bh * k.F + f] * S[(bh * k.F + f) * k.D + d];
+          for (int f = 0; f < k.F; ++f) lin += phi_ref[bh * k.F + f] * S[(bh * k.F + f) * k.D + d];
           if (k.gate) lin *= g.ref[bh * k.D + d];
           y.push_back((gam * num + lin * lin_scale) / (gam * z_sm + z_lin * lin_scale + 1e-6));
         }
@@ -111,7 +137,9 @@ bool check(const Case& k, unsigned seed) {
   p.q = q.dev.data();
   p.q_sb = int64_t(k.H) * k.D;
   p.q_sh = k.D;
-  p.phi = phi.data();
+  p.phi = k.fmap ? nullptr : phi.data();
+  p.fmap = k.fmap ? W.data() : nullptr;
+  p.fmap_reinject = k.fmap == 2;
   p.phi_sb = int64_t(k.H) * k.F;
   p.phi_sh = k.F;
   p.wk = wk.dev.data();
@@ -179,20 +207,25 @@ bool check(const Case& k, unsigned seed) {
 bool all_cases() {
   const std::vector<Case> cases = {
       // LoLCATs: γ, no Sel, the linear branch plain; mid-chunk, the ring full.
-      {"LoLCATs, mid-chunk", 2, 3, 16, 0, 64, 128, 77, 0, true, false, true, false, kScoreNone},
+      {"LoLCATs, mid-chunk", 2, 3, 16, 0, 64, 128, 77, 0, true, false, true, false, kScoreNone, 0},
       // STILL: Sel partly filled, the gate, max-compensated; at a chunk's first token.
-      {"STILL, a chunk's first token", 1, 4, 16, 24, 64, 64, 96, 20, false, true, true, true, kScoreSelfSaliency},
+      {"STILL, a chunk's first token", 1, 4, 16, 24, 64, 64, 96, 20, false, true, true, true, kScoreSelfSaliency, 0},
       // Early: the ring not yet full (slots holding no token yet), D 160: one group of slots.
-      {"STILL, ring not full, D 160", 1, 2, 8, 4, 160, 32, 9, 3, false, true, true, false, kScoreSelfSaliency},
+      {"STILL, ring not full, D 160", 1, 2, 8, 4, 160, 32, 9, 3, false, true, true, false, kScoreSelfSaliency, 0},
       // D 96: two groups of 96 threads, the block's last 64 idle; Sel full.
-      {"STILL, D 96, two slot groups", 1, 3, 16, 12, 96, 192, 150, 12, false, true, true, false, kScoreDiagAttention},
+      {"STILL, D 96, two slot groups", 1, 3, 16, 12, 96, 192, 150, 12, false, true, true, false, kScoreDiagAttention, 0},
       // D 320, wider than the block: one group, a thread taking two dims.
-      {"LoLCATs, D 320", 1, 2, 8, 0, 320, 64, 21, 0, true, true, true, true, kScoreNone},
+      {"LoLCATs, D 320", 1, 2, 8, 0, 320, 64, 21, 0, true, true, true, true, kScoreNone, 0},
       // The first two tokens: W is the token alone (b ≡ 0), then two tokens.
-      {"STILL, position 0", 1, 2, 8, 4, 64, 32, 0, 0, false, true, true, false, kScoreSelfSaliency},
-      {"STILL, position 1", 1, 2, 8, 4, 64, 32, 1, 0, false, true, true, false, kScoreSelfSaliency},
+      {"STILL, position 0", 1, 2, 8, 4, 64, 32, 0, 0, false, true, true, false, kScoreSelfSaliency, 0},
+      {"STILL, position 1", 1, 2, 8, 4, 64, 32, 1, 0, false, true, true, false, kScoreSelfSaliency, 0},
+      // φ(q) in the kernel: STILL's NP-Map (re-injection; F = 2D), LoLCATs' Hedgehog (F/2 = 64 ≠ D), and
+      // F/2 wider than the block.
+      {"STILL, φ(q) by NP-Map", 1, 4, 16, 24, 64, 128, 96, 20, false, true, true, false, kScoreSelfSaliency, 2},
+      {"LoLCATs, φ(q) by Hedgehog", 2, 3, 16, 0, 32, 128, 77, 0, true, false, true, false, kScoreNone, 1},
+      {"φ(q) with F/2 = 320", 1, 2, 8, 4, 64, 640, 30, 4, false, false, true, true, kScoreNone, 2},
       // The softmax alone (no linear branch).
-      {"softmax only", 1, 2, 8, 8, 32, 16, 40, 8, true, false, false, false, kScoreSelfLogit},
+      {"softmax only", 1, 2, 8, 8, 32, 16, 40, 8, true, false, false, false, kScoreSelfLogit, 0},
   };
   bool ok = true;
   unsigned seed = 51;

@@ -47,6 +47,9 @@ struct Fixed {
     win_scores: Tensor,
     /// Chunks routed so far (0..routed): the window starts at routed·C.
     routed: i64,
+    /// The query feature map's folded matrix `[H, D, F/2]` (fp32) for the mixing kernel, made once
+    /// with the fixed form (the parameters do not change during a generation).
+    fq_folded: Tensor,
 }
 
 impl crate::attention::cache::KindCache for HybridCache {
@@ -329,6 +332,7 @@ impl Hybrid<'_> {
             win_v: ring(&cache.win_v),
             win_scores: ring(&cache.win_scores),
             routed,
+            fq_folded: self.fq.folded_linear(Kind::Float),
         });
         // The growing form's tensors are stale while the fixed one is in use.
         let empty = |x: &Tensor| x.narrow(2, 0, 0);
@@ -349,15 +353,16 @@ impl Hybrid<'_> {
         let slot = at.pos.remainder(2 * c);
         let _ = f.win_k.index_copy_(2, &slot, &k.to_kind(f.win_k.kind()));
         let _ = f.win_v.index_copy_(2, &slot, &v.to_kind(f.win_v.kind()));
-        let qf = q.to_kind(kind);
-        let qs = &qf * (1.0 / (d as f64).sqrt());
-        // The mixing kernel (csrc/cuda/hybrid_step.cu) computes the logits itself, and from them the
-        // new token's routing score where it can (`score_in_kernel`).
+        // The mixing kernel (csrc/cuda/hybrid_step.cu) computes the logits and φ(q) itself, and from
+        // the logits the new token's routing score where it can (`score_in_kernel`); what it leaves
+        // is computed here.
         let fused = crate::kernels::cuda::hybrid_mix_enabled(q) && f.win_k.kind() == q.kind() && f.sel_k.kind() == q.kind();
         let scorer = self.scorer.filter(|sc| !sc.by_position());
         let score_in_kernel = scorer.and_then(|sc| sc.kernel_score()).filter(|_| fused && f.win_scores.kind() == Kind::Float);
-        let window_logits = || qs.matmul(&f.win_k.to_kind(kind).transpose(-2, -1)); // [B, H, 1, 2C]
-        let s_win = (!fused || (scorer.is_some() && score_in_kernel.is_none())).then(window_logits);
+        let aten_logits = !fused || (scorer.is_some() && score_in_kernel.is_none());
+        let qf = aten_logits.then(|| q.to_kind(kind));
+        let qs = qf.as_ref().map(|qf| qf * (1.0 / (d as f64).sqrt()));
+        let s_win = qs.as_ref().map(|qs| qs.matmul(&f.win_k.to_kind(kind).transpose(-2, -1))); // [B, H, 1, 2C]
 
         // The new token's score over its C most recent keys (positions pos − C + 1 .. pos).
         if score_in_kernel.is_none() {
@@ -374,10 +379,9 @@ impl Hybrid<'_> {
         }
         if fused {
             let cap = f.sel_k.size()[2];
-            let phi = self.fq.forward(&qf);
             let m = crate::kernels::cuda::Mix {
                 q,
-                phi: &phi,
+                phi: crate::kernels::cuda::FeatureMapInput::Folded { matrix: &f.fq_folded, reinject_norm: self.fq.norm_reinject },
                 win_k: &f.win_k,
                 win_v: &f.win_v,
                 sel: (cap > 0).then_some((&f.sel_k, &f.sel_v, &f.n_sel_at)),
@@ -396,7 +400,7 @@ impl Hybrid<'_> {
             let y = crate::kernels::cuda::hybrid_mix(&m).expect("the mixing kernel is enabled");
             return y.unwrap_or_else(|e| panic!("STILL / LoLCATs decode mix failed: {e}"));
         }
-        let s_win = s_win.unwrap_or_else(window_logits);
+        let (qf, qs, s_win) = (qf.expect("aten_logits"), qs.expect("aten_logits"), s_win.expect("aten_logits"));
 
         // Slot s holds the latest position ≤ pos congruent to it; the window is chunks c − 1 and c.
         let held = crate::attention::cache::ring_positions(&at.pos, &Tensor::arange(2 * c, (Kind::Int64, dev)), 2 * c);
