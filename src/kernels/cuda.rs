@@ -355,12 +355,13 @@ pub fn split_rotate(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, 
 /// window ring `[B, H, 2C, D]`, Sel `[B, H, cap, D]` with its filled count `[1]`, S `[B, H, F, D]` and
 /// z `[B, H, F]` (fp32), the gate `[B, H, 1, D]`, γ `[H]`, the position `[1]`; where the kernel
 /// also scores the new token for routing, the ring of scores `[B, H, 2C]` (fp32) it writes that score
-/// into (its slot pos mod 2C) with the score's kind; and φ(q) given, or computed by the kernel from the
-/// query map's folded matrix `[H, D, F/2]` (fp32, `FeatureMap::folded_linear`) with the norm
-/// re-injection (true) or without.
+/// into (its slot pos mod 2C) with the score's kind; and the query map's folded matrix `[H, D, F/2]`
+/// (fp32, `FeatureMap::folded_linear`) from which the kernel computes φ(q), with the norm re-injection
+/// (`reinject_norm`) or without.
 pub struct Mix<'a> {
     pub q: &'a Tensor,
-    pub phi: FeatureMapInput<'a>,
+    pub fq_folded: &'a Tensor,
+    pub reinject_norm: bool,
     pub win_k: &'a Tensor,
     pub win_v: &'a Tensor,
     pub sel: Option<(&'a Tensor, &'a Tensor, &'a Tensor)>,
@@ -374,12 +375,6 @@ pub struct Mix<'a> {
     pub linear: bool,
     pub compensate: bool,
     pub score: Option<(&'a Tensor, KernelScore)>,
-}
-
-/// How [`Mix`] gets φ(q): computed, or computed by the kernel from the folded matrix.
-pub enum FeatureMapInput<'a> {
-    Given(&'a Tensor),
-    Folded { matrix: &'a Tensor, reinject_norm: bool },
 }
 
 /// The routing scores csrc/cuda/hybrid_step.cuh computes (its kScore* codes): `Scorer::scores`'s over
@@ -416,13 +411,11 @@ pub fn hybrid_mix(m: &Mix) -> Option<Result<Tensor>> {
     }
     let f = library()?.hybrid_mix?;
     let (p, o) = (handle, handle_or_null);
-    let (phi, matrix, fmap_kind) = match m.phi {
-        FeatureMapInput::Given(phi) => (Some(phi), None, 0),
-        FeatureMapInput::Folded { matrix, reinject_norm } => (None, Some(matrix), 1 + reinject_norm as i64),
-    };
+    // The kernel also takes φ(q) computed (fmap kind 0, null matrix); this crate hands it the matrix.
+    let fmap_kind = 1 + m.reinject_norm as i64;
     let ts = [
         p(m.q),
-        o(phi),
+        std::ptr::null_mut(),
         p(m.win_k),
         p(m.win_v),
         o(m.sel.map(|s| s.0)),
@@ -434,7 +427,7 @@ pub fn hybrid_mix(m: &Mix) -> Option<Result<Tensor>> {
         o(m.gamma),
         p(m.pos),
         o(m.score.map(|s| s.0)),
-        o(matrix),
+        p(m.fq_folded),
     ];
     let score_kind = m.score.map_or(0, |s| s.1 as i64);
     // SAFETY: valid tensor handles (or null where absent), read during the call (the ring of scores

@@ -381,7 +381,8 @@ impl Hybrid<'_> {
             let cap = f.sel_k.size()[2];
             let m = crate::kernels::cuda::Mix {
                 q,
-                phi: crate::kernels::cuda::FeatureMapInput::Folded { matrix: &f.fq_folded, reinject_norm: self.fq.norm_reinject },
+                fq_folded: &f.fq_folded,
+                reinject_norm: self.fq.norm_reinject,
                 win_k: &f.win_k,
                 win_v: &f.win_v,
                 sel: (cap > 0).then_some((&f.sel_k, &f.sel_v, &f.n_sel_at)),
