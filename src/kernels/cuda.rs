@@ -389,7 +389,8 @@ pub enum KernelScore {
 /// Whether STILL / LoLCATs decode steps take csrc/cuda/hybrid_step.cu's mixing kernel for a query
 /// `q`: on CUDA in bf16 / fp16, the library holding it, and `ATTNLAB_HYBRID_KERNEL=1` (it passes
 /// `bench --check`, but on one H100 LoLCATs decoded at the aten mix's speed, 1.00–1.01×, and STILL
-/// 0.79–0.81× from 4K on: results/bench/2026-12-05-h100).
+/// 0.79–0.81× from 4K on, results/bench/2026-12-05-h100: that was before its threads split the slots
+/// and it took φ(q) and the routing score in; `scripts/gpu_bench.sh check hybrid` times it again).
 pub fn hybrid_mix_enabled(q: &Tensor) -> bool {
     q.device().is_cuda()
         && matches!(q.kind(), tch::Kind::BFloat16 | tch::Kind::Half)
