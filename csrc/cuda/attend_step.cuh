@@ -150,12 +150,6 @@ __device__ __forceinline__ void rope_terms(const Params& p, int kvh, const float
   }
 }
 
-// The position full-width slot s holds once position `newest` is written: s itself, or for a ring of
-// `keep` slots the latest position ≤ newest congruent to s (cache::ring_positions on the host).
-__device__ __forceinline__ int64_t slot_position(int64_t newest, int64_t s, int64_t keep) {
-  return keep > 0 ? newest - (((newest - s) % keep) + keep) % keep : s;
-}
-
 // The slot of the full-width cache that holds position `newest` once it is written.
 __device__ __forceinline__ int64_t newest_slot(int64_t newest, int64_t keep) { return keep > 0 ? newest % keep : newest; }
 

@@ -1,7 +1,8 @@
-// Block-wide reductions for the decode kernels (csrc/cuda/attend_step.cuh, hybrid_step.cuh): device
-// code only, all inline; csrc/cuda/emu runs it on the CPU.
+// Block-wide reductions and ring-slot positions for the decode kernels (csrc/cuda/attend_step.cuh,
+// hybrid_step.cuh): device code only, all inline; csrc/cuda/emu runs it on the CPU.
 #pragma once
 #include <cmath>
+#include <cstdint>
 
 namespace {
 
@@ -21,6 +22,12 @@ __device__ __forceinline__ float block_reduce(float x, float* red) {
   float r = red[0];
   for (int w = 1; w < kThreadsN / 32; ++w) r = kMax ? fmaxf(r, red[w]) : r + red[w];
   return r;
+}
+
+// The position slot s holds once position `newest` is written: s itself, or for a ring of `keep`
+// slots the latest position ≤ newest congruent to s (cache::ring_positions on the host).
+__device__ __forceinline__ int64_t slot_position(int64_t newest, int64_t s, int64_t keep) {
+  return keep > 0 ? newest - (((newest - s) % keep) + keep) % keep : s;
 }
 
 }  // namespace

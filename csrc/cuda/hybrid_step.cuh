@@ -75,7 +75,7 @@ constexpr float kScoreEps = 1e-8f;
 __device__ __forceinline__ void routing_score(const MixParams& p, const float* e, int64_t pos, int b, int h, float* red) {
   const int W2 = 2 * p.C, self = (int)(pos % W2);
   const int64_t first = max((int64_t)0, pos - p.C + 1);
-  auto recent = [&](int i) { return pos - (((pos - i) % W2) + W2) % W2 >= first; };
+  auto recent = [&](int i) { return slot_position(pos, i, W2) >= first; };
   float ma = -INFINITY, mb = -INFINITY;
   for (int i = threadIdx.x; i < W2; i += kMixThreads)
     if (recent(i)) {
@@ -169,8 +169,7 @@ __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
     const T* k;
     bool vis;
     if (i < W2) {
-      const int64_t held = pos - (((pos - i) % W2) + W2) % W2;
-      vis = held >= from;
+      vis = slot_position(pos, i, W2) >= from;
       k = static_cast<const T*>(p.wk) + b * p.w_sb + h * p.w_sh + i * p.w_ss;
     } else {
       vis = i - W2 < n_sel;
