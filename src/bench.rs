@@ -353,11 +353,11 @@ pub fn decode_rows(
         let lines: Vec<String> = rows
             .iter()
             .map(|r| {
-                let (what, reps) = match part {
-                    Traced::Decode => ("decode", r.steps.max(1) as usize),
-                    Traced::Prefill => ("prefill", 1),
+                let reps = match part {
+                    Traced::Decode => r.steps.max(1) as usize,
+                    Traced::Prefill => 1,
                 };
-                json_line(&ProfiledRun { trace: decode_bench::trace_name(part, &r.attention, r.context, r.repeat), reps, what, result: r })
+                json_line(&ProfiledRun { trace: decode_bench::trace_name(part, &r.attention, r.context, r.repeat), reps, what: part.name(), result: r })
             })
             .collect();
         append_runs(dir, &lines)?;

@@ -88,11 +88,7 @@ pub fn bench_model(base: &Spec, name: &str, vocab: usize, device: Device) -> Res
 
 /// The trace of one profiled (part, attention, context, repeat) in `bench-decode --profile DIR`.
 pub fn trace_name(part: Traced, attention: &str, context: i64, repeat: usize) -> String {
-    let part = match part {
-        Traced::Decode => "decode",
-        Traced::Prefill => "prefill",
-    };
-    format!("{part}-{attention}-{context}-r{repeat}.json")
+    format!("{}-{attention}-{context}-r{repeat}.json", part.name())
 }
 
 /// Measure every (attention, context) pair `repeats` times, interleaved (each repeat runs every

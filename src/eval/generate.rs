@@ -285,6 +285,14 @@ impl Traced {
             Traced::Decode
         }
     }
+
+    /// Its name in trace files and profile lines: `decode` or `prefill`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Traced::Decode => "decode",
+            Traced::Prefill => "prefill",
+        }
+    }
 }
 
 /// `generate`, with its decode steps or its prefill under libtorch's profiler when `trace` says which
