@@ -2,6 +2,7 @@
 // compute). An undefined β is RMSNorm.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -135,6 +136,17 @@ char* norm_half(tensor x, tensor gamma, const Tensor& beta, double eps, tensor* 
   }
 }
 
+// RMSNorm of a half model's x by the forward kernel in x's own dtype (ROUND: Llama's rounding).
+template <typename T, bool ROUND>
+void launch_infer(const Tensor& x, const Tensor& g, double eps, Tensor& y, cudaStream_t stream) {
+  const int64_t d = x.size(-1), n = x.numel() / d;
+  const bool fits = with_cols(d, [&](auto cols) {
+    constexpr int C = decltype(cols)::value;
+    ln_forward<T, C, true, T, ROUND><<<chunks_of(n), kThreads, 0, stream>>>(ptr<T>(x), ptr<T>(g), nullptr, n, d, (float)eps, ptr<T>(y), nullptr, nullptr);
+  });
+  TORCH_CHECK(fits, "rms_norm_infer: rows of ", d, " are wider than the kernels take");
+}
+
 }  // namespace
 
 // y = LayerNorm(x)·γ + β over the last dim, x fp32 [.., d] on CUDA, γ / β fp32 [d], inside a CUDA
@@ -148,4 +160,35 @@ extern "C" char* attnlab_layer_norm_half(tensor x, tensor gamma, tensor beta, do
 // terms as attnlab_layer_norm_half.
 extern "C" char* attnlab_rms_norm_half(tensor x, tensor gamma, double eps, tensor* out) {
   return norm_half(x, gamma, Tensor(), eps, out);
+}
+
+// y = x·rsqrt(mean(x²) + eps)·γ for a half model's inference: x bf16 / fp16 [.., d] on CUDA, γ of
+// the same dtype [d], y in that dtype, statistics in fp32; `round_first`: x̂ rounded before γ
+// (HF's LlamaRMSNorm), else one rounding at the end (Olmo2RMSNorm). Forward only: where autograd
+// would need the graph (grad mode on and x or γ requiring grad), or for other dtypes and widths,
+// *out stays null and the caller's aten form applies.
+extern "C" char* attnlab_rms_norm_infer(tensor x, tensor gamma, double eps, int64_t round_first, tensor* out) {
+  try {
+    *out = nullptr;
+    const at::ScalarType kind = x->scalar_type();
+    if (!x->is_cuda() || (kind != at::kBFloat16 && kind != at::kHalf) || gamma->scalar_type() != kind || gamma->device() != x->device()) return nullptr;
+    if (at::GradMode::is_enabled() && (x->requires_grad() || gamma->requires_grad())) return nullptr;
+    if (x->dim() == 0 || x->size(-1) == 0 || x->size(-1) > (int64_t)kMaxCols * kThreads || gamma->numel() != x->size(-1)) return nullptr;
+    c10::cuda::CUDAGuard guard(x->device());
+    Tensor xc = x->contiguous(), g = gamma->contiguous();
+    Tensor y = at::empty(x->sizes(), x->options());
+    if (xc.numel() > 0) {
+      auto stream = c10::cuda::getCurrentCUDAStream();
+      if (kind == at::kBFloat16) {
+        round_first ? launch_infer<__nv_bfloat16, true>(xc, g, eps, y, stream) : launch_infer<__nv_bfloat16, false>(xc, g, eps, y, stream);
+      } else {
+        round_first ? launch_infer<__half, true>(xc, g, eps, y, stream) : launch_infer<__half, false>(xc, g, eps, y, stream);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    *out = new at::Tensor(y);
+    return nullptr;
+  } catch (const std::exception& e) {
+    return strdup(e.what());
+  }
 }

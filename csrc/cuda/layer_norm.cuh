@@ -84,10 +84,19 @@ bool with_cols(int64_t d, F&& f) {
 // 1/√(mean(x²) + eps): the same kernels with the mean taken as 0 and no β (beta, mean_out, mean and
 // dbeta_part are not read or written, and may be null).
 
+// An input as fp32: the fp32 residual stream itself, or a 16-bit value.
+__device__ __forceinline__ float in_f(float x) { return x; }
+template <typename H>
+__device__ __forceinline__ float in_f(H x) { return to_f(x); }
+
 // y = (x − mean)·rstd·γ + β in T, and each row's mean and rstd (two passes over the registers).
-template <typename T, int COLS, bool RMS = false>
+// X: the type of x, γ and β: fp32 (the residual stream under autocast, for training), or T itself
+// (a half model's inference: `attnlab_rms_norm_infer`, where mean_out and rstd_out may be null).
+// ROUND_FIRST: x̂ rounded to T before γ, as HF's LlamaRMSNorm casts it back to the input dtype
+// first (OLMo 2 multiplies in fp32 and casts once), so that a half model decodes as aten's form.
+template <typename T, int COLS, bool RMS = false, typename X = float, bool ROUND_FIRST = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<COLS>)
-    ln_forward(const float* x, const float* gamma, const float* beta, int64_t n, int64_t d, float eps, T* y, float* mean_out, float* rstd_out) {
+    ln_forward(const X* x, const X* gamma, const X* beta, int64_t n, int64_t d, float eps, T* y, float* mean_out, float* rstd_out) {
   constexpr int R = kRowsAtOnce<COLS>;
   __shared__ float shared[R * (kThreads / 32)];
   const int64_t r0 = blockIdx.x * (int64_t)kRowsPerChunk, r1 = min(n, r0 + kRowsPerChunk);
@@ -99,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<COLS>)
 #pragma unroll
       for (int k = 0; k < COLS; ++k) {
         const int64_t c = threadIdx.x + (int64_t)k * kThreads;
-        xv[i][k] = r + i < r1 && c < d ? x[(r + i) * d + c] : 0.f;
+        xv[i][k] = r + i < r1 && c < d ? in_f(x[(r + i) * d + c]) : 0.f;
         mean[i] += xv[i][k];
       }
     }
@@ -122,9 +131,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<COLS>)
 #pragma unroll
       for (int k = 0; k < COLS; ++k) {
         const int64_t c = threadIdx.x + (int64_t)k * kThreads;
-        if (c < d) y[(r + i) * d + c] = from_f<T>((xv[i][k] - mean[i]) * rstd * gamma[c] + (RMS ? 0.f : beta[c]));
+        if (c >= d) continue;
+        const float xh = (xv[i][k] - mean[i]) * rstd;
+        y[(r + i) * d + c] = from_f<T>((ROUND_FIRST ? to_f(from_f<T>(xh)) : xh) * in_f(gamma[c]) + (RMS ? 0.f : in_f(beta[c])));
       }
-      if (threadIdx.x == 0) {
+      if (threadIdx.x == 0 && rstd_out != nullptr) {
         if (!RMS) mean_out[r + i] = mean[i];
         rstd_out[r + i] = rstd;
       }

@@ -535,6 +535,33 @@ pub fn layer_norm_check(n: i64, d: i64, rms: bool, device: Device) -> Option<Che
     Some(CheckRow::new(label, &[n, d], None, kind, tensors, false))
 }
 
+/// The half model's RMSNorm kernel (`kernels::cuda::rms_norm_infer`: bf16 x and weight, no grad)
+/// on `[n, d]` in `family`'s rounding, against RMSNorm in fp64 of the same bf16 inputs; the baseline
+/// is the aten form it replaces in decode (`llama::rms_norm_aten`). None where the kernel is not loaded.
+pub fn rms_norm_infer_check(n: i64, d: i64, family: crate::model::llama::Family, device: Device) -> Option<CheckRow> {
+    use crate::model::llama::{rms_norm_aten, Family};
+    tch::manual_seed(n + 3 * d);
+    let kind = Kind::BFloat16;
+    let x = (Tensor::randn([n, d], (Kind::Float, device)) * 3.0 + 1.0).to_kind(kind);
+    let w = (Tensor::randn([d], (Kind::Float, device)) * 0.3 + 1.0).to_kind(kind);
+    let eps = 1e-6;
+    let (xd, wd) = (x.to_kind(Kind::Double), w.to_kind(Kind::Double));
+    let exact = &xd * (xd.square().mean_dim(-1, true, Kind::Double) + eps).rsqrt() * wd;
+    let baseline = tch::no_grad(|| rms_norm_aten(&x, &w, eps, family));
+    let label = match family {
+        Family::Llama => "rms-norm-infer-llama",
+        Family::Olmo2 => "rms-norm-infer-olmo2",
+    };
+    // Checked even where the caller turned the kernels off (`ATTNLAB_RMS_KERNEL=0`).
+    let fast = tch::no_grad(|| with_env(&[("ATTNLAB_RMS_KERNEL", "1")], || crate::kernels::cuda::rms_norm_infer(&x, &w, eps, family == Family::Llama)))?;
+    let fast = match fast {
+        Ok(fast) => fast,
+        Err(e) => return Some(failed_row(label, &e.to_string(), false)),
+    };
+    let tensors = vec![compare("out", &fast, &baseline, &exact, kind, n, 0.0)];
+    Some(CheckRow::new(label, &[n, d], None, kind, tensors, false))
+}
+
 /// (q, k_l, v_l, k_g, v_g) `[B, H, T, hd]` with k_g, v_g cut to the T − w positions split-merge
 /// reads, as a DAR layer builds them for it (`dar::distant_positions`).
 fn distant_prefix(xs: &[Tensor], w: i64) -> Vec<Tensor> {
@@ -696,6 +723,14 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         for (n, d) in [(4096, 576), (1000, 2048), (64, 96)] {
             if let Some(row) = layer_norm_check(n, d, true, device) {
                 note(row);
+            }
+        }
+        // The half model's RMSNorm (decode), both roundings: one row (decode), a prefill's rows.
+        for (n, d) in [(1, 576), (4096, 576), (300, 2048)] {
+            for family in [crate::model::llama::Family::Llama, crate::model::llama::Family::Olmo2] {
+                if let Some(row) = rms_norm_infer_check(n, d, family, device) {
+                    note(row);
+                }
             }
         }
     }

@@ -13,6 +13,7 @@ type Err = *mut libc::c_char;
 type Handle = *mut libc::c_void;
 type LayerNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> Err;
 type RmsNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> Err;
+type RmsNormInferFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, i64, *mut *mut C_tensor) -> Err;
 type AttendStepFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 type SplitRotateFn = unsafe extern "C" fn(*mut C_tensor, i64, i64, i64, *mut C_tensor, *mut C_tensor, *mut *mut C_tensor) -> Err;
 type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
@@ -37,6 +38,8 @@ struct Library {
     layer_norm_half: Option<LayerNormHalfFn>,
     /// None in a library built before the kernels' RMSNorm form.
     rms_norm_half: Option<RmsNormHalfFn>,
+    /// None in a library built before the half model's RMSNorm (`attnlab_rms_norm_infer`).
+    rms_norm_infer: Option<RmsNormInferFn>,
     /// DAR's band kernels (csrc/cuda/dar_band.cu), handed to the split-merge op when found.
     band: bool,
     /// None in a library built before csrc/cuda/heads.cu.
@@ -95,6 +98,7 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
         let attend_step = find(c"attnlab_attend_step").map(|p| std::mem::transmute::<*mut libc::c_void, AttendStepFn>(p));
         let layer_norm_half = find(c"attnlab_layer_norm_half").map(|p| std::mem::transmute::<*mut libc::c_void, LayerNormHalfFn>(p));
         let rms_norm_half = find(c"attnlab_rms_norm_half").map(|p| std::mem::transmute::<*mut libc::c_void, RmsNormHalfFn>(p));
+        let rms_norm_infer = find(c"attnlab_rms_norm_infer").map(|p| std::mem::transmute::<*mut libc::c_void, RmsNormInferFn>(p));
         let band = match (find(c"attnlab_dar_band_merge"), find(c"attnlab_dar_band_bwd")) {
             (Some(merge), Some(bwd)) => {
                 super::set_band_kernels(merge, bwd);
@@ -104,7 +108,7 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
         };
         let split_rotate = find(c"attnlab_split_rotate_cuda").map(|p| std::mem::transmute::<*mut libc::c_void, SplitRotateFn>(p));
         let hybrid_mix = find(c"attnlab_hybrid_mix").map(|p| std::mem::transmute::<*mut libc::c_void, HybridMixFn>(p));
-        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step, layer_norm_half, rms_norm_half, band, split_rotate, hybrid_mix })
+        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step, layer_norm_half, rms_norm_half, rms_norm_infer, band, split_rotate, hybrid_mix })
     }
 }
 
@@ -326,6 +330,27 @@ pub fn rms_norm_half(x: &Tensor, weight: &Tensor, eps: f64) -> Option<Result<Ten
     let mut out: *mut C_tensor = std::ptr::null_mut();
     // SAFETY: as layer_norm_half.
     let r = check(unsafe { f(handle(x), handle(weight), eps, &mut out) });
+    match r {
+        Err(e) => Some(Err(e)),
+        Ok(()) if out.is_null() => None,
+        Ok(()) => Some(Ok(unsafe { Tensor::from_ptr(out) })),
+    }
+}
+
+/// RMSNorm of a half model's `x` (bf16 / fp16 `[.., d]` on CUDA) with a `weight` of the same dtype,
+/// y in that dtype, for inference (decode, prefill, evaluation: no graph to keep): one kernel where
+/// aten runs a cast, a pow, a mean, an add, an rsqrt, two muls and a cast back. `round_first`: x̂
+/// rounded to the half dtype before the weight, as HF's `LlamaRMSNorm`; else one rounding after it,
+/// as `Olmo2RMSNorm`. Same switch as [`rms_norm_half`]. `None` (aten's form) where it does not apply:
+/// the CPU, other dtypes, a weight of another dtype, or autograd recording x or the weight.
+pub fn rms_norm_infer(x: &Tensor, weight: &Tensor, eps: f64, round_first: bool) -> Option<Result<Tensor>> {
+    if !x.device().is_cuda() || !matches!(x.kind(), tch::Kind::BFloat16 | tch::Kind::Half) || !switch("ATTNLAB_RMS_KERNEL", true) {
+        return None;
+    }
+    let f = library()?.rms_norm_infer?;
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: as layer_norm_half.
+    let r = check(unsafe { f(handle(x), handle(weight), eps, round_first as i64, &mut out) });
     match r {
         Err(e) => Some(Err(e)),
         Ok(()) if out.is_null() => None,

@@ -265,11 +265,18 @@ fn projection(p: nn::Path, i: usize, o: usize) -> Linear {
 /// RMSNorm with statistics in fp32. HF LlamaRMSNorm casts back to the input dtype before the weight;
 /// Olmo2RMSNorm multiplies by the weight in fp32 and casts after. On the fp32 residual stream under
 /// CUDA autocast both are x·rstd·w in fp32, which `kernels::cuda::rms_norm_half` writes straight in
-/// the half dtype the next matmul would cast it to (unless `ATTNLAB_RMS_KERNEL=0`).
+/// the half dtype the next matmul would cast it to; a half model's inference (decode) takes
+/// `kernels::cuda::rms_norm_infer`, each family's rounding kept (both unless `ATTNLAB_RMS_KERNEL=0`).
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, family: Family) -> Tensor {
-    if let Some(y) = crate::kernels::cuda::rms_norm_half(x, w, eps) {
+    let kernel = crate::kernels::cuda::rms_norm_half(x, w, eps).or_else(|| crate::kernels::cuda::rms_norm_infer(x, w, eps, family == Family::Llama));
+    if let Some(y) = kernel {
         return y.unwrap_or_else(|e| panic!("RMSNorm kernel failed: {e}"));
     }
+    rms_norm_aten(x, w, eps, family)
+}
+
+/// [`rms_norm`] in aten ops: what the kernels are checked against (`bench --check`).
+pub(crate) fn rms_norm_aten(x: &Tensor, w: &Tensor, eps: f64, family: Family) -> Tensor {
     let xf = x.to_kind(Kind::Float);
     let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
     let n = xf * (var + eps).rsqrt();

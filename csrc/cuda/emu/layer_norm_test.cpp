@@ -94,6 +94,47 @@ bool check(int n, int d, const char* dtype, unsigned seed) {
   return ok;
 }
 
+// The forward kernel for a half model's inference (X = T: x and γ in the 16-bit type, no
+// statistics written), RMSNorm in either family's rounding (ROUND: x̂ rounded before γ, as HF's
+// LlamaRMSNorm; else once after, as Olmo2RMSNorm): y against the formula in double (LayerNorm's
+// mean subtracted as the planted one), and bit for bit against each rounding done on the host,
+// where its own must match nearly everywhere and the other must not.
+template <typename T, bool ROUND>
+bool check_infer(int n, int d, const char* dtype, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> N(0.f, 1.f);
+  std::vector<T> x(size_t(n) * d), g(d);
+  std::vector<float> xf(x.size()), gf(d), zero(d, 0.f);
+  for (size_t i = 0; i < x.size(); ++i) xf[i] = emu_test::from_half(x[i] = emu_test::to_half<T>(3.f + 2.f * N(rng)));
+  for (int j = 0; j < d; ++j) gf[j] = emu_test::from_half(g[j] = emu_test::to_half<T>(1.f + 0.3f * N(rng)));
+  const double eps = 1e-6;
+  const std::vector<double> dy(x.size(), 0.0);
+  const Ref want = reference(xf, gf, zero, dy, n, d, eps, true, false), bad = reference(xf, gf, zero, dy, n, d, eps, true, true);
+  std::vector<T> y(x.size());
+  with_cols(d, [&](auto cols) {
+    emu::launch(ln_forward<T, decltype(cols)::value, true, T, ROUND>, dim3((n + kRowsPerChunk - 1) / kRowsPerChunk), dim3(kThreads), 0,
+                (const T*)x.data(), (const T*)g.data(), (const T*)nullptr, (int64_t)n, (int64_t)d, (float)eps, y.data(), (float*)nullptr, (float*)nullptr);
+  });
+  std::vector<double> gy;
+  size_t same_own = 0, same_other = 0;
+  std::vector<double> rstd(n, 0.0);
+  for (size_t i = 0; i < x.size(); ++i) rstd[i / d] += double(xf[i]) * xf[i] / d;
+  for (auto& r : rstd) r = 1.0 / std::sqrt(r + eps);
+  for (size_t i = 0; i < y.size(); ++i) {
+    gy.push_back(emu_test::from_half(y[i]));
+    const float xh = float(xf[i] * rstd[i / d]), gam = gf[i % d];
+    const double round_first = emu_test::from_half(emu_test::to_half<T>(float(emu_test::from_half(emu_test::to_half<T>(xh))) * gam));
+    const double round_once = emu_test::from_half(emu_test::to_half<T>(xh * gam));
+    same_own += gy[i] == (ROUND ? round_first : round_once);
+    same_other += gy[i] == (ROUND ? round_once : round_first);
+  }
+  const double half_bound = std::is_same_v<T, __half> ? 2e-3 : 1e-2;
+  const std::string at = std::string("rms infer ") + (ROUND ? "llama " : "olmo2 ") + dtype + " " + std::to_string(n) + "×" + std::to_string(d);
+  bool ok = emu_test::verdict("y " + at, emu_test::rel_err(gy, want.y), emu_test::rel_err(bad.y, want.y), half_bound);
+  ok &= emu_test::verdict("y's bits unlike the rounding's " + at, 1.0 - double(same_own) / y.size(), 1.0 - double(same_other) / y.size(), 1e-2);
+  return ok;
+}
+
 bool all_cases() {
   bool ok = check<__nv_bfloat16>(300, 200, "bf16", 11);  // 3 chunks of rows, 4 at a time, the last 44 rows
   ok &= check<__nv_bfloat16>(5, 1024, "bf16", 12);       // rows longer than a block: 4 columns a thread, 2 rows at a time
@@ -106,6 +147,12 @@ bool all_cases() {
   ok &= check<__nv_bfloat16, true>(300, 576, "bf16", 17);
   ok &= check<__half, true>(9, 96, "fp16", 18);
   ok &= check<__nv_bfloat16, true>(3, 2048, "bf16", 19);
+  // A half model's RMSNorm (decode): one row, rows of a prefill, each family's rounding.
+  ok &= check_infer<__nv_bfloat16, true>(1, 576, "bf16", 20);
+  ok &= check_infer<__nv_bfloat16, false>(1, 576, "bf16", 21);
+  ok &= check_infer<__nv_bfloat16, true>(200, 2048, "bf16", 22);
+  ok &= check_infer<__half, false>(130, 96, "fp16", 23);
+  ok &= check_infer<__half, true>(5, 960, "fp16", 24);
   return ok;
 }
 
