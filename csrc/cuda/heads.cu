@@ -43,8 +43,15 @@ struct SplitRotateCuda : public torch::autograd::Function<SplitRotateCuda> {
     const int64_t B = x.size(0), T = x.size(1), hd = x.size(2) / (heads * n);
     TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.sizes() == sin.sizes() && 2 * cos.size(1) <= hd, "split_rotate (CUDA): cos / sin [T, r/2] with r ≤ hd");
     c10::cuda::CUDAGuard guard(x.device());
-    Tensor xc = x.contiguous(), c = cos.to(x.device(), at::kFloat).contiguous(), s = sin.to(x.device(), at::kFloat).contiguous();
-    HeadsParams p{B * T * heads, (int)T, (int)heads, (int)n, (int)rotated, (int)hd, (int)cos.size(1), c.data_ptr<float>(), s.data_ptr<float>(), {}};
+    // The tables are read in place where their columns are contiguous and both rows are equally
+    // far apart (a narrowed view of Llama's [T, hd] tables), else copied.
+    Tensor c = cos.to(x.device(), at::kFloat), s = sin.to(x.device(), at::kFloat);
+    if (c.stride(1) != 1 || s.stride(1) != 1 || c.stride(0) != s.stride(0) || c.stride(0) < c.size(1)) {
+      c = c.contiguous();
+      s = s.contiguous();
+    }
+    Tensor xc = x.contiguous();
+    HeadsParams p{B * T * heads, (int)T, (int)heads, (int)n, (int)rotated, (int)hd, (int)cos.size(1), c.stride(0), c.data_ptr<float>(), s.data_ptr<float>(), {}};
     std::vector<Tensor> outs;
     for (int64_t i = 0; i < n; ++i) outs.push_back(at::empty({B, T, heads, hd}, x.options()));
     dispatch(x.scalar_type(), [&](auto tag) { launch<decltype(tag)>(p, xc, outs, 1.f); });
@@ -69,7 +76,7 @@ struct SplitRotateCuda : public torch::autograd::Function<SplitRotateCuda> {
     }
     c10::cuda::CUDAGuard guard(like.device());
     const int64_t B = shape[0], T = shape[1], hd = shape[2] / (heads * n);
-    HeadsParams p{B * T * heads, (int)T, (int)heads, (int)n, (int)rotated, (int)hd, (int)c.size(1), c.data_ptr<float>(), s.data_ptr<float>(), {}};
+    HeadsParams p{B * T * heads, (int)T, (int)heads, (int)n, (int)rotated, (int)hd, (int)c.size(1), c.stride(0), c.data_ptr<float>(), s.data_ptr<float>(), {}};
     Tensor dx = at::empty(shape, like.options());
     dispatch(like.scalar_type(), [&](auto tag) { launch<decltype(tag)>(p, dx, g, -1.f); });
     return {dx, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};

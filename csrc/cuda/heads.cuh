@@ -2,7 +2,8 @@
 // of 430 ms, is csrc/heads.cpp's five strided aten kernels per rotated piece). A fused projection x
 // [B, T, H·n·hd], head-major (per head, n slices of hd), is split into n pieces [B, T, H, hd], the
 // first `rotated` turned by RoPE over their first 2·half dims (half-split pairs (d, d + half), angle
-// tables cos / sin [T, half] in fp32):
+// tables cos / sin [T, half] in fp32, rows `table_stride` floats apart: Llama's [T, hd] tables,
+// whose first half columns are these, are read in place):
 //   out_i[d] = x_i[d]·c − x_i[d+half]·s,  out_i[d+half] = x_i[d+half]·c + x_i[d]·s  (d < half),
 //   out_i[d] = x_i[d]  (d ≥ 2·half, or a piece not rotated).
 // The backward writes dx once: the inverse rotation (s → −s) of each piece's gradient, or a copy,
@@ -24,7 +25,8 @@ constexpr int kMaxPieces = 16;
 struct HeadsParams {
   int64_t rows;  // B·T·H
   int T, H, n, rotated, hd, half;
-  const float* cos;  // [T, half] contiguous
+  int64_t table_stride;  // floats between rows of cos / sin (≥ half)
+  const float* cos;  // [T, half], columns contiguous
   const float* sin;
   // The pieces [rows, hd] contiguous, by value (graph-safe): written by the forward, read by the
   // backward (null: a piece without a gradient, read as zeros).
@@ -58,7 +60,7 @@ __global__ void __launch_bounds__(kHeadsThreads) heads_rotate(HeadsParams p, T* 
     const float xa = in ? to_f(in[a]) : 0.f, xb = in && pair ? to_f(in[b]) : 0.f;
     if (pair && piece < p.rotated) {
       const int t = (int)((row / p.H) % p.T);
-      const float c = p.cos[(int64_t)t * p.half + d], s = sign * p.sin[(int64_t)t * p.half + d];
+      const float c = p.cos[(int64_t)t * p.table_stride + d], s = sign * p.sin[(int64_t)t * p.table_stride + d];
       out[a] = from_f<T>(xa * c - xb * s);
       out[b] = from_f<T>(xb * c + xa * s);
     } else {
@@ -96,8 +98,8 @@ __global__ void __launch_bounds__(kHeadsThreads) heads_rotate8(HeadsParams p, T*
     Pack8 b{};
     if (in) b = *reinterpret_cast<const Pack8*>(in + 8 * (c + hc));
     const uint32_t t = (row / p.H) % p.T;
-    const float* cs = p.cos + (size_t)t * p.half + 8 * c;
-    const float* sn = p.sin + (size_t)t * p.half + 8 * c;
+    const float* cs = p.cos + (size_t)t * p.table_stride + 8 * c;
+    const float* sn = p.sin + (size_t)t * p.table_stride + 8 * c;
     Pack8 oa{}, ob{};
 #pragma unroll
     for (int e = 0; e < 8; ++e) {

@@ -204,7 +204,7 @@ pub fn loss_head_check(n: i64, v: i64, device: Device, kind: Kind, planted: bool
 fn split_rotate_explicit(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Tensor, sin: &Tensor) -> Vec<Tensor> {
     let (b, t, hd) = (x.size()[0], x.size()[1], x.size()[2] / (heads * n));
     let half = cos.size()[1];
-    let (c, s) = (cos.to_kind(x.kind()).view([1, t, 1, half]), sin.to_kind(x.kind()).view([1, t, 1, half]));
+    let (c, s) = (cos.to_kind(x.kind()).reshape([1, t, 1, half]), sin.to_kind(x.kind()).reshape([1, t, 1, half]));
     let xv = x.view([b, t, heads, n, hd]);
     (0..n)
         .map(|i| {
@@ -224,13 +224,22 @@ fn split_rotate_explicit(x: &Tensor, heads: i64, n: i64, rotated: i64, cos: &Ten
 
 /// GPT-NeoX's heads op (`kernels::split_rotate`: the device kernel where the library is loaded) in
 /// the gate: q / k / v pieces of a `[B, T, H·3·hd]` projection with RoPE on q and k (rotary dims
-/// `rot` of `hd`), and the projection's gradient, against the explicit form in fp64 on CPU.
-pub fn heads_op_check(b: i64, t: i64, heads: i64, hd: i64, rot: i64, device: Device, kind: Kind) -> CheckRow {
+/// `rot` of `hd`), and the projection's gradient, against the explicit form in fp64 on CPU. `llama`:
+/// the op as Llama's q or k take it (`llama::rotated_heads`): one piece `[B, T, H·hd]` turned over
+/// `rot` dims, the angle tables read in place from the first half of `[T, 2·(rot/2)]` ones.
+pub fn heads_op_check(b: i64, t: i64, heads: i64, hd: i64, rot: i64, llama: bool, device: Device, kind: Kind) -> CheckRow {
     tch::manual_seed(b + 7 * t);
     let rope = crate::model::rope::Rope { dims: rot, base: 10000.0 };
     let (cos, sin) = rope.tables(0, t, device);
-    let x = Tensor::randn([b, t, heads * 3 * hd], (kind, device));
-    let go: Vec<Tensor> = (0..3).map(|_| Tensor::randn([b, t, heads, hd], (kind, device))).collect();
+    let (n, rotated) = if llama { (1, 1) } else { (3, 2) };
+    let (cos, sin) = if llama {
+        let whole = |x: &Tensor| Tensor::cat(&[x, x], -1).narrow(-1, 0, x.size()[1]);
+        (whole(&cos), whole(&sin))
+    } else {
+        (cos, sin)
+    };
+    let x = Tensor::randn([b, t, heads * n * hd], (kind, device));
+    let go: Vec<Tensor> = (0..n).map(|_| Tensor::randn([b, t, heads, hd], (kind, device))).collect();
     let run = |f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Vec<Tensor>, x: &Tensor, dev: Device, k: Kind| {
         let x = x.to_device(dev).to_kind(k).set_requires_grad(true);
         let parts = f(&x, &cos.to_device(dev), &sin.to_device(dev));
@@ -239,14 +248,14 @@ pub fn heads_op_check(b: i64, t: i64, heads: i64, hd: i64, rot: i64, device: Dev
         let out = Tensor::cat(&parts.iter().map(|p| p.detach().to_kind(Kind::Double).to_device(Device::Cpu)).collect::<Vec<_>>(), 3);
         (out, dx)
     };
-    let fast = |x: &Tensor, c: &Tensor, s: &Tensor| crate::kernels::split_rotate(x, heads, 3, 2, c, s).expect("split_rotate");
-    let explicit = |x: &Tensor, c: &Tensor, s: &Tensor| split_rotate_explicit(x, heads, 3, 2, c, s);
+    let fast = |x: &Tensor, c: &Tensor, s: &Tensor| crate::kernels::split_rotate(x, heads, n, rotated, c, s).expect("split_rotate");
+    let explicit = |x: &Tensor, c: &Tensor, s: &Tensor| split_rotate_explicit(x, heads, n, rotated, c, s);
     let (o, dx) = run(&fast, &x, device, kind);
     let (ob, dxb) = run(&explicit, &x, device, kind);
     let (oe, dxe) = run(&explicit, &x, Device::Cpu, Kind::Double);
     let scale = oe.abs().max().double_value(&[]);
     let tensors = vec![compare("qkv", &o, &ob, &oe, kind, t, scale), compare("dx", &dx, &dxb, &dxe, kind, t, scale)];
-    let name = "heads-op";
+    let name = if llama { "rope-heads" } else { "heads-op" };
     CheckRow::new(name, &[b, t, heads, hd, rot], None, kind, tensors, false)
 }
 
@@ -738,20 +747,22 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
     // The aten form (csrc/heads.cpp), which CUDA takes with ATTNLAB_HEADS_KERNEL=0.
     with_env(&[("ATTNLAB_HEADS_KERNEL", "0")], || {
         for rot in [hd / 4, hd] {
-            note(heads_op_check(b, tt, s.heads as i64, hd, rot, device, kind));
+            note(heads_op_check(b, tt, s.heads as i64, hd, rot, false, device, kind));
         }
+        note(heads_op_check(b, tt, s.heads as i64, hd, hd, true, device, kind));
     });
     if device.is_cuda() {
         // The same op by csrc/cuda/heads.cu's kernels (ATTNLAB_HEADS_KERNEL=1; the default): a quarter and all of the dims rotated (16-byte chunks,
         // `heads_rotate8`), and 4 (a rotated half of 2: the one-element kernel).
         let heads = crate::kernels::cuda::heads_kernel_available();
         with_env(&[("ATTNLAB_HEADS_KERNEL", "1")], || {
-            for rot in [hd / 4, hd, 4] {
+            // Llama's q / k (`rope-heads`): one piece, every dim, the tables read in place.
+            for (rot, llama) in [(hd / 4, false), (hd, false), (4, false), (hd, true)] {
                 if !heads {
                     note(failed_row("heads-op-kernel", "the heads kernels are not in the CUDA kernel library (make gpu-kernels)", false));
                     continue;
                 }
-                let mut row = heads_op_check(b, tt, s.heads as i64, hd, rot, device, kind);
+                let mut row = heads_op_check(b, tt, s.heads as i64, hd, rot, llama, device, kind);
                 row.implementation += "-kernel";
                 note(row);
             }

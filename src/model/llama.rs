@@ -417,7 +417,24 @@ impl Llama {
             Some((_, kn)) => rms_norm(&k, kn, self.cfg.rms_norm_eps, Family::Olmo2),
             None => k,
         };
-        apply_rope(&self.heads(&k, self.cfg.num_key_value_heads), cos, sin)
+        self.rotated_heads(&k, self.cfg.num_key_value_heads, cos, sin)
+    }
+
+    /// [`Llama::heads`] of a projection output `x` `[B, T, n·hd]` turned by RoPE (`cos`, `sin`
+    /// `[T, hd]`): on CUDA in half precision by the heads kernel (`kernels::split_rotate` with one
+    /// piece, every dim rotated, the tables' first halves read in place; one kernel each way where
+    /// aten runs seven, and fp32 angles where aten rounds them to the half dtype first), else aten's
+    /// [`apply_rope`] (per-row tables of packed documents too).
+    fn rotated_heads(&self, x: &Tensor, n: usize, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let hd = self.cfg.head_dim() as i64;
+        if cos.dim() == 2 && x.dim() == 3 && cos.size()[0] == x.size()[1] {
+            let half = |t: &Tensor| t.narrow(-1, 0, hd / 2);
+            if let Some(r) = crate::kernels::cuda::split_rotate(x, n as i64, 1, 1, &half(cos), &half(sin)) {
+                let mut pieces = r.unwrap_or_else(|e| panic!("RoPE kernel failed: {e}"));
+                return pieces.swap_remove(0).transpose(1, 2);
+            }
+        }
+        apply_rope(&self.heads(x, n), cos, sin)
     }
 
     /// x Wᵀ of an attention projection in `pass` (the teacher's pass reads the base weight alone).
@@ -435,7 +452,7 @@ impl Llama {
             Some((qn, _)) => rms_norm(&q, qn, self.cfg.rms_norm_eps, Family::Olmo2),
             None => q,
         };
-        let q = apply_rope(&self.heads(&q, self.cfg.num_attention_heads), cos, sin);
+        let q = self.rotated_heads(&q, self.cfg.num_attention_heads, cos, sin);
         let k = self.keys(b, Self::project(&b.k_proj, a, pass), cos, sin);
         (q, k, self.heads(&Self::project(&b.v_proj, a, pass), self.cfg.num_key_value_heads))
     }
