@@ -1,6 +1,5 @@
 // Launch of the STILL / LoLCATs decode mix (csrc/cuda/hybrid_step.cuh says what it computes). Taken
-// by `Hybrid::step_at` with ATTNLAB_HYBRID_KERNEL=1 (src/kernels/cuda.rs) until
-// `scripts/gpu_bench.sh check hybrid` shows it faster than aten's mix.
+// by `Hybrid::step_at` unless ATTNLAB_HYBRID_KERNEL=0 (src/kernels/cuda.rs).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -89,7 +88,8 @@ extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64
     p.linear = linear, p.compensate = compensate;
     at::Tensor y = at::empty({B, H, 1, D}, q.options());
     p.y = y.data_ptr();
-    const size_t smem = mix_smem_floats(D, F, chunk, cap) * sizeof(float);
+    p.vec = mix_vec_fits(p);
+    const size_t smem = mix_smem_floats(D, F, chunk, cap, p.vec) * sizeof(float);
     TORCH_CHECK(smem <= 200 * 1024, "hybrid_mix: ", smem, " bytes of shared memory");
     auto stream = c10::cuda::getCurrentCUDAStream();
     auto launch = [&](auto kernel) {

@@ -59,7 +59,21 @@ struct MixParams {
   float* score;
   int64_t sc_sb, sc_sh;
   int score_kind;
+  // Keys and values read 8 dims (16 bytes) at a time (`mix_vec_fits`): a key's logit in 8 loads in
+  // flight instead of 8 rounds of 8, and the weighted sums (and φ(q)·S) by kMixThreads / (D / 8)
+  // groups of slots (features), 8 dims a thread.
+  int vec;
 };
+
+// Whether the 16-byte path takes these buffers: D a multiple of 8 (and D / 8 ≤ the block), every row
+// of the keys and values 16-byte aligned. Host code: the launches set `vec` by it.
+inline bool mix_vec_fits(const MixParams& p) {
+  auto aligned = [](const void* x) { return reinterpret_cast<uintptr_t>(x) % 16 == 0; };
+  bool ok = p.D % 8 == 0 && p.D / 8 <= kMixThreads && aligned(p.wk) && aligned(p.wv);
+  ok = ok && p.w_ss % 8 == 0 && p.w_sh % 8 == 0 && p.w_sb % 8 == 0;
+  if (p.cap) ok = ok && aligned(p.sk) && aligned(p.sv) && p.s_ss % 8 == 0 && p.s_sh % 8 == 0 && p.s_sb % 8 == 0;
+  return ok;
+}
 
 // Routing scores the kernel computes (routing.rs, `Scorer::scores`, still.md §4), over the new token's
 // C most recent keys W = positions max(0, pos − C + 1) .. pos, a the softmax of its logits over W and
@@ -176,7 +190,16 @@ __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
       k = static_cast<const T*>(p.sk) + b * p.s_sb + h * p.s_sh + (int64_t)(i - W2) * p.s_ss;
     }
     float s = -INFINITY;
-    if (vis) {
+    if (vis && p.vec) {
+      s = 0.f;
+      const Pack8* kp = reinterpret_cast<const Pack8*>(k);
+#pragma unroll 8
+      for (int c = 0; c < p.D / 8; ++c) {
+        const Pack8 pk = kp[c];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s += qs[8 * c + j] * pack_at<T>(pk, j);
+      }
+    } else if (vis) {
       s = 0.f;
 #pragma unroll 8
       for (int d = 0; d < p.D; ++d) s += qs[d] * to_f(k[d]);
@@ -206,11 +229,49 @@ __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
   const T* sv = p.cap ? static_cast<const T*>(p.sv) + b * p.s_sb + h * p.s_sh : nullptr;
   // Thread t < G·D: group t / D, dim t % D (with D wider than the block, G = 1 and a thread takes
   // every kMixThreads-th dim). A masked slot's weight is 0: its value is read (the buffers hold
-  // every slot) and not added, so stale memory cannot turn into NaN.
-  const int G = max(1, kMixThreads / p.D);
+  // every slot) and not added, so stale memory cannot turn into NaN. The 16-byte path: thread
+  // t < G·(D / 8) sums 8 dims (chunk t mod D/8) over every G-th slot and feature, G = kMixThreads / (D / 8).
+  const int G = p.vec ? kMixThreads / (p.D / 8) : max(1, kMixThreads / p.D);
   float* num_part = red + kMixThreads / 32;  // [G·D]
   float* lin_part = num_part + G * p.D;      // [G·D]
-  for (int t = threadIdx.x; t < G * p.D; t += kMixThreads) {
+  if (p.vec) {
+    const int chunks = p.D / 8;
+    for (int t = threadIdx.x; t < G * chunks; t += kMixThreads) {
+      const int g = t / chunks, c = t % chunks;
+      float num[8] = {}, lin[8] = {};
+#pragma unroll 4
+      for (int i = g; i < W2; i += G) {
+        const float x = e[i];
+        if (x == 0.f) continue;
+        const Pack8 pv = *reinterpret_cast<const Pack8*>(wv + (int64_t)i * p.w_ss + 8 * c);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) num[j] += x * pack_at<T>(pv, j);
+      }
+#pragma unroll 4
+      for (int i = W2 + g; i < n; i += G) {
+        const float x = e[i];
+        if (x == 0.f) continue;
+        const Pack8 pv = *reinterpret_cast<const Pack8*>(sv + (int64_t)(i - W2) * p.s_ss + 8 * c);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) num[j] += x * pack_at<T>(pv, j);
+      }
+      if (p.linear) {
+#pragma unroll 4
+        for (int f = g; f < p.F; f += G) {
+          const float ph = phi[f];
+          const float* row = S + (int64_t)f * p.D + 8 * c;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) lin[j] += ph * row[j];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        num_part[g * p.D + 8 * c + j] = num[j];
+        lin_part[g * p.D + 8 * c + j] = lin[j];
+      }
+    }
+  }
+  for (int t = threadIdx.x; !p.vec && t < G * p.D; t += kMixThreads) {
     const int g = t / p.D, d = t % p.D;
     float num = 0.f;
 #pragma unroll 4
@@ -243,10 +304,11 @@ __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
 }
 
 // Shared memory of one block: q, φ(q), the weights, the reduction's partials, then the groups' partial
-// numerators and linear terms (G·D each: at most max(kMixThreads, D)), where the raw q sits while φ(q)
-// is computed.
-__host__ __device__ inline int64_t mix_smem_floats(int D, int F, int C, int cap) {
-  const int64_t gd = (int64_t)(kMixThreads / D > 1 ? kMixThreads / D : 1) * D;  // ≥ D: room for the raw q first
+// numerators and linear terms (G·D each: at most max(kMixThreads, D), or 8·kMixThreads on the 16-byte
+// path), where the raw q sits while φ(q) is computed.
+__host__ __device__ inline int64_t mix_smem_floats(int D, int F, int C, int cap, bool vec) {
+  const int G = vec ? kMixThreads / (D / 8) : (kMixThreads / D > 1 ? kMixThreads / D : 1);
+  const int64_t gd = (int64_t)G * D;  // ≥ D: room for the raw q first
   return (int64_t)D + F + 2 * C + cap + kMixThreads / 32 + 2 * gd;
 }
 

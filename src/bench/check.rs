@@ -699,7 +699,9 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         // DAR's with the RoPE-absorbed loop too (ATTNLAB_STEP_ROPE=absorbed), and with the latents on
         // the tensor cores (ATTNLAB_STEP_MMA=1), written first and fresh.
         let cases = ["vanilla", "window", "dar", "uniform", "still-budget", "lolcats"].map(|n| (n, false));
-        with_env(&[("ATTNLAB_STEP_FRESH", "0")], || {
+        // The hybrids here through aten's mix (the kernel's rows follow), which CUDA takes with
+        // ATTNLAB_HYBRID_KERNEL=0.
+        with_env(&[("ATTNLAB_STEP_FRESH", "0"), ("ATTNLAB_HYBRID_KERNEL", "0")], || {
             for (name, planted) in cases.into_iter().chain([("vanilla", true)]) {
                 note(decode_row(name, planted, ""));
             }
@@ -713,7 +715,7 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         for (names, suffix, vars) in fresh {
             with_env(vars, || names.iter().for_each(|name| note(decode_row(name, false, suffix))));
         }
-        // The hybrids with their mixing kernel (csrc/cuda/hybrid_step.cu, ATTNLAB_HYBRID_KERNEL=1).
+        // The hybrids with their mixing kernel (csrc/cuda/hybrid_step.cu, the default; ATTNLAB_HYBRID_KERNEL=1).
         let hybrid = crate::kernels::cuda::hybrid_kernel_available();
         with_env(&[("ATTNLAB_HYBRID_KERNEL", "1")], || {
             for name in ["still-budget", "lolcats"] {

@@ -412,19 +412,15 @@ pub enum KernelScore {
 }
 
 /// Whether STILL / LoLCATs decode steps take csrc/cuda/hybrid_step.cu's mixing kernel for a query
-/// `q`: on CUDA in bf16 / fp16, the library holding it, and `ATTNLAB_HYBRID_KERNEL=1` (it passes
-/// `bench --check`, but on one H100 LoLCATs decoded at the aten mix's speed, 1.00–1.01×, and STILL
-/// 0.79–0.81× from 4K on, results/bench/2026-12-05-h100: that was before its threads split the slots
-/// and it took φ(q) and the routing score in; `scripts/gpu_bench.sh check hybrid` times it again).
+/// `q`: on CUDA in bf16 / fp16 and the library holding it, unless `ATTNLAB_HYBRID_KERNEL=0`. It
+/// passes `bench --check` and decodes STILL (budget) 2.5–2.8× and LoLCATs 1.7× faster than the
+/// aten mix at 1K–64K on one H100 (results/bench/2026-12-06h-h100, `scripts/gpu_bench.sh hybrid`).
 pub fn hybrid_mix_enabled(q: &Tensor) -> bool {
-    q.device().is_cuda()
-        && matches!(q.kind(), tch::Kind::BFloat16 | tch::Kind::Half)
-        && switch("ATTNLAB_HYBRID_KERNEL", false)
-        && hybrid_kernel_available()
+    q.device().is_cuda() && matches!(q.kind(), tch::Kind::BFloat16 | tch::Kind::Half) && switch("ATTNLAB_HYBRID_KERNEL", true) && hybrid_kernel_available()
 }
 
-/// Whether the library holds the hybrid mixing kernel ([`hybrid_mix`] takes it with
-/// `ATTNLAB_HYBRID_KERNEL=1`).
+/// Whether the library holds the hybrid mixing kernel ([`hybrid_mix`] takes it unless
+/// `ATTNLAB_HYBRID_KERNEL=0`).
 pub fn hybrid_kernel_available() -> bool {
     library().is_some_and(|l| l.hybrid_mix.is_some())
 }

@@ -178,11 +178,22 @@ bool check(const Case& k, unsigned seed) {
   p.sc_sh = W2;
   p.sc_sb = int64_t(k.H) * W2;
   p.score_kind = k.score;
-  emu::launch(hybrid_mix<Bf>, dim3(k.B * k.H), dim3(kMixThreads), mix_smem_floats(k.D, k.F, k.C, k.cap) * sizeof(float), p);
-  std::vector<double> got;
-  for (auto v : y) got.push_back(emu_test::from_half(v));
-  const auto want = reference(0);
-  bool ok = emu_test::verdict(k.name, emu_test::rel_err(got, want), emu_test::rel_err(reference(k.C), want), 1.6e-2);
+  // Both paths where the 16-byte one fits (it must, at D a multiple of 8: the buffers are packed),
+  // the scalar one alone elsewhere.
+  const bool fits = mix_vec_fits(p);
+  if (fits != (k.D % 8 == 0)) {
+    std::printf("  %s: mix_vec_fits says %d at D %d\n", k.name, int(fits), k.D);
+    return false;
+  }
+  const auto want = reference(0), planted = reference(k.C);
+  bool ok = true;
+  for (int vec = fits; vec >= 0; --vec) {
+    p.vec = vec;
+    emu::launch(hybrid_mix<Bf>, dim3(k.B * k.H), dim3(kMixThreads), mix_smem_floats(k.D, k.F, k.C, k.cap, vec) * sizeof(float), p);
+    std::vector<double> got;
+    for (auto v : y) got.push_back(emu_test::from_half(v));
+    ok &= emu_test::verdict(std::string(k.name) + (vec ? ", 16-byte loads" : ""), emu_test::rel_err(got, want), emu_test::rel_err(planted, want), 1.6e-2);
+  }
   if (k.score) {
     std::vector<double> got_score, want_score, planted_score;
     bool others_kept = true;
@@ -226,6 +237,10 @@ bool all_cases() {
       {"φ(q) with F/2 = 320", 1, 2, 8, 4, 64, 640, 30, 4, false, false, true, true, kScoreNone, 2},
       // The softmax alone (no linear branch).
       {"softmax only", 1, 2, 8, 8, 32, 16, 40, 8, true, false, false, false, kScoreSelfLogit, 0},
+      // D 20: no 16-byte rows, the scalar path alone.
+      {"STILL, D 20", 1, 3, 8, 6, 20, 40, 37, 6, false, true, true, true, kScoreSelfSaliency, 0},
+      // STILL's decode shape (C 64, 384 Sel slots, D 64, F 128): 32 groups of 8 slots' chunks.
+      {"STILL, budget shape", 1, 2, 64, 384, 64, 128, 3000, 300, false, true, true, true, kScoreSelfSaliency, 2},
   };
   bool ok = true;
   unsigned seed = 51;
