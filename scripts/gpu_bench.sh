@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/data/ for ruler (make gpu-data), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|decode|graphs|absorb|fused|ruler|prefill|pprofile|peers|peers410|profile|dprofile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|hybridvec|decode|graphs|absorb|fused|ruler|prefill|pprofile|peers|peers410|profile|dprofile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -98,6 +98,16 @@ for what in "${@:-all}"; do
         for hk in 0 1; do
           ATTNLAB_HYBRID_KERNEL=$hk run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${GRAPH_LENGTHS:-1024,4096,16384,65536} \
             --attention vanilla,still-budget,lolcats --new-tokens 64 | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/; s/^{/{\"hybrid_kernel\":$hk,/" >> "$OUT/decode_hybrid.jsonl"
+        done
+      done ;;
+    hybridvec)
+      # Issue 34: the mixing kernel's 16-byte loads (ATTNLAB_HYBRID_VEC=1, the default where the rows
+      # are aligned) against its scalar ones (0), interleaved, HYBRID_REPEATS (2) rounds, beside vanilla
+      # (decode_hybrid_vec.jsonl, rows tagged "vec"). Run `check` first.
+      for ((r = 0; r < ${HYBRID_REPEATS:-2}; r++)); do
+        for v in 0 1; do
+          ATTNLAB_HYBRID_VEC=$v run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${GRAPH_LENGTHS:-1024,4096,16384,65536} \
+            --attention vanilla,still-budget,lolcats --new-tokens 64 | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/; s/^{/{\"vec\":$v,/" >> "$OUT/decode_hybrid_vec.jsonl"
         done
       done ;;
     decode|all)

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cstdlib>
 #include <cstring>
 #include "hybrid_step.cuh"
 
@@ -88,7 +89,9 @@ extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64
     p.linear = linear, p.compensate = compensate;
     at::Tensor y = at::empty({B, H, 1, D}, q.options());
     p.y = y.data_ptr();
-    p.vec = mix_vec_fits(p);
+    // ATTNLAB_HYBRID_VEC=0 keeps the scalar loads (to time the two side by side).
+    const char* vec_switch = std::getenv("ATTNLAB_HYBRID_VEC");
+    p.vec = mix_vec_fits(p) && !(vec_switch && std::strcmp(vec_switch, "0") == 0);
     const size_t smem = mix_smem_floats(D, F, chunk, cap, p.vec) * sizeof(float);
     TORCH_CHECK(smem <= 200 * 1024, "hybrid_mix: ", smem, " bytes of shared memory");
     auto stream = c10::cuda::getCurrentCUDAStream();
