@@ -20,6 +20,17 @@ A=.gpu/attnlab
 export ATTNLAB_FUSED_STEP=${ATTNLAB_FUSED_STEP:-1}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 run() { echo "+ $*" | tee -a "$OUT/log.txt"; "$@" 2>&1 | tee -a "$OUT/log.txt"; }
+# decode_ab VAR TAG FILE: vanilla, STILL (budget) and LoLCATs decode with switch VAR at 0 and at 1,
+# interleaved, HYBRID_REPEATS (2) rounds, rows tagged TAG (0 / 1) appended to $OUT/FILE.
+decode_ab() {
+  local var=$1 tag=$2 file=$3
+  for ((r = 0; r < ${HYBRID_REPEATS:-2}; r++)); do
+    for v in 0 1; do
+      (export "$var=$v"; run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${GRAPH_LENGTHS:-1024,4096,16384,65536} \
+        --attention vanilla,still-budget,lolcats --new-tokens 64) | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/; s/^{/{\"$tag\":$v,/" >> "$OUT/$file"
+    done
+  done
+}
 for what in "${@:-all}"; do
   case $what in
     check|all)
@@ -91,25 +102,14 @@ for what in "${@:-all}"; do
         --set train.batch_size=64 --set "attention={kind: dar, d_down: 128, window: 128, impl: split-merge-band}" \
         && $PY scripts/profile_table.py "$P" > "$OUT/profile_band.md" ;;
     hybrid)
-      # Issue 34: STILL (budget) and LoLCATs decode with the mixing kernel (csrc/cuda/hybrid_step.cu,
-      # ATTNLAB_HYBRID_KERNEL=1) against the aten mix, interleaved, HYBRID_REPEATS (2) rounds, beside
-      # vanilla (decode_hybrid.jsonl, rows tagged "hybrid_kernel"). Run `check` first.
-      for ((r = 0; r < ${HYBRID_REPEATS:-2}; r++)); do
-        for hk in 0 1; do
-          ATTNLAB_HYBRID_KERNEL=$hk run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${GRAPH_LENGTHS:-1024,4096,16384,65536} \
-            --attention vanilla,still-budget,lolcats --new-tokens 64 | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/; s/^{/{\"hybrid_kernel\":$hk,/" >> "$OUT/decode_hybrid.jsonl"
-        done
-      done ;;
+      # Issue 34: STILL (budget) and LoLCATs decode with the mixing kernel (csrc/cuda/hybrid_step.cu, the
+      # default) against the aten mix (ATTNLAB_HYBRID_KERNEL=0) (decode_hybrid.jsonl, rows tagged
+      # "hybrid_kernel"). Run `check` first.
+      decode_ab ATTNLAB_HYBRID_KERNEL hybrid_kernel decode_hybrid.jsonl ;;
     hybridvec)
-      # Issue 34: the mixing kernel's 16-byte loads (ATTNLAB_HYBRID_VEC=1, the default where the rows
-      # are aligned) against its scalar ones (0), interleaved, HYBRID_REPEATS (2) rounds, beside vanilla
-      # (decode_hybrid_vec.jsonl, rows tagged "vec"). Run `check` first.
-      for ((r = 0; r < ${HYBRID_REPEATS:-2}; r++)); do
-        for v in 0 1; do
-          ATTNLAB_HYBRID_VEC=$v run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${GRAPH_LENGTHS:-1024,4096,16384,65536} \
-            --attention vanilla,still-budget,lolcats --new-tokens 64 | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/; s/^{/{\"vec\":$v,/" >> "$OUT/decode_hybrid_vec.jsonl"
-        done
-      done ;;
+      # Issue 34: the mixing kernel's 16-byte loads (the default where the rows are aligned) against its
+      # scalar ones (ATTNLAB_HYBRID_VEC=0) (decode_hybrid_vec.jsonl, rows tagged "vec"). Run `check` first.
+      decode_ab ATTNLAB_HYBRID_VEC vec decode_hybrid_vec.jsonl ;;
     decode|all)
       # Issue 29: KV-cache memory, prefill time and decode speed at Pythia-70M size beside Hugging Face
       # GPT-NeoX of the same shape (.gpu/bench/hf_decode.py: eager, and static cache + torch.compile up
