@@ -871,8 +871,9 @@ mod tests {
         let mut lines = Vec::new();
         let r = bench_command(&spec, BenchMode::Check, false, |l| lines.push(l));
         // 2 shapes × (8 windows × 2 CPU implementations (SDPA, band-split) + 2 planted) + 2 loss-head
-        // rows + 2 heads rows.
-        assert_eq!(lines.len(), 40, "{lines:?}");
+        // rows + 2 heads rows + Llama's RoPE heads (`rope-heads`).
+        assert_eq!(lines.len(), 41, "{lines:?}");
+        assert!(lines.iter().any(|l| l.starts_with("rope-heads") && l.ends_with("  ok")), "{lines:?}");
         let failed = lines.iter().filter(|l| l.contains("FAIL")).count();
         assert_eq!(failed, 0, "{lines:?}");
         assert_eq!(lines.iter().filter(|l| l.ends_with("planted: fails as it must)")).count(), 5, "{lines:?}");
