@@ -89,9 +89,10 @@ extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64
     p.linear = linear, p.compensate = compensate;
     at::Tensor y = at::empty({B, H, 1, D}, q.options());
     p.y = y.data_ptr();
-    // ATTNLAB_HYBRID_VEC=0 keeps the scalar loads (to time the two side by side).
+    // The 16-byte loads with ATTNLAB_HYBRID_VEC=1 only, until the gate has seen them on a GPU and
+    // `scripts/gpu_bench.sh hybridvec` has timed them against the scalar ones.
     const char* vec_switch = std::getenv("ATTNLAB_HYBRID_VEC");
-    p.vec = mix_vec_fits(p) && !(vec_switch && std::strcmp(vec_switch, "0") == 0);
+    p.vec = mix_vec_fits(p) && vec_switch && std::strcmp(vec_switch, "1") == 0;
     const size_t smem = mix_smem_floats(D, F, chunk, cap, p.vec) * sizeof(float);
     TORCH_CHECK(smem <= 200 * 1024, "hybrid_mix: ", smem, " bytes of shared memory");
     auto stream = c10::cuda::getCurrentCUDAStream();

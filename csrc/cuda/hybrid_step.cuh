@@ -59,9 +59,9 @@ struct MixParams {
   float* score;
   int64_t sc_sb, sc_sh;
   int score_kind;
-  // Keys and values read 8 dims (16 bytes) at a time (`mix_vec_fits`): a key's logit in 8 loads in
-  // flight instead of 8 rounds of 8, and the weighted sums (and φ(q)·S) by kMixThreads / (D / 8)
-  // groups of slots (features), 8 dims a thread.
+  // Keys and values read 8 dims (16 bytes) at a time (`mix_vec_fits`; ATTNLAB_HYBRID_VEC=1 until
+  // timed on a GPU): a key's logit in 8 loads in flight instead of 8 rounds of 8, and the weighted sums
+  // (and φ(q)·S) by kMixThreads / (D / 8) groups of slots (features), 8 dims a thread.
   int vec;
 };
 

@@ -717,11 +717,14 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         }
         // The hybrids with their mixing kernel (csrc/cuda/hybrid_step.cu, the default; ATTNLAB_HYBRID_KERNEL=1).
         let hybrid = crate::kernels::cuda::hybrid_kernel_available();
-        with_env(&[("ATTNLAB_HYBRID_KERNEL", "1")], || {
-            for name in ["still-budget", "lolcats"] {
-                note(if hybrid { decode_row(name, false, "-hybrid-kernel") } else { failed_row(&format!("decode-{name}-hybrid-kernel"), "the hybrid mixing kernel is not in the CUDA kernel library (make gpu-kernels)", false) });
-            }
-        });
+        // Each with its scalar loads and with its 16-byte ones (ATTNLAB_HYBRID_VEC=1, `-hybrid-vec`).
+        for (vec, suffix) in [("0", "-hybrid-kernel"), ("1", "-hybrid-vec")] {
+            with_env(&[("ATTNLAB_HYBRID_KERNEL", "1"), ("ATTNLAB_HYBRID_VEC", vec)], || {
+                for name in ["still-budget", "lolcats"] {
+                    note(if hybrid { decode_row(name, false, suffix) } else { failed_row(&format!("decode-{name}{suffix}"), "the hybrid mixing kernel is not in the CUDA kernel library (make gpu-kernels)", false) });
+                }
+            });
+        }
     }
     if device.is_cuda() {
         // At the Pythia-70M width the kernels hold 2, 3 and 10 columns a thread (templates 2, 4, 16).
