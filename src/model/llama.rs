@@ -427,7 +427,7 @@ impl Llama {
     /// [`apply_rope`] (per-row tables of packed documents too).
     fn rotated_heads(&self, x: &Tensor, n: usize, cos: &Tensor, sin: &Tensor) -> Tensor {
         let hd = self.cfg.head_dim() as i64;
-        if cos.dim() == 2 && x.dim() == 3 && cos.size()[0] == x.size()[1] {
+        if cos.dim() == 2 && x.dim() == 3 && cos.size() == [x.size()[1], hd] {
             let half = |t: &Tensor| t.narrow(-1, 0, hd / 2);
             if let Some(r) = crate::kernels::cuda::split_rotate(x, n as i64, 1, 1, &half(cos), &half(sin)) {
                 let mut pieces = r.unwrap_or_else(|e| panic!("RoPE kernel failed: {e}"));
