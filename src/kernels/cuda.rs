@@ -160,6 +160,18 @@ fn new_tensor(call: impl FnOnce(*mut *mut C_tensor) -> *mut libc::c_char) -> Res
     Ok(unsafe { Tensor::from_ptr(out) })
 }
 
+/// [`new_tensor`] for an entry point that leaves its output null where it does not apply (the
+/// norms outside their dtypes or widths): None then, the caller's aten form applying.
+fn new_tensor_if_applies(call: impl FnOnce(*mut *mut C_tensor) -> *mut libc::c_char) -> Option<Result<Tensor>> {
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    match check(call(&mut out)) {
+        Err(e) => Some(Err(e)),
+        Ok(()) if out.is_null() => None,
+        // SAFETY: on success with a non-null `out` the library has written a new tensor we now own.
+        Ok(()) => Some(Ok(unsafe { Tensor::from_ptr(out) })),
+    }
+}
+
 /// The full-width keys / values a fused decode step reads: `[B, H_kv, W, hd]` views of a cache's
 /// buffers, slot j holding position j (`keep` 0) or a ring of `keep` slots.
 pub struct FullWidth<'a> {
@@ -303,16 +315,8 @@ pub fn layer_norm_half(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> 
         return None;
     }
     let f = library()?.layer_norm_half?;
-    let p = handle;
-    let mut out: *mut C_tensor = std::ptr::null_mut();
-    // SAFETY: valid tensor handles read during the call; on success the shim hands over a new
-    // tensor we then own, or leaves `out` null when it does not apply.
-    let r = check(unsafe { f(p(x), p(weight), p(bias), eps, &mut out) });
-    match r {
-        Err(e) => Some(Err(e)),
-        Ok(()) if out.is_null() => None,
-        Ok(()) => Some(Ok(unsafe { Tensor::from_ptr(out) })),
-    }
+    // SAFETY: valid tensor handles read during the call.
+    new_tensor_if_applies(|out| unsafe { f(handle(x), handle(weight), handle(bias), eps, out) })
 }
 
 /// RMSNorm (Llama's, OLMo 2's: x·rsqrt(mean(x²) + eps)·γ) of the fp32 residual stream `x` `[.., d]`
@@ -327,14 +331,8 @@ pub fn rms_norm_half(x: &Tensor, weight: &Tensor, eps: f64) -> Option<Result<Ten
         return None;
     }
     let f = library()?.rms_norm_half?;
-    let mut out: *mut C_tensor = std::ptr::null_mut();
-    // SAFETY: as layer_norm_half.
-    let r = check(unsafe { f(handle(x), handle(weight), eps, &mut out) });
-    match r {
-        Err(e) => Some(Err(e)),
-        Ok(()) if out.is_null() => None,
-        Ok(()) => Some(Ok(unsafe { Tensor::from_ptr(out) })),
-    }
+    // SAFETY: valid tensor handles read during the call.
+    new_tensor_if_applies(|out| unsafe { f(handle(x), handle(weight), eps, out) })
 }
 
 /// RMSNorm of a half model's `x` (bf16 / fp16 `[.., d]` on CUDA) with a `weight` of the same dtype,
@@ -348,14 +346,8 @@ pub fn rms_norm_infer(x: &Tensor, weight: &Tensor, eps: f64, round_first: bool) 
         return None;
     }
     let f = library()?.rms_norm_infer?;
-    let mut out: *mut C_tensor = std::ptr::null_mut();
-    // SAFETY: as layer_norm_half.
-    let r = check(unsafe { f(handle(x), handle(weight), eps, round_first as i64, &mut out) });
-    match r {
-        Err(e) => Some(Err(e)),
-        Ok(()) if out.is_null() => None,
-        Ok(()) => Some(Ok(unsafe { Tensor::from_ptr(out) })),
-    }
+    // SAFETY: valid tensor handles read during the call.
+    new_tensor_if_applies(|out| unsafe { f(handle(x), handle(weight), eps, round_first as i64, out) })
 }
 
 /// GPT-NeoX's heads op (`kernels::split_rotate`'s contract) by one CUDA kernel each way
