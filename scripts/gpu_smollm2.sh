@@ -12,8 +12,8 @@
 #   call 1 (carry .smol/part-00): mkdir -p /tmp/smol && cp .smol/part-00 /tmp/smol/
 #   call 2 (carry .smol/part-01): cp .smol/part-01 /tmp/smol/
 #   call 3 (carry .gpu):          OUT=$OUT BUDGET=480 bash scripts/gpu_smollm2.sh [STEP]...
-# Steps (default, in this order): still still-ruler routing lolcats lolcats-ruler; kappa (the κ
-# curve at evaluation time) by name. DAR fine-tuning
+# Steps (default, in this order): still still-ruler routing lolcats lolcats-ruler; by name: kappa
+# (the κ curve at evaluation time), still-babilong, lolcats-babilong (qa1 / qa2 at 1K). DAR fine-tuning
 # (issue 37 item 5), by name: ft-d576 ft-d288 ft-d144 ft-d72 ft-vanilla, then ft-ruler. The teacher's
 # (teacher-ruler teacher-babilong teacher-ppl) are committed in results/smollm2/teacher/ and run
 # only when named. .gpu/ holds the lean binary (make gpu-bin) and .gpu/data/ (make gpu-data):
@@ -63,6 +63,14 @@ niah() { # NAME RUN LENGTHS SAMPLES [extra...]
     --max-new-tokens 16 --essay $ESSAY "$@"
 }
 
+babilong() { # NAME MODEL [extra...]: BABILong qa1 and qa2 at 1K, SAMPLES each
+  local name=$1 model=$2; shift 2
+  for q in qa1 qa2; do
+    step "$name-$q" 20 $A eval "$model" --device cuda --task babilong:$q --lengths 1024 --samples $SAMPLES \
+      --essay $ESSAY --babi $D/babi "$@"
+  done
+}
+
 linearize() { # NAME SPEC
   local name=$1 spec=$2
   step "$name" 90 $A linearize "$spec" --quiet --out $R/$name --set teacher=$G \
@@ -83,12 +91,13 @@ for s in ${@:-still still-ruler routing lolcats lolcats-ruler}; do
   case $s in
     teacher-ruler) niah $s $G 512,1024,2048,4096 $SAMPLES --out $R/teacher ;;
     still) linearize still experiments/still-smollm2.yaml ;;
-    still-ruler) [ -f $R/still/DONE ] && niah $s $R/still 512,1024,2048 $SAMPLES ;;
+    still-ruler) [ -f $R/still/DONE ] && niah $s $R/still 512,1024,2048,4096 $SAMPLES ;;
     routing)
-      # The routing-metric table on the same student: each metric (and oracle) at evaluation time.
+      # The routing-metric table on the same student: each metric (and oracle) swapped in at
+      # evaluation time, ROUTING_SAMPLES (SAMPLES) per cell.
       if [ -f $R/still/DONE ]; then
-        for m in oracle diag_attention self_logit key_norm random uniform; do
-          niah "routing-$m" $R/still 512,1024 20 --set attention.routing=$m
+        for m in ${ROUTING:-oracle self_saliency_reference_code diag_attention self_logit key_norm random uniform}; do
+          niah "routing-$m" $R/still 512,1024 ${ROUTING_SAMPLES:-$SAMPLES} --set attention.routing=$m
         done
       fi ;;
     kappa)
@@ -100,13 +109,11 @@ for s in ${@:-still still-ruler routing lolcats lolcats-ruler}; do
       if [ -f $R/still/DONE ]; then
         for m in key_norm random uniform; do niah "routing-$m" $R/still 512,1024 20 --set attention.routing=$m; done
       fi ;;
-    teacher-babilong)
-      for q in qa1 qa2; do
-        step "teacher-babilong-$q" 20 $A eval $G --device cuda --task babilong:$q --lengths 1024 --samples $SAMPLES \
-          --essay $ESSAY --babi $D/babi --out $R/teacher
-      done ;;
+    teacher-babilong) babilong $s $G --out $R/teacher ;;
+    still-babilong) [ -f $R/still/DONE ] && babilong $s $R/still ;;
+    lolcats-babilong) [ -f $R/lolcats/DONE ] && babilong $s $R/lolcats ;;
     lolcats) linearize lolcats experiments/lolcats-smollm2.yaml ;;
-    lolcats-ruler) [ -f $R/lolcats/DONE ] && niah $s $R/lolcats 512,1024,2048 $SAMPLES ;;
+    lolcats-ruler) [ -f $R/lolcats/DONE ] && niah $s $R/lolcats 512,1024,2048,4096 $SAMPLES ;;
     ft-d576|ft-d288|ft-d144|ft-d72) finetune $s --set attention.d_down=${s#ft-d} ;;
     ft-vanilla) finetune $s --set 'attention={kind: vanilla}' --set stage1.params=all --set stage1.lr=3.0e-5 ;;
     ft-ruler) for r in $R/ft-*; do [ -f $r/DONE ] && niah "ruler-$(basename $r)" $r 1024,2048,4096 $SAMPLES; done ;;
