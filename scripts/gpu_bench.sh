@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/data/ for ruler (make gpu-data), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|hybridvec|decode|graphs|absorb|fused|ruler|prefill|pprofile|peers|peers410|profile|dprofile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|hybridvec|stacked|decode|graphs|absorb|fused|ruler|prefill|pprofile|peers|peers410|profile|dprofile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -111,6 +111,12 @@ for what in "${@:-all}"; do
       # against its scalar ones (the default) (decode_hybrid_vec.jsonl, rows tagged "vec"). Run `check`
       # first (its -hybrid-vec rows).
       decode_ab ATTNLAB_HYBRID_VEC vec decode_hybrid_vec.jsonl ;;
+    stacked)
+      # Issue 34: Llama decode (STILL budget, LoLCATs: hybrid Llamas) with q / k / v_proj and gate /
+      # up_proj stacked into one multiply each (src/model/stacked.rs, the default) against separate
+      # ones (ATTNLAB_STACKED=0); vanilla (GPT-NeoX, already fused) is the control
+      # (decode_stacked.jsonl, rows tagged "stacked").
+      decode_ab ATTNLAB_STACKED stacked decode_stacked.jsonl ;;
     decode|all)
       # Issue 29: KV-cache memory, prefill time and decode speed at Pythia-70M size beside Hugging Face
       # GPT-NeoX of the same shape (.gpu/bench/hf_decode.py: eager, and static cache + torch.compile up

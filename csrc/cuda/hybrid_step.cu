@@ -16,7 +16,9 @@ typedef at::Tensor* tensor;
 // the kernel writes the new token's score into (score_kind, hybrid_step.cuh's kScore*; 0: none); the
 // query map's folded matrix W' [H, D, F/2] fp32, from which the kernel computes φ(q) itself (then phi may
 // be null; fmap_kind 1: u = q·W', 2: with the norm re-injection; 0: φ given). k, v, Sel and the gate in
-// q's dtype. *out: y [B, H, 1, D].
+// q's dtype; the new token's key and value [B, H, 1, D] (ts[14], ts[15], q's dtype, unit last stride),
+// which the kernel writes into the window ring at slot pos mod 2C first (null: the ring holds them).
+// *out: y [B, H, 1, D].
 extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64_t linear, int64_t compensate, int64_t score_kind, int64_t fmap_kind,
                                     tensor* out) {
   try {
@@ -82,6 +84,15 @@ extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64
       p.score = sc.data_ptr<float>();
       p.sc_sb = sc.stride(0), p.sc_sh = sc.stride(1);
       p.score_kind = (int)score_kind;
+    }
+    if (ts[14] || ts[15]) {
+      TORCH_CHECK(ts[14] && ts[15], "hybrid_mix: the new key and value come together");
+      const at::Tensor &nk = *ts[14], &nv = *ts[15];
+      for (const at::Tensor* t : {&nk, &nv})
+        TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(2) == 1 && t->size(3) == D && t->stride(3) == 1 && t->scalar_type() == q.scalar_type() && t->device() == q.device(),
+                    "hybrid_mix: the new key / value must be [B, H, 1, D] in q's dtype with unit last stride, got ", t->sizes());
+      p.new_k = nk.data_ptr(), p.new_v = nv.data_ptr();
+      p.nk_sb = nk.stride(0), p.nk_sh = nk.stride(1), p.nv_sb = nv.stride(0), p.nv_sh = nv.stride(1);
     }
     p.H = H, p.C = chunk, p.cap = cap, p.D = D, p.F = F;
     p.eps = (float)eps;

@@ -59,6 +59,12 @@ struct MixParams {
   float* score;
   int64_t sc_sb, sc_sh;
   int score_kind;
+  // The new token's key and value [B, H, 1, D] (strides nk_sb, nk_sh and nv_sb, nv_sh, unit d), or
+  // null: each block first writes its head's into the ring at slot pos mod 2C, where `Hybrid::step_at`
+  // ran an index_copy for each before the step.
+  const void* new_k;
+  const void* new_v;
+  int64_t nk_sb, nk_sh, nv_sb, nv_sh;
   // Keys and values read 8 dims (16 bytes) at a time (`mix_vec_fits`; ATTNLAB_HYBRID_VEC=1 until
   // timed on a GPU): a key's logit in 8 loads in flight instead of 8 rounds of 8, and the weighted sums
   // (and φ(q)·S) by kMixThreads / (D / 8) groups of slots (features), 8 dims a thread.
@@ -166,6 +172,16 @@ __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
   float* e = phi + p.F;     // [2C + cap]: logits, then their exponentials
   float* red = e + n;       // [kMixThreads / 32]
   const int b = blockIdx.x / p.H, h = blockIdx.x % p.H;
+  if (p.new_k) {
+    // Only this block reads its head's ring; the barrier makes the writes visible to its threads.
+    const int64_t slot = *p.pos % W2;
+    T* rk = static_cast<T*>(const_cast<void*>(p.wk)) + b * p.w_sb + h * p.w_sh + slot * p.w_ss;
+    T* rv = static_cast<T*>(const_cast<void*>(p.wv)) + b * p.w_sb + h * p.w_sh + slot * p.w_ss;
+    const T* nk = static_cast<const T*>(p.new_k) + b * p.nk_sb + h * p.nk_sh;
+    const T* nv = static_cast<const T*>(p.new_v) + b * p.nv_sb + h * p.nv_sh;
+    for (int d = threadIdx.x; d < p.D; d += kMixThreads) rk[d] = nk[d], rv[d] = nv[d];
+    __syncthreads();
+  }
   const T* q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh;
   for (int d = threadIdx.x; d < p.D; d += kMixThreads) qs[d] = to_f(q[d]) * p.scale;
   if (p.fmap) {

@@ -392,6 +392,9 @@ pub struct Mix<'a> {
     pub linear: bool,
     pub compensate: bool,
     pub score: Option<(&'a Tensor, KernelScore)>,
+    /// The new token's key and value `[B, H, 1, D]` (q's dtype), which the kernel writes into the
+    /// window ring at slot pos mod 2C before reading it; `None`: the ring holds them already.
+    pub new_kv: Option<(&'a Tensor, &'a Tensor)>,
 }
 
 /// The routing scores csrc/cuda/hybrid_step.cuh computes (its kScore* codes): `Scorer::scores`'s over
@@ -442,10 +445,12 @@ pub fn hybrid_mix(m: &Mix) -> Option<Result<Tensor>> {
         p(m.pos),
         o(m.score.map(|s| s.0)),
         p(m.fq_folded),
+        o(m.new_kv.map(|kv| kv.0)),
+        o(m.new_kv.map(|kv| kv.1)),
     ];
     let score_kind = m.score.map_or(0, |s| s.1 as i64);
     // SAFETY: valid tensor handles (or null where absent), read during the call (the ring of scores
-    // written).
+    // and, with new_kv, the window ring written).
     Some(new_tensor(|out| unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.linear as i64, m.compensate as i64, score_kind, fmap_kind, out) }))
 }
 

@@ -18,6 +18,7 @@
 use crate::attention::cache::{CacheShape, DecodeCache, SpanTables, StepAt};
 use crate::attention::{self, AbsorbedKv, Attention, AttentionSpec, Heads, KvMap, Layer, LayerDims, Positions, forward_prefix};
 use crate::lora::Linear;
+use super::stacked::Stacked;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::nn::{self, Init, Module};
@@ -222,6 +223,10 @@ pub(crate) struct Block {
     gate_proj: nn::Linear,
     up_proj: nn::Linear,
     down_proj: nn::Linear,
+    /// q / k / v_proj's and gate / up_proj's weights as row blocks of one matrix each, so that an
+    /// inference pass multiplies once for each pair of inputs (`Llama::stack_projections`).
+    qkv_stack: Stacked,
+    gate_up_stack: Stacked,
     /// The layer's attention variant (with the parameters it adds: DAR's bottleneck, STILL's maps, …).
     pub(crate) attn: Layer,
     /// A linearized model's attention before linearization (the teacher's): the target of attention
@@ -325,6 +330,8 @@ impl Llama {
                 gate_proj: linear(&f / "gate_proj", d, cfg.intermediate_size),
                 up_proj: linear(&f / "up_proj", d, cfg.intermediate_size),
                 down_proj: linear(&f / "down_proj", cfg.intermediate_size, d),
+                qkv_stack: Stacked::default(),
+                gate_up_stack: Stacked::default(),
                 attn: Layer::new(&a, &cfg.attention, dims)?,
                 teacher: None,
             });
@@ -447,14 +454,39 @@ impl Llama {
 
     /// Rotated q `[B, H, n, hd]`, rotated k and v `[B, H_kv, n, hd]` for `a` at positions given by (cos, sin).
     fn qkv(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor, pass: Pass) -> (Tensor, Tensor, Tensor) {
-        let q = Self::project(&b.q_proj, a, pass);
+        let (q, k, v) = match Self::stacked_qkv(b, a, pass) {
+            Some(mut p) => (p.remove(0), p.remove(0), p.remove(0)),
+            None => (Self::project(&b.q_proj, a, pass), Self::project(&b.k_proj, a, pass), Self::project(&b.v_proj, a, pass)),
+        };
         let q = match &b.qk_norm {
             Some((qn, _)) => rms_norm(&q, qn, self.cfg.rms_norm_eps, Family::Olmo2),
             None => q,
         };
         let q = self.rotated_heads(&q, self.cfg.num_attention_heads, cos, sin);
-        let k = self.keys(b, Self::project(&b.k_proj, a, pass), cos, sin);
-        (q, k, self.heads(&Self::project(&b.v_proj, a, pass), self.cfg.num_key_value_heads))
+        let k = self.keys(b, k, cos, sin);
+        (q, k, self.heads(&v, self.cfg.num_key_value_heads))
+    }
+
+    /// q / k / v_proj of `a` by one multiply where `pass` reads the base weights alone (no training,
+    /// no adapter applied) and the block's are stacked; `None` otherwise.
+    fn stacked_qkv(b: &Block, a: &Tensor, pass: Pass) -> Option<Vec<Tensor>> {
+        let projections = [&b.q_proj, &b.k_proj, &b.v_proj];
+        let base_only = match pass {
+            Pass::Train => false,
+            Pass::Eval => projections.iter().all(|l| l.lora.is_none()),
+            Pass::Teacher => true,
+        };
+        base_only.then(|| b.qkv_stack.forward(a, &projections.map(|l| &l.weight))).flatten()
+    }
+
+    /// Stack every block's q / k / v_proj and gate / up_proj weights (`stacked::Stacked`), where
+    /// they are not already. The prefill calls it (eager: never inside a CUDA graph's capture, and
+    /// before any step of its generation is captured), so that each step multiplies once per input.
+    fn stack_projections(&self) {
+        for b in &self.layers {
+            b.qkv_stack.stack(&[&b.q_proj.weight, &b.k_proj.weight, &b.v_proj.weight]);
+            b.gate_up_stack.stack(&[&b.gate_proj.ws, &b.up_proj.ws]);
+        }
     }
 
     /// The variant `pass` runs in layer `b`.
@@ -495,6 +527,7 @@ impl Llama {
     /// [`Llama::extend`]'s final hidden states `[B, n, d]` (a prefill needs the last one's logits only).
     pub fn extend_hidden(&self, cache: &mut LlamaCache, ids: &Tensor) -> Tensor {
         let _guard = tch::no_grad_guard();
+        self.stack_projections();
         let n = ids.size()[1];
         let p0 = cache.len;
         let (cos, sin) = self.rope(p0, n, ids.device());
@@ -657,7 +690,13 @@ impl Llama {
     pub(crate) fn mlp_residual(&self, i: usize, h: &Tensor) -> Tensor {
         let b = &self.layers[i];
         let eps = self.cfg.rms_norm_eps;
-        let mlp = |m: &Tensor| b.down_proj.forward(&(b.gate_proj.forward(m).silu() * b.up_proj.forward(m)));
+        let mlp = |m: &Tensor| {
+            let (gate, up) = match b.gate_up_stack.forward(m, &[&b.gate_proj.ws, &b.up_proj.ws]) {
+                Some(mut p) => (p.remove(0), p.remove(0)),
+                None => (b.gate_proj.forward(m), b.up_proj.forward(m)),
+            };
+            b.down_proj.forward(&(gate.silu() * up))
+        };
         match &b.post_feedforward_layernorm {
             None => h + mlp(&rms_norm(h, &b.post_attention_layernorm, eps, Family::Llama)),
             Some(w) => h + rms_norm(&mlp(h), w, eps, Family::Olmo2),

@@ -8,6 +8,7 @@ pub mod llama;
 pub mod loss;
 pub mod neox;
 pub mod rope;
+pub mod stacked;
 pub mod weights;
 
 pub use llama::{Family, Llama, LlamaConfig};

@@ -16,6 +16,7 @@ struct Case {
   bool gamma, gate, linear, compensate;
   int score;  // kScore*: the routing score the kernel also writes
   int fmap;   // 0: φ(q) given; 1: computed from W' (u = q·W'); 2: with the norm re-injection
+  bool fresh = false;  // the new token's key / value handed over, its ring slot stale until the kernel writes it
 };
 
 // The routing score (still.md §4, routing.rs) of the token at `pos` of row bh in double, over positions
@@ -185,14 +186,46 @@ bool check(const Case& k, unsigned seed) {
     std::printf("  %s: mix_vec_fits says %d at D %d\n", k.name, int(fits), k.D);
     return false;
   }
+  // Fresh: the new token's rows (what the reference's ring holds at its slot) come in apart, rows of
+  // another layout (a head stride of 2·D); the ring's slot holds stale values until the kernel writes it.
+  const int64_t slot = k.pos % W2;
+  std::vector<Bf> nk(size_t(k.B) * k.H * 2 * k.D), nv(nk.size());
+  auto stale_slot = [&] {
+    for (size_t bh = 0; bh < size_t(k.B) * k.H; ++bh)
+      for (int d = 0; d < k.D; ++d) {
+        const size_t at = (bh * W2 + slot) * k.D + d;
+        nk[bh * 2 * k.D + d] = wk.dev[at], nv[bh * 2 * k.D + k.D + d] = wv.dev[at];
+        wk.dev[at] = emu_test::to_half<Bf>(9.f), wv.dev[at] = emu_test::to_half<Bf>(-9.f);
+      }
+  };
+  if (k.fresh) {
+    p.new_k = nk.data(), p.new_v = nv.data() + k.D;
+    p.nk_sh = p.nv_sh = 2 * k.D;
+    p.nk_sb = p.nv_sb = int64_t(k.H) * 2 * k.D;
+  }
   const auto want = reference(0), planted = reference(k.C);
   bool ok = true;
   for (int vec = fits; vec >= 0; --vec) {
     p.vec = vec;
+    if (k.fresh) stale_slot();
     emu::launch(hybrid_mix<Bf>, dim3(k.B * k.H), dim3(kMixThreads), mix_smem_floats(k.D, k.F, k.C, k.cap, vec) * sizeof(float), p);
     std::vector<double> got;
     for (auto v : y) got.push_back(emu_test::from_half(v));
-    ok &= emu_test::verdict(std::string(k.name) + (vec ? ", 16-byte loads" : ""), emu_test::rel_err(got, want), emu_test::rel_err(planted, want), 1.6e-2);
+    const std::string name = std::string(k.name) + (vec ? ", 16-byte loads" : "");
+    ok &= emu_test::verdict(name, emu_test::rel_err(got, want), emu_test::rel_err(planted, want), 1.6e-2);
+    if (k.fresh) {
+      // The ring's slot now holds the new token's rows, bit for bit.
+      // (Planted: the stale slot, as a kernel that skips the write leaves it.)
+      std::vector<double> slot_got, slot_want, slot_stale;
+      for (size_t bh = 0; bh < size_t(k.B) * k.H; ++bh)
+        for (int d = 0; d < k.D; ++d) {
+          const size_t at = (bh * W2 + slot) * k.D + d;
+          slot_got.insert(slot_got.end(), {emu_test::from_half(wk.dev[at]), emu_test::from_half(wv.dev[at])});
+          slot_want.insert(slot_want.end(), {wk.ref[at], wv.ref[at]});
+          slot_stale.insert(slot_stale.end(), {9.0, -9.0});
+        }
+      ok &= emu_test::verdict(name + ": new rows in the ring", emu_test::rel_err(slot_got, slot_want), emu_test::rel_err(slot_stale, slot_want), 0.0);
+    }
   }
   if (k.score) {
     std::vector<double> got_score, want_score, planted_score;
@@ -241,6 +274,10 @@ bool all_cases() {
       {"STILL, D 20", 1, 3, 8, 6, 20, 40, 37, 6, false, true, true, true, kScoreSelfSaliency, 0},
       // STILL's decode shape (C 64, 384 Sel slots, D 64, F 128): 32 groups of 8 slots' chunks.
       {"STILL, budget shape", 1, 2, 64, 384, 64, 128, 3000, 300, false, true, true, true, kScoreSelfSaliency, 2},
+      // The new rows handed over (no index_copy before the step), scored by self-saliency from them.
+      {"STILL, budget shape, fresh", 2, 2, 64, 384, 64, 128, 3000, 300, false, true, true, true, kScoreSelfSaliency, 2, true},
+      {"LoLCATs, mid-chunk, fresh", 2, 3, 16, 0, 64, 128, 77, 0, true, false, true, false, kScoreNone, 0, true},
+      {"STILL, D 20, fresh", 1, 3, 8, 6, 20, 40, 37, 6, false, true, true, true, kScoreSelfSaliency, 0, true},
   };
   bool ok = true;
   unsigned seed = 51;

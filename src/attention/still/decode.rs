@@ -350,9 +350,7 @@ impl Hybrid<'_> {
         let (state, z) = (cache.s.shallow_clone(), cache.z.shallow_clone());
         let f = cache.fixed.as_mut().expect("step_at: prepare_at first");
         let (kind, dev, d) = (state.kind(), q.device(), q.size()[3]);
-        let slot = at.pos.remainder(2 * c);
-        let _ = f.win_k.index_copy_(2, &slot, &k.to_kind(f.win_k.kind()));
-        let _ = f.win_v.index_copy_(2, &slot, &v.to_kind(f.win_v.kind()));
+        let slot = || at.pos.remainder(2 * c);
         // The mixing kernel (csrc/cuda/hybrid_step.cu) computes the logits and φ(q) itself, and from
         // the logits the new token's routing score where it can (`score_in_kernel`); what it leaves
         // is computed here.
@@ -360,6 +358,14 @@ impl Hybrid<'_> {
         let scorer = self.scorer.filter(|sc| !sc.by_position());
         let score_in_kernel = scorer.and_then(|sc| sc.kernel_score()).filter(|_| fused && f.win_scores.kind() == Kind::Float);
         let aten_logits = !fused || (scorer.is_some() && score_in_kernel.is_none());
+        // Where nothing here reads the window, the kernel writes the new key and value into it
+        // (two index_copy kernels fewer a layer).
+        let kernel_writes = !aten_logits && k.size() == q.size() && v.size() == q.size() && k.kind() == q.kind() && v.kind() == q.kind();
+        if !kernel_writes {
+            let slot = slot();
+            let _ = f.win_k.index_copy_(2, &slot, &k.to_kind(f.win_k.kind()));
+            let _ = f.win_v.index_copy_(2, &slot, &v.to_kind(f.win_v.kind()));
+        }
         let qf = aten_logits.then(|| q.to_kind(kind));
         let qs = qf.as_ref().map(|qf| qf * (1.0 / (d as f64).sqrt()));
         let s_win = qs.as_ref().map(|qs| qs.matmul(&f.win_k.to_kind(kind).transpose(-2, -1))); // [B, H, 1, 2C]
@@ -375,7 +381,7 @@ impl Hybrid<'_> {
                 }
                 _ => Tensor::zeros([q.size()[0], q.size()[1], 1], (kind, dev)),
             };
-            let _ = f.win_scores.index_copy_(2, &slot, &score.to_kind(f.win_scores.kind()));
+            let _ = f.win_scores.index_copy_(2, &slot(), &score.to_kind(f.win_scores.kind()));
         }
         if fused {
             let cap = f.sel_k.size()[2];
@@ -396,6 +402,7 @@ impl Hybrid<'_> {
                 linear: self.linear,
                 compensate: self.compensate,
                 score: score_in_kernel.map(|kind| (&f.win_scores, kind)),
+                new_kv: kernel_writes.then_some((k, v)),
             };
             // Some: `fused` asked hybrid_mix_enabled (and the score, if the kernel took it, is written).
             let y = crate::kernels::cuda::hybrid_mix(&m).expect("the mixing kernel is enabled");

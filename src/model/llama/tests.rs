@@ -95,6 +95,37 @@ fn cached_decoding_equals_full_forward() {
     assert_eq!(cache.bytes(), 2 * 2 * (2 * 2 * 12 * 16) * 4);
 }
 
+/// An inference pass stacks q / k / v_proj and gate / up_proj (one multiply per input): the logits
+/// stay, the parameters save as themselves, and an in-place update (an optimizer step) reaches the
+/// stacked multiply.
+#[test]
+fn stacked_projections_keep_the_logits_and_follow_updates() {
+    let _rng = crate::testutil::rng();
+    let (vs, model) = hf::load_llama(&fixture("llama_tiny"), Device::Cpu).unwrap();
+    let x = (Tensor::arange(24, (Kind::Int64, Device::Cpu)).view([2, 12]) * 7).remainder(128);
+    let logits = |m: &Llama| tch::no_grad(|| m.logits(&m.hidden(&x)));
+    let before = logits(&model);
+    let mut cache = model.new_cache(2, Kind::Float, Device::Cpu);
+    tch::no_grad(|| model.extend(&mut cache, &x.narrow(1, 0, 3)));
+    for b in &model.layers {
+        assert!(b.qkv_stack.get(&[&b.q_proj.weight, &b.k_proj.weight, &b.v_proj.weight]).is_some(), "q / k / v not stacked");
+        assert!(b.gate_up_stack.get(&[&b.gate_proj.ws, &b.up_proj.ws]).is_some(), "gate / up not stacked");
+    }
+    assert!(max_diff(&logits(&model), &before) < 1e-5);
+    tch::no_grad(|| {
+        for (i, (_, v)) in vs.variables().into_iter().enumerate() {
+            let _ = v.shallow_clone().g_mul_scalar_(1.0 + 0.01 * (i % 7) as f64);
+        }
+    });
+    let updated = logits(&model);
+    assert!(max_diff(&updated, &before) > 1e-3, "the update must change the logits for this test to mean anything");
+    // The same weights in a model that never stacked them, through its checkpoint.
+    let dir = tempfile::tempdir().unwrap();
+    hf::save_llama(&vs, &model.cfg, dir.path()).unwrap();
+    let (_vs2, fresh) = hf::load_llama(dir.path(), Device::Cpu).unwrap();
+    assert!(max_diff(&updated, &logits(&fresh)) < 1e-5, "{}", max_diff(&updated, &logits(&fresh)));
+}
+
 use crate::spec::{AttentionImpl, AttentionKind, AttentionSpec, DarAct};
 
 fn load(name: &str) -> (tch::nn::VarStore, Llama) {

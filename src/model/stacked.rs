@@ -1,0 +1,179 @@
+//! Projections of one input that share one matrix multiply at inference: Llama's q / k / v and
+//! gate / up. A decode step is launch-bound (one token, a few microseconds a GEMM), so three
+//! GEMMs of one input cost about three times one.
+//!
+//! The parameters stay what they are (names, shapes, gradients, optimizer slots, checkpoints);
+//! their data become row blocks of one stacked matrix, so that in-place updates (an optimizer
+//! step, a checkpoint load) land in the stack too. Anything that gives a parameter new data
+//! (a dtype or device change) ends the sharing; [`Stacked::get`] sees that and says no, and the
+//! next [`Stacked::stack`] (an eager inference pass: prefill, before a CUDA graph is captured)
+//! stacks again. `ATTNLAB_STACKED=0` stacks nothing (to time or check the separate multiplies).
+use std::sync::Mutex;
+use tch::Tensor;
+
+/// One stack of weights `[Σ rows_i, in]` whose row blocks are the parts' data.
+#[derive(Default)]
+pub struct Stacked {
+    stack: Mutex<Option<Tensor>>,
+}
+
+impl std::fmt::Debug for Stacked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Stacked")
+    }
+}
+
+impl Stacked {
+    /// Make `parts` (weights `[rows_i, in]` of one dtype and device) row blocks of one stack, unless
+    /// they already are. Not during a CUDA graph capture (it allocates).
+    pub fn stack(&self, parts: &[&Tensor]) {
+        let mut stack = self.stack.lock().unwrap_or_else(|e| e.into_inner());
+        if stack.as_ref().is_some_and(|s| holds(s, parts)) || !stackable(parts) || std::env::var("ATTNLAB_STACKED").as_deref() == Ok("0") {
+            return;
+        }
+        let _guard = tch::no_grad_guard();
+        let s = Tensor::cat(parts, 0);
+        let mut row = 0;
+        for p in parts {
+            let rows = p.size()[0];
+            // A handle shares the parameter's TensorImpl: every other handle (the VarStore's, the
+            // optimizer's) sees the new data.
+            p.shallow_clone().set_data(&s.narrow(0, row, rows));
+            row += rows;
+        }
+        *stack = Some(s);
+    }
+
+    /// The stack, where `parts` still are its row blocks.
+    pub fn get(&self, parts: &[&Tensor]) -> Option<Tensor> {
+        let stack = self.stack.lock().unwrap_or_else(|e| e.into_inner());
+        stack.as_ref().filter(|s| holds(s, parts)).map(Tensor::shallow_clone)
+    }
+
+    /// `x·Wᵢᵀ` for every part, by one matrix multiply (views of its output, split along the last
+    /// dim); `None` where the parts are not stacked or a weight needs its gradient (autograd on and
+    /// a part requiring grad: the stack is outside the graph).
+    pub fn forward(&self, x: &Tensor, parts: &[&Tensor]) -> Option<Vec<Tensor>> {
+        if parts.iter().any(|p| p.requires_grad() && grad_enabled(p)) {
+            return None;
+        }
+        let s = self.get(parts)?;
+        let y = x.linear::<Tensor>(&s, None);
+        let mut col = 0;
+        Some(
+            parts
+                .iter()
+                .map(|p| {
+                    let rows = p.size()[0];
+                    col += rows;
+                    y.narrow(-1, col - rows, rows)
+                })
+                .collect(),
+        )
+    }
+}
+
+/// Whether autograd would record an op on `p` (which requires grad): a view of it requires grad
+/// only then. A view moves no data.
+fn grad_enabled(p: &Tensor) -> bool {
+    p.view_as(p).requires_grad()
+}
+
+/// Parts that can share a stack: 2-D, contiguous, one input width, dtype and device.
+fn stackable(parts: &[&Tensor]) -> bool {
+    let Some(first) = parts.first() else { return false };
+    parts.iter().all(|p| p.dim() == 2 && p.is_contiguous() && p.size()[1] == first.size()[1] && p.kind() == first.kind() && p.device() == first.device())
+}
+
+/// Whether `parts` are, in order, the row blocks of `s` (same storage, offsets, shapes, dtype).
+fn holds(s: &Tensor, parts: &[&Tensor]) -> bool {
+    let (width, elt) = (s.size()[1], s.kind().elt_size_in_bytes());
+    let mut row = 0;
+    for p in parts {
+        let offset = (row * width) as usize * elt;
+        if p.kind() != s.kind() || p.device() != s.device() || p.size() != [p.size()[0], width] || !p.is_contiguous() || p.data_ptr() as usize != s.data_ptr() as usize + offset {
+            return false;
+        }
+        row += p.size()[0];
+    }
+    row == s.size()[0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    fn weights() -> Vec<Tensor> {
+        let _g = crate::testutil::seeded(3);
+        [4, 2, 2].iter().map(|&r| Tensor::randn([r, 5], (Kind::Double, Device::Cpu)).set_requires_grad(true)).collect()
+    }
+
+    #[test]
+    fn one_multiply_equals_each_projection_and_follows_in_place_updates() {
+        let w = weights();
+        let parts: Vec<&Tensor> = w.iter().collect();
+        let x = Tensor::randn([3, 7, 5], (Kind::Double, Device::Cpu));
+        let st = Stacked::default();
+        st.stack(&parts);
+        let _g = tch::no_grad_guard();
+        let check = |st: &Stacked| {
+            let ys = st.forward(&x, &parts).expect("stacked");
+            for (y, p) in ys.iter().zip(&parts) {
+                let want = x.linear::<Tensor>(*p, None);
+                assert!(y.allclose(&want, 1e-12, 1e-12, false), "{:?}", (y - want).abs().max());
+            }
+        };
+        check(&st);
+        // An optimizer's in-place update of one parameter is the stack's too.
+        let _ = w[1].shallow_clone().g_add_scalar_(0.5);
+        check(&st);
+        assert!(st.get(&parts).unwrap().narrow(0, 4, 2).allclose(&w[1], 0.0, 0.0, false));
+    }
+
+    #[test]
+    fn new_data_for_a_part_ends_the_sharing_until_stacked_again() {
+        let w = weights();
+        let parts: Vec<&Tensor> = w.iter().collect();
+        let st = Stacked::default();
+        st.stack(&parts);
+        assert!(st.get(&parts).is_some());
+        // As a dtype change does: the parameter gets a tensor of its own.
+        w[2].shallow_clone().set_data(&w[2].detach().copy());
+        assert!(st.get(&parts).is_none(), "a replaced part must not be read from the old stack");
+        let _g = tch::no_grad_guard();
+        assert!(st.forward(&w[0], &parts).is_none());
+        st.stack(&parts);
+        assert!(st.get(&parts).is_some());
+        // In another order they are not the stack's row blocks.
+        assert!(st.get(&[parts[1], parts[0], parts[2]]).is_none());
+    }
+
+    #[test]
+    fn no_stacked_multiply_where_a_weight_gradient_is_wanted() {
+        let w = weights();
+        let parts: Vec<&Tensor> = w.iter().collect();
+        let st = Stacked::default();
+        st.stack(&parts);
+        let x = Tensor::ones([1, 5], (Kind::Double, Device::Cpu));
+        assert!(st.forward(&x, &parts).is_none(), "autograd on: the parameters need their own graph");
+        let _g = tch::no_grad_guard();
+        assert!(st.forward(&x, &parts).is_some());
+    }
+
+    #[test]
+    fn stacked_parameters_save_and_load_as_themselves() {
+        let w = weights();
+        let parts: Vec<&Tensor> = w.iter().collect();
+        Stacked::default().stack(&parts);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        let named: Vec<(String, &Tensor)> = w.iter().enumerate().map(|(i, t)| (format!("w{i}"), t)).collect();
+        Tensor::write_safetensors(&named, &path).unwrap();
+        let back = Tensor::read_safetensors(&path).unwrap();
+        for (name, t) in back {
+            let i: usize = name[1..].parse().unwrap();
+            assert!(t.allclose(&w[i], 0.0, 0.0, false), "{name}");
+        }
+    }
+}
