@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/data/ for ruler (make gpu-data), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|hybridvec|stacked|decode|graphs|absorb|fused|ruler|prefill|pprofile|peers|peers410|profile|dprofile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|hybridvec|hybridfresh|stacked|decode|graphs|absorb|fused|ruler|prefill|pprofile|peers|peers410|profile|dprofile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -111,6 +111,11 @@ for what in "${@:-all}"; do
       # against its scalar ones (the default) (decode_hybrid_vec.jsonl, rows tagged "vec"). Run `check`
       # first (its -hybrid-vec rows).
       decode_ab ATTNLAB_HYBRID_VEC vec decode_hybrid_vec.jsonl ;;
+    hybridfresh)
+      # Issue 34: the mixing kernel writing the new key / value into the window ring itself (the
+      # default) against two index_copy kernels before it (ATTNLAB_HYBRID_FRESH=0)
+      # (decode_hybrid_fresh.jsonl, rows tagged "fresh"). Run `check` first.
+      decode_ab ATTNLAB_HYBRID_FRESH fresh decode_hybrid_fresh.jsonl ;;
     stacked)
       # Issue 34: Llama decode (STILL budget, LoLCATs: hybrid Llamas) with q / k / v_proj and gate /
       # up_proj stacked into one multiply each (src/model/stacked.rs, the default) against separate

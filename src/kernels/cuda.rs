@@ -414,6 +414,13 @@ pub fn hybrid_mix_enabled(q: &Tensor) -> bool {
     q.device().is_cuda() && matches!(q.kind(), tch::Kind::BFloat16 | tch::Kind::Half) && switch("ATTNLAB_HYBRID_KERNEL", true) && hybrid_kernel_available()
 }
 
+/// Whether the mixing kernel writes the new token's key and value into the window ring itself
+/// ([`Mix::new_kv`]), where `Hybrid::step_at` ran two index_copy kernels before it; on unless
+/// `ATTNLAB_HYBRID_FRESH=0` (to time or check one against the other).
+pub fn hybrid_fresh_enabled() -> bool {
+    switch("ATTNLAB_HYBRID_FRESH", true)
+}
+
 /// Whether the library holds the hybrid mixing kernel ([`hybrid_mix`] takes it unless
 /// `ATTNLAB_HYBRID_KERNEL=0`).
 pub fn hybrid_kernel_available() -> bool {

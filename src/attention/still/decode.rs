@@ -360,7 +360,7 @@ impl Hybrid<'_> {
         let aten_logits = !fused || (scorer.is_some() && score_in_kernel.is_none());
         // Where nothing here reads the window, the kernel writes the new key and value into it
         // (two index_copy kernels fewer a layer).
-        let kernel_writes = !aten_logits && k.size() == q.size() && v.size() == q.size() && k.kind() == q.kind() && v.kind() == q.kind();
+        let kernel_writes = !aten_logits && crate::kernels::cuda::hybrid_fresh_enabled() && k.size() == q.size() && v.size() == q.size() && k.kind() == q.kind() && v.kind() == q.kind();
         if !kernel_writes {
             let slot = slot();
             let _ = f.win_k.index_copy_(2, &slot, &k.to_kind(f.win_k.kind()));
