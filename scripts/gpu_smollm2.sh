@@ -5,13 +5,13 @@
 # archived as soon as it exists ($OUT/smollm2.tgz: config.yaml, metrics.jsonl, eval.json, ruler.json,
 # babilong.json, ruler_samples/ of every run).
 #
-# The GGUF (98 MB) is larger than one call carries (64 MiB): split it here into two halves in an
-# ignored folder, carry each in its own back-to-back call (a warm machine keeps /tmp between calls),
-# then this script reassembles and checks it:
-#   mkdir -p .smol && split -n 2 -d data/cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf .smol/part-
-#   call 1 (carry .smol/part-00): mkdir -p /tmp/smol && cp .smol/part-00 /tmp/smol/
-#   call 2 (carry .smol/part-01): cp .smol/part-01 /tmp/smol/
-#   call 3 (carry .gpu):          OUT=$OUT BUDGET=480 bash scripts/gpu_smollm2.sh [STEP]...
+# The GGUF (98 MB) is larger than one call carries (64 MiB, the tracked files' 25 MiB included): split
+# it here into three parts in an ignored folder, carry each in its own back-to-back call (a warm
+# machine keeps /tmp between calls), then this script reassembles and checks it:
+#   mkdir -p .smol && split -n 3 -d data/cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf .smol/part-
+#   calls 1-3 (carry .smol/part-0N): mkdir -p /tmp/smol && cp .smol/part-0N /tmp/smol/
+#   call 4 (carry .gpu/attnlab, .gpu/libattnlab_kernels.so and the .gpu/data files below):
+#     OUT=$OUT BUDGET=480 bash scripts/gpu_smollm2.sh [STEP]...
 # Steps (default, in this order): still still-ruler routing lolcats lolcats-ruler; by name: kappa
 # (the κ curve at evaluation time), still-babilong, lolcats-babilong (qa1 / qa2 at 1K). DAR fine-tuning
 # (issue 37 item 5), by name: ft-d576 ft-d288 ft-d144 ft-d72 ft-vanilla, then ft-ruler. The teacher's
@@ -33,8 +33,8 @@ log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - START ))s] $*" | tee -a "$LO
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 
 if [ ! -f $G ]; then
-  [ -f /tmp/smol/part-00 ] && [ -f /tmp/smol/part-01 ] || { log "missing /tmp/smol/part-0{0,1}: carry the halves first (see the header)"; exit 2; }
-  cat /tmp/smol/part-00 /tmp/smol/part-01 > $G.part
+  ls /tmp/smol/part-0* >/dev/null 2>&1 || { log "missing /tmp/smol/part-0*: carry the parts first (see the header)"; exit 2; }
+  cat /tmp/smol/part-0* > $G.part
   echo "$GGUF_SHA  $G.part" | sha256sum --check --status || { log "reassembled GGUF: sha256 mismatch"; rm -f $G.part; exit 2; }
   mv $G.part $G
 fi
