@@ -54,7 +54,7 @@ impl Stacked {
     /// dim); `None` where the parts are not stacked or a weight needs its gradient (autograd on and
     /// a part requiring grad: the stack is outside the graph).
     pub fn forward(&self, x: &Tensor, parts: &[&Tensor]) -> Option<Vec<Tensor>> {
-        if parts.iter().any(|p| p.requires_grad() && grad_enabled(p)) {
+        if parts.iter().any(|p| p.requires_grad()) && grad_enabled() {
             return None;
         }
         let s = self.get(parts)?;
@@ -73,10 +73,15 @@ impl Stacked {
     }
 }
 
-/// Whether autograd would record an op on `p` (which requires grad): a view of it requires grad
-/// only then. A view moves no data.
-fn grad_enabled(p: &Tensor) -> bool {
-    p.view_as(p).requires_grad()
+/// Whether autograd records ops (the thread's grad mode: off under `tch::no_grad`). tch sets it but
+/// cannot read it; libtorch's setter returns the mode it replaces.
+fn grad_enabled() -> bool {
+    // SAFETY: plain calls that set the thread-local mode and put it back as it was.
+    unsafe {
+        let was = torch_sys::at_grad_set_enabled(0);
+        torch_sys::at_grad_set_enabled(was);
+        was != 0
+    }
 }
 
 /// Parts that can share a stack: 2-D, contiguous, one input width, dtype and device.
@@ -151,6 +156,8 @@ mod tests {
 
     #[test]
     fn no_stacked_multiply_where_a_weight_gradient_is_wanted() {
+        assert!(grad_enabled());
+        assert!(!tch::no_grad(grad_enabled));
         let w = weights();
         let parts: Vec<&Tensor> = w.iter().collect();
         let st = Stacked::default();

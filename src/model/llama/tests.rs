@@ -106,11 +106,15 @@ fn stacked_projections_keep_the_logits_and_follow_updates() {
     let logits = |m: &Llama| tch::no_grad(|| m.logits(&m.hidden(&x)));
     let before = logits(&model);
     let mut cache = model.new_cache(2, Kind::Float, Device::Cpu);
-    tch::no_grad(|| model.extend(&mut cache, &x.narrow(1, 0, 3)));
+    let _ = tch::no_grad(|| model.extend(&mut cache, &x.narrow(1, 0, 3)));
     for b in &model.layers {
         assert!(b.qkv_stack.get(&[&b.q_proj.weight, &b.k_proj.weight, &b.v_proj.weight]).is_some(), "q / k / v not stacked");
         assert!(b.gate_up_stack.get(&[&b.gate_proj.ws, &b.up_proj.ws]).is_some(), "gate / up not stacked");
     }
+    // What the logits below go through (autograd off, no adapter), and what a training pass does not.
+    let a = Tensor::ones([1, 1, model.cfg.hidden_size as i64], (Kind::Float, Device::Cpu));
+    assert!(tch::no_grad(|| Llama::stacked_qkv(&model.layers[0], &a, Pass::Eval)).is_some());
+    assert!(Llama::stacked_qkv(&model.layers[0], &a, Pass::Train).is_none());
     assert!(max_diff(&logits(&model), &before) < 1e-5);
     tch::no_grad(|| {
         for (i, (_, v)) in vs.variables().into_iter().enumerate() {
