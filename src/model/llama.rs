@@ -454,8 +454,16 @@ impl Llama {
 
     /// Rotated q `[B, H, n, hd]`, rotated k and v `[B, H_kv, n, hd]` for `a` at positions given by (cos, sin).
     fn qkv(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor, pass: Pass) -> (Tensor, Tensor, Tensor) {
-        let (q, k, v) = match Self::stacked_qkv(b, a, pass) {
-            Some(mut p) => (p.remove(0), p.remove(0), p.remove(0)),
+        let (h, kvh, hd) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim() as i64);
+        let stacked = Self::stacked_qkv(b, a, pass);
+        if let (Some(y), None) = (&stacked, &b.qk_norm) {
+            // q's and k's columns are side by side in the stacked product: one rotation turns both.
+            let (nq, nk) = (h as i64, kvh as i64);
+            let qk = self.rotated_heads(&y.narrow(-1, 0, (nq + nk) * hd), h + kvh, cos, sin);
+            return (qk.narrow(1, 0, nq), qk.narrow(1, nq, nk), self.heads(&y.narrow(-1, (nq + nk) * hd, nk * hd), kvh));
+        }
+        let (q, k, v) = match stacked {
+            Some(y) => (y.narrow(-1, 0, h as i64 * hd), y.narrow(-1, h as i64 * hd, kvh as i64 * hd), y.narrow(-1, (h + kvh) as i64 * hd, kvh as i64 * hd)),
             None => (Self::project(&b.q_proj, a, pass), Self::project(&b.k_proj, a, pass), Self::project(&b.v_proj, a, pass)),
         };
         let q = match &b.qk_norm {
@@ -467,16 +475,17 @@ impl Llama {
         (q, k, self.heads(&v, self.cfg.num_key_value_heads))
     }
 
-    /// q / k / v_proj of `a` by one multiply where `pass` reads the base weights alone (no training,
-    /// no adapter applied) and the block's are stacked; `None` otherwise.
-    fn stacked_qkv(b: &Block, a: &Tensor, pass: Pass) -> Option<Vec<Tensor>> {
+    /// q / k / v_proj of `a` side by side `[.., (H + 2·H_kv)·hd]`, by one multiply, where `pass` reads
+    /// the base weights alone (no training, no adapter applied) and the block's are stacked; `None`
+    /// otherwise.
+    fn stacked_qkv(b: &Block, a: &Tensor, pass: Pass) -> Option<Tensor> {
         let projections = [&b.q_proj, &b.k_proj, &b.v_proj];
         let base_only = match pass {
             Pass::Train => false,
             Pass::Eval => projections.iter().all(|l| l.lora.is_none()),
             Pass::Teacher => true,
         };
-        base_only.then(|| b.qkv_stack.forward(a, &projections.map(|l| &l.weight))).flatten()
+        base_only.then(|| b.qkv_stack.product(a, &projections.map(|l| &l.weight))).flatten()
     }
 
     /// Stack every block's q / k / v_proj and gate / up_proj weights (`stacked::Stacked`), where

@@ -50,15 +50,20 @@ impl Stacked {
         stack.as_ref().filter(|s| holds(s, parts)).map(Tensor::shallow_clone)
     }
 
+    /// `x·[W₁; W₂; …]ᵀ`, the parts' outputs side by side along the last dim, under
+    /// [`Stacked::forward`]'s conditions.
+    pub fn product(&self, x: &Tensor, parts: &[&Tensor]) -> Option<Tensor> {
+        if parts.iter().any(|p| p.requires_grad()) && grad_enabled() {
+            return None;
+        }
+        Some(x.linear::<Tensor>(&self.get(parts)?, None))
+    }
+
     /// `x·Wᵢᵀ` for every part, by one matrix multiply (views of its output, split along the last
     /// dim); `None` where the parts are not stacked or a weight needs its gradient (autograd on and
     /// a part requiring grad: the stack is outside the graph).
     pub fn forward(&self, x: &Tensor, parts: &[&Tensor]) -> Option<Vec<Tensor>> {
-        if parts.iter().any(|p| p.requires_grad()) && grad_enabled() {
-            return None;
-        }
-        let s = self.get(parts)?;
-        let y = x.linear::<Tensor>(&s, None);
+        let y = self.product(x, parts)?;
         let mut col = 0;
         Some(
             parts
