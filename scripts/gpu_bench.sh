@@ -107,8 +107,8 @@ for what in "${@:-all}"; do
       # "hybrid_kernel"). Run `check` first.
       decode_ab ATTNLAB_HYBRID_KERNEL hybrid_kernel decode_hybrid.jsonl ;;
     hybridvec)
-      # Issue 34: the mixing kernel's 16-byte loads (ATTNLAB_HYBRID_VEC=1, where the rows are aligned)
-      # against its scalar ones (the default) (decode_hybrid_vec.jsonl, rows tagged "vec"). Run `check`
+      # Issue 34: the mixing kernel's 16-byte loads (the default where the rows are aligned) against its
+      # scalar ones (ATTNLAB_HYBRID_VEC=0) (decode_hybrid_vec.jsonl, rows tagged "vec"). Run `check`
       # first (its -hybrid-vec rows).
       decode_ab ATTNLAB_HYBRID_VEC vec decode_hybrid_vec.jsonl ;;
     hybridfresh)

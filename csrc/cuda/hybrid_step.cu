@@ -100,10 +100,11 @@ extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64
     p.linear = linear, p.compensate = compensate;
     at::Tensor y = at::empty({B, H, 1, D}, q.options());
     p.y = y.data_ptr();
-    // The 16-byte loads with ATTNLAB_HYBRID_VEC=1 only, until the gate has seen them on a GPU and
-    // `scripts/gpu_bench.sh hybridvec` has timed them against the scalar ones.
+    // The 16-byte loads wherever they fit unless ATTNLAB_HYBRID_VEC=0: they pass the gate and decode
+    // STILL (budget) 1.22-1.44x and LoLCATs 1.00-1.15x faster than the scalar ones at 1K-16K on one
+    // H100 (results/bench/2026-12-07-h100, `scripts/gpu_bench.sh hybridvec`).
     const char* vec_switch = std::getenv("ATTNLAB_HYBRID_VEC");
-    p.vec = mix_vec_fits(p) && vec_switch && std::strcmp(vec_switch, "1") == 0;
+    p.vec = mix_vec_fits(p) && !(vec_switch && std::strcmp(vec_switch, "0") == 0);
     const size_t smem = mix_smem_floats(D, F, chunk, cap, p.vec) * sizeof(float);
     TORCH_CHECK(smem <= 200 * 1024, "hybrid_mix: ", smem, " bytes of shared memory");
     auto stream = c10::cuda::getCurrentCUDAStream();

@@ -65,8 +65,8 @@ struct MixParams {
   const void* new_k;
   const void* new_v;
   int64_t nk_sb, nk_sh, nv_sb, nv_sh;
-  // Keys and values read 8 dims (16 bytes) at a time (`mix_vec_fits`; ATTNLAB_HYBRID_VEC=1 until
-  // timed on a GPU): a key's logit in 8 loads in flight instead of 8 rounds of 8, and the weighted sums
+  // Keys and values read 8 dims (16 bytes) at a time (`mix_vec_fits`; the launch's default where it
+  // fits, ATTNLAB_HYBRID_VEC=0 turns it off): a key's logit in 8 loads in flight instead of 8 rounds of 8, and the weighted sums
   // (and φ(q)·S) by kMixThreads / (D / 8) groups of slots (features), 8 dims a thread.
   int vec;
 };

@@ -717,7 +717,7 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         }
         // The hybrids with their mixing kernel (csrc/cuda/hybrid_step.cu, the default; ATTNLAB_HYBRID_KERNEL=1).
         let hybrid = crate::kernels::cuda::hybrid_kernel_available();
-        // Each with its scalar loads and with its 16-byte ones (ATTNLAB_HYBRID_VEC=1, `-hybrid-vec`),
+        // Each with its scalar loads (ATTNLAB_HYBRID_VEC=0) and with its 16-byte ones (the default, `-hybrid-vec`),
         // the new key / value written into the window by the kernel (the default) or before it by
         // index_copy (ATTNLAB_HYBRID_FRESH=0, `-hybrid-written`).
         for (vec, fresh, suffix) in [("0", "1", "-hybrid-kernel"), ("1", "1", "-hybrid-vec"), ("0", "0", "-hybrid-written")] {

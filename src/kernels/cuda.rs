@@ -416,7 +416,8 @@ pub fn hybrid_mix_enabled(q: &Tensor) -> bool {
 
 /// Whether the mixing kernel writes the new token's key and value into the window ring itself
 /// ([`Mix::new_kv`]), where `Hybrid::step_at` ran two index_copy kernels before it; on unless
-/// `ATTNLAB_HYBRID_FRESH=0` (to time or check one against the other).
+/// `ATTNLAB_HYBRID_FRESH=0`. Same greedy tokens, gate rows passing both ways, and STILL (budget)
+/// 1.04–1.05× / LoLCATs 1.06–1.08× faster at 1K–16K on one H100 (results/bench/2026-12-07-h100).
 pub fn hybrid_fresh_enabled() -> bool {
     switch("ATTNLAB_HYBRID_FRESH", true)
 }

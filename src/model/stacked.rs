@@ -7,7 +7,9 @@
 //! step, a checkpoint load) land in the stack too. Anything that gives a parameter new data
 //! (a dtype or device change) ends the sharing; [`Stacked::get`] sees that and says no, and the
 //! next [`Stacked::stack`] (an eager inference pass: prefill, before a CUDA graph is captured)
-//! stacks again. `ATTNLAB_STACKED=0` stacks nothing (to time or check the separate multiplies).
+//! stacks again. `ATTNLAB_STACKED=0` stacks nothing (to time or check the separate multiplies). On
+//! one H100, STILL (budget) and LoLCATs (Llama hybrids) decode 1.07–1.12× faster stacked, with the
+//! same greedy tokens (results/bench/2026-12-07-h100, `scripts/gpu_bench.sh stacked`).
 use std::sync::Mutex;
 use tch::Tensor;
 
