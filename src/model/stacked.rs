@@ -19,12 +19,6 @@ pub struct Stacked {
     stack: Mutex<Option<Tensor>>,
 }
 
-impl std::fmt::Debug for Stacked {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Stacked")
-    }
-}
-
 impl Stacked {
     /// Make `parts` (weights `[rows_i, in]` of one dtype and device) row blocks of one stack, unless
     /// they already are. Not during a CUDA graph capture (it allocates).
