@@ -366,7 +366,7 @@ impl LayerOp for DarLayer {
 
     fn decode(&self, cache: &mut LayerCache, h: &Heads, p0: i64) -> Tensor {
         let c = cache.state::<DarCache>();
-        let latent = self.bottleneck.latent(h.input);
+        let latent = self.bottleneck.decode_latent(h);
         if p0 == 0 {
             let (kg, vg) = h.kv.kv(self.bottleneck.up(), &latent, Positions::Forward);
             let r = |x: &Tensor| repeat_kv(x, &h.q);
@@ -380,7 +380,7 @@ impl LayerOp for DarLayer {
     }
 
     fn decode_at(&self, cache: &mut LayerCache, h: &Heads, at: &StepAt) -> Option<Tensor> {
-        let latent = self.bottleneck.latent(h.input);
+        let latent = self.bottleneck.decode_latent(h);
         Some(cache.state::<DarCache>().attend_at(h, at, &latent, self.bottleneck.up()))
     }
 
@@ -397,6 +397,11 @@ impl LayerOp for DarLayer {
     /// The bottleneck's two matrices.
     fn parameters(&self) -> Vec<Tensor> {
         vec![self.bottleneck.down.shallow_clone(), self.bottleneck.up.shallow_clone()]
+    }
+
+    /// W_down: the latent is the input times it.
+    fn input_projection(&self) -> Option<&Tensor> {
+        Some(&self.bottleneck.down)
     }
 
 }
@@ -532,7 +537,19 @@ impl Bottleneck {
 
     /// h^D = a·W_down (σ of it for `dar_act: sigmoid`): what DAR's decode cache keeps per token.
     pub fn latent(&self, a: &Tensor) -> Tensor {
-        let low = a.linear::<Tensor>(&self.down, None);
+        self.activated(a.linear::<Tensor>(&self.down, None))
+    }
+
+    /// [`Bottleneck::latent`] of a decode pass: from the model's product of the input with W_down
+    /// where it made one (`Heads::projected`).
+    fn decode_latent(&self, h: &Heads) -> Tensor {
+        match &h.projected {
+            Some(low) => self.activated(low.shallow_clone()),
+            None => self.latent(h.input),
+        }
+    }
+
+    fn activated(&self, low: Tensor) -> Tensor {
         if self.act == DarAct::Sigmoid { low.sigmoid() } else { low }
     }
 

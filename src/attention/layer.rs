@@ -151,6 +151,9 @@ pub struct Heads<'a> {
     pub v: Tensor,
     /// What the layer's k / v projections read `[B, n, d]` (DAR's latent and STILL's gate read it too).
     pub input: &'a Tensor,
+    /// `input` times the layer's own [`LayerOp::input_projection`] `[B, n, rows]`, where the model
+    /// multiplied it together with q / k / v (`model::stacked`); `None`: the layer multiplies itself.
+    pub projected: Option<Tensor>,
     /// Document segments of packed rows (`super::doc_segments`).
     pub seg: Option<&'a Tensor>,
     pub kv: &'a dyn KvMap,
@@ -189,6 +192,12 @@ pub trait LayerOp: std::any::Any + Send {
     /// The parameters the variant adds to the layer (handles on its variables; none for a softmax
     /// kind without parameters): what linearize's stage 1 trains in a hybrid's layers.
     fn parameters(&self) -> Vec<Tensor>;
+    /// A weight `[rows, d]` the layer multiplies its input by and nothing else (no adapter): DAR's
+    /// down-projection, STILL's gate projection. A model may multiply it together with its q / k / v
+    /// at inference and hand the product over as [`Heads::projected`].
+    fn input_projection(&self) -> Option<&Tensor> {
+        None
+    }
 }
 
 /// `LayerOp::reconfigured` of a layer without parameters: any kind without parameters, built anew.
@@ -252,6 +261,11 @@ impl Layer {
     /// The parameters the variant adds to the layer (`LayerOp::parameters`).
     pub fn parameters(&self) -> Vec<Tensor> {
         self.0.parameters()
+    }
+
+    /// The weight the layer multiplies its input by (`LayerOp::input_projection`).
+    pub fn input_projection(&self) -> Option<&Tensor> {
+        self.0.input_projection()
     }
 
     /// The STILL operator of this layer (probes and oracle routing).

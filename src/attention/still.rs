@@ -125,6 +125,18 @@ impl Still {
         self.gate_for(x, false)
     }
 
+    /// The gate of a decode pass: from the model's product of the input with W_g where it made one
+    /// (`Heads::projected`), else [`Still::gate_for`].
+    fn decode_gate(&self, h: &crate::attention::Heads) -> Option<Tensor> {
+        match &h.projected {
+            Some(p) => {
+                let (b, t) = (p.size()[0], p.size()[1]);
+                Some(p.sigmoid().view([b, t, self.dims.heads, self.dims.head_dim]).transpose(1, 2))
+            }
+            None => self.gate_for(h.input, false),
+        }
+    }
+
     /// [`Still::gate`] in a training pass (`train`: the adapter's dropout) or not; W_g with its LoRA adapter.
     pub fn gate_for(&self, x: &Tensor, train: bool) -> Option<Tensor> {
         let w = self.g_proj.as_ref()?.to_kind(x.kind());
@@ -220,12 +232,12 @@ impl crate::attention::LayerOp for Still {
 
     fn decode(&self, cache: &mut crate::attention::cache::LayerCache, h: &crate::attention::Heads, _p0: i64) -> Tensor {
         let (k, v) = h.expanded_kv();
-        self.extend(cache.state::<HybridCache>(), &h.q, &k, &v, self.gate_for(h.input, false).as_ref())
+        self.extend(cache.state::<HybridCache>(), &h.q, &k, &v, self.decode_gate(h).as_ref())
     }
 
     fn decode_at(&self, cache: &mut crate::attention::cache::LayerCache, h: &crate::attention::Heads, at: &crate::attention::cache::StepAt) -> Option<Tensor> {
         let (k, v) = h.expanded_kv();
-        Some(self.hybrid().step_at(cache.state::<HybridCache>(), &h.q, &k, &v, self.gate_for(h.input, false).as_ref(), at))
+        Some(self.hybrid().step_at(cache.state::<HybridCache>(), &h.q, &k, &v, self.decode_gate(h).as_ref(), at))
     }
 
     fn prepare_at(&self, cache: &mut crate::attention::cache::LayerCache, pos: i64, reserved: i64) {
@@ -243,6 +255,11 @@ impl crate::attention::LayerOp for Still {
         out.extend(self.feature_map_k.parameters());
         out.extend(self.g_proj.iter().map(Tensor::shallow_clone));
         out
+    }
+
+    /// W_g, where no adapter sits on it.
+    fn input_projection(&self) -> Option<&Tensor> {
+        self.g_proj.as_ref().filter(|_| self.g_lora.is_none())
     }
 }
 

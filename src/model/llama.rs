@@ -454,16 +454,28 @@ impl Llama {
 
     /// Rotated q `[B, H, n, hd]`, rotated k and v `[B, H_kv, n, hd]` for `a` at positions given by (cos, sin).
     fn qkv(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor, pass: Pass) -> (Tensor, Tensor, Tensor) {
+        let (q, k, v, _) = self.qkv_projected(b, a, cos, sin, pass);
+        (q, k, v)
+    }
+
+    /// [`Llama::qkv`], and `a` times the layer's input projection (`LayerOp::input_projection`:
+    /// DAR's W_down, STILL's W_g) where it came out of the same stacked multiply.
+    fn qkv_projected(&self, b: &Block, a: &Tensor, cos: &Tensor, sin: &Tensor, pass: Pass) -> (Tensor, Tensor, Tensor, Option<Tensor>) {
         let (h, kvh, hd) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim() as i64);
+        let (nq, nk) = (h as i64 * hd, kvh as i64 * hd);
         let stacked = Self::stacked_qkv(b, a, pass);
+        let projected = stacked.as_ref().and_then(|y| {
+            let extra = y.size()[y.dim() - 1] - nq - 2 * nk;
+            (extra > 0).then(|| y.narrow(-1, nq + 2 * nk, extra))
+        });
         if let (Some(y), None) = (&stacked, &b.qk_norm) {
             // q's and k's columns are side by side in the stacked product: one rotation turns both.
-            let (nq, nk) = (h as i64, kvh as i64);
-            let qk = self.rotated_heads(&y.narrow(-1, 0, (nq + nk) * hd), h + kvh, cos, sin);
-            return (qk.narrow(1, 0, nq), qk.narrow(1, nq, nk), self.heads(&y.narrow(-1, (nq + nk) * hd, nk * hd), kvh));
+            let qk = self.rotated_heads(&y.narrow(-1, 0, nq + nk), h + kvh, cos, sin);
+            let (q, k) = (qk.narrow(1, 0, h as i64), qk.narrow(1, h as i64, kvh as i64));
+            return (q, k, self.heads(&y.narrow(-1, nq + nk, nk), kvh), projected);
         }
         let (q, k, v) = match stacked {
-            Some(y) => (y.narrow(-1, 0, h as i64 * hd), y.narrow(-1, h as i64 * hd, kvh as i64 * hd), y.narrow(-1, (h + kvh) as i64 * hd, kvh as i64 * hd)),
+            Some(y) => (y.narrow(-1, 0, nq), y.narrow(-1, nq, nk), y.narrow(-1, nq + nk, nk)),
             None => (Self::project(&b.q_proj, a, pass), Self::project(&b.k_proj, a, pass), Self::project(&b.v_proj, a, pass)),
         };
         let q = match &b.qk_norm {
@@ -472,28 +484,37 @@ impl Llama {
         };
         let q = self.rotated_heads(&q, self.cfg.num_attention_heads, cos, sin);
         let k = self.keys(b, k, cos, sin);
-        (q, k, self.heads(&v, self.cfg.num_key_value_heads))
+        (q, k, self.heads(&v, self.cfg.num_key_value_heads), projected)
     }
 
-    /// q / k / v_proj of `a` side by side `[.., (H + 2·H_kv)·hd]`, by one multiply, where `pass` reads
-    /// the base weights alone (no training, no adapter applied) and the block's are stacked; `None`
-    /// otherwise.
+    /// q / k / v_proj of `a` side by side `[.., (H + 2·H_kv)·hd]` (then the layer's input projection's
+    /// columns, where [`Llama::qkv_parts`] stacks it), by one multiply, where `pass` reads the base
+    /// weights alone (no training, no adapter applied) and the block's are stacked; `None` otherwise.
     fn stacked_qkv(b: &Block, a: &Tensor, pass: Pass) -> Option<Tensor> {
-        let projections = [&b.q_proj, &b.k_proj, &b.v_proj];
         let base_only = match pass {
             Pass::Train => false,
-            Pass::Eval => projections.iter().all(|l| l.lora.is_none()),
+            Pass::Eval => [&b.q_proj, &b.k_proj, &b.v_proj].iter().all(|l| l.lora.is_none()),
             Pass::Teacher => true,
         };
-        base_only.then(|| b.qkv_stack.product(a, &projections.map(|l| &l.weight))).flatten()
+        base_only.then(|| b.qkv_stack.product(a, &Self::qkv_parts(b))).flatten()
     }
 
-    /// Stack every block's q / k / v_proj and gate / up_proj weights (`stacked::Stacked`), where
-    /// they are not already. The prefill calls it (eager: never inside a CUDA graph's capture, and
-    /// before any step of its generation is captured), so that each step multiplies once per input.
+    /// What a block's q / k / v stack holds: the three weights, and the layer's input projection
+    /// where it can join them (the same dtype, device and input width).
+    fn qkv_parts(b: &Block) -> Vec<&Tensor> {
+        let mut parts = vec![&b.q_proj.weight, &b.k_proj.weight, &b.v_proj.weight];
+        let q = parts[0];
+        parts.extend(b.attn.input_projection().filter(|w| w.dim() == 2 && w.kind() == q.kind() && w.device() == q.device() && w.size()[1] == q.size()[1]));
+        parts
+    }
+
+    /// Stack every block's q / k / v_proj (with its attention's input projection) and gate /
+    /// up_proj weights (`stacked::Stacked`), where they are not already. The prefill calls it
+    /// (eager: never inside a CUDA graph's capture, and before any step of its generation is
+    /// captured), so that each step multiplies once per input.
     fn stack_projections(&self) {
         for b in &self.layers {
-            b.qkv_stack.stack(&[&b.q_proj.weight, &b.k_proj.weight, &b.v_proj.weight]);
+            b.qkv_stack.stack(&Self::qkv_parts(b));
             b.gate_up_stack.stack(&[&b.gate_proj.ws, &b.up_proj.ws]);
         }
     }
@@ -512,7 +533,7 @@ impl Llama {
         let b = &self.layers[i];
         let (q, k, v) = self.qkv(b, a, cos, sin, pass);
         let kv = LayerKv { model: self, block: b, cos, sin, span: None };
-        Self::layer_variant(b, pass).forward(&Heads { q, k, v, input: a, seg, kv: &kv, train: pass == Pass::Train })
+        Self::layer_variant(b, pass).forward(&Heads { q, k, v, input: a, projected: None, seg, kv: &kv, train: pass == Pass::Train })
     }
 
     /// o_proj of attention heads `[B, H, n, hd]`.
@@ -545,9 +566,9 @@ impl Llama {
         let seg = cache.prefill_segments(n);
         for (i, b) in self.layers.iter().enumerate() {
             let a = self.kv_input(i, &x);
-            let (q, k, v) = self.qkv(b, &a, &cos, &sin, Pass::Eval);
+            let (q, k, v, projected) = self.qkv_projected(b, &a, &cos, &sin, Pass::Eval);
             let kv = LayerKv { model: self, block: b, cos: &cos, sin: &sin, span: None };
-            let o = b.attn.decode(&mut cache.layers[i], &Heads { q, k, v, input: &a, seg: seg.as_ref(), kv: &kv, train: false }, p0);
+            let o = b.attn.decode(&mut cache.layers[i], &Heads { q, k, v, input: &a, projected, seg: seg.as_ref(), kv: &kv, train: false }, p0);
             x = self.layer_finish(i, &x, &o, Pass::Eval);
         }
         cache.len += n;
@@ -566,9 +587,9 @@ impl Llama {
         let mut x = self.embed(ids);
         for (i, b) in self.layers.iter().enumerate() {
             let a = self.kv_input(i, &x);
-            let (q, k, v) = self.qkv(b, &a, &cos, &sin, Pass::Eval);
+            let (q, k, v, projected) = self.qkv_projected(b, &a, &cos, &sin, Pass::Eval);
             let kv = LayerKv { model: self, block: b, cos: &cos, sin: &sin, span: Some(&span) };
-            let o = b.attn.decode_at(&mut cache.layers[i], &Heads { q, k, v, input: &a, seg: None, kv: &kv, train: false }, at)?;
+            let o = b.attn.decode_at(&mut cache.layers[i], &Heads { q, k, v, input: &a, projected, seg: None, kv: &kv, train: false }, at)?;
             x = self.layer_finish(i, &x, &o, Pass::Eval);
         }
         Some(self.final_norm(&x))
@@ -683,7 +704,7 @@ impl Llama {
     pub(crate) fn layer_attention(&self, i: usize, variant: &Layer, a: &Tensor, qkv: (Tensor, Tensor, Tensor), cos: &Tensor, sin: &Tensor, train: bool) -> Tensor {
         let (q, k, v) = qkv;
         let kv = LayerKv { model: self, block: &self.layers[i], cos, sin, span: None };
-        variant.forward(&Heads { q, k, v, input: a, seg: None, kv: &kv, train })
+        variant.forward(&Heads { q, k, v, input: a, projected: None, seg: None, kv: &kv, train })
     }
 
     /// x + attention output (OLMo 2: RMSNorm'd by post_attention_layernorm first).

@@ -210,7 +210,7 @@ impl GptNeox {
     fn attention(&self, layer: &Layer, a: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
         let (q, k, v) = self.qkv(layer, a, cos, sin);
         let kv = LayerKv { model: self, layer, cos, sin, span: None };
-        let o = layer.attn.forward(&Heads { q, k, v, input: a, seg: None, kv: &kv, train: false });
+        let o = layer.attn.forward(&Heads { q, k, v, input: a, projected: None, seg: None, kv: &kv, train: false });
         self.attention_out(layer, &o)
     }
 

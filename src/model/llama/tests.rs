@@ -130,6 +130,25 @@ fn stacked_projections_keep_the_logits_and_follow_updates() {
     assert!(max_diff(&updated, &logits(&fresh)) < 1e-5, "{}", max_diff(&updated, &logits(&fresh)));
 }
 
+/// A STILL student's gate projection joins the q / k / v stack: its prefill (the gate from the
+/// stacked product, `Heads::projected`) equals the full forward (the gate from W_g itself), in f64.
+#[test]
+fn a_still_gate_from_the_stacked_multiply_equals_its_own() {
+    let _rng = crate::testutil::seeded(5);
+    let mut cfg = crate::testutil::tiny_llama(128, Family::Llama);
+    cfg.attention = Attention::Linearized(serde_yaml::from_str("{kind: still, chunk: 8, tokens_per_chunk: 2}").unwrap());
+    let mut vs = tch::nn::VarStore::new(Device::Cpu);
+    let m = Llama::build(&vs.root(), cfg).unwrap();
+    vs.double();
+    let x = (Tensor::arange(2 * 30, (Kind::Int64, Device::Cpu)).view([2, 30]) * 13).remainder(128);
+    let full = tch::no_grad(|| m.logits(&m.hidden(&x)));
+    let mut cache = m.new_cache(2, Kind::Double, Device::Cpu);
+    let got = tch::no_grad(|| m.extend(&mut cache, &x));
+    assert!(m.layers.iter().all(|b| Llama::qkv_parts(b).len() == 4 && b.qkv_stack.get(&Llama::qkv_parts(b)).is_some()), "W_g not stacked");
+    let err = max_diff(&got, &full);
+    assert!(err < 1e-10, "{err}");
+}
+
 use crate::spec::{AttentionImpl, AttentionKind, AttentionSpec, DarAct};
 
 fn load(name: &str) -> (tch::nn::VarStore, Llama) {
@@ -310,6 +329,9 @@ fn dar_cached_decoding_equals_full_forward() {
         }
         let d = max_diff(&Tensor::cat(&got, 1), &full);
         assert!(d < 1e-4, "{name}: {d}");
+        // The decode above took each latent from the stacked multiply (`Heads::projected`), the
+        // forward from W_down itself.
+        assert!(m.layers.iter().all(|b| Llama::qkv_parts(b).len() == 4 && b.qkv_stack.get(&Llama::qkv_parts(b)).is_some()), "{name}: W_down not stacked");
         // The latent cache (dar.md §3): batch 2 × 2 layers × (T·d_down + 2·w·d_kv) f32, d_kv = 2 KV heads × 16.
         assert_eq!(cache.bytes(), 2 * 2 * (12 * 16 + 2 * 3 * 2 * 16) * 4);
     }

@@ -38,7 +38,7 @@ impl GptNeox {
             let a = layer.input_layernorm.forward(&x);
             let (q, k, v) = self.qkv(layer, &a, &cos, &sin);
             let kv = LayerKv { model: self, layer, cos: &cos, sin: &sin, span: None };
-            let o = layer.attn.decode(lc, &Heads { q, k, v, input: &a, seg: seg.as_ref(), kv: &kv, train: false }, p0);
+            let o = layer.attn.decode(lc, &Heads { q, k, v, input: &a, projected: None, seg: seg.as_ref(), kv: &kv, train: false }, p0);
             let mlp = self.mlp(layer, &layer.post_attention_layernorm.forward(&x));
             x = x + self.attention_out(layer, &o) + mlp;
         }
@@ -59,7 +59,7 @@ impl GptNeox {
             let a = layer.input_layernorm.forward(&x);
             let (q, k, v) = self.qkv(layer, &a, &cos, &sin);
             let kv = LayerKv { model: self, layer, cos: &cos, sin: &sin, span: Some(&span) };
-            let o = layer.attn.decode_at(lc, &Heads { q, k, v, input: &a, seg: None, kv: &kv, train: false }, at)?;
+            let o = layer.attn.decode_at(lc, &Heads { q, k, v, input: &a, projected: None, seg: None, kv: &kv, train: false }, at)?;
             let mlp = self.mlp(layer, &layer.post_attention_layernorm.forward(&x));
             x = x + self.attention_out(layer, &o) + mlp;
         }
