@@ -40,10 +40,14 @@ impl Stacked {
         *stack = Some(s);
     }
 
-    /// The stack, where `parts` still are its row blocks.
+    /// The stack, where `parts` still are its row blocks. A stack they have left is dropped (its
+    /// memory is no parameter's any more).
     pub fn get(&self, parts: &[&Tensor]) -> Option<Tensor> {
-        let stack = self.stack.lock().unwrap_or_else(|e| e.into_inner());
-        stack.as_ref().filter(|s| holds(s, parts)).map(Tensor::shallow_clone)
+        let mut stack = self.stack.lock().unwrap_or_else(|e| e.into_inner());
+        if stack.as_ref().is_some_and(|s| !holds(s, parts)) {
+            *stack = None;
+        }
+        stack.as_ref().map(Tensor::shallow_clone)
     }
 
     /// `x·[W₁; W₂; …]ᵀ`, the parts' outputs side by side along the last dim, under
