@@ -13,7 +13,8 @@
 #   call 4 (carry .gpu/attnlab, .gpu/libattnlab_kernels.so and the .gpu/data files below):
 #     OUT=$OUT BUDGET=480 bash scripts/gpu_smollm2.sh [STEP]...
 # Steps (default, in this order): still still-ruler routing lolcats lolcats-ruler; by name: kappa
-# (the κ curve at evaluation time), still-babilong, lolcats-babilong (qa1 / qa2 at 1K). DAR fine-tuning
+# (the κ curve at evaluation time), still-babilong, lolcats-babilong (qa1 / qa2 at 1K); ROUTING (the
+# metrics, e.g. "key_norm random uniform") and ROUTING_SAMPLES narrow `routing`. DAR fine-tuning
 # (issue 37 item 5), by name: ft-d576 ft-d288 ft-d144 ft-d72 ft-vanilla, then ft-ruler. The teacher's
 # (teacher-ruler teacher-babilong teacher-ppl) are committed in results/smollm2/teacher/ and run
 # only when named. .gpu/ holds the lean binary (make gpu-bin) and .gpu/data/ (make gpu-data):
@@ -104,10 +105,6 @@ for s in ${@:-still still-ruler routing lolcats lolcats-ruler}; do
       # The κ curve re-evaluated on the one student (trained at κ 4 of C 64): κ changed at evaluation.
       if [ -f $R/still/DONE ]; then
         for k in 2 8 16 32; do niah "kappa-$k" $R/still 512,1024 $SAMPLES --set attention.tokens_per_chunk=$k; done
-      fi ;;
-    routing-rest) # the metrics a first call had no time for
-      if [ -f $R/still/DONE ]; then
-        for m in key_norm random uniform; do niah "routing-$m" $R/still 512,1024 20 --set attention.routing=$m; done
       fi ;;
     teacher-babilong) babilong $s $G --out $R/teacher ;;
     still-babilong) [ -f $R/still/DONE ] && babilong $s $R/still ;;

@@ -500,11 +500,11 @@ impl Llama {
     }
 
     /// What a block's q / k / v stack holds: the three weights, and the layer's input projection
-    /// where it can join them (the same dtype, device and input width).
+    /// where it can join them (`stacked::stackable` with q's).
     fn qkv_parts(b: &Block) -> Vec<&Tensor> {
         let mut parts = vec![&b.q_proj.weight, &b.k_proj.weight, &b.v_proj.weight];
         let q = parts[0];
-        parts.extend(b.attn.input_projection().filter(|w| w.dim() == 2 && w.kind() == q.kind() && w.device() == q.device() && w.size()[1] == q.size()[1]));
+        parts.extend(b.attn.input_projection().filter(|w| super::stacked::stackable(&[q, w])));
         parts
     }
 

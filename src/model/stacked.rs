@@ -90,7 +90,7 @@ fn grad_enabled() -> bool {
 }
 
 /// Parts that can share a stack: 2-D, contiguous, one input width, dtype and device.
-fn stackable(parts: &[&Tensor]) -> bool {
+pub fn stackable(parts: &[&Tensor]) -> bool {
     let Some(first) = parts.first() else { return false };
     parts.iter().all(|p| p.dim() == 2 && p.is_contiguous() && p.size()[1] == first.size()[1] && p.kind() == first.kind() && p.device() == first.device())
 }

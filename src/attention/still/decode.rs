@@ -350,7 +350,9 @@ impl Hybrid<'_> {
         let (state, z) = (cache.s.shallow_clone(), cache.z.shallow_clone());
         let f = cache.fixed.as_mut().expect("step_at: prepare_at first");
         let (kind, dev, d) = (state.kind(), q.device(), q.size()[3]);
-        let slot = || at.pos.remainder(2 * c);
+        // The new token's ring slot, computed once if the ring or the scores are written here.
+        let slot = std::cell::OnceCell::new();
+        let slot = || slot.get_or_init(|| at.pos.remainder(2 * c));
         // The mixing kernel (csrc/cuda/hybrid_step.cu) computes the logits and φ(q) itself, and from
         // the logits the new token's routing score where it can (`score_in_kernel`); what it leaves
         // is computed here.
@@ -363,8 +365,8 @@ impl Hybrid<'_> {
         let kernel_writes = !aten_logits && crate::kernels::cuda::hybrid_fresh_enabled() && k.size() == q.size() && v.size() == q.size() && k.kind() == q.kind() && v.kind() == q.kind();
         if !kernel_writes {
             let slot = slot();
-            let _ = f.win_k.index_copy_(2, &slot, &k.to_kind(f.win_k.kind()));
-            let _ = f.win_v.index_copy_(2, &slot, &v.to_kind(f.win_v.kind()));
+            let _ = f.win_k.index_copy_(2, slot, &k.to_kind(f.win_k.kind()));
+            let _ = f.win_v.index_copy_(2, slot, &v.to_kind(f.win_v.kind()));
         }
         let qf = aten_logits.then(|| q.to_kind(kind));
         let qs = qf.as_ref().map(|qf| qf * (1.0 / (d as f64).sqrt()));
@@ -381,7 +383,7 @@ impl Hybrid<'_> {
                 }
                 _ => Tensor::zeros([q.size()[0], q.size()[1], 1], (kind, dev)),
             };
-            let _ = f.win_scores.index_copy_(2, &slot(), &score.to_kind(f.win_scores.kind()));
+            let _ = f.win_scores.index_copy_(2, slot(), &score.to_kind(f.win_scores.kind()));
         }
         if fused {
             let cap = f.sel_k.size()[2];
