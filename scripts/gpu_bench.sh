@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/data/ for ruler (make gpu-data), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|hybridvec|hybridfresh|stacked|decode|graphs|absorb|fused|ruler|prefill|pprofile|peers|peers410|profile|dprofile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|hybridvec|hybridfresh|hybridsplit|stacked|decode|ncu|graphs|absorb|fused|ruler|prefill|pprofile|peers|peers410|profile|dprofile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -116,6 +116,12 @@ for what in "${@:-all}"; do
       # default) against two index_copy kernels before it (ATTNLAB_HYBRID_FRESH=0)
       # (decode_hybrid_fresh.jsonl, rows tagged "fresh"). Run `check` first.
       decode_ab ATTNLAB_HYBRID_FRESH fresh decode_hybrid_fresh.jsonl ;;
+    hybridsplit)
+      # Issue 34: STILL (budget) and LoLCATs decode with the mixing kernel split over blocks (a head's
+      # slots in slices of 64 at once, its linear branch in a block of its own; the default) against one
+      # block a head (ATTNLAB_HYBRID_SPLIT=0) (decode_hybrid_split.jsonl, rows tagged "split"). Run
+      # `check` first (its -hybrid-one-block rows beside the split ones).
+      decode_ab ATTNLAB_HYBRID_SPLIT split decode_hybrid_split.jsonl ;;
     stacked)
       # Issue 34: Llama decode (STILL budget, LoLCATs: hybrid Llamas) with q / k / v_proj and gate /
       # up_proj stacked into one multiply each (src/model/stacked.rs, the default) against separate
@@ -289,6 +295,25 @@ PYEOF
         --profile "$P/mma" --attention dar,uniform | grep '^{' | sed 's/^{/{"mma":1,/' >> "$OUT/decode_profiled.jsonl"
       { $PY scripts/profile_table.py "$P" && echo "## ATTNLAB_STEP_MMA=1" && $PY scripts/profile_table.py "$P/mma"; } > "$OUT/decode_profile.md"
       { cat "$P/top_kernels.csv"; tail -n +2 "$P/mma/top_kernels.csv"; } > "$OUT/decode_top_kernels.csv" ;;
+    ncu)
+      # Issue 34: why a decode step's attention kernels take what they take: Nsight Compute's
+      # counters (duration, occupancy, warp stall reasons, memory throughput) of the step's own
+      # kernels (attend_step.cu's step_*, hybrid_step.cu's) for NCU_ATTENTION (vanilla,dar,uniform) at
+      # NCU_LENGTHS (4096,65536), ungraphed, 16 new tokens, one layer's launches after the first token.
+      # Clocks left alone (--clock-control none, ../.library/device/METHOD.md). $OUT/ncu_decode.csv,
+      # summarised per (kind, length, kernel) in ncu_decode.md by scripts/ncu_table.py.
+      : > "$OUT/ncu_decode.csv"
+      for att in $(echo ${NCU_ATTENTION:-vanilla,dar,uniform} | tr , ' '); do
+        for len in $(echo ${NCU_LENGTHS:-4096,65536} | tr , ' '); do
+          echo "== $att $len" >> "$OUT/ncu_decode.csv"
+          ATTNLAB_CUDA_GRAPHS=0 run ncu --clock-control none --kernel-name regex:'step_|hybrid' --launch-skip ${NCU_SKIP:-40} --launch-count ${NCU_COUNT:-8} \
+            --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+            --csv --page raw $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths $len --attention $att --new-tokens 16 --repeats 1 \
+            > "$OUT/ncu-$att-$len.raw" 2>&1
+          grep '^"' "$OUT/ncu-$att-$len.raw" >> "$OUT/ncu_decode.csv"; rm -f "$OUT/ncu-$att-$len.raw"
+        done
+      done
+      $PY scripts/ncu_table.py "$OUT/ncu_decode.csv" > "$OUT/ncu_decode.md" 2>&1 ;;
     peers410)
       # Issue 33's 410M ratio on an 80 GB card, where HF's peer at its micro-batch 32 runs out of
       # memory: both at micro-batch PEER410_BATCH (16), vanilla, interleaved, PEER410_REPEATS (2)

@@ -17,10 +17,12 @@ typedef at::Tensor* tensor;
 // query map's folded matrix W' [H, D, F/2] fp32, from which the kernel computes φ(q) itself (then phi may
 // be null; fmap_kind 1: u = q·W', 2: with the norm re-injection; 0: φ given). k, v, Sel and the gate in
 // q's dtype; the new token's key and value [B, H, 1, D] (ts[14], ts[15], q's dtype, unit last stride),
-// which the kernel writes into the window ring at slot pos mod 2C first (null: the ring holds them).
-// *out: y [B, H, 1, D].
+// which the kernel writes into the window ring at slot pos mod 2C first (null: the ring holds them);
+// ts[16]: one int32 arrival counter a head [B·H], zero (and left zero): the mix split over blocks
+// (hybrid_mix_split), else one block a head (hybrid_mix). gate_sigmoid: the gate came in before its
+// sigmoid. *out: y [B, H, 1, D].
 extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64_t linear, int64_t compensate, int64_t score_kind, int64_t fmap_kind,
-                                    tensor* out) {
+                                    int64_t gate_sigmoid, tensor* out) {
   try {
     const at::Tensor &q = *ts[0], &wk = *ts[2], &wv = *ts[3];
     tensor phi = ts[1], sk = ts[4], sv = ts[5], n_sel = ts[6], gate = ts[9], gamma = ts[10], fmap = ts[13];
@@ -68,6 +70,7 @@ extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64
       TORCH_CHECK(g.size(3) == D && g.stride(3) == 1 && g.scalar_type() == q.scalar_type(), "hybrid_mix: the gate must be [B, H, 1, D] in q's dtype");
       p.g = g.data_ptr();
       p.g_sb = g.stride(0), p.g_sh = g.stride(1);
+      p.gate_sigmoid = gate_sigmoid != 0;
     }
     if (gamma) {
       gm = gamma->to(at::kFloat).contiguous();
@@ -97,7 +100,7 @@ extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64
     p.H = H, p.C = chunk, p.cap = cap, p.D = D, p.F = F;
     p.eps = (float)eps;
     p.scale = 1.f / std::sqrt((float)D);
-    p.linear = linear, p.compensate = compensate;
+    p.linear = linear != 0, p.compensate = compensate != 0;
     at::Tensor y = at::empty({B, H, 1, D}, q.options());
     p.y = y.data_ptr();
     // The 16-byte loads wherever they fit unless ATTNLAB_HYBRID_VEC=0: they pass the gate and decode
@@ -105,16 +108,32 @@ extern "C" char* attnlab_hybrid_mix(tensor* ts, int64_t chunk, double eps, int64
     // H100 (results/bench/2026-12-07-h100, `scripts/gpu_bench.sh hybridvec`).
     const char* vec_switch = std::getenv("ATTNLAB_HYBRID_VEC");
     p.vec = mix_vec_fits(p) && !(vec_switch && std::strcmp(vec_switch, "0") == 0);
-    const size_t smem = mix_smem_floats(D, F, chunk, cap, p.vec) * sizeof(float);
+    // Split over blocks where the caller hands the counters: softmax blocks of kSplitSlots slots
+    // (with a routing score, the first takes the whole window ring), one for the linear branch.
+    constexpr int kSplitSlots = 64;
+    const bool split = ts[16] != nullptr;
+    at::Tensor part, lin_out;
+    if (split) {
+      const at::Tensor& arrived = *ts[16];
+      TORCH_CHECK(arrived.scalar_type() == at::kInt && arrived.is_contiguous() && arrived.numel() == B * H && arrived.device() == q.device(),
+                  "hybrid_mix: the arrival counters must be int32 [B·H] on q's device");
+      p.per = kSplitSlots;
+      p.slices = mix_slices(2 * chunk, 2 * chunk + cap, kSplitSlots, score_kind != kScoreNone);
+      part = at::empty({B * H, p.slices, D + 2}, q.options().dtype(at::kFloat));
+      lin_out = at::empty({B * H, D + 1}, q.options().dtype(at::kFloat));
+      p.part = part.data_ptr<float>(), p.lin_out = lin_out.data_ptr<float>(), p.arrived = arrived.data_ptr<int>();
+    }
+    const size_t smem = (split ? mix_split_smem_floats(D, F, chunk, kSplitSlots, score_kind != kScoreNone, p.vec) : mix_smem_floats(D, F, chunk, cap, p.vec)) * sizeof(float);
     TORCH_CHECK(smem <= 200 * 1024, "hybrid_mix: ", smem, " bytes of shared memory");
     auto stream = c10::cuda::getCurrentCUDAStream();
-    auto launch = [&](auto kernel) {
+    auto launch = [&](auto kernel, dim3 grid) {
       if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      kernel<<<B * H, kMixThreads, smem, stream>>>(p);
+      kernel<<<grid, kMixThreads, smem, stream>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    if (q.scalar_type() == at::kBFloat16) launch(hybrid_mix<__nv_bfloat16>);
-    else if (q.scalar_type() == at::kHalf) launch(hybrid_mix<__half>);
+    const dim3 split_grid(p.slices + p.linear, B * H);
+    if (q.scalar_type() == at::kBFloat16) split ? launch(hybrid_mix_split<__nv_bfloat16>, split_grid) : launch(hybrid_mix<__nv_bfloat16>, dim3(B * H));
+    else if (q.scalar_type() == at::kHalf) split ? launch(hybrid_mix_split<__half>, split_grid) : launch(hybrid_mix<__half>, dim3(B * H));
     else TORCH_CHECK(false, "hybrid_mix: q must be bf16 or fp16, not ", q.scalar_type());
     *out = new at::Tensor(y);
     return nullptr;

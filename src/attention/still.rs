@@ -125,27 +125,31 @@ impl Still {
         self.gate_for(x, false)
     }
 
-    /// The gate of a decode pass: from the model's product of the input with W_g where it made one
-    /// (`Heads::projected`), else [`Still::gate_for`].
-    fn decode_gate(&self, h: &crate::attention::Heads) -> Option<Tensor> {
+    /// The gate of a decode pass before its sigmoid, W_g x `[B, H, T, hd]`: from the model's product
+    /// of the input with W_g where it made one (`Heads::projected`), else as [`Still::gate_for`].
+    fn decode_gate_logits(&self, h: &crate::attention::Heads) -> Option<Tensor> {
         match &h.projected {
             Some(p) => {
                 let (b, t) = (p.size()[0], p.size()[1]);
-                Some(p.sigmoid().view([b, t, self.dims.heads, self.dims.head_dim]).transpose(1, 2))
+                Some(p.view([b, t, self.dims.heads, self.dims.head_dim]).transpose(1, 2))
             }
-            None => self.gate_for(h.input, false),
+            None => self.gate_logits_for(h.input, false),
         }
     }
 
     /// [`Still::gate`] in a training pass (`train`: the adapter's dropout) or not; W_g with its LoRA adapter.
     pub fn gate_for(&self, x: &Tensor, train: bool) -> Option<Tensor> {
+        self.gate_logits_for(x, train).map(|g| g.sigmoid())
+    }
+
+    /// W_g x before the sigmoid, `[B, H, T, hd]`.
+    fn gate_logits_for(&self, x: &Tensor, train: bool) -> Option<Tensor> {
         let w = self.g_proj.as_ref()?.to_kind(x.kind());
         let (b, t) = (x.size()[0], x.size()[1]);
         let g = match &self.g_lora {
             Some(l) => l.forward(&w, x, train),
             None => x.matmul(&w.tr()),
-        }
-        .sigmoid();
+        };
         Some(g.view([b, t, self.dims.heads, self.dims.head_dim]).transpose(1, 2))
     }
 
@@ -232,12 +236,12 @@ impl crate::attention::LayerOp for Still {
 
     fn decode(&self, cache: &mut crate::attention::cache::LayerCache, h: &crate::attention::Heads, _p0: i64) -> Tensor {
         let (k, v) = h.expanded_kv();
-        self.extend(cache.state::<HybridCache>(), &h.q, &k, &v, self.decode_gate(h).as_ref())
+        self.extend(cache.state::<HybridCache>(), &h.q, &k, &v, self.decode_gate_logits(h).map(|g| g.sigmoid()).as_ref())
     }
 
     fn decode_at(&self, cache: &mut crate::attention::cache::LayerCache, h: &crate::attention::Heads, at: &crate::attention::cache::StepAt) -> Option<Tensor> {
         let (k, v) = h.expanded_kv();
-        Some(self.hybrid().step_at(cache.state::<HybridCache>(), &h.q, &k, &v, self.decode_gate(h).as_ref(), at))
+        Some(self.hybrid().step_at(cache.state::<HybridCache>(), &h.q, &k, &v, self.decode_gate_logits(h).as_ref(), at))
     }
 
     fn prepare_at(&self, cache: &mut crate::attention::cache::LayerCache, pos: i64, reserved: i64) {

@@ -719,9 +719,11 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         let hybrid = crate::kernels::cuda::hybrid_kernel_available();
         // Each with its scalar loads (ATTNLAB_HYBRID_VEC=0) and with its 16-byte ones (the default, `-hybrid-vec`),
         // the new key / value written into the window by the kernel (the default) or before it by
-        // index_copy (ATTNLAB_HYBRID_FRESH=0, `-hybrid-written`).
-        for (vec, fresh, suffix) in [("0", "1", "-hybrid-kernel"), ("1", "1", "-hybrid-vec"), ("0", "0", "-hybrid-written")] {
-            with_env(&[("ATTNLAB_HYBRID_KERNEL", "1"), ("ATTNLAB_HYBRID_VEC", vec), ("ATTNLAB_HYBRID_FRESH", fresh)], || {
+        // index_copy (ATTNLAB_HYBRID_FRESH=0, `-hybrid-written`), a head's work split over blocks (the
+        // default) or in one block (ATTNLAB_HYBRID_SPLIT=0, `-hybrid-one-block`).
+        let variants = [("0", "1", "1", "-hybrid-kernel"), ("1", "1", "1", "-hybrid-vec"), ("0", "0", "1", "-hybrid-written"), ("1", "1", "0", "-hybrid-one-block")];
+        for (vec, fresh, split, suffix) in variants {
+            with_env(&[("ATTNLAB_HYBRID_KERNEL", "1"), ("ATTNLAB_HYBRID_VEC", vec), ("ATTNLAB_HYBRID_FRESH", fresh), ("ATTNLAB_HYBRID_SPLIT", split)], || {
                 for name in ["still-budget", "lolcats"] {
                     note(if hybrid { decode_row(name, false, suffix) } else { failed_row(&format!("decode-{name}{suffix}"), "the hybrid mixing kernel is not in the CUDA kernel library (make gpu-kernels)", false) });
                 }

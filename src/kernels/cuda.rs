@@ -16,7 +16,7 @@ type RmsNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, *mu
 type RmsNormInferFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, i64, *mut *mut C_tensor) -> Err;
 type AttendStepFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 type SplitRotateFn = unsafe extern "C" fn(*mut C_tensor, i64, i64, i64, *mut C_tensor, *mut C_tensor, *mut *mut C_tensor) -> Err;
-type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
+type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 
 /// The CUDA-graph entry points (csrc/cuda/graph.cu).
 struct GraphFns {
@@ -384,7 +384,8 @@ pub struct Mix<'a> {
     pub sel: Option<(&'a Tensor, &'a Tensor, &'a Tensor)>,
     pub s: &'a Tensor,
     pub z: &'a Tensor,
-    pub gate: Option<&'a Tensor>,
+    /// The output gate before its sigmoid `[B, H, 1, D]` (the kernel takes σ).
+    pub gate_logits: Option<&'a Tensor>,
     pub gamma: Option<&'a Tensor>,
     pub pos: &'a Tensor,
     pub chunk: i64,
@@ -395,6 +396,10 @@ pub struct Mix<'a> {
     /// The new token's key and value `[B, H, 1, D]` (q's dtype), which the kernel writes into the
     /// window ring at slot pos mod 2C before reading it; `None`: the ring holds them already.
     pub new_kv: Option<(&'a Tensor, &'a Tensor)>,
+    /// One int32 counter a (row, head) `[B·H]`, zero (and left zero): the mix split over blocks, a
+    /// head's slots over several at once and its linear branch in one more ([`hybrid_split_enabled`]);
+    /// `None`: one block a head.
+    pub arrived: Option<&'a Tensor>,
 }
 
 /// The routing scores csrc/cuda/hybrid_step.cuh computes (its kScore* codes): `Scorer::scores`'s over
@@ -420,6 +425,14 @@ pub fn hybrid_mix_enabled(q: &Tensor) -> bool {
 /// 1.04–1.05× / LoLCATs 1.06–1.08× faster at 1K–16K on one H100 (results/bench/2026-12-07-h100).
 pub fn hybrid_fresh_enabled() -> bool {
     switch("ATTNLAB_HYBRID_FRESH", true)
+}
+
+/// Whether the mixing kernel splits a head's work over several blocks (csrc/cuda/hybrid_step.cuh's
+/// hybrid_mix_split: its slots in slices of 64, its linear branch in a block of its own, the last
+/// block to finish merging) where one block a head waited on each in turn; on unless
+/// `ATTNLAB_HYBRID_SPLIT=0`.
+pub fn hybrid_split_enabled() -> bool {
+    switch("ATTNLAB_HYBRID_SPLIT", true)
 }
 
 /// Whether the library holds the hybrid mixing kernel ([`hybrid_mix`] takes it unless
@@ -448,18 +461,20 @@ pub fn hybrid_mix(m: &Mix) -> Option<Result<Tensor>> {
         o(m.sel.map(|s| s.2)),
         p(m.s),
         p(m.z),
-        o(m.gate),
+        o(m.gate_logits),
         o(m.gamma),
         p(m.pos),
         o(m.score.map(|s| s.0)),
         p(m.fq_folded),
         o(m.new_kv.map(|kv| kv.0)),
         o(m.new_kv.map(|kv| kv.1)),
+        o(m.arrived),
     ];
     let score_kind = m.score.map_or(0, |s| s.1 as i64);
     // SAFETY: valid tensor handles (or null where absent), read during the call (the ring of scores
     // and, with new_kv, the window ring written).
-    Some(new_tensor(|out| unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.linear as i64, m.compensate as i64, score_kind, fmap_kind, out) }))
+    // The gate always comes before its sigmoid from this crate (the kernel also takes its values).
+    Some(new_tensor(|out| unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.linear as i64, m.compensate as i64, score_kind, fmap_kind, 1, out) }))
 }
 
 /// Whether the library holds the heads op's kernels ([`split_rotate`] takes them unless

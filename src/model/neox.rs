@@ -70,6 +70,9 @@ struct Layer {
     dense_4h_to_h: nn::Linear,
     /// The layer's attention variant (DAR: with its bottleneck under `attention.`).
     attn: AttentionLayer,
+    /// query_key_value with the attention's input projection (DAR's W_down), stacked for inference
+    /// (`GptNeox::qkv_projected`).
+    qkv_stack: super::stacked::Stacked,
 }
 
 pub struct GptNeox {
@@ -116,6 +119,7 @@ impl GptNeox {
                     dense_h_to_4h: linear(&p / "mlp" / "dense_h_to_4h", d, cfg.ffn, small, true),
                     dense_4h_to_h: linear(&p / "mlp" / "dense_4h_to_h", cfg.ffn, d, wang, true),
                     attn,
+                    qkv_stack: Default::default(),
                 }
             })
             .collect();
@@ -205,6 +209,43 @@ impl GptNeox {
     fn qkv(&self, layer: &Layer, a: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
         let mut qkv = self.heads_of(&layer.query_key_value.forward(a), 3, 2, cos, sin).into_iter();
         (qkv.next().unwrap(), qkv.next().unwrap(), qkv.next().unwrap())
+    }
+
+    /// What a layer's q/k/v stack holds: query_key_value's weight and bias, then the attention's own
+    /// input projection (DAR's W_down, no bias) where it has one that can join (`stacked::stackable`).
+    fn qkv_parts(layer: &Layer) -> (Vec<&Tensor>, Vec<Option<&Tensor>>) {
+        let qkv = &layer.query_key_value.ws;
+        let mut parts = (vec![qkv], vec![layer.query_key_value.bs.as_ref()]);
+        if let Some(w) = layer.attn.input_projection().filter(|w| super::stacked::stackable(&[qkv, w])) {
+            parts.0.push(w);
+            parts.1.push(None);
+        }
+        parts
+    }
+
+    /// Stack every layer's query_key_value with its input projection, where it has one (the
+    /// prefill calls it: eager, before any step of its generation is captured).
+    fn stack_projections(&self) {
+        for layer in &self.layers {
+            let (w, b) = Self::qkv_parts(layer);
+            if w.len() > 1 {
+                layer.qkv_stack.stack_biased(&w, &b);
+            }
+        }
+    }
+
+    /// [`GptNeox::qkv`], and `a`·W_downᵀ (`Heads::projected`) where the two came out of one stacked
+    /// multiply (a decode step: one GEMM a layer fewer).
+    fn qkv_projected(&self, layer: &Layer, a: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor, Option<Tensor>) {
+        let (w, b) = Self::qkv_parts(layer);
+        if let Some(y) = (w.len() > 1).then(|| layer.qkv_stack.product_biased(a, &w, &b)).flatten() {
+            let n = w[0].size()[0];
+            let mut qkv = self.heads_of(&y.narrow(-1, 0, n), 3, 2, cos, sin).into_iter();
+            let projected = y.narrow(-1, n, y.size()[2] - n);
+            return (qkv.next().unwrap(), qkv.next().unwrap(), qkv.next().unwrap(), Some(projected));
+        }
+        let (q, k, v) = self.qkv(layer, a, cos, sin);
+        (q, k, v, None)
     }
 
     fn attention(&self, layer: &Layer, a: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {

@@ -1,5 +1,6 @@
 //! Projections of one input that share one matrix multiply at inference: Llama's q / k / v and
-//! gate / up. A decode step is launch-bound (one token, a few microseconds a GEMM), so three
+//! gate / up, GPT-NeoX's query_key_value with DAR's W_down (biases stacked too, zeros where a part
+//! has none). A decode step is launch-bound (one token, a few microseconds a GEMM), so three
 //! GEMMs of one input cost about three times one.
 //!
 //! The parameters stay what they are (names, shapes, gradients, optimizer slots, checkpoints);
@@ -13,50 +14,77 @@
 use std::sync::Mutex;
 use tch::Tensor;
 
-/// One stack of weights `[Σ rows_i, in]` whose row blocks are the parts' data.
+/// One stack of weights `[Σ rows_i, in]` whose row blocks are the parts' data, and where the parts
+/// have biases, their stack `[Σ rows_i]`.
 #[derive(Default)]
 pub struct Stacked {
-    stack: Mutex<Option<Tensor>>,
+    stack: Mutex<Option<(Tensor, Option<Tensor>)>>,
 }
 
 impl Stacked {
     /// Make `parts` (weights `[rows_i, in]` of one dtype and device) row blocks of one stack, unless
     /// they already are. Not during a CUDA graph capture (it allocates).
     pub fn stack(&self, parts: &[&Tensor]) {
+        self.stack_biased(parts, &[]);
+    }
+
+    /// [`Stacked::stack`] with the parts' biases (`biases`: one per part, `None` for a part without
+    /// one, whose rows then add zeros; empty: no part has a bias).
+    pub fn stack_biased(&self, parts: &[&Tensor], biases: &[Option<&Tensor>]) {
         let mut stack = self.stack.lock().unwrap_or_else(|e| e.into_inner());
-        if stack.as_ref().is_some_and(|s| holds(s, parts)) || !stackable(parts) || std::env::var("ATTNLAB_STACKED").as_deref() == Ok("0") {
+        let fits = biases.is_empty() || (biases.len() == parts.len() && biases.iter().flatten().all(|b| b.size() == [b.size()[0]] && b.kind() == parts[0].kind() && b.device() == parts[0].device()));
+        if stack.as_ref().is_some_and(|s| holds(s, parts, biases)) || !stackable(parts) || !fits || std::env::var("ATTNLAB_STACKED").as_deref() == Ok("0") {
             return;
         }
         let _guard = tch::no_grad_guard();
         let s = Tensor::cat(parts, 0);
+        let sb = (!biases.is_empty()).then(|| {
+            let rows: Vec<Tensor> = parts.iter().zip(biases).map(|(p, b)| b.map_or_else(|| Tensor::zeros([p.size()[0]], (p.kind(), p.device())), |b| b.detach())).collect();
+            Tensor::cat(&rows, 0)
+        });
         let mut row = 0;
-        for p in parts {
+        for (i, p) in parts.iter().enumerate() {
             let rows = p.size()[0];
             // A handle shares the parameter's TensorImpl: every other handle (the VarStore's, the
             // optimizer's) sees the new data.
             p.shallow_clone().set_data(&s.narrow(0, row, rows));
+            if let (Some(sb), Some(Some(b))) = (&sb, biases.get(i)) {
+                b.shallow_clone().set_data(&sb.narrow(0, row, rows));
+            }
             row += rows;
         }
-        *stack = Some(s);
+        *stack = Some((s, sb));
     }
 
     /// The stack, where `parts` still are its row blocks. A stack they have left is dropped (its
     /// memory is no parameter's any more).
     pub fn get(&self, parts: &[&Tensor]) -> Option<Tensor> {
+        self.get_biased(parts, &[]).map(|(w, _)| w)
+    }
+
+    /// [`Stacked::get`] with the biases' stack (`None` where the parts have none), `biases` as
+    /// [`Stacked::stack_biased`] took them.
+    pub fn get_biased(&self, parts: &[&Tensor], biases: &[Option<&Tensor>]) -> Option<(Tensor, Option<Tensor>)> {
         let mut stack = self.stack.lock().unwrap_or_else(|e| e.into_inner());
-        if stack.as_ref().is_some_and(|s| !holds(s, parts)) {
+        if stack.as_ref().is_some_and(|s| !holds(s, parts, biases)) {
             *stack = None;
         }
-        stack.as_ref().map(Tensor::shallow_clone)
+        stack.as_ref().map(|(w, b)| (w.shallow_clone(), b.as_ref().map(Tensor::shallow_clone)))
     }
 
     /// `x·[W₁; W₂; …]ᵀ`, the parts' outputs side by side along the last dim, under
     /// [`Stacked::forward`]'s conditions.
     pub fn product(&self, x: &Tensor, parts: &[&Tensor]) -> Option<Tensor> {
-        if parts.iter().any(|p| p.requires_grad()) && grad_enabled() {
+        self.product_biased(x, parts, &[])
+    }
+
+    /// [`Stacked::product`] plus the parts' biases (as [`Stacked::stack_biased`] took them).
+    pub fn product_biased(&self, x: &Tensor, parts: &[&Tensor], biases: &[Option<&Tensor>]) -> Option<Tensor> {
+        if parts.iter().chain(biases.iter().flatten()).any(|p| p.requires_grad()) && grad_enabled() {
             return None;
         }
-        Some(x.linear::<Tensor>(&self.get(parts)?, None))
+        let (w, b) = self.get_biased(parts, biases)?;
+        Some(x.linear(&w, b.as_ref()))
     }
 
     /// `x·Wᵢᵀ` for every part, by one matrix multiply (views of its output, split along the last
@@ -95,14 +123,24 @@ pub fn stackable(parts: &[&Tensor]) -> bool {
     parts.iter().all(|p| p.dim() == 2 && p.is_contiguous() && p.size()[1] == first.size()[1] && p.kind() == first.kind() && p.device() == first.device())
 }
 
-/// Whether `parts` are, in order, the row blocks of `s` (same storage, offsets, shapes, dtype).
-fn holds(s: &Tensor, parts: &[&Tensor]) -> bool {
+/// Whether `parts` are, in order, the row blocks of the stack's weights (same storage, offsets,
+/// shapes, dtype), and `biases` (empty: none) the blocks of its biases.
+fn holds(stack: &(Tensor, Option<Tensor>), parts: &[&Tensor], biases: &[Option<&Tensor>]) -> bool {
+    let (s, sb) = stack;
+    if biases.is_empty() != sb.is_none() || (!biases.is_empty() && biases.len() != parts.len()) {
+        return false;
+    }
     let (width, elt) = (s.size()[1], s.kind().elt_size_in_bytes());
     let mut row = 0;
-    for p in parts {
+    for (i, p) in parts.iter().enumerate() {
         let offset = (row * width) as usize * elt;
         if p.kind() != s.kind() || p.device() != s.device() || p.size() != [p.size()[0], width] || !p.is_contiguous() || p.data_ptr() as usize != s.data_ptr() as usize + offset {
             return false;
+        }
+        if let (Some(sb), Some(Some(b))) = (sb, biases.get(i)) {
+            if b.kind() != sb.kind() || b.size() != [p.size()[0]] || b.data_ptr() as usize != sb.data_ptr() as usize + row as usize * elt {
+                return false;
+            }
         }
         row += p.size()[0];
     }
@@ -139,6 +177,34 @@ mod tests {
         let _ = w[1].shallow_clone().g_add_scalar_(0.5);
         check(&st);
         assert!(st.get(&parts).unwrap().narrow(0, 4, 2).allclose(&w[1], 0.0, 0.0, false));
+    }
+
+    #[test]
+    fn biases_stack_with_their_weights_and_a_part_without_one_adds_zeros() {
+        let w = weights();
+        let parts: Vec<&Tensor> = w.iter().collect();
+        let _g = crate::testutil::seeded(4);
+        let b: Vec<Tensor> = [4, 2].iter().map(|&r| Tensor::randn([r], (Kind::Double, Device::Cpu))).collect();
+        let biases = [Some(&b[0]), None, Some(&b[1])];
+        let x = Tensor::randn([3, 7, 5], (Kind::Double, Device::Cpu));
+        let st = Stacked::default();
+        st.stack_biased(&parts, &biases);
+        let _ng = tch::no_grad_guard();
+        let check = |st: &Stacked| {
+            let y = st.product_biased(&x, &parts, &biases).expect("stacked");
+            let want = Tensor::cat(&[x.linear(parts[0], Some(&b[0])), x.linear::<Tensor>(parts[1], None), x.linear(parts[2], Some(&b[1]))], -1);
+            assert!(y.allclose(&want, 1e-12, 1e-12, false), "{:?}", (&y - &want).abs().max());
+        };
+        check(&st);
+        // An in-place update of a bias is the stack's too.
+        let _ = b[1].shallow_clone().g_add_scalar_(0.25);
+        check(&st);
+        // Asked without its biases, the stack is not the one that was made.
+        assert!(st.get_biased(&parts, &[]).is_none());
+        st.stack_biased(&parts, &biases);
+        // New data for a bias ends the sharing.
+        b[0].shallow_clone().set_data(&b[0].detach().copy());
+        assert!(st.get_biased(&parts, &biases).is_none());
     }
 
     #[test]

@@ -362,6 +362,16 @@ inline void __syncwarp(unsigned = 0xffffffffu) {
   emu::maybe_hold_back();
 }
 
+// Device-wide memory order and atomics: blocks run one after another here, so a fence has nothing
+// left to order and an atomic only needs to be one among the block's threads.
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline int atomicAdd(int* address, int value) { return std::atomic_ref<int>(*address).fetch_add(value); }
+// A load that bypasses L1 on the GPU (another block's writes of this launch): a plain load here.
+template <typename T>
+T __ldcg(const T* p) {
+  return *p;
+}
+
 // Only full-warp masks are used (and emulated): every lane takes part.
 template <typename T>
 T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {

@@ -17,6 +17,7 @@ struct Case {
   int score;  // kScore*: the routing score the kernel also writes
   int fmap;   // 0: φ(q) given; 1: computed from W' (u = q·W'); 2: with the norm re-injection
   bool fresh = false;  // the new token's key / value handed over, its ring slot stale until the kernel writes it
+  bool gate_logits = false;  // the gate handed over before its sigmoid (the kernel takes σ)
 };
 
 // The routing score (still.md §4, routing.rs) of the token at `pos` of row bh in double, over positions
@@ -128,7 +129,7 @@ bool check(const Case& k, unsigned seed) {
           double num = 0, lin = 0;
           for (size_t i = 0; i < s.size(); ++i) num += std::exp(s[i] - m) * v[i][d];
           for (int f = 0; f < k.F; ++f) lin += phi_ref[bh * k.F + f] * S[(bh * k.F + f) * k.D + d];
-          if (k.gate) lin *= g.ref[bh * k.D + d];
+          if (k.gate) lin *= k.gate_logits ? 1.0 / (1.0 + std::exp(-g.ref[bh * k.D + d])) : g.ref[bh * k.D + d];
           y.push_back((gam * num + lin * lin_scale) / (gam * z_sm + z_lin * lin_scale + 1e-6));
         }
       }
@@ -157,6 +158,7 @@ bool check(const Case& k, unsigned seed) {
   p.S = S.data();
   p.z = z.data();
   p.g = k.gate ? g.dev.data() : nullptr;
+  p.gate_sigmoid = k.gate_logits;
   p.g_sb = int64_t(k.H) * k.D;
   p.g_sh = k.D;
   p.gamma = k.gamma ? gamma.data() : nullptr;
@@ -204,47 +206,70 @@ bool check(const Case& k, unsigned seed) {
     p.nk_sb = p.nv_sb = int64_t(k.H) * 2 * k.D;
   }
   const auto want = reference(0), planted = reference(k.C);
-  bool ok = true;
-  for (int vec = fits; vec >= 0; --vec) {
-    p.vec = vec;
-    if (k.fresh) stale_slot();
-    emu::launch(hybrid_mix<Bf>, dim3(k.B * k.H), dim3(kMixThreads), mix_smem_floats(k.D, k.F, k.C, k.cap, vec) * sizeof(float), p);
-    std::vector<double> got;
-    for (auto v : y) got.push_back(emu_test::from_half(v));
-    const std::string name = std::string(k.name) + (vec ? ", 16-byte loads" : "");
-    ok &= emu_test::verdict(name, emu_test::rel_err(got, want), emu_test::rel_err(planted, want), 1.6e-2);
-    if (k.fresh) {
-      // The ring's slot now holds the new token's rows, bit for bit.
-      // (Planted: the stale slot, as a kernel that skips the write leaves it.)
-      std::vector<double> slot_got, slot_want, slot_stale;
-      for (size_t bh = 0; bh < size_t(k.B) * k.H; ++bh)
-        for (int d = 0; d < k.D; ++d) {
-          const size_t at = (bh * W2 + slot) * k.D + d;
-          slot_got.insert(slot_got.end(), {emu_test::from_half(wk.dev[at]), emu_test::from_half(wv.dev[at])});
-          slot_want.insert(slot_want.end(), {wk.ref[at], wv.ref[at]});
-          slot_stale.insert(slot_stale.end(), {9.0, -9.0});
-        }
-      ok &= emu_test::verdict(name + ": new rows in the ring", emu_test::rel_err(slot_got, slot_want), emu_test::rel_err(slot_stale, slot_want), 0.0);
-    }
-  }
-  if (k.score) {
+  const char* names[] = {"", "self-saliency", "a_tt", "own logit"};
+  // The routing score the last launch wrote at the new token's slot (the others kept as they were),
+  // then the slot set back, so that the next launch must write it again.
+  auto score_ok = [&](const std::string& name) {
+    if (!k.score) return true;
     std::vector<double> got_score, want_score, planted_score;
     bool others_kept = true;
     for (size_t bh = 0; bh < size_t(k.B) * k.H; ++bh)
       for (int i = 0; i < W2; ++i) {
-        const float x = score[bh * W2 + i];
+        float& x = score[bh * W2 + i];
         if (i != k.pos % W2) {
           others_kept &= x == kept;
           continue;
         }
         got_score.push_back(x);
+        x = kept;
         want_score.push_back(score_reference(k.score, q.ref, wk.ref, bh, k.C, k.D, k.pos, false));
         planted_score.push_back(score_reference(k.score, q.ref, wk.ref, bh, k.C, k.D, k.pos, true));
       }
-    const char* names[] = {"", "self-saliency", "a_tt", "own logit"};
-    ok &= emu_test::verdict(std::string(k.name) + ": " + names[k.score] + " score", others_kept ? emu_test::rel_err(got_score, want_score) : INFINITY,
-                            emu_test::rel_err(planted_score, want_score), 1e-3);
-  }
+    return emu_test::verdict(name + ": " + names[k.score] + " score", others_kept ? emu_test::rel_err(got_score, want_score) : INFINITY,
+                             emu_test::rel_err(planted_score, want_score), 1e-3);
+  };
+  // hybrid_mix_split's workspace: slices of `per` slots (several a head at every case's shape), the
+  // arrival counters zero, as the caller hands them.
+  const int per = std::max(8, k.C);
+  const bool whole = k.score != kScoreNone;
+  const int slices = mix_slices(W2, W2 + k.cap, per, whole);
+  std::vector<float> part(size_t(k.B) * k.H * slices * (k.D + 2), NAN), lin_out(size_t(k.B) * k.H * (k.D + 1), NAN);
+  std::vector<int> arrived(size_t(k.B) * k.H, 0);
+  bool ok = true;
+  for (int split = 0; split <= 1; ++split)
+    for (int vec = fits; vec >= 0; --vec) {
+      p.vec = vec;
+      if (k.fresh) stale_slot();
+      std::string name = std::string(k.name) + (vec ? ", 16-byte loads" : "");
+      if (split) {
+        p.per = per, p.slices = slices, p.part = part.data(), p.lin_out = lin_out.data(), p.arrived = arrived.data();
+        name += ", split over " + std::to_string(slices + k.linear) + " blocks a head";
+        emu::launch(hybrid_mix_split<Bf>, dim3(slices + k.linear, k.B * k.H), dim3(kMixThreads), mix_split_smem_floats(k.D, k.F, k.C, per, whole, vec) * sizeof(float), p);
+        // Every head's counter is back at zero for the next launch (planted: one arrival short of it).
+        std::vector<double> counts(arrived.begin(), arrived.end()), zeros(counts.size(), 0.0), planted_counts(counts.size(), double(slices + k.linear - 1));
+        ok &= emu_test::verdict(name + ": counters reset", emu_test::rel_err(counts, zeros), emu_test::rel_err(planted_counts, zeros), 0.0);
+      } else {
+        emu::launch(hybrid_mix<Bf>, dim3(k.B * k.H), dim3(kMixThreads), mix_smem_floats(k.D, k.F, k.C, k.cap, vec) * sizeof(float), p);
+      }
+      std::vector<double> got;
+      for (auto v : y) got.push_back(emu_test::from_half(v));
+      ok &= emu_test::verdict(name, emu_test::rel_err(got, want), emu_test::rel_err(planted, want), 1.6e-2);
+      std::fill(y.begin(), y.end(), emu_test::to_half<Bf>(NAN));
+      if (k.fresh) {
+        // The ring's slot now holds the new token's rows, bit for bit.
+        // (Planted: the stale slot, as a kernel that skips the write leaves it.)
+        std::vector<double> slot_got, slot_want, slot_stale;
+        for (size_t bh = 0; bh < size_t(k.B) * k.H; ++bh)
+          for (int d = 0; d < k.D; ++d) {
+            const size_t at = (bh * W2 + slot) * k.D + d;
+            slot_got.insert(slot_got.end(), {emu_test::from_half(wk.dev[at]), emu_test::from_half(wv.dev[at])});
+            slot_want.insert(slot_want.end(), {wk.ref[at], wv.ref[at]});
+            slot_stale.insert(slot_stale.end(), {9.0, -9.0});
+          }
+        ok &= emu_test::verdict(name + ": new rows in the ring", emu_test::rel_err(slot_got, slot_want), emu_test::rel_err(slot_stale, slot_want), 0.0);
+      }
+      ok &= score_ok(name);
+    }
   return ok;
 }
 
@@ -278,6 +303,10 @@ bool all_cases() {
       {"STILL, budget shape, fresh", 2, 2, 64, 384, 64, 128, 3000, 300, false, true, true, true, kScoreSelfSaliency, 2, true},
       {"LoLCATs, mid-chunk, fresh", 2, 3, 16, 0, 64, 128, 77, 0, true, false, true, false, kScoreNone, 0, true},
       {"STILL, D 20, fresh", 1, 3, 8, 6, 20, 40, 37, 6, false, true, true, true, kScoreSelfSaliency, 0, true},
+      // The gate before its sigmoid (σ in the kernel), at the budget shape and with no score (the
+      // window split over blocks too).
+      {"STILL, budget shape, σ(g) here", 1, 2, 64, 384, 64, 128, 3000, 300, false, true, true, true, kScoreSelfSaliency, 2, true, true},
+      {"STILL, random routing, σ(g) here", 2, 2, 16, 24, 64, 128, 200, 20, false, true, true, true, kScoreNone, 2, true, true},
   };
   bool ok = true;
   unsigned seed = 51;

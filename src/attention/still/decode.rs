@@ -50,7 +50,11 @@ struct Fixed {
     /// The query feature map's folded matrix `[H, D, F/2]` (fp32) for the mixing kernel, made once
     /// with the fixed form (the parameters do not change during a generation).
     fq_folded: Tensor,
+    /// One int32 arrival counter a (row, head), zero between steps: the mixing kernel split over
+    /// blocks counts its blocks in on it (`kernels::cuda::Mix::arrived`).
+    arrived: Tensor,
 }
+
 
 impl crate::attention::cache::KindCache for HybridCache {
     fn bytes(&self) -> i64 {
@@ -333,6 +337,7 @@ impl Hybrid<'_> {
             win_scores: ring(&cache.win_scores),
             routed,
             fq_folded: self.fq.folded_linear(Kind::Float),
+            arrived: Tensor::zeros([b * h], (Kind::Int, dev)),
         });
         // The growing form's tensors are stale while the fixed one is in use.
         let empty = |x: &Tensor| x.narrow(2, 0, 0);
@@ -344,7 +349,9 @@ impl Hybrid<'_> {
     /// what [`Hybrid::step`] returns, with every shape fixed and nothing read back to the host, so
     /// that a CUDA graph captures it. The ring's slot of chunk c−2 that this token takes was routed
     /// by `prepare_at`; slots the window does not hold are masked.
-    pub fn step_at(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>, at: &crate::attention::cache::StepAt) -> Tensor {
+    /// `gate_logits`: the output gate before its sigmoid, W_g x `[B, H, 1, D]` (the mixing kernel
+    /// takes σ itself: one kernel a layer fewer).
+    pub fn step_at(&self, cache: &mut HybridCache, q: &Tensor, k: &Tensor, v: &Tensor, gate_logits: Option<&Tensor>, at: &crate::attention::cache::StepAt) -> Tensor {
         let _guard = tch::no_grad_guard();
         let c = self.chunk;
         let (state, z) = (cache.s.shallow_clone(), cache.z.shallow_clone());
@@ -372,17 +379,15 @@ impl Hybrid<'_> {
         let qs = qf.as_ref().map(|qf| qf * (1.0 / (d as f64).sqrt()));
         let s_win = qs.as_ref().map(|qs| qs.matmul(&f.win_k.to_kind(kind).transpose(-2, -1))); // [B, H, 1, 2C]
 
-        // The new token's score over its C most recent keys (positions pos − C + 1 .. pos).
-        if score_in_kernel.is_none() {
-            let score = match (scorer, &s_win) {
-                (Some(sc), Some(s_win)) => {
-                    let recent = Tensor::arange(c, (Kind::Int64, dev)) + (&at.pos - (c - 1));
-                    let valid = recent.ge(0).view([1, c]);
-                    let s_w = s_win.index_select(-1, &recent.remainder(2 * c)).masked_fill(&valid.logical_not(), 0.0);
-                    sc.scores(&s_w, &valid, &k.to_kind(kind), &at.pos)
-                }
-                _ => Tensor::zeros([q.size()[0], q.size()[1], 1], (kind, dev)),
-            };
+        // The new token's score over its C most recent keys (positions pos − C + 1 .. pos). Without
+        // a scorer the ring holds zeros from `fix` on and keeps them; a score of the position alone
+        // (random, uniform) is recomputed wherever it is read (`prepare_at`, `settle`): neither is
+        // written here (three kernels a layer fewer).
+        if let (None, Some(sc), Some(s_win)) = (score_in_kernel, scorer, &s_win) {
+            let recent = Tensor::arange(c, (Kind::Int64, dev)) + (&at.pos - (c - 1));
+            let valid = recent.ge(0).view([1, c]);
+            let s_w = s_win.index_select(-1, &recent.remainder(2 * c)).masked_fill(&valid.logical_not(), 0.0);
+            let score = sc.scores(&s_w, &valid, &k.to_kind(kind), &at.pos);
             let _ = f.win_scores.index_copy_(2, slot(), &score.to_kind(f.win_scores.kind()));
         }
         if fused {
@@ -396,7 +401,7 @@ impl Hybrid<'_> {
                 sel: (cap > 0).then_some((&f.sel_k, &f.sel_v, &f.n_sel_at)),
                 s: &state,
                 z: &z,
-                gate: g,
+                gate_logits,
                 gamma: self.gamma.as_ref(),
                 pos: &at.pos,
                 chunk: c,
@@ -405,6 +410,7 @@ impl Hybrid<'_> {
                 compensate: self.compensate,
                 score: score_in_kernel.map(|kind| (&f.win_scores, kind)),
                 new_kv: kernel_writes.then_some((k, v)),
+                arrived: crate::kernels::cuda::hybrid_split_enabled().then_some(&f.arrived),
             };
             // Some: `fused` asked hybrid_mix_enabled (and the score, if the kernel took it, is written).
             let y = crate::kernels::cuda::hybrid_mix(&m).expect("the mixing kernel is enabled");
@@ -424,7 +430,8 @@ impl Hybrid<'_> {
             logits.push(qs.matmul(&f.sel_k.to_kind(kind).transpose(-2, -1)).masked_fill(&filled.logical_not(), f64::NEG_INFINITY));
             values.push(f.sel_v.to_kind(kind));
         }
-        self.mix(&logits, &values, &qf, g, &state, &z).to_kind(q.kind())
+        let g = gate_logits.map(Tensor::sigmoid);
+        self.mix(&logits, &values, &qf, g.as_ref(), &state, &z).to_kind(q.kind())
     }
 
     /// Fold the first `count` window tokens (weighted by `lin` `[B, H, count, 1]`) into S, z and drop them.

@@ -30,6 +30,7 @@ impl GptNeox {
     pub fn extend_hidden(&self, cache: &mut NeoxCache, ids: &Tensor) -> Tensor {
         let n = ids.size()[1];
         let p0 = cache.len;
+        self.stack_projections();
         let (cos, sin) = self.rope.tables(p0, n, ids.device());
         let mut x = Tensor::embedding(&self.embed_in, ids, -1, false, false);
         // Left-padded rows: their filler is a document of its own in the prefill.
@@ -57,9 +58,9 @@ impl GptNeox {
         let mut x = Tensor::embedding(&self.embed_in, ids, -1, false, false);
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let a = layer.input_layernorm.forward(&x);
-            let (q, k, v) = self.qkv(layer, &a, &cos, &sin);
+            let (q, k, v, projected) = self.qkv_projected(layer, &a, &cos, &sin);
             let kv = LayerKv { model: self, layer, cos: &cos, sin: &sin, span: Some(&span) };
-            let o = layer.attn.decode_at(lc, &Heads { q, k, v, input: &a, projected: None, seg: None, kv: &kv, train: false }, at)?;
+            let o = layer.attn.decode_at(lc, &Heads { q, k, v, input: &a, projected, seg: None, kv: &kv, train: false }, at)?;
             let mlp = self.mlp(layer, &layer.post_attention_layernorm.forward(&x));
             x = x + self.attention_out(layer, &o) + mlp;
         }
@@ -188,22 +189,32 @@ mod tests {
             let (_vs, m) = build(cfg(kind, d_down, w), 24);
             let x = ids(2, 16);
             let full = m.forward(&x);
-            let mut cache = m.new_cache(2, tch::Kind::Double, tch::Device::Cpu);
-            cache.reserve(16);
-            // DAR: spans of 10 slots and more read the latents through the absorbed k / v map,
-            // shorter ones rebuild their keys and values: both paths, switching mid-way.
-            if matches!(kind, AttentionKind::Dar | AttentionKind::Uniform) {
-                cache.layers.iter_mut().for_each(|l| l.state::<DarCache>().set_absorb_from(10));
+            // With autograd on, every projection multiplies on its own; under no_grad, DAR's and
+            // uniform's W_down joins query_key_value's multiply (`Heads::projected`).
+            for grad in [true, false] {
+                let _g = (!grad).then(tch::no_grad_guard);
+                let mut cache = m.new_cache(2, tch::Kind::Double, tch::Device::Cpu);
+                cache.reserve(16);
+                // DAR: spans of 10 slots and more read the latents through the absorbed k / v map,
+                // shorter ones rebuild their keys and values: both paths, switching mid-way.
+                if matches!(kind, AttentionKind::Dar | AttentionKind::Uniform) {
+                    cache.layers.iter_mut().for_each(|l| l.state::<DarCache>().set_absorb_from(10));
+                }
+                let _ = m.extend(&mut cache, &x.narrow(1, 0, 4));
+                for t in 4..16 {
+                    let at = StepAt { pos: Tensor::from_slice(&[t]), span: if t % 2 == 0 { t + 1 } else { 16 } };
+                    let h = m.extend_hidden_at(&mut cache, &x.narrow(1, t, 1), &at).expect("GPT-NeoX's softmax kinds step on the device");
+                    cache.advance(1);
+                    let got = m.logits(&h);
+                    assert!(err(&got, &full.narrow(1, t, 1)) < 1e-10, "{kind:?} w={w} grad {grad} step {t}: {}", err(&got, &full.narrow(1, t, 1)));
+                }
+                assert_eq!(cache.len, 16);
+                let stacked = m.layers.iter().all(|l| {
+                    let (w, b) = super::GptNeox::qkv_parts(l);
+                    w.len() == 2 && l.qkv_stack.get_biased(&w, &b).is_some()
+                });
+                assert_eq!(stacked, matches!(kind, AttentionKind::Dar | AttentionKind::Uniform), "{kind:?}: W_down stacked with query_key_value");
             }
-            let _ = m.extend(&mut cache, &x.narrow(1, 0, 4));
-            for t in 4..16 {
-                let at = StepAt { pos: Tensor::from_slice(&[t]), span: if t % 2 == 0 { t + 1 } else { 16 } };
-                let h = m.extend_hidden_at(&mut cache, &x.narrow(1, t, 1), &at).expect("GPT-NeoX's softmax kinds step on the device");
-                cache.advance(1);
-                let got = m.logits(&h);
-                assert!(err(&got, &full.narrow(1, t, 1)) < 1e-10, "{kind:?} w={w} step {t}: {}", err(&got, &full.narrow(1, t, 1)));
-            }
-            assert_eq!(cache.len, 16);
             // The span is honoured: too short a span drops keys the token must read.
             let mut short = m.new_cache(2, tch::Kind::Double, tch::Device::Cpu);
             short.reserve(16);
