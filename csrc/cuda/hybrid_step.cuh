@@ -137,6 +137,18 @@ __device__ __forceinline__ void routing_score(const MixParams& p, const float* e
   __syncthreads();  // every read of e[] done before the caller overwrites it with the weights
 }
 
+// One warp's max / sum of x over its lanes (every lane gets it).
+__device__ __forceinline__ float mix_warp_max(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, off));
+  return x;
+}
+__device__ __forceinline__ float mix_warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffff, x, off);
+  return x;
+}
+
 // φ(q) from u = qr·W'_h already in phi[0, F/2) (f2 = this thread's share of ‖u‖², over the f it
 // wrote): clamp_min([softmax(u) ⊕ softmax(−u)], 1e-12), u first rescaled to ‖qr‖ with the norm
 // re-injection (feature_maps.rs). Block-wide.
@@ -192,8 +204,10 @@ __host__ __device__ inline int fmap_groups(int F) {
 __host__ __device__ inline int64_t fmap_scratch_floats(int F) { return (int64_t)(F / 2) * fmap_groups(F); }
 
 // feature_map with its product split over fmap_groups(F) groups of dims (`scratch`: fmap_scratch_floats),
-// so that a thread's loads of W' are about D / groups, all in flight, not D in rounds of 8.
-__device__ __forceinline__ void feature_map_split(const MixParams& p, const float* qr, int h, float* phi, float* red, float* scratch) {
+// so that a thread's loads of W' are about D / groups, all in flight, not D in rounds of 8; and its
+// norms and softmaxes by warp 0 alone, by shuffles (two block barriers in all, where feature_softmax
+// takes up to twelve). Block-wide.
+__device__ __forceinline__ void feature_map_split(const MixParams& p, const float* qr, int h, float* phi, float* scratch) {
   const int Fh = p.F / 2, DG = fmap_groups(p.F), per_d = (p.D + DG - 1) / DG;
   const float* W = p.fmap + (int64_t)h * p.D * Fh;
   for (int t = threadIdx.x; t < Fh * DG; t += kMixThreads) {
@@ -204,14 +218,33 @@ __device__ __forceinline__ void feature_map_split(const MixParams& p, const floa
     scratch[t] = u;
   }
   __syncthreads();
-  float f2 = 0.f;
-  for (int f = threadIdx.x; f < Fh; f += kMixThreads) {
-    float u = 0.f;
-    for (int g = 0; g < DG; ++g) u += scratch[g * Fh + f];
-    phi[f] = u;
-    f2 += u * u;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    // Each lane reads back only the u it wrote.
+    float f2 = 0.f, x2 = 0.f;
+    for (int f = lane; f < Fh; f += 32) {
+      float u = 0.f;
+      for (int g = 0; g < DG; ++g) u += scratch[g * Fh + f];
+      phi[f] = u;
+      f2 += u * u;
+    }
+    for (int d = lane; d < p.D; d += 32) x2 += qr[d] * qr[d];
+    const float scale = p.fmap_reinject ? sqrtf(mix_warp_sum(x2)) / fmaxf(sqrtf(mix_warp_sum(f2)), 1e-12f) : 1.f;
+    float mp = -INFINITY, mn = -INFINITY;
+    for (int f = lane; f < Fh; f += 32) mp = fmaxf(mp, phi[f] * scale), mn = fmaxf(mn, -phi[f] * scale);
+    mp = mix_warp_max(mp);
+    mn = mix_warp_max(mn);
+    float sp = 0.f, sn = 0.f;
+    for (int f = lane; f < Fh; f += 32) sp += expf(phi[f] * scale - mp), sn += expf(-phi[f] * scale - mn);
+    sp = mix_warp_sum(sp);
+    sn = mix_warp_sum(sn);
+    for (int f = lane; f < Fh; f += 32) {
+      const float u = phi[f] * scale;
+      phi[f] = fmaxf(expf(u - mp) / sp, 1e-12f);
+      phi[Fh + f] = fmaxf(expf(-u - mn) / sn, 1e-12f);
+    }
   }
-  feature_softmax(p, qr, phi, f2, red);
+  __syncthreads();  // φ complete before any thread reads it
 }
 
 template <typename T>
@@ -385,6 +418,41 @@ __host__ __device__ inline int64_t mix_smem_floats(int D, int F, int C, int cap,
   return (int64_t)D + F + 2 * C + cap + kMixThreads / 32 + 2 * gd;
 }
 
+// routing_score by one warp, its reductions by shuffles alone (no block barrier: the block's other
+// warps go on): the caller's warp 0, once the ring's logits e[0, 2C) are published, and nothing
+// overwrites them before the warp is done.
+__device__ __forceinline__ void routing_score_warp(const MixParams& p, const float* e, int64_t pos, int b, int h) {
+  const int W2 = 2 * p.C, self = (int)(pos % W2), lane = threadIdx.x & 31;
+  const int64_t first = max((int64_t)0, pos - p.C + 1);
+  float ma = -INFINITY, mb = -INFINITY;
+  for (int i = lane; i < W2; i += 32)
+    if (slot_position(pos, i, W2) >= first) {
+      ma = fmaxf(ma, e[i]);
+      if (i != self) mb = fmaxf(mb, e[i]);
+    }
+  ma = mix_warp_max(ma);
+  mb = mix_warp_max(mb);
+  float sa = 0.f, sb = 0.f;
+  for (int i = lane; i < W2; i += 32)
+    if (slot_position(pos, i, W2) >= first) {
+      sa += expf(e[i] - ma);
+      if (i != self) sb += expf(e[i] - mb);
+    }
+  sa = mix_warp_sum(sa);
+  sb = mix_warp_sum(sb);
+  float sc = p.score_kind == kScoreSelfLogit ? e[self] : expf(e[self] - ma) / sa;
+  if (p.score_kind == kScoreSelfSaliency) {
+    float part = 0.f;
+    for (int i = lane; i < W2; i += 32)
+      if (slot_position(pos, i, W2) >= first) {
+        const float a = expf(e[i] - ma) / sa, bq = i != self && sb > 0.f ? expf(e[i] - mb) / sb : 0.f;
+        part += a * logf((a + kScoreEps) / (bq + kScoreEps));
+      }
+    sc = mix_warp_sum(part);
+  }
+  if (lane == 0) p.score[b * p.sc_sb + h * p.sc_sh + self] = sc;
+}
+
 // ---- The mix split over blocks (hybrid_mix_split: the launch's choice where the caller hands the
 // arrival counters; hybrid_mix above is one block a head) ----
 // Block (r, b·H + h) for r < slices: slice r's slots, their logits, max m_r, l_r = Σ e^{logit − m_r}
@@ -417,11 +485,11 @@ __host__ __device__ inline int mix_widest_slice(int W2, int per, bool whole_wind
 __host__ __device__ inline int mix_groups(int D, bool vec) { return vec ? kMixThreads / (D / 8) : (kMixThreads / D > 1 ? kMixThreads / D : 1); }
 
 // Shared memory of one hybrid_mix_split block, in floats: the larger of a softmax block's (q, the
-// slice's weights, the reduction's partials, the groups' Σ e·v) and the linear block's (φ(q), the raw
+// slice's logits and weights, the reduction's partials, the groups' Σ e·v) and the linear block's (φ(q), the raw
 // q, the partials, the product's scratch, the groups' φ·S).
 __host__ __device__ inline int64_t mix_split_smem_floats(int D, int F, int C, int per, bool whole_window, bool vec) {
   const int64_t gd = (int64_t)mix_groups(D, vec) * D;
-  const int64_t softmax = D + mix_widest_slice(2 * C, per, whole_window) + kMixThreads / 32 + gd;
+  const int64_t softmax = D + 2 * (int64_t)mix_widest_slice(2 * C, per, whole_window) + kMixThreads / 32 + gd;
   const int64_t linear = F + D + kMixThreads / 32 + fmap_scratch_floats(F) + (int64_t)mix_groups(D, D % 8 == 0 && D / 8 <= kMixThreads) * D;
   return softmax > linear ? softmax : linear;
 }
@@ -453,6 +521,58 @@ __device__ __forceinline__ const T* mix_row(const MixParams& p, const void* win,
   return static_cast<const T*>(sel) + b * p.s_sb + h * p.s_sh + (int64_t)(i - W2) * p.s_ss;
 }
 
+// 8 consecutive values of a row as floats: one 16-byte load of 16-bit ones, or 8 floats.
+template <typename T>
+__device__ __forceinline__ void load8(const T* r, float* x) {
+  const Pack8 pv = *reinterpret_cast<const Pack8*>(r);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) x[k] = pack_at<T>(pv, k);
+}
+__device__ __forceinline__ void load8(const float* r, float* x) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) x[k] = r[k];
+}
+__device__ __forceinline__ float as_f(float x) { return x; }
+template <typename T>
+__device__ __forceinline__ float as_f(T x) { return to_f(x); }
+
+// Σ_i weight[i]·row(i)[d] over i < n by the block's mix_groups(D, wide) groups of threads (group g
+// every G-th i; 8 dims a thread where `wide`, else one), into out[g·D + d]: the caller adds the groups
+// after a barrier. A weight of 0 reads nothing.
+template <typename RowFn>
+__device__ __forceinline__ void grouped_sums(int n, int D, bool wide, const float* weight, RowFn row, float* out) {
+  const int G = mix_groups(D, wide);
+  if (wide) {
+    const int chunks = D / 8;
+    for (int t = threadIdx.x; t < G * chunks; t += kMixThreads) {
+      const int g = t / chunks, c = t % chunks;
+      float acc[8] = {};
+#pragma unroll 4
+      for (int i = g; i < n; i += G) {
+        const float x = weight[i];
+        if (x == 0.f) continue;
+        float v[8];
+        load8(row(i) + 8 * c, v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] += x * v[k];
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) out[g * D + 8 * c + k] = acc[k];
+    }
+  } else {
+    for (int t = threadIdx.x; t < G * D; t += kMixThreads) {
+      const int g = t / D, d = t % D;
+      float acc = 0.f;
+#pragma unroll 4
+      for (int i = g; i < n; i += G) {
+        const float x = weight[i];
+        if (x != 0.f) acc += x * as_f(row(i)[d]);
+      }
+      out[t] = acc;
+    }
+  }
+}
+
 // A softmax block: slice r's (m_r, l_r, num_r) into p.part.
 template <typename T>
 __device__ __forceinline__ void mix_slice_block(const MixParams& p, int b, int h, int r, float* sh) {
@@ -460,10 +580,12 @@ __device__ __forceinline__ void mix_slice_block(const MixParams& p, int b, int h
   const bool whole = p.score_kind != kScoreNone;
   const MixSlice sl = mix_slice(r, W2, n, p.per, whole);
   const int len = sl.end - sl.begin;
-  float* qs = sh;                                      // [D]
-  float* e = qs + p.D;                                 // [widest slice]: logits, then exponentials
-  float* red = e + mix_widest_slice(W2, p.per, whole);  // [kMixThreads / 32]
-  float* num_part = red + kMixThreads / 32;            // [G·D]
+  const int widest = mix_widest_slice(W2, p.per, whole);
+  float* qs = sh;                            // [D]
+  float* e = qs + p.D;                       // [widest slice]: logits
+  float* wgt = e + widest;                   // [widest slice]: their exponentials
+  float* red = wgt + widest;                 // [kMixThreads / 32]
+  float* num_part = red + kMixThreads / 32;  // [G·D]
   const int64_t pos = *p.pos;
   if (p.new_k) {
     // Only the block whose slice holds the new token's slot reads it.
@@ -489,44 +611,19 @@ __device__ __forceinline__ void mix_slice_block(const MixParams& p, int b, int h
     mx = fmaxf(mx, s);
   }
   const float m = block_reduce<kMixThreads, true>(mx, red);  // its barriers also publish e[]
-  if (whole && r == 0) routing_score(p, e, pos, b, h, red);
+  // Warp 0 scores the new token from the logits while the others weigh them (into wgt: e[] stays).
+  if (whole && r == 0 && threadIdx.x < 32) routing_score_warp(p, e, pos, b, h);
   float part = 0.f;
   for (int j = threadIdx.x; j < len; j += kMixThreads) {
     const float x = e[j] == -INFINITY ? 0.f : __expf(e[j] - m);
-    e[j] = x;
+    wgt[j] = x;
     part += x;
   }
-  const float l = block_reduce<kMixThreads, false>(part, red);  // its barriers also publish e[]
+  const float l = block_reduce<kMixThreads, false>(part, red);  // its barriers also publish wgt[]
   // Σ e·v by groups of slots as hybrid_mix's; a weight of 0 (a masked slot) reads nothing.
   const int G = mix_groups(p.D, p.vec);
-  if (p.vec) {
-    const int chunks = p.D / 8;
-    for (int t = threadIdx.x; t < G * chunks; t += kMixThreads) {
-      const int g = t / chunks, c = t % chunks;
-      float num[8] = {};
-#pragma unroll 4
-      for (int j = g; j < len; j += G) {
-        const float x = e[j];
-        if (x == 0.f) continue;
-        const Pack8 pv = *reinterpret_cast<const Pack8*>(mix_row<T>(p, p.wv, p.sv, b, h, sl.begin + j) + 8 * c);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) num[k] += x * pack_at<T>(pv, k);
-      }
-#pragma unroll
-      for (int k = 0; k < 8; ++k) num_part[g * p.D + 8 * c + k] = num[k];
-    }
-  } else {
-    for (int t = threadIdx.x; t < G * p.D; t += kMixThreads) {
-      const int g = t / p.D, d = t % p.D;
-      float num = 0.f;
-#pragma unroll 4
-      for (int j = g; j < len; j += G) {
-        const float x = e[j];
-        if (x != 0.f) num += x * to_f(mix_row<T>(p, p.wv, p.sv, b, h, sl.begin + j)[d]);
-      }
-      num_part[t] = num;
-    }
-  }
+  grouped_sums(
+      len, p.D, p.vec, wgt, [&](int j) { return mix_row<T>(p, p.wv, p.sv, b, h, sl.begin + j); }, num_part);
   __syncthreads();
   float* out = p.part + ((int64_t)(b * p.H + h) * p.slices + r) * (p.D + 2);
   for (int d = threadIdx.x; d < p.D; d += kMixThreads) {
@@ -549,7 +646,7 @@ __device__ __forceinline__ void mix_linear_block(const MixParams& p, int b, int 
     const T* q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh;
     for (int d = threadIdx.x; d < p.D; d += kMixThreads) qr[d] = to_f(q[d]);
     __syncthreads();
-    feature_map_split(p, qr, h, phi, red, scratch);
+    feature_map_split(p, qr, h, phi, scratch);
   } else {
     for (int f = threadIdx.x; f < p.F; f += kMixThreads) phi[f] = p.phi[b * p.phi_sb + h * p.phi_sh + f];
     __syncthreads();
@@ -562,30 +659,8 @@ __device__ __forceinline__ void mix_linear_block(const MixParams& p, int b, int 
   const float* S = p.S + bh * p.F * p.D;
   const bool wide = p.D % 8 == 0 && p.D / 8 <= kMixThreads;
   const int G = mix_groups(p.D, wide);
-  if (wide) {
-    const int chunks = p.D / 8;
-    for (int t = threadIdx.x; t < G * chunks; t += kMixThreads) {
-      const int g = t / chunks, c = t % chunks;
-      float lin[8] = {};
-#pragma unroll 4
-      for (int f = g; f < p.F; f += G) {
-        const float ph = phi[f];
-        const float* row = S + (int64_t)f * p.D + 8 * c;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) lin[k] += ph * row[k];
-      }
-#pragma unroll
-      for (int k = 0; k < 8; ++k) lin_part[g * p.D + 8 * c + k] = lin[k];
-    }
-  } else {
-    for (int t = threadIdx.x; t < G * p.D; t += kMixThreads) {
-      const int g = t / p.D, d = t % p.D;
-      float lin = 0.f;
-#pragma unroll 4
-      for (int f = g; f < p.F; f += G) lin += phi[f] * S[(int64_t)f * p.D + d];
-      lin_part[t] = lin;
-    }
-  }
+  grouped_sums(
+      p.F, p.D, wide, phi, [&](int f) { return S + (int64_t)f * p.D; }, lin_part);
   __syncthreads();
   const T* gate = p.g ? static_cast<const T*>(p.g) + b * p.g_sb + h * p.g_sh : nullptr;
   float* out = p.lin_out + bh * (p.D + 1);
