@@ -55,7 +55,6 @@ struct Fixed {
     arrived: Tensor,
 }
 
-
 impl crate::attention::cache::KindCache for HybridCache {
     fn bytes(&self) -> i64 {
         HybridCache::bytes(self)
