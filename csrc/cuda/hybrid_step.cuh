@@ -247,6 +247,34 @@ __device__ __forceinline__ void feature_map_split(const MixParams& p, const floa
   __syncthreads();  // φ complete before any thread reads it
 }
 
+// q·k (q already scaled) of one key row.
+template <typename T>
+__device__ __forceinline__ float mix_logit(const MixParams& p, const float* qs, const T* k) {
+  float s = 0.f;
+  if (p.vec) {
+    const Pack8* kp = reinterpret_cast<const Pack8*>(k);
+#pragma unroll 8
+    for (int c = 0; c < p.D / 8; ++c) {
+      const Pack8 pk = kp[c];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s += qs[8 * c + j] * pack_at<T>(pk, j);
+    }
+  } else {
+#pragma unroll 8
+    for (int d = 0; d < p.D; ++d) s += qs[d] * to_f(k[d]);
+  }
+  return s;
+}
+
+// Slot i's row of head (b, h): the window ring's (win) for i < 2C, else Sel's (sel).
+template <typename T>
+__device__ __forceinline__ const T* mix_row(const MixParams& p, const void* win, const void* sel, int b, int h, int i) {
+  const int W2 = 2 * p.C;
+  if (i < W2) return static_cast<const T*>(win) + b * p.w_sb + h * p.w_sh + (int64_t)i * p.w_ss;
+  return static_cast<const T*>(sel) + b * p.s_sb + h * p.s_sh + (int64_t)(i - W2) * p.s_ss;
+}
+
+// The gate's value of one dim: σ of what came in where it came in before its sigmoid.
 template <typename T>
 __device__ __forceinline__ float gate_value(const MixParams& p, T g) {
   const float x = to_f(g);
@@ -286,30 +314,8 @@ __global__ void __launch_bounds__(kMixThreads) hybrid_mix(MixParams p) {
   const int64_t pos = *p.pos, from = max((int64_t)0, (pos / p.C - 1) * p.C), n_sel = p.cap ? *p.n_sel : 0;
   float mx = -INFINITY;
   for (int i = threadIdx.x; i < n; i += kMixThreads) {
-    const T* k;
-    bool vis;
-    if (i < W2) {
-      vis = slot_position(pos, i, W2) >= from;
-      k = static_cast<const T*>(p.wk) + b * p.w_sb + h * p.w_sh + i * p.w_ss;
-    } else {
-      vis = i - W2 < n_sel;
-      k = static_cast<const T*>(p.sk) + b * p.s_sb + h * p.s_sh + (int64_t)(i - W2) * p.s_ss;
-    }
-    float s = -INFINITY;
-    if (vis && p.vec) {
-      s = 0.f;
-      const Pack8* kp = reinterpret_cast<const Pack8*>(k);
-#pragma unroll 8
-      for (int c = 0; c < p.D / 8; ++c) {
-        const Pack8 pk = kp[c];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) s += qs[8 * c + j] * pack_at<T>(pk, j);
-      }
-    } else if (vis) {
-      s = 0.f;
-#pragma unroll 8
-      for (int d = 0; d < p.D; ++d) s += qs[d] * to_f(k[d]);
-    }
+    const bool vis = i < W2 ? slot_position(pos, i, W2) >= from : i - W2 < n_sel;
+    const float s = vis ? mix_logit<T>(p, qs, mix_row<T>(p, p.wk, p.sk, b, h, i)) : -INFINITY;
     e[i] = s;
     mx = fmaxf(mx, s);
   }
@@ -492,33 +498,6 @@ __host__ __device__ inline int64_t mix_split_smem_floats(int D, int F, int C, in
   const int64_t softmax = D + 2 * (int64_t)mix_widest_slice(2 * C, per, whole_window) + kMixThreads / 32 + gd;
   const int64_t linear = F + D + kMixThreads / 32 + fmap_scratch_floats(F) + (int64_t)mix_groups(D, D % 8 == 0 && D / 8 <= kMixThreads) * D;
   return softmax > linear ? softmax : linear;
-}
-
-// q·k (q already scaled) of one key row.
-template <typename T>
-__device__ __forceinline__ float mix_logit(const MixParams& p, const float* qs, const T* k) {
-  float s = 0.f;
-  if (p.vec) {
-    const Pack8* kp = reinterpret_cast<const Pack8*>(k);
-#pragma unroll 8
-    for (int c = 0; c < p.D / 8; ++c) {
-      const Pack8 pk = kp[c];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) s += qs[8 * c + j] * pack_at<T>(pk, j);
-    }
-  } else {
-#pragma unroll 8
-    for (int d = 0; d < p.D; ++d) s += qs[d] * to_f(k[d]);
-  }
-  return s;
-}
-
-// Slot i's row of head (b, h): the window ring's (win) for i < 2C, else Sel's (sel).
-template <typename T>
-__device__ __forceinline__ const T* mix_row(const MixParams& p, const void* win, const void* sel, int b, int h, int i) {
-  const int W2 = 2 * p.C;
-  if (i < W2) return static_cast<const T*>(win) + b * p.w_sb + h * p.w_sh + (int64_t)i * p.w_ss;
-  return static_cast<const T*>(sel) + b * p.s_sb + h * p.s_sh + (int64_t)(i - W2) * p.s_ss;
 }
 
 // 8 consecutive values of a row as floats: one 16-byte load of 16-bit ones, or 8 floats.
