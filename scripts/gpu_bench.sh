@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/data/ for ruler (make gpu-data), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|hybridvec|hybridfresh|hybridsplit|stacked|decode|ncu|graphs|absorb|fused|ruler|prefill|pprofile|peers|peers410|profile|dprofile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|hybridvec|hybridfresh|hybridsplit|stacked|decode|ncu|graphs|absorb|fused|ruler|prefill|prefillkernel|kernelsab|pprofile|peers|peers410|profile|dprofile|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -244,6 +244,31 @@ PYEOF
       ATTNLAB_PREFILL_SDPA_FROM=16384 run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths 16384,65536 --attention vanilla,dar \
         --new-tokens 16 --repeats 2 | grep '^{' >> "$OUT/prefill_cudnn.jsonl"
       (cd .gpu/bench && PYTHONUNBUFFERED=1 run $PY hf_decode.py --lengths $PL --new 16) | grep '^{' >> "$OUT/prefill_peer.jsonl" ;;
+    prefillkernel)
+      # Issue 34: STILL (budget) and LoLCATs prefill by the tensor-core kernels (csrc/cuda/hybrid_prefill.cu:
+      # routing scores, softmax over Win ∪ Sel merged with the linear terms; the default) against aten's
+      # chunked form (ATTNLAB_HYBRID_PREFILL=0), vanilla the control, PREFILL_REPEATS (2) interleaved
+      # rounds at PREFILL_LENGTHS; each row's repeat 1 is warm. Rows tagged "kernel", "round"
+      # (prefill_kernel.jsonl). Run `check` first (its prefill-*-kernel rows).
+      for ((r = 0; r < ${PREFILL_REPEATS:-2}; r++)); do
+        for v in 0 1; do
+          (export ATTNLAB_HYBRID_PREFILL=$v; run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${PREFILL_LENGTHS:-1024,4096,16384,65536} \
+            --attention vanilla,still-budget,lolcats --new-tokens 4 --repeats 2) | grep '^{' | sed "s/^{/{\"kernel\":$v,\"round\":$r,/" >> "$OUT/prefill_kernel.jsonl"
+        done
+      done ;;
+    kernelsab)
+      # Two builds of the kernel library A/B (KERNELS_B, e.g. .gpu/libattnlab_kernels_prewarp.so: the
+      # split mixing kernel before its routing score moved to one warp, main 6e4a8c4) against
+      # .gpu/libattnlab_kernels.so, STILL (budget) / LoLCATs / vanilla decode, HYBRID_REPEATS (2)
+      # interleaved rounds at GRAPH_LENGTHS, rows tagged "lib" (0: the default library, 1: KERNELS_B)
+      # in decode_kernels_ab.jsonl.
+      for ((r = 0; r < ${HYBRID_REPEATS:-2}; r++)); do
+        for v in 0 1; do
+          lib=.gpu/libattnlab_kernels.so; [ $v = 1 ] && lib=${KERNELS_B:?KERNELS_B names the other library}
+          (export ATTNLAB_KERNELS=$lib; run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${GRAPH_LENGTHS:-1024,4096,16384,65536} \
+            --attention vanilla,still-budget,lolcats --new-tokens 64) | grep '^{' | sed "s/\"repeat\":0/\"repeat\":$r/; s/^{/{\"lib\":$v,/" >> "$OUT/decode_kernels_ab.jsonl"
+        done
+      done ;;
     pprofile)
       # Issue 34: where a prefill spends its time (STILL / LoLCATs prefill ≤ vanilla at 16K is not
       # met): each row's prefill under libtorch's profiler (ATTNLAB_PROFILE_PREFILL=1), two repeats

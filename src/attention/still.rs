@@ -51,7 +51,7 @@ pub use config::{Budget, Normalizer, Routing, Selection, StillCompat, StillConfi
 pub use decode::HybridCache;
 pub use probe::Probe;
 pub use routing::{random_score, routing_scores, top_kappa};
-use routing::Scorer;
+use routing::{Routed, Scorer};
 /// The layer shapes live with the interface (`attention::LayerDims`); this path stays for callers.
 pub use super::layer::LayerDims;
 

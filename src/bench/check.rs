@@ -497,6 +497,33 @@ fn decode_model_check_in(base: &Spec, name: &str, device: Device, half: bool, pl
     Ok(CheckRow::new(&label, &[1, total], None, kind, tensors, planted))
 }
 
+/// The STILL / LoLCATs prefill kernels (csrc/cuda/hybrid_prefill.cu, `ATTNLAB_HYBRID_PREFILL=1`) in a
+/// bf16 model's forward pass, as [`decode_model_check`]'s model: logits of 1,000 tokens (16 chunks,
+/// the selected tokens from the third, a ragged last chunk) against the fp32 model, the baseline the
+/// same bf16 model through aten's chunked form (`ATTNLAB_HYBRID_PREFILL=0`).
+fn prefill_model_check(base: &Spec, name: &str, device: Device) -> Result<CheckRow> {
+    let t = 1000i64;
+    let vocab = base.model.vocab.unwrap_or(50304);
+    tch::manual_seed(0);
+    let (mut vs, model) = crate::eval::decode_bench::bench_model(base, name, vocab, device)?;
+    lean_on_self(&vs, model.head_dim());
+    vs.bfloat16();
+    let x = Tensor::randint(vocab as i64, [1, t], (Kind::Int64, device));
+    let kind = model.head_weight().kind();
+    let full = |m: &crate::model::Model| tch::no_grad(|| m.forward(&x));
+    let got = with_env(&[("ATTNLAB_HYBRID_PREFILL", "1")], || full(&model));
+    let baseline = with_env(&[("ATTNLAB_HYBRID_PREFILL", "0")], || full(&model));
+    // The kernels compute in another order than aten: equal logits mean they never ran (a layout
+    // they refused, a library without them), which must fail the row, not pass it as aten's.
+    if got.equal(&baseline) {
+        return Err(crate::Error::Other("the prefill kernels did not run (outputs equal aten's bit for bit)".into()));
+    }
+    vs.float();
+    let exact = full(&model);
+    let tensors = vec![compare("logits", &got, &baseline, &exact, kind, t, 0.0)];
+    Ok(CheckRow::new(&format!("prefill-{name}-kernel"), &[1, t], None, kind, tensors, false))
+}
+
 /// The LayerNorm kernel (`kernels::cuda::layer_norm_half`, under bf16 autocast) against aten's
 /// fp32 LayerNorm on `[n, d]`, or with `rms` its RMSNorm form (`rms_norm_half`) against RMSNorm in
 /// fp32 aten ops (x·rsqrt(mean(x²) + eps)·γ): the output and the gradients of x, γ (and β) for one
@@ -727,6 +754,15 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
                 for name in ["still-budget", "lolcats"] {
                     note(if hybrid { decode_row(name, false, suffix) } else { failed_row(&format!("decode-{name}{suffix}"), "the hybrid mixing kernel is not in the CUDA kernel library (make gpu-kernels)", false) });
                 }
+            });
+        }
+        // The prefill kernels (csrc/cuda/hybrid_prefill.cu), which every hybrid row above also took for its prompt.
+        for name in ["still-budget", "lolcats"] {
+            let row = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| prefill_model_check(spec, name, device)));
+            note(match row {
+                Ok(Ok(row)) => row,
+                Ok(Err(e)) => failed_row(&format!("prefill-{name}-kernel"), &e.to_string(), false),
+                Err(_) => failed_row(&format!("prefill-{name}-kernel"), "panicked (message above)", false),
             });
         }
     }

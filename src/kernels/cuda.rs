@@ -17,6 +17,8 @@ type RmsNormInferFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, i6
 type AttendStepFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 type SplitRotateFn = unsafe extern "C" fn(*mut C_tensor, i64, i64, i64, *mut C_tensor, *mut C_tensor, *mut *mut C_tensor) -> Err;
 type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
+type PrefillScoresFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, *mut *mut C_tensor) -> Err;
+type PrefillMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, *mut *mut C_tensor) -> Err;
 
 /// The CUDA-graph entry points (csrc/cuda/graph.cu).
 struct GraphFns {
@@ -46,6 +48,8 @@ struct Library {
     split_rotate: Option<SplitRotateFn>,
     /// None in a library built before csrc/cuda/hybrid_step.cu.
     hybrid_mix: Option<HybridMixFn>,
+    /// None in a library built before csrc/cuda/hybrid_prefill.cu.
+    prefill: Option<(PrefillScoresFn, PrefillMixFn)>,
 }
 
 /// A tensor's handle for the library's C entry points.
@@ -108,7 +112,11 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
         };
         let split_rotate = find(c"attnlab_split_rotate_cuda").map(|p| std::mem::transmute::<*mut libc::c_void, SplitRotateFn>(p));
         let hybrid_mix = find(c"attnlab_hybrid_mix").map(|p| std::mem::transmute::<*mut libc::c_void, HybridMixFn>(p));
-        Ok(Library { ce_grad_in_place: std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym), graph, attend_step, layer_norm_half, rms_norm_half, rms_norm_infer, band, split_rotate, hybrid_mix })
+        let prefill = find(c"attnlab_hybrid_prefill_scores")
+            .zip(find(c"attnlab_hybrid_prefill_mix"))
+            .map(|(s, m)| (std::mem::transmute::<*mut libc::c_void, PrefillScoresFn>(s), std::mem::transmute::<*mut libc::c_void, PrefillMixFn>(m)));
+        let ce_grad_in_place = std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym);
+        Ok(Library { ce_grad_in_place, graph, attend_step, layer_norm_half, rms_norm_half, rms_norm_infer, band, split_rotate, hybrid_mix, prefill })
     }
 }
 
@@ -475,6 +483,64 @@ pub fn hybrid_mix(m: &Mix) -> Option<Result<Tensor>> {
     // and, with new_kv, the window ring written).
     // The gate always comes before its sigmoid from this crate (the kernel also takes its values).
     Some(new_tensor(|out| unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.linear as i64, m.compensate as i64, score_kind, fmap_kind, 1, out) }))
+}
+
+/// The STILL / LoLCATs prefill kernels' chunk (csrc/cuda/hybrid_prefill.cuh: a chunk is one tile of
+/// keys and one block of queries).
+pub const PREFILL_CHUNK: i64 = 64;
+
+/// Whether a STILL / LoLCATs prefill of q, k, v `[B, H, T, D]` takes csrc/cuda/hybrid_prefill.cu's
+/// kernels: on CUDA in bf16, chunks of [`PREFILL_CHUNK`], D 64 or 128, rows 16-byte aligned, no
+/// gradient recorded (the kernels have no backward: training keeps aten's chunked form), the library
+/// holding them, with `ATTNLAB_HYBRID_PREFILL=1` (off by default until a GPU gate has passed them:
+/// `scripts/gpu_bench.sh check prefillkernel`).
+pub fn hybrid_prefill_enabled(q: &Tensor, k: &Tensor, v: &Tensor, chunk: i64) -> bool {
+    let fits = |x: &Tensor| {
+        let s = x.stride();
+        x.kind() == tch::Kind::BFloat16 && x.size() == q.size() && s[3] == 1 && s[..3].iter().all(|s| s % 8 == 0) && x.data_ptr() as usize % 16 == 0 && !x.requires_grad()
+    };
+    q.device().is_cuda()
+        && chunk == PREFILL_CHUNK
+        && matches!(q.size()[3], 64 | 128)
+        && [q, k, v].into_iter().all(fits)
+        && switch("ATTNLAB_HYBRID_PREFILL", false)
+        && library().is_some_and(|l| l.prefill.is_some())
+}
+
+/// Every token's routing score `[B, H, n·C]` (fp32, the sequence padded to whole chunks) over its C
+/// most recent keys, by csrc/cuda/hybrid_prefill.cu (`Scorer::scores` over the window logits is the
+/// aten form); `None` where the library lacks it.
+pub fn hybrid_prefill_scores(q: &Tensor, k: &Tensor, chunk: i64, score: KernelScore) -> Option<Result<Tensor>> {
+    let (f, _) = library()?.prefill?;
+    let ts = [handle(q), handle(k)];
+    // SAFETY: valid tensor handles, read during the call.
+    Some(new_tensor(|out| unsafe { f(ts.as_ptr(), chunk, score as i64, out) }))
+}
+
+/// What the prefill's mixing kernel takes besides q, k, v `[B, H, T, D]`.
+pub struct PrefillMix<'a> {
+    /// The selected positions `[B, H, cap]` (i64, q's device) and, per query chunk, how many of them
+    /// it sees (`[n]` int32 on the host: a prefix, the slots being in chunk order).
+    pub sel: Option<(&'a Tensor, &'a Tensor)>,
+    /// The linear numerator (the gate applied) `[B, H, n·C, D]` and denominator `[B, H, n·C]`, fp32
+    /// contiguous, before compensation; `None`: no linear branch.
+    pub linear: Option<(&'a Tensor, &'a Tensor)>,
+    pub gamma: Option<&'a Tensor>,
+    pub chunk: i64,
+    pub eps: f64,
+    pub compensate: bool,
+    pub phantom_chunk0_keys: bool,
+}
+
+/// The prefill's output `[B, H, T, D]` (bf16): softmax over each query's window and selected tokens,
+/// merged with the linear terms, by csrc/cuda/hybrid_prefill.cu (`Hybrid::prefill`'s groups of
+/// masked logit blocks are the aten form); `None` where the library lacks it.
+pub fn hybrid_prefill_mix(q: &Tensor, k: &Tensor, v: &Tensor, m: &PrefillMix) -> Option<Result<Tensor>> {
+    let (_, f) = library()?.prefill?;
+    let o = handle_or_null;
+    let ts = [handle(q), handle(k), handle(v), o(m.sel.map(|s| s.0)), o(m.sel.map(|s| s.1)), o(m.linear.map(|l| l.0)), o(m.linear.map(|l| l.1)), o(m.gamma)];
+    // SAFETY: valid tensor handles (or null where absent), read during the call.
+    Some(new_tensor(|out| unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.compensate as i64, m.phantom_chunk0_keys as i64, out) }))
 }
 
 /// Whether the library holds the heads op's kernels ([`split_rotate`] takes them unless

@@ -2,9 +2,20 @@
 //! training path over chunks (§3), the softmax part masked blocks per group of chunks (the window's
 //! 2C keys, and the selected tokens the group's chunks see), the linear part prefix sums of
 //! per-chunk states.
-use super::{dims4, dims5, pad_to, two_chunks, HybridCache, Scorer, Selection};
+use super::{dims4, dims5, pad_to, two_chunks, HybridCache, Routed, Scorer, Selection};
 use crate::attention::feature_maps::FeatureMap;
+use crate::kernels::cuda;
 use tch::{Kind, Tensor};
+
+/// A prefill kernel's output; its failure (a CUDA error past the checks [`cuda::hybrid_prefill_enabled`]
+/// made) is fatal, as any other kernel's in a forward pass.
+fn kernel_output(out: Option<crate::Result<Tensor>>, which: &str) -> Tensor {
+    match out {
+        Some(Ok(y)) => y,
+        Some(Err(e)) => panic!("{which}: {e}"),
+        None => panic!("{which}: the CUDA kernel library lost the prefill kernels"),
+    }
+}
 
 /// The prefill computes Sel's logits for groups of query chunks, each group against the selected
 /// slots its last chunk sees (about half of them on average): at most this many groups, ...
@@ -68,56 +79,19 @@ impl Hybrid<'_> {
         let (kind, dev) = (qf.kind(), q.device());
         let n = qf.size()[2] / c;
         let chunks = |x: &Tensor| x.reshape([b, h, n, c, x.size()[3]]);
-
-        // Softmax part. Win: chunk c−1 (all) and chunk c (causal); chunk 0 has no previous chunk.
-        let s_win = self.window_logits(&qf, &kf);
-        let qi = Tensor::arange(c, (Kind::Int64, dev)).view([c, 1]);
-        let col = Tensor::arange(2 * c, (Kind::Int64, dev)).view([1, 2 * c]);
-        let mut win_ok = col.lt(c).logical_or(&(&col - c).le_tensor(&qi)).expand([n, c, 2 * c], false);
-        if !self.phantom_chunk0_keys {
-            let first = Tensor::arange(n, (Kind::Int64, dev)).eq(0).view([n, 1, 1]);
-            win_ok = win_ok.logical_and(&first.logical_and(&col.lt(c).view([1, 1, 2 * c])).logical_not());
-        }
-        let scores = tch::no_grad(|| self.scores(&s_win.detach(), &kf.detach()));
-        let routed = tch::no_grad(|| self.route(&scores));
-        // Sel: the κ tokens of every chunk ≤ c−2, visible from query chunk c. The selected slots are
-        // in chunk order, so a query chunk sees a prefix of them: query chunks go in groups, each
-        // against the prefix its last chunk sees, not against every slot behind a mask.
-        let sel = routed.as_ref().map(|r| {
-            let nsel = r.pos.size()[2];
-            let take = |x: &Tensor| x.gather(2, &r.pos.unsqueeze(-1).expand([b, h, nsel, d], false), false);
-            (take(&kf), take(&vf), &r.chunk_of)
+        // csrc/cuda/hybrid_prefill.cu where it applies: the routing scores always (they carry no
+        // gradient), the softmax part and the merge where no gradient is recorded (below).
+        let kernels = cuda::hybrid_prefill_enabled(q, k, v, c);
+        let kernel_score = self.scorer.as_ref().and_then(|s| s.kernel_score()).filter(|_| kernels);
+        // The window logits `[B, H, n, C, 2C]` (with their gradient: the softmax part reads them
+        // too), where aten computes the scores; the softmax part computes them otherwise.
+        let s_win = (self.scorer.is_some() && kernel_score.is_none()).then(|| self.window_logits(&qf, &kf));
+        let scores = tch::no_grad(|| match (&s_win, kernel_score) {
+            (Some(s), _) => self.scores(&s.detach(), &kf.detach()),
+            (None, Some(score)) => kernel_output(cuda::hybrid_prefill_scores(q, k, c, score), "hybrid_prefill_scores"),
+            (None, None) => Tensor::zeros([b, h, n * c], (kind, dev)),
         });
-        let qs = chunks(&qf) * (1.0 / (d as f64).sqrt());
-        let v_win = two_chunks(&chunks(&vf));
-        let groups = if sel.is_some() { (n / SEL_GROUP_CHUNKS).clamp(1, SEL_GROUPS) } else { 1 };
-        // Per group of query chunks: the softmax numerator, denominator and max over Sel ∪ Win.
-        let mut per_group = Vec::with_capacity(groups as usize);
-        for g in 0..groups {
-            let (from, to) = (g * n / groups, (g + 1) * n / groups);
-            let len = to - from;
-            let mut logits = vec![s_win.narrow(2, from, len).masked_fill(&win_ok.narrow(0, from, len).logical_not(), f64::NEG_INFINITY)];
-            let mut values = vec![v_win.narrow(2, from, len)];
-            if let Some((ks, vs, key_chunk)) = &sel {
-                let seen = key_chunk.iter().take_while(|&&kc| kc + 2 < to).count() as i64;
-                if seen > 0 {
-                    let kc = Tensor::from_slice(&key_chunk[..seen as usize]).to_device(dev).view([1, 1, seen]);
-                    let qc = Tensor::arange_start(from, to, (Kind::Int64, dev)).view([len, 1, 1]);
-                    let ok = (kc + 2).le_tensor(&qc).expand([len, c, seen], false);
-                    let s_sel = by_chunk(&qs.narrow(2, from, len), &ks.narrow(2, 0, seen).transpose(-2, -1));
-                    logits.push(s_sel.masked_fill(&ok.logical_not(), f64::NEG_INFINITY));
-                    values.push(vs.narrow(2, 0, seen));
-                }
-            }
-            per_group.push(softmax_sums(&logits, &values, kind));
-        }
-        let joined = |pick: fn(&(Tensor, Tensor, Tensor)) -> &Tensor| Tensor::cat(&per_group.iter().map(pick).collect::<Vec<_>>(), 2);
-        let (mut n_sm, mut z_sm, m) = (joined(|p| &p.0), joined(|p| &p.1), joined(|p| &p.2));
-        if let Some(gamma) = &self.gamma {
-            let gamma = gamma.to_kind(kind).view([1, h, 1, 1, 1]);
-            n_sm = n_sm * &gamma;
-            z_sm = z_sm * gamma;
-        }
+        let routed = tch::no_grad(|| self.route(&scores));
 
         // Linear part: per-chunk states of the non-selected tokens, summed over chunks ≤ c−2.
         let phi_k = chunks(&self.fk.forward(&kf));
@@ -135,12 +109,35 @@ impl Hybrid<'_> {
         let z_state = dz.cumsum(2, kind).constant_pad_nd([0, 0, 2, 0]).narrow(2, 0, n);
         let phi_q = chunks(&self.fq.forward(&qf));
         let mut n_lin = phi_q.matmul(&s_state);
-        let mut z_lin = phi_q.matmul(&z_state.unsqueeze(-1));
+        let z_lin = phi_q.matmul(&z_state.unsqueeze(-1));
         if let Some(g) = g {
             n_lin = n_lin * chunks(&pad_to(g, c));
         }
-        (n_lin, z_lin) = self.linear_terms(n_lin, z_lin, &m);
-        let y = ((n_sm + n_lin) / (z_sm + z_lin + self.eps)).reshape([b, h, n * c, d]).narrow(2, 0, t).to_kind(q.kind());
+
+        let recorded = [&n_lin, &z_lin].into_iter().chain(self.gamma.as_ref()).any(Tensor::requires_grad);
+        let y = if kernels && !recorded {
+            let seen = routed.as_ref().map(|r| {
+                // Query chunk qc sees the slots of chunks ≤ qc − 2: a prefix, the slots in chunk order.
+                let counts: Vec<i32> = (0..n).map(|qc| r.chunk_of.partition_point(|&kc| kc + 2 <= qc) as i32).collect();
+                Tensor::from_slice(&counts)
+            });
+            let (n_flat, z_flat) = (n_lin.reshape([b, h, n * c, d]), z_lin.reshape([b, h, n * c]));
+            let mix = cuda::PrefillMix {
+                sel: routed.as_ref().zip(seen.as_ref()).map(|(r, seen)| (&r.pos, seen)),
+                linear: self.linear.then_some((&n_flat, &z_flat)),
+                gamma: self.gamma.as_ref(),
+                chunk: c,
+                eps: self.eps,
+                compensate: self.compensate,
+                phantom_chunk0_keys: self.phantom_chunk0_keys,
+            };
+            kernel_output(cuda::hybrid_prefill_mix(q, k, v, &mix), "hybrid_prefill_mix")
+        } else {
+            let s_win = s_win.unwrap_or_else(|| self.window_logits(&qf, &kf));
+            let (n_sm, z_sm, m) = self.softmax_part(&qf, &kf, &vf, &s_win, routed.as_ref());
+            let (n_lin, z_lin) = self.linear_terms(n_lin, z_lin, &m);
+            ((n_sm + n_lin) / (z_sm + z_lin + self.eps)).reshape([b, h, n * c, d]).narrow(2, 0, t).to_kind(q.kind())
+        };
         if !want_cache {
             return (y, None);
         }
@@ -176,6 +173,62 @@ impl Hybrid<'_> {
             cache
         });
         (y, Some(cache))
+    }
+
+    /// The softmax part (§3) of padded queries over Win ∪ Sel: its numerator, denominator and max
+    /// `[B, H, n, C, ·]` (γ applied), from the window logits `s_win` and the routed tokens.
+    fn softmax_part(&self, qf: &Tensor, kf: &Tensor, vf: &Tensor, s_win: &Tensor, routed: Option<&Routed>) -> (Tensor, Tensor, Tensor) {
+        let (b, h, tp, d) = dims4(qf);
+        let (c, kind, dev) = (self.chunk, qf.kind(), qf.device());
+        let n = tp / c;
+        let chunks = |x: &Tensor| x.reshape([b, h, n, c, x.size()[3]]);
+        // Win: chunk c−1 (all) and chunk c (causal); chunk 0 has no previous chunk.
+        let qi = Tensor::arange(c, (Kind::Int64, dev)).view([c, 1]);
+        let col = Tensor::arange(2 * c, (Kind::Int64, dev)).view([1, 2 * c]);
+        let mut win_ok = col.lt(c).logical_or(&(&col - c).le_tensor(&qi)).expand([n, c, 2 * c], false);
+        if !self.phantom_chunk0_keys {
+            let first = Tensor::arange(n, (Kind::Int64, dev)).eq(0).view([n, 1, 1]);
+            win_ok = win_ok.logical_and(&first.logical_and(&col.lt(c).view([1, 1, 2 * c])).logical_not());
+        }
+        // Sel: the κ tokens of every chunk ≤ c−2, visible from query chunk c. The selected slots are
+        // in chunk order, so a query chunk sees a prefix of them: query chunks go in groups, each
+        // against the prefix its last chunk sees, not against every slot behind a mask.
+        let sel = routed.map(|r| {
+            let nsel = r.pos.size()[2];
+            let take = |x: &Tensor| x.gather(2, &r.pos.unsqueeze(-1).expand([b, h, nsel, d], false), false);
+            (take(kf), take(vf), &r.chunk_of)
+        });
+        let qs = chunks(qf) * (1.0 / (d as f64).sqrt());
+        let v_win = two_chunks(&chunks(vf));
+        let groups = if sel.is_some() { (n / SEL_GROUP_CHUNKS).clamp(1, SEL_GROUPS) } else { 1 };
+        // Per group of query chunks: the softmax numerator, denominator and max over Sel ∪ Win.
+        let mut per_group = Vec::with_capacity(groups as usize);
+        for g in 0..groups {
+            let (from, to) = (g * n / groups, (g + 1) * n / groups);
+            let len = to - from;
+            let mut logits = vec![s_win.narrow(2, from, len).masked_fill(&win_ok.narrow(0, from, len).logical_not(), f64::NEG_INFINITY)];
+            let mut values = vec![v_win.narrow(2, from, len)];
+            if let Some((ks, vs, key_chunk)) = &sel {
+                let seen = key_chunk.iter().take_while(|&&kc| kc + 2 < to).count() as i64;
+                if seen > 0 {
+                    let kc = Tensor::from_slice(&key_chunk[..seen as usize]).to_device(dev).view([1, 1, seen]);
+                    let qc = Tensor::arange_start(from, to, (Kind::Int64, dev)).view([len, 1, 1]);
+                    let ok = (kc + 2).le_tensor(&qc).expand([len, c, seen], false);
+                    let s_sel = by_chunk(&qs.narrow(2, from, len), &ks.narrow(2, 0, seen).transpose(-2, -1));
+                    logits.push(s_sel.masked_fill(&ok.logical_not(), f64::NEG_INFINITY));
+                    values.push(vs.narrow(2, 0, seen));
+                }
+            }
+            per_group.push(softmax_sums(&logits, &values, kind));
+        }
+        let joined = |pick: fn(&(Tensor, Tensor, Tensor)) -> &Tensor| Tensor::cat(&per_group.iter().map(pick).collect::<Vec<_>>(), 2);
+        let (mut n_sm, mut z_sm, m) = (joined(|p| &p.0), joined(|p| &p.1), joined(|p| &p.2));
+        if let Some(gamma) = &self.gamma {
+            let gamma = gamma.to_kind(kind).view([1, h, 1, 1, 1]);
+            n_sm = n_sm * &gamma;
+            z_sm = z_sm * gamma;
+        }
+        (n_sm, z_sm, m)
     }
 
     /// The output (§3) of queries `qf` from their logits over blocks of Sel ∪ Win (masked with −∞),

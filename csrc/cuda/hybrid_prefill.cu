@@ -1,0 +1,107 @@
+// Launches of the STILL / LoLCATs prefill kernels (csrc/cuda/hybrid_prefill.cuh says what they
+// compute). Taken by `Hybrid::prefill` where no gradient is recorded, unless ATTNLAB_HYBRID_PREFILL=0
+// (src/kernels/cuda.rs; off by default until the GPU gate has passed it).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cstring>
+#include "hybrid_prefill.cuh"
+
+typedef at::Tensor* tensor;
+
+namespace {
+
+// q, k, v [B, H, T, D] bf16 on one device with unit d stride and 16-byte rows, as [B, T, H, D] views.
+void views(PrefillParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t chunk, const char* who) {
+  TORCH_CHECK(chunk == kPrefillChunk, who, ": chunk ", chunk, " (the kernels take chunks of ", kPrefillChunk, ")");
+  TORCH_CHECK(q.is_cuda() && q.dim() == 4 && q.scalar_type() == at::kBFloat16, who, ": q must be CUDA bf16 [B, H, T, D]");
+  const int64_t D = q.size(3);
+  TORCH_CHECK(D == 64 || D == 128, who, ": head dim ", D, " (64 or 128)");
+  for (const at::Tensor* x : {&q, &k, &v}) {
+    TORCH_CHECK(x->sizes() == q.sizes() && x->scalar_type() == at::kBFloat16 && x->device() == q.device(), who, ": q, k, v must share shape, dtype and device");
+    TORCH_CHECK(x->stride(3) == 1 && x->stride(0) % 8 == 0 && x->stride(1) % 8 == 0 && x->stride(2) % 8 == 0 && reinterpret_cast<uintptr_t>(x->data_ptr()) % 16 == 0,
+                who, ": q, k, v need a unit last stride and 16-byte aligned rows");
+  }
+  auto view = [](const at::Tensor& x) { return View{reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0), x.stride(2), x.stride(1)}; };
+  p.q = view(q), p.k = view(k), p.v = view(v);
+  p.T = (int)q.size(2), p.H = (int)q.size(1), p.n = (int)((q.size(2) + chunk - 1) / chunk);
+  p.scale = 1.f / std::sqrt((float)D);
+}
+
+template <typename Kernel>
+void launch(Kernel kernel, const PrefillParams& p, int64_t B, int64_t smem) {
+  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kernel<<<dim3(p.n, B * p.H), kBandThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+// ts: q, k [B, H, T, D]; score_kind: hybrid_prefill.cuh's kPrefillScore* codes. *out: the routing
+// scores [B, H, n·C] fp32 of every row of the sequence padded to whole chunks.
+extern "C" char* attnlab_hybrid_prefill_scores(tensor* ts, int64_t chunk, int64_t score_kind, tensor* out) {
+  try {
+    const at::Tensor &q = *ts[0], &k = *ts[1];
+    TORCH_CHECK(score_kind >= kPrefillScoreSelfSaliency && score_kind <= kPrefillScoreSelfLogit, "hybrid_prefill_scores: unknown score kind ", score_kind);
+    PrefillParams p{};
+    views(p, q, k, k, chunk, "hybrid_prefill_scores");
+    c10::cuda::CUDAGuard guard(q.device());
+    at::Tensor score = at::empty({q.size(0), q.size(1), (int64_t)p.n * chunk}, q.options().dtype(at::kFloat));
+    p.score = score.data_ptr<float>();
+    p.score_kind = (int)score_kind;
+    if (q.size(3) == 64) launch(hybrid_prefill_scores<64>, p, q.size(0), prefill_scores_smem_bytes(64));
+    else launch(hybrid_prefill_scores<128>, p, q.size(0), prefill_scores_smem_bytes(128));
+    *out = new at::Tensor(score);
+    return nullptr;
+  } catch (const std::exception& e) {
+    return strdup(e.what());
+  }
+}
+
+// ts (null where absent): q, k, v [B, H, T, D]; the selected positions [B, H, cap] i64 on q's device
+// and seen [n] int32 on the host (Sel slots each query chunk sees; checked against cap here); n_lin [B, H, n·C, D] and z_lin [B, H, n·C]
+// fp32 contiguous (absent: no linear branch); γ [H]. *out: y [B, H, T, D] bf16.
+extern "C" char* attnlab_hybrid_prefill_mix(tensor* ts, int64_t chunk, double eps, int64_t compensate, int64_t phantom, tensor* out) {
+  try {
+    const at::Tensor &q = *ts[0], &k = *ts[1], &v = *ts[2];
+    tensor sel = ts[3], seen = ts[4], n_lin = ts[5], z_lin = ts[6], gamma = ts[7];
+    PrefillParams p{};
+    views(p, q, k, v, chunk, "hybrid_prefill_mix");
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(3), rows = (int64_t)p.n * chunk;
+    c10::cuda::CUDAGuard guard(q.device());
+    at::Tensor seen_dev;
+    if (sel) {
+      TORCH_CHECK(seen && seen->scalar_type() == at::kInt && seen->is_contiguous() && seen->numel() == p.n && seen->device().is_cpu(),
+                  "hybrid_prefill_mix: seen must be int32 [n] on the host");
+      TORCH_CHECK(sel->scalar_type() == at::kLong && sel->dim() == 3 && sel->size(0) == B && sel->size(1) == H && sel->stride(2) == 1 && sel->device() == q.device(),
+                  "hybrid_prefill_mix: the selected positions must be i64 [B, H, cap] with unit last stride on q's device");
+      const int* counts = seen->data_ptr<int>();
+      for (int c = 0; c < p.n; ++c) TORCH_CHECK(counts[c] >= 0 && counts[c] <= sel->size(2), "hybrid_prefill_mix: chunk ", c, " sees ", counts[c], " slots of ", sel->size(2));
+      seen_dev = seen->to(q.device(), /*non_blocking=*/false);
+      p.sel = sel->data_ptr<int64_t>(), p.sel_sb = sel->stride(0), p.sel_sh = sel->stride(1);
+      p.seen = seen_dev.data_ptr<int>();
+    }
+    if (n_lin) {
+      TORCH_CHECK(z_lin && n_lin->scalar_type() == at::kFloat && n_lin->is_contiguous() && n_lin->sizes() == at::IntArrayRef({B, H, rows, D}) &&
+                      z_lin->scalar_type() == at::kFloat && z_lin->is_contiguous() && z_lin->numel() == B * H * rows,
+                  "hybrid_prefill_mix: n_lin [B, H, n·C, D] and z_lin [B, H, n·C], fp32 contiguous");
+      p.n_lin = n_lin->data_ptr<float>(), p.z_lin = z_lin->data_ptr<float>();
+    }
+    at::Tensor gm;
+    if (gamma) {
+      gm = gamma->to(at::kFloat).contiguous();
+      TORCH_CHECK(gm.numel() == H, "hybrid_prefill_mix: γ must hold one value per head");
+      p.gamma = gm.data_ptr<float>();
+    }
+    p.eps = (float)eps, p.compensate = compensate != 0, p.phantom = phantom != 0;
+    at::Tensor y = at::empty({B, H, q.size(2), D}, q.options());
+    p.y = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
+    if (D == 64) launch(hybrid_prefill_mix<64>, p, B, prefill_mix_smem_bytes(64));
+    else launch(hybrid_prefill_mix<128>, p, B, prefill_mix_smem_bytes(128));
+    *out = new at::Tensor(y);
+    return nullptr;
+  } catch (const std::exception& e) {
+    return strdup(e.what());
+  }
+}
