@@ -72,8 +72,17 @@ babilong() { # NAME MODEL [extra...]: BABILong qa1 and qa2 at 1K, SAMPLES each
   done
 }
 
+# A committed run directory travels with the tree without its weights (export/): it says "finished"
+# and nothing would train, so the scorers after it would fail. Set it aside (NAME.committed) and train.
+fresh_run() { # NAME
+  if [ -f $R/$1/DONE ] && [ ! -d $R/$1/export ]; then
+    rm -rf $R/$1.committed && mv $R/$1 $R/$1.committed && log "$1: the committed record set aside ($R/$1.committed): training again"
+  fi
+}
+
 linearize() { # NAME SPEC
   local name=$1 spec=$2
+  fresh_run $name
   step "$name" 90 $A linearize "$spec" --quiet --out $R/$name --set teacher=$G \
     --set "data.train=[{path: $D/train-02.jsonl.zst}, {alpaca: $D/alpaca_200.jsonl}]" \
     --set data.eval.path=$D/valid.jsonl.zst --set train.device=cuda \
@@ -83,6 +92,7 @@ linearize() { # NAME SPEC
 # DAR fine-tuning (issue 37 item 5): experiments/finetune-smollm2-dar.yaml on the carried data.
 finetune() { # NAME [--set ...]
   local name=$1; shift
+  fresh_run $name
   step "$name" 90 $A finetune experiments/finetune-smollm2-dar.yaml --quiet --out $R/$name --set base=$G \
     --set "data.train=[{text: {path: $D/train-02.jsonl.zst}}, {alpaca: $D/alpaca_200.jsonl}]" \
     --set "data.eval={text: {path: $D/valid.jsonl.zst}}" --set train.device=cuda "$@"
