@@ -261,7 +261,9 @@ PYEOF
       # split mixing kernel before its routing score moved to one warp, main 6e4a8c4) against
       # .gpu/libattnlab_kernels.so, STILL (budget) / LoLCATs / vanilla decode, HYBRID_REPEATS (2)
       # interleaved rounds at GRAPH_LENGTHS, rows tagged "lib" (0: the default library, 1: KERNELS_B)
-      # in decode_kernels_ab.jsonl.
+      # in decode_kernels_ab.jsonl. The prewarp library, on the CPU machine:
+      #   mkdir -p /tmp/kb && cp csrc/cuda/*.cu csrc/cuda/*.cuh /tmp/kb/ && git show 6e4a8c4:csrc/cuda/hybrid_step.cuh > /tmp/kb/hybrid_step.cuh
+      #   then the Makefile's nvcc line with /tmp/kb/*.cu and -o .gpu/libattnlab_kernels_prewarp.so; carry it.
       for ((r = 0; r < ${HYBRID_REPEATS:-2}; r++)); do
         for v in 0 1; do
           lib=.gpu/libattnlab_kernels.so; [ $v = 1 ] && lib=${KERNELS_B:?KERNELS_B names the other library}

@@ -133,6 +133,16 @@ __device__ __forceinline__ const __nv_bfloat16* key_tile(const View& k, const Vi
   return smem + (it & 1) * 2 * TILE;
 }
 
+// The start of a flash loop for a warp's rows (row0, row0 + 8 of 16): the output accumulators zeroed,
+// the running maxima at −inf and the sums at 0.
+template <int D>
+__device__ __forceinline__ void start_rows(float o[D / 8][4], float m[2], float l[2]) {
+  for (int d = 0; d < D / 8; ++d)
+    for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+  m[0] = m[1] = -INFINITY;
+  l[0] = l[1] = 0.f;
+}
+
 // Two 16-bit values as one 32-bit store (dst 4-byte aligned: an even column of an even-width row).
 __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x0, float x1) { *reinterpret_cast<uint32_t*>(dst) = pack_pair<__nv_bfloat16>(x0, x1); }
 
@@ -190,10 +200,8 @@ __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
   cp_async_commit();
   uint32_t qa[D / 16][4];
   load_a_rows<D>(p.q, b, h, row0, p.T, qa);
-  float o[D / 8][4];
-  for (int d = 0; d < D / 8; ++d)
-    for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float o[D / 8][4], m[2], l[2];
+  start_rows<D>(o, m, l);
   for (int it = 0; it < tiles; ++it) {
     const int n0 = n_first + it * kBandKeys;
     const __nv_bfloat16* ks = key_tile<D>(p.k, p.v, b, h, n_first, it, tiles, p.T, smem);

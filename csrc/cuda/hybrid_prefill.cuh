@@ -96,8 +96,11 @@ __global__ void __launch_bounds__(kBandThreads) hybrid_prefill_scores(PrefillPar
   // own key is this tile's column il. e < 2 of a fragment: row local0, else local0 + 8.
   auto in_window = [&](int tile, int col, int il) { return tile == 0 ? c > 0 && col > il : col <= il; };
   float ma[2] = {-INFINITY, -INFINITY}, mb[2] = {-INFINITY, -INFINITY}, own[2] = {0.f, 0.f};
+#pragma unroll
   for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
     for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2, il = local0 + 8 * r, col = nt * 8 + 2 * t + (e & 1);
         const float x = s[tile][nt][e] * p.scale;
@@ -113,8 +116,11 @@ __global__ void __launch_bounds__(kBandThreads) hybrid_prefill_scores(PrefillPar
     mb[r] = quad_max(mb[r]);
     own[r] = quad_sum(own[r]);  // one lane of the quad holds it, the others 0
   }
+#pragma unroll
   for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
     for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2, il = local0 + 8 * r, col = nt * 8 + 2 * t + (e & 1);
         if (!in_window(tile, col, il)) continue;
@@ -129,8 +135,11 @@ __global__ void __launch_bounds__(kBandThreads) hybrid_prefill_scores(PrefillPar
   }
   if (p.score_kind == kPrefillScoreSelfSaliency) {
     float kl[2] = {0.f, 0.f};
+#pragma unroll
     for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
       for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = e / 2, il = local0 + 8 * r, col = nt * 8 + 2 * t + (e & 1);
           if (!in_window(tile, col, il)) continue;
@@ -174,17 +183,17 @@ __global__ void __launch_bounds__(kBandThreads) hybrid_prefill_mix(PrefillParams
   load(0);
   uint32_t qa[D / 16][4];
   load_a_rows<D>(p.q, b, h, row0, p.T, qa);
-  float o[D / 8][4];
-  for (int d = 0; d < D / 8; ++d)
-    for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float o[D / 8][4], m[2], l[2];
+  start_rows<D>(o, m, l);
   for (int it = 0; it < tiles; ++it) {
     if (it + 1 < tiles) load(it + 1);
     wait_for_tile(it, tiles);
     const __nv_bfloat16* ks = smem + (it & 1) * 2 * TILE;
     float s[NT][4];
     mma_a_xt<D>(s, qa, ks);
+#pragma unroll
     for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = row0 + (e >= 2 ? 8 : 0), col = nt * 8 + 2 * t + (e & 1);
         const bool visible = it < nwin ? win0 + it * kBandKeys + col <= i : (it - nwin) * kBandKeys + col < seen;

@@ -489,15 +489,15 @@ pub fn hybrid_mix(m: &Mix) -> Option<Result<Tensor>> {
 /// keys and one block of queries).
 pub const PREFILL_CHUNK: i64 = 64;
 
-/// Whether a STILL / LoLCATs prefill of q, k, v `[B, H, T, D]` takes csrc/cuda/hybrid_prefill.cu's
-/// kernels: on CUDA in bf16, chunks of [`PREFILL_CHUNK`], D 64 or 128, rows 16-byte aligned, no
-/// gradient recorded (the kernels have no backward: training keeps aten's chunked form), the library
-/// holding them, with `ATTNLAB_HYBRID_PREFILL=1` (off by default until a GPU gate has passed them:
-/// `scripts/gpu_bench.sh check prefillkernel`).
+/// Whether a STILL / LoLCATs prefill of q, k, v `[B, H, T, D]` may take csrc/cuda/hybrid_prefill.cu's
+/// kernels: on CUDA in bf16, chunks of [`PREFILL_CHUNK`], D 64 or 128, rows 16-byte aligned, the
+/// library holding them, with `ATTNLAB_HYBRID_PREFILL=1` (off by default until a GPU gate has passed
+/// them: `scripts/gpu_bench.sh check prefillkernel`). The kernels have no backward: the caller takes
+/// the mixing kernel only where nothing it reads records a gradient.
 pub fn hybrid_prefill_enabled(q: &Tensor, k: &Tensor, v: &Tensor, chunk: i64) -> bool {
     let fits = |x: &Tensor| {
         let s = x.stride();
-        x.kind() == tch::Kind::BFloat16 && x.size() == q.size() && s[3] == 1 && s[..3].iter().all(|s| s % 8 == 0) && x.data_ptr() as usize % 16 == 0 && !x.requires_grad()
+        x.kind() == tch::Kind::BFloat16 && x.size() == q.size() && s[3] == 1 && s[..3].iter().all(|s| s % 8 == 0) && x.data_ptr() as usize % 16 == 0
     };
     q.device().is_cuda()
         && chunk == PREFILL_CHUNK

@@ -114,7 +114,9 @@ impl Hybrid<'_> {
             n_lin = n_lin * chunks(&pad_to(g, c));
         }
 
-        let recorded = [&n_lin, &z_lin].into_iter().chain(self.gamma.as_ref()).any(Tensor::requires_grad);
+        // The mixing kernel has no backward: aten's form wherever a gradient is recorded (training;
+        // attention transfer, whose linear terms carry the feature maps' gradient).
+        let recorded = [q, k, v, &n_lin, &z_lin].into_iter().chain(self.gamma.as_ref()).any(Tensor::requires_grad);
         let y = if kernels && !recorded {
             let seen = routed.as_ref().map(|r| {
                 // Query chunk qc sees the slots of chunks ≤ qc − 2: a prefix, the slots in chunk order.
