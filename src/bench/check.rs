@@ -756,7 +756,8 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
                 }
             });
         }
-        // The prefill kernels (csrc/cuda/hybrid_prefill.cu), which every hybrid row above also took for its prompt.
+        // The prefill kernels (csrc/cuda/hybrid_prefill.cu; the decode rows above prefill their prompts by the
+        // default, aten's, until the kernels are on by default).
         for name in ["still-budget", "lolcats"] {
             let row = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| prefill_model_check(spec, name, device)));
             note(match row {
