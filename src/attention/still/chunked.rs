@@ -19,6 +19,12 @@ fn kernel_output(out: Option<crate::Result<Tensor>>, which: &str) -> Tensor {
     }
 }
 
+/// How many selected slots each of `n` query chunks sees: those of chunks ≤ qc − 2, a prefix of the
+/// slots, whose chunks (`chunk_of`) ascend.
+fn visible_slots(chunk_of: &[i64], n: i64) -> Vec<i32> {
+    (0..n).map(|qc| chunk_of.partition_point(|&kc| kc + 2 <= qc) as i32).collect()
+}
+
 /// The prefill computes Sel's logits for groups of query chunks, each group against the selected
 /// slots its last chunk sees (about half of them on average): at most this many groups, ...
 const SEL_GROUPS: i64 = 8;
@@ -120,11 +126,7 @@ impl Hybrid<'_> {
         // attention transfer, whose linear terms carry the feature maps' gradient).
         let recorded = [q, k, v, &n_lin, &z_lin].into_iter().chain(self.gamma.as_ref()).any(Tensor::requires_grad);
         let y = if kernels && !recorded {
-            let seen = routed.as_ref().map(|r| {
-                // Query chunk qc sees the slots of chunks ≤ qc − 2: a prefix, the slots in chunk order.
-                let counts: Vec<i32> = (0..n).map(|qc| r.chunk_of.partition_point(|&kc| kc + 2 <= qc) as i32).collect();
-                Tensor::from_slice(&counts)
-            });
+            let seen = routed.as_ref().map(|r| Tensor::from_slice(&visible_slots(&r.chunk_of, n)));
             let (n_flat, z_flat) = (n_lin.reshape([b, h, n * c, d]), z_lin.reshape([b, h, n * c]));
             let mix = cuda::PrefillMix {
                 sel: routed.as_ref().zip(seen.as_ref()).map(|(r, seen)| (&r.pos, seen)),
@@ -275,6 +277,15 @@ mod tests {
     use crate::attention::causal;
     use crate::spec::AttentionImpl;
     use tch::{Device, Kind, Tensor};
+
+    /// The mixing kernel's per-chunk Sel prefix: chunk qc sees the slots of chunks ≤ qc − 2 (by hand).
+    #[test]
+    fn each_query_chunk_sees_the_slots_of_chunks_two_back() {
+        assert_eq!(super::visible_slots(&[0, 0, 1, 1, 2, 2], 5), vec![0, 0, 2, 4, 6]);
+        // An oracle's uneven list: one slot in chunk 0, two in chunk 3.
+        assert_eq!(super::visible_slots(&[0, 3, 3], 6), vec![0, 0, 1, 1, 1, 3]);
+        assert_eq!(super::visible_slots(&[], 3), vec![0, 0, 0]);
+    }
 
     /// still.md §12.6: the gate multiplies only the linear numerator: y(g) = y(0) + g ⊙ (y(1) − y(0)).
     #[test]
