@@ -92,41 +92,43 @@ __global__ void __launch_bounds__(kBandThreads) hybrid_prefill_scores(PrefillPar
   float s[2][NT][4];
   mma_a_xt<D>(s[0], qa, smem);
   mma_a_xt<D>(s[1], qa, smem + TILE);
-  // Row il (of the chunk) sees the previous tile's columns > il (c ≥ 1) and this tile's ≤ il; its
-  // own key is this tile's column il. e < 2 of a fragment: row local0, else local0 + 8.
-  auto in_window = [&](int tile, int col, int il) { return tile == 0 ? c > 0 && col > il : col <= il; };
-  float ma[2] = {-INFINITY, -INFINITY}, mb[2] = {-INFINITY, -INFINITY}, own[2] = {0.f, 0.f};
 #pragma unroll
   for (int tile = 0; tile < 2; ++tile)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2, il = local0 + 8 * r, col = nt * 8 + 2 * t + (e & 1);
-        const float x = s[tile][nt][e] * p.scale;
-        s[tile][nt][e] = x;
-        if (!in_window(tile, col, il)) continue;
-        ma[r] = fmaxf(ma[r], x);
-        if (tile == 1 && col == il) own[r] = x;
-        else mb[r] = fmaxf(mb[r], x);
-      }
+      for (int e = 0; e < 4; ++e) s[tile][nt][e] *= p.scale;
+  // f(r, self, logit) for every logit of this lane's rows' windows: row il = local0 + 8r of the chunk
+  // (e < 2 of a fragment: r = 0) sees the previous tile's columns > il (c ≥ 1) and this tile's ≤ il,
+  // its own key this tile's column il.
+  const int quad_col = t;  // (a lambda may not capture structured bindings before C++20)
+  auto over_window = [&](auto f) {
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e / 2, il = local0 + 8 * r, col = nt * 8 + 2 * quad_col + (e & 1);
+          if (tile == 0 ? c > 0 && col > il : col <= il) f(r, tile == 1 && col == il, s[tile][nt][e]);
+        }
+  };
+  float ma[2] = {-INFINITY, -INFINITY}, mb[2] = {-INFINITY, -INFINITY}, own[2] = {0.f, 0.f};
+  over_window([&](int r, bool self, float x) {
+    ma[r] = fmaxf(ma[r], x);
+    if (self) own[r] = x;
+    else mb[r] = fmaxf(mb[r], x);
+  });
   float sa[2] = {0.f, 0.f}, sb[2] = {0.f, 0.f};
   for (int r = 0; r < 2; ++r) {
     ma[r] = quad_max(ma[r]);
     mb[r] = quad_max(mb[r]);
     own[r] = quad_sum(own[r]);  // one lane of the quad holds it, the others 0
   }
-#pragma unroll
-  for (int tile = 0; tile < 2; ++tile)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2, il = local0 + 8 * r, col = nt * 8 + 2 * t + (e & 1);
-        if (!in_window(tile, col, il)) continue;
-        sa[r] += __expf(s[tile][nt][e] - ma[r]);
-        if (!(tile == 1 && col == il)) sb[r] += __expf(s[tile][nt][e] - mb[r]);
-      }
+  over_window([&](int r, bool self, float x) {
+    sa[r] += __expf(x - ma[r]);
+    if (!self) sb[r] += __expf(x - mb[r]);
+  });
   float sc[2];
   for (int r = 0; r < 2; ++r) {
     sa[r] = quad_sum(sa[r]);
@@ -135,18 +137,10 @@ __global__ void __launch_bounds__(kBandThreads) hybrid_prefill_scores(PrefillPar
   }
   if (p.score_kind == kPrefillScoreSelfSaliency) {
     float kl[2] = {0.f, 0.f};
-#pragma unroll
-    for (int tile = 0; tile < 2; ++tile)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e / 2, il = local0 + 8 * r, col = nt * 8 + 2 * t + (e & 1);
-          if (!in_window(tile, col, il)) continue;
-          const bool self = tile == 1 && col == il;
-          const float a = __expf(s[tile][nt][e] - ma[r]) / sa[r], bq = !self && sb[r] > 0.f ? __expf(s[tile][nt][e] - mb[r]) / sb[r] : 0.f;
-          kl[r] += a * logf((a + kPrefillScoreEps) / (bq + kPrefillScoreEps));
-        }
+    over_window([&](int r, bool self, float x) {
+      const float a = __expf(x - ma[r]) / sa[r], bq = !self && sb[r] > 0.f ? __expf(x - mb[r]) / sb[r] : 0.f;
+      kl[r] += a * logf((a + kPrefillScoreEps) / (bq + kPrefillScoreEps));
+    });
     for (int r = 0; r < 2; ++r) sc[r] = quad_sum(kl[r]);
   }
   if (t == 0)
