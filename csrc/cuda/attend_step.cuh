@@ -758,10 +758,7 @@ __global__ void __launch_bounds__(kThreads) step_latent_mma(Params p) {
     mma_p_x<T, kMmaSlots, R>(o, s, tile);  // O += P·C
   }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
-  }
+  for (int r = 0; r < 2; ++r) l[r] = quad_sum(l[r]);
   __syncthreads();  // the tiles are read: their bytes take the warps' outputs
   float* mine = work + warp * kMmaHeads * R;
 #pragma unroll

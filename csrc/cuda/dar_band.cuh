@@ -219,10 +219,7 @@ __global__ void __launch_bounds__(kBandThreads) band_merge_fwd(BandParams p) {
     __syncthreads();  // this stage is read: the tile after next may be copied into it
   }
   // The rows' sums over the quad, the band's lse, and the merge with the distant part.
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
-  }
+  for (int r = 0; r < 2; ++r) l[r] = quad_sum(l[r]);
   for (int r = 0; r < 2; ++r) {
     const int i = row0 + 8 * r;
     if (i >= p.T) continue;
@@ -364,8 +361,7 @@ __global__ void __launch_bounds__(kBandThreads) band_bwd_dq(BandBwdParams p) {
       for (int kk = 0; kk < D / 16; ++kk)
         for (int c = 0; c < 4; ++c) x += to_f(o[kk * 16 + 2 * t + cols[c]]) * to_f(g[kk * 16 + 2 * t + cols[c]]);
     }
-    x += __shfl_xor_sync(0xffffffff, x, 1);
-    x += __shfl_xor_sync(0xffffffff, x, 2);
+    x = quad_sum(x);
     dd[r] = x;
     lse[r] = i < p.T ? p.lse[((int64_t)b * p.H + h) * p.T + i] : 0.f;
     if (t == 0 && i < p.T) p.dd[((int64_t)b * p.H + h) * p.T + i] = x;  // for band_bwd_dkdv

@@ -1,6 +1,7 @@
 // Launches of the STILL / LoLCATs prefill kernels (csrc/cuda/hybrid_prefill.cuh says what they
-// compute). Taken by `Hybrid::prefill` where no gradient is recorded, unless ATTNLAB_HYBRID_PREFILL=0
-// (src/kernels/cuda.rs; off by default until the GPU gate has passed it).
+// compute). Taken by `Hybrid::prefill` with ATTNLAB_HYBRID_PREFILL=1 (off by default until the GPU
+// gate has passed them; src/kernels/cuda.rs): the scores wherever they apply, the mix only where no
+// gradient is recorded.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -38,12 +39,12 @@ void launch(Kernel kernel, const PrefillParams& p, int64_t B, int64_t smem) {
 
 }  // namespace
 
-// ts: q, k [B, H, T, D]; score_kind: hybrid_prefill.cuh's kPrefillScore* codes. *out: the routing
+// ts: q, k [B, H, T, D]; score_kind: score_kinds.cuh's codes. *out: the routing
 // scores [B, H, n·C] fp32 of every row of the sequence padded to whole chunks.
 extern "C" char* attnlab_hybrid_prefill_scores(tensor* ts, int64_t chunk, int64_t score_kind, tensor* out) {
   try {
     const at::Tensor &q = *ts[0], &k = *ts[1];
-    TORCH_CHECK(score_kind >= kPrefillScoreSelfSaliency && score_kind <= kPrefillScoreSelfLogit, "hybrid_prefill_scores: unknown score kind ", score_kind);
+    TORCH_CHECK(score_kind >= kScoreSelfSaliency && score_kind <= kScoreSelfLogit, "hybrid_prefill_scores: unknown score kind ", score_kind);
     PrefillParams p{};
     views(p, q, k, k, chunk, "hybrid_prefill_scores");
     c10::cuda::CUDAGuard guard(q.device());

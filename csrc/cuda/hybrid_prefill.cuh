@@ -6,7 +6,7 @@
 //   positions max(0, j − 63) .. j (keys of chunks c − 1 and c in shared memory, S = Q·Kᵀ by mma, every
 //   row's logits spread over a quad's four lanes): self-saliency Σ_W a·ln((a + ε) / (b + ε)), a the
 //   softmax of the logits over W_j and b the softmax over W_j without j (b ≡ 0 when W_j = {j}); or a at
-//   j; or j's own logit (hybrid_step.cuh's kScore* codes). Written for every row of the padded
+//   j; or j's own logit (score_kinds.cuh's codes). Written for every row of the padded
 //   sequence (rows past T as aten's zero padding gives them), where aten took the [T, 2C] window
 //   logits in fp32 and ≈ 15 kernels over them.
 //
@@ -25,18 +25,13 @@
 // Device code only: csrc/cuda/emu runs it on the CPU in `make test`; csrc/cuda/hybrid_prefill.cu launches it.
 #pragma once
 #include "dar_band.cuh"
+#include "score_kinds.cuh"
 #include <cmath>
 #include <cstdint>
 
 namespace {
 
 constexpr int kPrefillChunk = kBandKeys;  // a chunk is one tile of keys, and one block of queries
-
-// The routing score codes, as hybrid_step.cuh's kScore* (this header stands alone).
-constexpr int kPrefillScoreSelfSaliency = 1;
-constexpr int kPrefillScoreDiagAttention = 2;
-constexpr int kPrefillScoreSelfLogit = 3;
-constexpr float kPrefillScoreEps = 1e-8f;
 
 struct PrefillParams {
   View q, k, v;  // [B, T, H, D] views (of [B, H, T, D] tensors: any strides with 16-byte rows, unit d)
@@ -60,16 +55,6 @@ struct PrefillParams {
 // Shared memory: the scores' two K tiles; the mix's two stages of a K and a V tile.
 __host__ __device__ inline int64_t prefill_scores_smem_bytes(int D) { return 2 * band_tile_bytes(D); }
 __host__ __device__ inline int64_t prefill_mix_smem_bytes(int D) { return band_smem_bytes(D); }
-
-// A quad's (the four lanes holding one row's logits) max and sum.
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffff, x, 1);
-  return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
 
 template <int D>
 __global__ void __launch_bounds__(kBandThreads) hybrid_prefill_scores(PrefillParams p) {
@@ -133,13 +118,13 @@ __global__ void __launch_bounds__(kBandThreads) hybrid_prefill_scores(PrefillPar
   for (int r = 0; r < 2; ++r) {
     sa[r] = quad_sum(sa[r]);
     sb[r] = quad_sum(sb[r]);
-    sc[r] = p.score_kind == kPrefillScoreSelfLogit ? own[r] : __expf(own[r] - ma[r]) / sa[r];
+    sc[r] = p.score_kind == kScoreSelfLogit ? own[r] : __expf(own[r] - ma[r]) / sa[r];
   }
-  if (p.score_kind == kPrefillScoreSelfSaliency) {
+  if (p.score_kind == kScoreSelfSaliency) {
     float kl[2] = {0.f, 0.f};
     over_window([&](int r, bool self, float x) {
       const float a = __expf(x - ma[r]) / sa[r], bq = !self && sb[r] > 0.f ? __expf(x - mb[r]) / sb[r] : 0.f;
-      kl[r] += a * logf((a + kPrefillScoreEps) / (bq + kPrefillScoreEps));
+      kl[r] += a * logf((a + kScoreEps) / (bq + kScoreEps));
     });
     for (int r = 0; r < 2; ++r) sc[r] = quad_sum(kl[r]);
   }

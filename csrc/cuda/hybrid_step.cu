@@ -13,7 +13,7 @@ typedef at::Tensor* tensor;
 // ts (null where absent): q [B, H, 1, D] (bf16 / fp16 / fp32); phi [B, H, 1, F] fp32; the window
 // ring k, v [B, H, 2C, D]; Sel k, v [B, H, cap, D] and n_sel [1] i64; S [B, H, F, D] and z [B, H, F]
 // fp32; the gate [B, H, 1, D]; γ [H]; pos [1] i64; the ring of routing scores [B, H, 2C] fp32, which
-// the kernel writes the new token's score into (score_kind, hybrid_step.cuh's kScore*; 0: none); the
+// the kernel writes the new token's score into (score_kind, score_kinds.cuh's codes; 0: none); the
 // query map's folded matrix W' [H, D, F/2] fp32, from which the kernel computes φ(q) itself (then phi may
 // be null; fmap_kind 1: u = q·W', 2: with the norm re-injection; 0: φ given). k, v, Sel and the gate in
 // q's dtype; the new token's key and value [B, H, 1, D] (ts[14], ts[15], q's dtype, unit last stride),

@@ -21,6 +21,7 @@
 #pragma once
 #include "block.cuh"
 #include "half.cuh"
+#include "score_kinds.cuh"
 #include <cmath>
 #include <cstdint>
 
@@ -91,15 +92,6 @@ inline bool mix_vec_fits(const MixParams& p) {
   if (p.cap) ok = ok && aligned(p.sk) && aligned(p.sv) && p.s_ss % 8 == 0 && p.s_sh % 8 == 0 && p.s_sb % 8 == 0;
   return ok;
 }
-
-// Routing scores the kernel computes (routing.rs, `Scorer::scores`, still.md §4), over the new token's
-// C most recent keys W = positions max(0, pos − C + 1) .. pos, a the softmax of its logits over W and
-// b the softmax over W without itself (b ≡ 0 when W holds only itself):
-constexpr int kScoreNone = 0;
-constexpr int kScoreSelfSaliency = 1;  // Σ_W a·ln((a + ε) / (b + ε)), ε = 1e-8 (the paper's form)
-constexpr int kScoreDiagAttention = 2; // a at the token itself
-constexpr int kScoreSelfLogit = 3;     // the token's own logit q·k / √D
-constexpr float kScoreEps = 1e-8f;
 
 // The new token's routing score (score_kind) from the logits e[] of the ring's 2C slots (every slot of
 // W visible, so finite), written by thread 0. Block-wide: every thread calls it.

@@ -97,6 +97,16 @@ __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const
   else mma_bf16_16816(c, a, b);
 }
 
+// A quad's max and sum: the four lanes 4·group .. 4·group + 3 that hold one row of a C fragment.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
 // One tile of scores into a running softmax over rows of C fragments (a row's scores spread over the
 // four lanes of a quad; e < 2 of a fragment: the lane's first row, else its row + 8): s (NS fragments
 // of 8 columns, masked ones −inf) becomes P = e^{s − m}, the rows' max m and lane-partial sum l are
@@ -110,8 +120,7 @@ __device__ __forceinline__ void online_softmax(float s[NS][4], float m[2], float
     for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
+    mx[r] = quad_max(mx[r]);
     f[r] = mx[r] == -INFINITY ? 1.f : __expf(m[r] - mx[r]);  // m = −inf: nothing yet (f·0)
     m[r] = mx[r];
     l[r] *= f[r];

@@ -410,8 +410,8 @@ pub struct Mix<'a> {
     pub arrived: Option<&'a Tensor>,
 }
 
-/// The routing scores csrc/cuda/hybrid_step.cuh computes (its kScore* codes): `Scorer::scores`'s over
-/// the new token's C most recent keys.
+/// The routing scores csrc/cuda/hybrid_step.cuh and hybrid_prefill.cuh compute (the codes of
+/// csrc/cuda/score_kinds.cuh): `Scorer::scores`'s over a token's C most recent keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KernelScore {
     SelfSaliency = 1,

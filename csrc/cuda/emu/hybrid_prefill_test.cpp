@@ -33,7 +33,7 @@ struct Inputs {
 // still.md §4 over the `width` most recent keys (64; a planted reference changes it), the token's own
 // key `own` places back (0; a planted reference takes the previous token's).
 std::vector<double> scores_ref(const Inputs& x, int kind, int width, int own = 0) {
-  const double scale = 1.0 / std::sqrt(double(x.D)), eps = kPrefillScoreEps;
+  const double scale = 1.0 / std::sqrt(double(x.D)), eps = kScoreEps;
   std::vector<double> out;
   for (int b = 0; b < x.B; ++b)
     for (int h = 0; h < x.H; ++h)
@@ -50,8 +50,8 @@ std::vector<double> scores_ref(const Inputs& x, int kind, int width, int own = 0
           sa += std::exp(s[i] - ma);
           if (i != self) sb += std::exp(s[i] - mb);
         }
-        double r = kind == kPrefillScoreSelfLogit ? s[self] : std::exp(s[self] - ma) / sa;
-        if (kind == kPrefillScoreSelfSaliency) {
+        double r = kind == kScoreSelfLogit ? s[self] : std::exp(s[self] - ma) / sa;
+        if (kind == kScoreSelfSaliency) {
           r = 0;
           for (size_t i = 0; i < s.size(); ++i) {
             const double a = std::exp(s[i] - ma) / sa, bb = i != self && sb > 0 ? std::exp(s[i] - mb) / sb : 0.0;
@@ -120,11 +120,11 @@ bool check(const Case& k, unsigned seed) {
   std::vector<float> score(size_t(k.B) * k.H * x.n * C, NAN);
   p.score = score.data();
   const char* names[] = {"", "self-saliency", "a_tt", "own logit"};
-  for (int kind = kPrefillScoreSelfSaliency; kind <= kPrefillScoreSelfLogit; ++kind) {
+  for (int kind = kScoreSelfSaliency; kind <= kScoreSelfLogit; ++kind) {
     p.score_kind = kind;
     emu::launch(hybrid_prefill_scores<D>, grid, dim3(kBandThreads), prefill_scores_smem_bytes(D), p);
     // Planted: a window of 65 keys; for the own logit (no window), the previous token's.
-    const std::vector<double> want = scores_ref(x, kind, C), planted = kind == kPrefillScoreSelfLogit ? scores_ref(x, kind, C, 1) : scores_ref(x, kind, C + 1);
+    const std::vector<double> want = scores_ref(x, kind, C), planted = kind == kScoreSelfLogit ? scores_ref(x, kind, C, 1) : scores_ref(x, kind, C + 1);
     ok &= verdict(std::string("scores, ") + names[kind] + ", " + at, rel_err(std::vector<double>(score.begin(), score.end()), want), rel_err(planted, want), 1e-4);
   }
 
