@@ -1,7 +1,6 @@
 // Launches of the STILL / LoLCATs prefill kernels (csrc/cuda/hybrid_prefill.cuh says what they
-// compute). Taken by `Hybrid::prefill` with ATTNLAB_HYBRID_PREFILL=1 (off by default until the GPU
-// gate has passed them; src/kernels/cuda.rs): the scores wherever they apply, the mix only where no
-// gradient is recorded.
+// compute). Taken by `Hybrid::prefill` unless ATTNLAB_HYBRID_PREFILL=0 (src/kernels/cuda.rs): the
+// scores wherever they apply, the mix only where no gradient is recorded.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>

@@ -416,41 +416,6 @@ __host__ __device__ inline int64_t mix_smem_floats(int D, int F, int C, int cap,
   return (int64_t)D + F + 2 * C + cap + kMixThreads / 32 + 2 * gd;
 }
 
-// routing_score by one warp, its reductions by shuffles alone (no block barrier: the block's other
-// warps go on): the caller's warp 0, once the ring's logits e[0, 2C) are published, and nothing
-// overwrites them before the warp is done.
-__device__ __forceinline__ void routing_score_warp(const MixParams& p, const float* e, int64_t pos, int b, int h) {
-  const int W2 = 2 * p.C, self = (int)(pos % W2), lane = threadIdx.x & 31;
-  const int64_t first = max((int64_t)0, pos - p.C + 1);
-  float ma = -INFINITY, mb = -INFINITY;
-  for (int i = lane; i < W2; i += 32)
-    if (slot_position(pos, i, W2) >= first) {
-      ma = fmaxf(ma, e[i]);
-      if (i != self) mb = fmaxf(mb, e[i]);
-    }
-  ma = mix_warp_max(ma);
-  mb = mix_warp_max(mb);
-  float sa = 0.f, sb = 0.f;
-  for (int i = lane; i < W2; i += 32)
-    if (slot_position(pos, i, W2) >= first) {
-      sa += expf(e[i] - ma);
-      if (i != self) sb += expf(e[i] - mb);
-    }
-  sa = mix_warp_sum(sa);
-  sb = mix_warp_sum(sb);
-  float sc = p.score_kind == kScoreSelfLogit ? e[self] : expf(e[self] - ma) / sa;
-  if (p.score_kind == kScoreSelfSaliency) {
-    float part = 0.f;
-    for (int i = lane; i < W2; i += 32)
-      if (slot_position(pos, i, W2) >= first) {
-        const float a = expf(e[i] - ma) / sa, bq = i != self && sb > 0.f ? expf(e[i] - mb) / sb : 0.f;
-        part += a * logf((a + kScoreEps) / (bq + kScoreEps));
-      }
-    sc = mix_warp_sum(part);
-  }
-  if (lane == 0) p.score[b * p.sc_sb + h * p.sc_sh + self] = sc;
-}
-
 // ---- The mix split over blocks (hybrid_mix_split: the launch's choice where the caller hands the
 // arrival counters; hybrid_mix above is one block a head) ----
 // Block (r, b·H + h) for r < slices: slice r's slots, their logits, max m_r, l_r = Σ e^{logit − m_r}
@@ -487,7 +452,7 @@ __host__ __device__ inline int mix_groups(int D, bool vec) { return vec ? kMixTh
 // q, the partials, the product's scratch, the groups' φ·S).
 __host__ __device__ inline int64_t mix_split_smem_floats(int D, int F, int C, int per, bool whole_window, bool vec) {
   const int64_t gd = (int64_t)mix_groups(D, vec) * D;
-  const int64_t softmax = D + 2 * (int64_t)mix_widest_slice(2 * C, per, whole_window) + kMixThreads / 32 + gd;
+  const int64_t softmax = D + mix_widest_slice(2 * C, per, whole_window) + kMixThreads / 32 + gd;
   const int64_t linear = F + D + kMixThreads / 32 + fmap_scratch_floats(F) + (int64_t)mix_groups(D, D % 8 == 0 && D / 8 <= kMixThreads) * D;
   return softmax > linear ? softmax : linear;
 }
@@ -553,9 +518,8 @@ __device__ __forceinline__ void mix_slice_block(const MixParams& p, int b, int h
   const int len = sl.end - sl.begin;
   const int widest = mix_widest_slice(W2, p.per, whole);
   float* qs = sh;                            // [D]
-  float* e = qs + p.D;                       // [widest slice]: logits
-  float* wgt = e + widest;                   // [widest slice]: their exponentials
-  float* red = wgt + widest;                 // [kMixThreads / 32]
+  float* e = qs + p.D;                       // [widest slice]: logits, then their exponentials
+  float* red = e + widest;                   // [kMixThreads / 32]
   float* num_part = red + kMixThreads / 32;  // [G·D]
   const int64_t pos = *p.pos;
   if (p.new_k) {
@@ -582,19 +546,20 @@ __device__ __forceinline__ void mix_slice_block(const MixParams& p, int b, int h
     mx = fmaxf(mx, s);
   }
   const float m = block_reduce<kMixThreads, true>(mx, red);  // its barriers also publish e[]
-  // Warp 0 scores the new token from the logits while the others weigh them (into wgt: e[] stays).
-  if (whole && r == 0 && threadIdx.x < 32) routing_score_warp(p, e, pos, b, h);
+  // The whole block scores the new token (one warp alone was 3–7% slower for STILL's decode on one
+  // H100: BENCHMARKS.md, kernelsab); routing_score's last barrier guards e[] for the weights below.
+  if (whole && r == 0) routing_score(p, e, pos, b, h, red);
   float part = 0.f;
   for (int j = threadIdx.x; j < len; j += kMixThreads) {
     const float x = e[j] == -INFINITY ? 0.f : __expf(e[j] - m);
-    wgt[j] = x;
+    e[j] = x;
     part += x;
   }
-  const float l = block_reduce<kMixThreads, false>(part, red);  // its barriers also publish wgt[]
+  const float l = block_reduce<kMixThreads, false>(part, red);  // its barriers also publish e[]
   // Σ e·v by groups of slots as hybrid_mix's; a weight of 0 (a masked slot) reads nothing.
   const int G = mix_groups(p.D, p.vec);
   grouped_sums(
-      len, p.D, p.vec, wgt, [&](int j) { return mix_row<T>(p, p.wv, p.sv, b, h, sl.begin + j); }, num_part);
+      len, p.D, p.vec, e, [&](int j) { return mix_row<T>(p, p.wv, p.sv, b, h, sl.begin + j); }, num_part);
   __syncthreads();
   float* out = p.part + ((int64_t)(b * p.H + h) * p.slices + r) * (p.D + 2);
   for (int d = threadIdx.x; d < p.D; d += kMixThreads) {

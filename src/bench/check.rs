@@ -497,7 +497,7 @@ fn decode_model_check_in(base: &Spec, name: &str, device: Device, half: bool, pl
     Ok(CheckRow::new(&label, &[1, total], None, kind, tensors, planted))
 }
 
-/// The STILL / LoLCATs prefill kernels (csrc/cuda/hybrid_prefill.cu, `ATTNLAB_HYBRID_PREFILL=1`) in a
+/// The STILL / LoLCATs prefill kernels (csrc/cuda/hybrid_prefill.cu, forced by `ATTNLAB_HYBRID_PREFILL=1`) in a
 /// bf16 model's forward pass, as [`decode_model_check`]'s model: logits of 1,000 tokens (16 chunks,
 /// the selected tokens from the third, a ragged last chunk) against the fp32 model, the baseline the
 /// same bf16 model through aten's chunked form (`ATTNLAB_HYBRID_PREFILL=0`).

@@ -2,8 +2,8 @@
 //! training path over chunks (§3), the softmax part masked blocks per group of chunks (the window's
 //! 2C keys, and the selected tokens the group's chunks see), the linear part prefix sums of
 //! per-chunk states. On CUDA the routing scores and the softmax part with its merge can run as
-//! tensor-core kernels instead (csrc/cuda/hybrid_prefill.cu, `ATTNLAB_HYBRID_PREFILL=1`; inference only
-//! for the merge).
+//! tensor-core kernels instead (csrc/cuda/hybrid_prefill.cu, on by default, `ATTNLAB_HYBRID_PREFILL=0`
+//! turns them off; inference only for the merge).
 use super::{dims4, dims5, pad_to, two_chunks, HybridCache, Routed, Scorer, Selection};
 use crate::attention::feature_maps::FeatureMap;
 use crate::kernels::cuda;
