@@ -45,12 +45,6 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffff, x, off);
-  return x;
-}
-
 // Head h's partial softmaxes of the block's warps merged (wm [kWarps][heads]: each warp's running
 // max): M = max over the warps, returned Σ_w e^{m_w − M}·x[w·x_stride] over the warps that saw a
 // slot (0, and M = −inf, when none did).

@@ -1,10 +1,22 @@
-// Block-wide reductions and ring-slot positions for the decode kernels (csrc/cuda/attend_step.cuh,
-// hybrid_step.cuh): device code only, all inline; csrc/cuda/emu runs it on the CPU.
+// Warp- and block-wide reductions and ring-slot positions for the decode and prefill kernels
+// (csrc/cuda/attend_step.cuh, hybrid_step.cuh, hybrid_linear.cuh): device code only, all inline; csrc/cuda/emu runs it on the CPU.
 #pragma once
 #include <cmath>
 #include <cstdint>
 
 namespace {
+
+// One warp's max / sum of x over its lanes (every lane gets it).
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, off));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffff, x, off);
+  return x;
+}
 
 // The block's max (kMax) or sum of x over its kThreadsN threads (a multiple of 32); every thread
 // gets it. `red` holds kThreadsN / 32 floats of shared memory. Its barriers also publish the shared

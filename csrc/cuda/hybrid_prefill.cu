@@ -1,11 +1,12 @@
-// Launches of the STILL / LoLCATs prefill kernels (csrc/cuda/hybrid_prefill.cuh says what they
-// compute). Taken by `Hybrid::prefill` unless ATTNLAB_HYBRID_PREFILL=0 (src/kernels/cuda.rs): the
-// scores wherever they apply, the mix only where no gradient is recorded.
+// Launches of the STILL / LoLCATs prefill kernels (csrc/cuda/hybrid_prefill.cuh and hybrid_linear.cuh
+// say what they compute). Taken by `Hybrid::prefill` unless ATTNLAB_HYBRID_PREFILL=0 (src/kernels/cuda.rs):
+// the scores wherever they apply, the linear branch and the mix only where no gradient is recorded.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cstring>
+#include "hybrid_linear.cuh"
 #include "hybrid_prefill.cuh"
 
 typedef at::Tensor* tensor;
@@ -100,6 +101,52 @@ extern "C" char* attnlab_hybrid_prefill_mix(tensor* ts, int64_t chunk, double ep
     if (D == 64) launch(hybrid_prefill_mix<64>, p, B, prefill_mix_smem_bytes(64));
     else launch(hybrid_prefill_mix<128>, p, B, prefill_mix_smem_bytes(128));
     *out = new at::Tensor(y);
+    return nullptr;
+  } catch (const std::exception& e) {
+    return strdup(e.what());
+  }
+}
+
+// ts (null where absent): q, k, v [B, H, T, D]; q's and k's folded maps [H, D, F/2] fp32 (FeatureMap::
+// folded_linear); keep [B, H, n·C] fp32 (0 for a selected token). out[0..4]: n_lin [B, H, n·C, D] and
+// z_lin [B, H, n·C] (φ(q)·S, φ(q)·z of each row's chunk state), S [B, H, F, D] and z [B, H, F] after
+// the sequence (the state of chunks ≤ n − 3, the decode cache's), all fp32.
+extern "C" char* attnlab_hybrid_prefill_linear(tensor* ts, int64_t chunk, int64_t reinject_q, int64_t reinject_k, tensor* out) {
+  try {
+    const at::Tensor &q = *ts[0], &k = *ts[1], &v = *ts[2], &wq = *ts[3], &wk = *ts[4];
+    tensor keep = ts[5];
+    PrefillParams pv{};
+    views(pv, q, k, v, chunk, "hybrid_prefill_linear");
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Fh = wq.size(-1), F = 2 * Fh, n = pv.n;
+    for (const at::Tensor* w : {&wq, &wk})
+      TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->device() == q.device() && w->sizes() == at::IntArrayRef({H, D, Fh}),
+                  "hybrid_prefill_linear: the folded maps must be fp32 contiguous [H, D, F/2], both of one F");
+    TORCH_CHECK(Fh % 4 == 0 && Fh <= 128, "hybrid_prefill_linear: F/2 = ", Fh, " (a multiple of 4, at most 128)");
+    const int64_t rows = n * chunk;
+    if (keep)
+      TORCH_CHECK(keep->scalar_type() == at::kFloat && keep->is_contiguous() && keep->numel() == B * H * rows && keep->device() == q.device(),
+                  "hybrid_prefill_linear: keep must be fp32 contiguous [B, H, n·C]");
+    c10::cuda::CUDAGuard guard(q.device());
+    const auto f32 = q.options().dtype(at::kFloat);
+    at::Tensor state = at::empty({B, H, n, F, D}, f32), zstate = at::empty({B, H, n, F}, f32);
+    at::Tensor n_lin = at::empty({B, H, rows, D}, f32), z_lin = at::empty({B, H, rows}, f32);
+    LinearParams p{pv.q, pv.k, pv.v, pv.T, (int)H, (int)n, (int)D, (int)Fh, wq.data_ptr<float>(), wk.data_ptr<float>(), reinject_q != 0, reinject_k != 0,
+                   keep ? keep->data_ptr<float>() : nullptr, state.data_ptr<float>(), zstate.data_ptr<float>(), n_lin.data_ptr<float>(), z_lin.data_ptr<float>()};
+    const int64_t smem = linear_smem_bytes((int)D, (int)Fh);
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    for (auto kernel : {hybrid_linear_states, hybrid_linear_query})
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    hybrid_linear_states<<<dim3(n, B * H), kLinThreads, smem, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    hybrid_linear_scan<<<dim3((F * D + F + kLinThreads - 1) / kLinThreads, B * H), kLinThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    hybrid_linear_query<<<dim3(n, B * H), kLinThreads, smem, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // The last chunk's S, z copied out: a view would keep every chunk's state alive in the cache.
+    out[0] = new at::Tensor(n_lin);
+    out[1] = new at::Tensor(z_lin);
+    out[2] = new at::Tensor(state.select(2, n - 1).clone());
+    out[3] = new at::Tensor(zstate.select(2, n - 1).clone());
     return nullptr;
   } catch (const std::exception& e) {
     return strdup(e.what());

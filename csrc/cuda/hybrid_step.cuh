@@ -129,18 +129,6 @@ __device__ __forceinline__ void routing_score(const MixParams& p, const float* e
   __syncthreads();  // every read of e[] done before the caller overwrites it with the weights
 }
 
-// One warp's max / sum of x over its lanes (every lane gets it).
-__device__ __forceinline__ float mix_warp_max(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, off));
-  return x;
-}
-__device__ __forceinline__ float mix_warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffff, x, off);
-  return x;
-}
-
 // φ(q) from u = qr·W'_h already in phi[0, F/2) (f2 = this thread's share of ‖u‖², over the f it
 // wrote): clamp_min([softmax(u) ⊕ softmax(−u)], 1e-12), u first rescaled to ‖qr‖ with the norm
 // re-injection (feature_maps.rs). Block-wide.
@@ -221,15 +209,15 @@ __device__ __forceinline__ void feature_map_split(const MixParams& p, const floa
       f2 += u * u;
     }
     for (int d = lane; d < p.D; d += 32) x2 += qr[d] * qr[d];
-    const float scale = p.fmap_reinject ? sqrtf(mix_warp_sum(x2)) / fmaxf(sqrtf(mix_warp_sum(f2)), 1e-12f) : 1.f;
+    const float scale = p.fmap_reinject ? sqrtf(warp_sum(x2)) / fmaxf(sqrtf(warp_sum(f2)), 1e-12f) : 1.f;
     float mp = -INFINITY, mn = -INFINITY;
     for (int f = lane; f < Fh; f += 32) mp = fmaxf(mp, phi[f] * scale), mn = fmaxf(mn, -phi[f] * scale);
-    mp = mix_warp_max(mp);
-    mn = mix_warp_max(mn);
+    mp = warp_max(mp);
+    mn = warp_max(mn);
     float sp = 0.f, sn = 0.f;
     for (int f = lane; f < Fh; f += 32) sp += expf(phi[f] * scale - mp), sn += expf(-phi[f] * scale - mn);
-    sp = mix_warp_sum(sp);
-    sn = mix_warp_sum(sn);
+    sp = warp_sum(sp);
+    sn = warp_sum(sn);
     for (int f = lane; f < Fh; f += 32) {
       const float u = phi[f] * scale;
       phi[f] = fmaxf(expf(u - mp) / sp, 1e-12f);

@@ -19,6 +19,7 @@ type SplitRotateFn = unsafe extern "C" fn(*mut C_tensor, i64, i64, i64, *mut C_t
 type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 type PrefillScoresFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, *mut *mut C_tensor) -> Err;
 type PrefillMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, *mut *mut C_tensor) -> Err;
+type PrefillLinearFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, *mut *mut C_tensor) -> Err;
 
 /// The CUDA-graph entry points (csrc/cuda/graph.cu).
 struct GraphFns {
@@ -50,6 +51,8 @@ struct Library {
     hybrid_mix: Option<HybridMixFn>,
     /// None in a library built before csrc/cuda/hybrid_prefill.cu.
     prefill: Option<(PrefillScoresFn, PrefillMixFn)>,
+    /// None in a library built before csrc/cuda/hybrid_linear.cuh.
+    prefill_linear: Option<PrefillLinearFn>,
 }
 
 /// A tensor's handle for the library's C entry points.
@@ -115,8 +118,9 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
         let prefill = find(c"attnlab_hybrid_prefill_scores")
             .zip(find(c"attnlab_hybrid_prefill_mix"))
             .map(|(s, m)| (std::mem::transmute::<*mut libc::c_void, PrefillScoresFn>(s), std::mem::transmute::<*mut libc::c_void, PrefillMixFn>(m)));
+        let prefill_linear = find(c"attnlab_hybrid_prefill_linear").map(|p| std::mem::transmute::<*mut libc::c_void, PrefillLinearFn>(p));
         let ce_grad_in_place = std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym);
-        Ok(Library { ce_grad_in_place, graph, attend_step, layer_norm_half, rms_norm_half, rms_norm_infer, band, split_rotate, hybrid_mix, prefill })
+        Ok(Library { ce_grad_in_place, graph, attend_step, layer_norm_half, rms_norm_half, rms_norm_infer, band, split_rotate, hybrid_mix, prefill, prefill_linear })
     }
 }
 
@@ -541,6 +545,41 @@ pub fn hybrid_prefill_mix(q: &Tensor, k: &Tensor, v: &Tensor, m: &PrefillMix) ->
     let ts = [handle(q), handle(k), handle(v), o(m.sel.map(|s| s.0)), o(m.sel.map(|s| s.1)), o(m.linear.map(|l| l.0)), o(m.linear.map(|l| l.1)), o(m.gamma)];
     // SAFETY: valid tensor handles (or null where absent), read during the call.
     Some(new_tensor(|out| unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.compensate as i64, m.phantom_chunk0_keys as i64, out) }))
+}
+
+/// The prefill's linear branch (csrc/cuda/hybrid_linear.cuh): q, k, v `[B, H, T, D]` as
+/// [`hybrid_prefill_enabled`] takes them; the feature maps of q and k as folded matrices `[H, D, F/2]`
+/// fp32 (`FeatureMap::folded_linear`) with their norm re-injection; `keep` `[B, H, n·C]` fp32, 0 where
+/// a token is selected (its key in Sel, not in the state). `None` where the library lacks it.
+pub struct PrefillLinear<'a> {
+    pub q_map: (&'a Tensor, bool),
+    pub k_map: (&'a Tensor, bool),
+    pub keep: Option<&'a Tensor>,
+    pub chunk: i64,
+}
+
+/// What [`hybrid_prefill_linear`] returns, all fp32: `n_lin` `[B, H, n·C, D]` and `z_lin` `[B, H, n·C]`
+/// (φ(q_t)·S and φ(q_t)·z of the state of chunks ≤ c − 2, no gate), and the state after the sequence
+/// (`s` `[B, H, F, D]`, `z` `[B, H, F]`: chunks ≤ n − 3, the decode cache's).
+pub struct LinearTerms {
+    pub n_lin: Tensor,
+    pub z_lin: Tensor,
+    pub s: Tensor,
+    pub z: Tensor,
+}
+
+/// The linear terms of a STILL / LoLCATs prefill by csrc/cuda/hybrid_linear.cuh (the aten form is
+/// `Hybrid::prefill`'s linear part); `None` where the library lacks the kernels. No backward.
+pub fn hybrid_prefill_linear(q: &Tensor, k: &Tensor, v: &Tensor, m: &PrefillLinear) -> Option<Result<LinearTerms>> {
+    let f = library()?.prefill_linear?;
+    let ts = [handle(q), handle(k), handle(v), handle(m.q_map.0), handle(m.k_map.0), handle_or_null(m.keep)];
+    let mut out: [*mut C_tensor; 4] = [std::ptr::null_mut(); 4];
+    // SAFETY: valid tensor handles (or null where absent), read during the call; on success the
+    // library has written four new tensors into `out`, which we then own.
+    Some(check(unsafe { f(ts.as_ptr(), m.chunk, m.q_map.1 as i64, m.k_map.1 as i64, out.as_mut_ptr()) }).map(|()| {
+        let [n_lin, z_lin, s, z] = out.map(|t| unsafe { Tensor::from_ptr(t) });
+        LinearTerms { n_lin, z_lin, s, z }
+    }))
 }
 
 /// Whether the library holds the heads op's kernels ([`split_rotate`] takes them unless

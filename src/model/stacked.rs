@@ -11,6 +11,7 @@
 //! stacks again. `ATTNLAB_STACKED=0` stacks nothing (to time or check the separate multiplies). On
 //! one H100, STILL (budget) and LoLCATs (Llama hybrids) decode 1.07–1.12× faster stacked, with the
 //! same greedy tokens (results/bench/2026-12-07-h100, `scripts/gpu_bench.sh stacked`).
+use crate::util::grad_enabled;
 use std::sync::Mutex;
 use tch::Tensor;
 
@@ -103,17 +104,6 @@ impl Stacked {
                 })
                 .collect(),
         )
-    }
-}
-
-/// Whether autograd records ops (the thread's grad mode: off under `tch::no_grad`). tch sets it but
-/// cannot read it; libtorch's setter returns the mode it replaces.
-fn grad_enabled() -> bool {
-    // SAFETY: plain calls that set the thread-local mode and put it back as it was.
-    unsafe {
-        let was = torch_sys::at_grad_set_enabled(0);
-        torch_sys::at_grad_set_enabled(was);
-        was != 0
     }
 }
 

@@ -1,9 +1,9 @@
 //! The shared hybrid operator (STILL, and LoLCATs with κ = 0 and γ): its vectorised prefill /
 //! training path over chunks (§3), the softmax part masked blocks per group of chunks (the window's
 //! 2C keys, and the selected tokens the group's chunks see), the linear part prefix sums of
-//! per-chunk states. On CUDA the routing scores and the softmax part with its merge can run as
-//! tensor-core kernels instead (csrc/cuda/hybrid_prefill.cu, on by default, `ATTNLAB_HYBRID_PREFILL=0`
-//! turns them off; inference only for the merge).
+//! per-chunk states. On CUDA the routing scores, the linear part and the softmax part with its
+//! merge can run as kernels instead (csrc/cuda/hybrid_prefill.cu and hybrid_linear.cuh, on by
+//! default, `ATTNLAB_HYBRID_PREFILL=0` turns them off; inference only for all but the scores).
 use super::{dims4, dims5, pad_to, two_chunks, HybridCache, Routed, Scorer, Selection};
 use crate::attention::feature_maps::FeatureMap;
 use crate::kernels::cuda;
@@ -55,6 +55,16 @@ fn by_chunk(a: &Tensor, b: &Tensor) -> Tensor {
     a.reshape([bs, h, n * c, -1]).matmul(b).view([bs, h, n, c, -1])
 }
 
+/// The linear part's terms (§3): φ(q)·S `[B, H, n, C, D]` and φ(q)·z `[B, H, n, C, 1]` of each query's
+/// chunk state (no gate, no compensation), and the state after the sequence (chunks ≤ n − 3) for the
+/// decode cache.
+struct LinearPart {
+    n: Tensor,
+    z: Tensor,
+    s_last: Tensor,
+    z_last: Tensor,
+}
+
 /// Everything the hybrid operator needs besides q, k, v and the gate: §3 for STILL, §7 for LoLCATs.
 pub(crate) struct Hybrid<'a> {
     pub chunk: i64,
@@ -88,7 +98,7 @@ impl Hybrid<'_> {
         let n = qf.size()[2] / c;
         let chunks = |x: &Tensor| x.reshape([b, h, n, c, x.size()[3]]);
         // csrc/cuda/hybrid_prefill.cu where it applies: the routing scores always (they carry no
-        // gradient), the softmax part and the merge where no gradient is recorded (below).
+        // gradient), the linear part, the softmax part and the merge where no gradient is recorded (below).
         let kernels = cuda::hybrid_prefill_enabled(q, k, v, c);
         let kernel_score = self.scorer.as_ref().and_then(|s| s.kernel_score()).filter(|_| kernels);
         // The window logits `[B, H, n, C, 2C]` (with their gradient: the softmax part reads them
@@ -101,33 +111,23 @@ impl Hybrid<'_> {
         });
         let routed = tch::no_grad(|| self.route(&scores));
 
-        // Linear part: per-chunk states of the non-selected tokens, summed over chunks ≤ c−2.
-        let phi_k = chunks(&self.fk.forward(&kf));
-        let phi_k = match &routed {
-            // Lin = every token of chunks ≤ c−2 but the selected ones (capped chunks are all Lin).
-            Some(r) => {
-                let sel = Tensor::zeros([b, h, n * c], (kind, dev)).scatter_value(2, &r.pos, 1.0);
-                phi_k * (-sel + 1.0).reshape([b, h, n, c, 1])
-            }
-            None => phi_k,
+        // The kernels have no backward: the linear branch and the mix by kernels only where nothing
+        // records a gradient (inference; attention transfer's linear terms carry the feature maps').
+        let inputs = [q, k, v].into_iter().chain(g).chain(self.gamma.as_ref()).map(Tensor::shallow_clone);
+        let recorded = crate::util::grad_enabled() && inputs.chain(self.fq.parameters()).chain(self.fk.parameters()).any(|x| x.requires_grad());
+        let by_kernels = kernels && !recorded;
+        let lin = match by_kernels.then(|| self.linear_by_kernel(q, k, v, routed.as_ref())).flatten() {
+            Some(lin) => lin,
+            None => self.linear_part(&qf, &kf, &vf, routed.as_ref()),
         };
-        let ds = phi_k.transpose(-2, -1).matmul(&chunks(&vf)); // [B, H, n, F, D]
-        let dz = phi_k.sum_dim_intlist(3, false, kind); // [B, H, n, F]
-        let s_state = ds.cumsum(2, kind).constant_pad_nd([0, 0, 0, 0, 2, 0]).narrow(2, 0, n);
-        let z_state = dz.cumsum(2, kind).constant_pad_nd([0, 0, 2, 0]).narrow(2, 0, n);
-        let phi_q = chunks(&self.fq.forward(&qf));
-        let mut n_lin = phi_q.matmul(&s_state);
-        let z_lin = phi_q.matmul(&z_state.unsqueeze(-1));
-        if let Some(g) = g {
-            n_lin = n_lin * chunks(&pad_to(g, c));
-        }
+        let n_lin = match g {
+            Some(g) => &lin.n * chunks(&pad_to(g, c)),
+            None => lin.n.shallow_clone(),
+        };
 
-        // The mixing kernel has no backward: aten's form wherever a gradient is recorded (training;
-        // attention transfer, whose linear terms carry the feature maps' gradient).
-        let recorded = [q, k, v, &n_lin, &z_lin].into_iter().chain(self.gamma.as_ref()).any(Tensor::requires_grad);
-        let y = if kernels && !recorded {
+        let y = if by_kernels {
             let seen = routed.as_ref().map(|r| Tensor::from_slice(&visible_slots(&r.chunk_of, n)));
-            let (n_flat, z_flat) = (n_lin.reshape([b, h, n * c, d]), z_lin.reshape([b, h, n * c]));
+            let (n_flat, z_flat) = (n_lin.reshape([b, h, n * c, d]), lin.z.reshape([b, h, n * c]));
             let mix = cuda::PrefillMix {
                 sel: routed.as_ref().zip(seen.as_ref()).map(|(r, seen)| (&r.pos, seen)),
                 linear: self.linear.then_some((&n_flat, &z_flat)),
@@ -141,7 +141,7 @@ impl Hybrid<'_> {
         } else {
             let s_win = s_win.unwrap_or_else(|| self.window_logits(&qf, &kf));
             let (n_sm, z_sm, m) = self.softmax_part(&qf, &kf, &vf, &s_win, routed.as_ref());
-            let (n_lin, z_lin) = self.linear_terms(n_lin, z_lin, &m);
+            let (n_lin, z_lin) = self.linear_terms(n_lin, lin.z.shallow_clone(), &m);
             ((n_sm + n_lin) / (z_sm + z_lin + self.eps)).reshape([b, h, n * c, d]).narrow(2, 0, t).to_kind(q.kind())
         };
         if !want_cache {
@@ -174,11 +174,60 @@ impl Hybrid<'_> {
             cache.win_k = k.narrow(2, w0, t - w0).detach();
             cache.win_v = v.narrow(2, w0, t - w0).detach();
             cache.win_scores = scores.narrow(2, w0, t - w0);
-            cache.s = s_state.select(2, n - 1).detach();
-            cache.z = z_state.select(2, n - 1).detach();
+            cache.s = lin.s_last.detach();
+            cache.z = lin.z_last.detach();
             cache
         });
         (y, Some(cache))
+    }
+
+    /// The linear part (§3) of padded q, k, v in the compute kind: per-chunk states of the tokens
+    /// not selected, summed over chunks ≤ c−2, and every query's φ(q)·S, φ(q)·z (no gate).
+    fn linear_part(&self, qf: &Tensor, kf: &Tensor, vf: &Tensor, routed: Option<&Routed>) -> LinearPart {
+        let (b, h, tp, _) = dims4(qf);
+        let (c, kind, dev) = (self.chunk, qf.kind(), qf.device());
+        let n = tp / c;
+        let chunks = |x: &Tensor| x.reshape([b, h, n, c, x.size()[3]]);
+        let phi_k = chunks(&self.fk.forward(kf));
+        let phi_k = match routed {
+            // Lin = every token of chunks ≤ c−2 but the selected ones (capped chunks are all Lin).
+            Some(r) => {
+                let sel = Tensor::zeros([b, h, n * c], (kind, dev)).scatter_value(2, &r.pos, 1.0);
+                phi_k * (-sel + 1.0).reshape([b, h, n, c, 1])
+            }
+            None => phi_k,
+        };
+        let ds = phi_k.transpose(-2, -1).matmul(&chunks(vf)); // [B, H, n, F, D]
+        let dz = phi_k.sum_dim_intlist(3, false, kind); // [B, H, n, F]
+        let s_state = ds.cumsum(2, kind).constant_pad_nd([0, 0, 0, 0, 2, 0]).narrow(2, 0, n);
+        let z_state = dz.cumsum(2, kind).constant_pad_nd([0, 0, 2, 0]).narrow(2, 0, n);
+        let phi_q = chunks(&self.fq.forward(qf));
+        LinearPart {
+            n: phi_q.matmul(&s_state),
+            z: phi_q.matmul(&z_state.unsqueeze(-1)),
+            s_last: s_state.select(2, n - 1),
+            z_last: z_state.select(2, n - 1),
+        }
+    }
+
+    /// [`Hybrid::linear_part`] by csrc/cuda/hybrid_linear.cuh from the unpadded bf16 q, k, v, where
+    /// the kernels take the maps' width (F/2 a multiple of 4, at most 128); `None` otherwise.
+    fn linear_by_kernel(&self, q: &Tensor, k: &Tensor, v: &Tensor, routed: Option<&Routed>) -> Option<LinearPart> {
+        let half = self.fq.dim() / 2;
+        if self.fk.dim() != self.fq.dim() || half % 4 != 0 || half > 128 {
+            return None;
+        }
+        let (b, h, t, d) = dims4(q);
+        let (c, dev) = (self.chunk, q.device());
+        let n = (t + c - 1) / c;
+        let keep = routed.map(|r| Tensor::ones([b, h, n * c], (Kind::Float, dev)).scatter_value(2, &r.pos, 0.0));
+        let (wq, wk) = (self.fq.folded_linear(Kind::Float), self.fk.folded_linear(Kind::Float));
+        let m = cuda::PrefillLinear { q_map: (&wq, self.fq.norm_reinject), k_map: (&wk, self.fk.norm_reinject), keep: keep.as_ref(), chunk: c };
+        let lin = match cuda::hybrid_prefill_linear(q, k, v, &m)? {
+            Ok(lin) => lin,
+            Err(e) => panic!("hybrid_prefill_linear: {e}"),
+        };
+        Some(LinearPart { n: lin.n_lin.view([b, h, n, c, d]), z: lin.z_lin.view([b, h, n, c, 1]), s_last: lin.s, z_last: lin.z })
     }
 
     /// The softmax part (§3) of padded queries over Win ∪ Sel: its numerator, denominator and max

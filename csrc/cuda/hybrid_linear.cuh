@@ -1,0 +1,215 @@
+// The linear branch of the STILL / LoLCATs prefill (still.md §2–§3; the aten form is the "linear part"
+// of `Hybrid::prefill` in src/attention/still/chunked.rs), in fp32, the branch's compute kind. Where
+// aten ran ≈ 60 kernels a layer over [B, H, n, C, ·] fp32 copies (casts, pads, norms, softmaxes, a
+// cumsum, masked products), three kernels:
+//
+// hybrid_linear_states: a block per (chunk c, b·H + h). φ(k_t) of the chunk's C = 64 keys by the
+//   folded map (u = k·W'_h, W'_h = the Householder reflection folded into W_h: FeatureMap::folded_linear;
+//   u re-scaled to ‖k‖ / ‖u‖ where the map re-injects the norm; φ = clamp_min(softmax(u) ⊕ softmax(−u),
+//   1e-12)), each row times keep_t (0 for a selected token, whose key is in Sel instead; 0 past T), then
+//   the chunk's contribution to the state, ΔS_c = Σ_t φ(k_t)ᵀ v_t [F, D] and Δz_c = Σ_t φ(k_t) [F].
+// hybrid_linear_scan: in place, S_c = Σ_{j ≤ c − 2} ΔS_j and z_c likewise: what query chunk c reads
+//   (chunks c − 1 and c are its softmax window); S_{n−1} is the decode cache's state.
+// hybrid_linear_query: a block per (c, b·H + h). φ(q_t) by q's map, n_t = φ(q_t)·S_c [D] and
+//   z_t = φ(q_t)·z_c, for every row of the padded sequence (hybrid_prefill_mix reads them).
+//
+// Products by register tiles of 4 × 4 from shared memory (the maps and states from L1 / L2): at these
+// sizes (F ≤ 256, D ≤ 128) fp32 FMAs, not the tensor cores, and no rounding the aten form lacks.
+// Device code only: csrc/cuda/emu runs it on the CPU in `make test`; csrc/cuda/hybrid_prefill.cu launches it.
+#pragma once
+#include "block.cuh"
+#include "dar_band.cuh"
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int kLinThreads = 256;
+constexpr int kLinChunk = 64;
+
+struct LinearParams {
+  View q, k, v;       // [B, T, H, D] views, as PrefillParams'
+  int T, H, n, D, Fh;  // φ has F = 2·Fh features; D and Fh multiples of 4
+  const float* wq;     // q's folded map [H, D, Fh], contiguous
+  const float* wk;     // k's
+  int reinject_q, reinject_k;
+  const float* keep;   // [B, H, n·C]: 1 where the token's key enters the state, 0 where selected; null: all
+  float* state;        // [B, H, n, F, D]: ΔS, then (after the scan) S
+  float* zstate;       // [B, H, n, F]
+  float* n_lin;        // [B, H, n·C, D]
+  float* z_lin;        // [B, H, n·C]
+};
+
+// Row strides of the shared tiles: one float of padding, so a column walk changes bank.
+__host__ __device__ inline int lin_ldx(int D) { return D + 1; }
+__host__ __device__ inline int lin_ldp(int Fh) { return 2 * Fh + 1; }
+__host__ __device__ inline int64_t linear_smem_bytes(int D, int Fh) { return (int64_t)kLinChunk * (lin_ldx(D) + lin_ldp(Fh)) * sizeof(float); }
+
+// Rows c·C .. c·C + C − 1 of x (zeros past T) into xs [C][ldx] as fp32.
+__device__ __forceinline__ void lin_load_rows(const View& x, int b, int h, int c, int T, int D, float* xs) {
+  const int ldx = lin_ldx(D);
+  for (int i = threadIdx.x; i < kLinChunk * D; i += kLinThreads) {
+    const int r = i / D, d = i % D, t = c * kLinChunk + r;
+    xs[r * ldx + d] = t < T ? to_f(x.at(b, t, h)[d]) : 0.f;
+  }
+}
+
+// φ of the C rows of xs into phi [C][ldp] by the folded map W [D, Fh] (global). Block-wide.
+__device__ __forceinline__ void lin_features(const float* xs, int D, int Fh, const float* W, bool reinject, float* phi) {
+  const int ldx = lin_ldx(D), ldp = lin_ldp(Fh), jt = Fh / 4;
+  // u = x·W, a 4 × 4 tile of (rows, features) a thread.
+  for (int tile = threadIdx.x; tile < (kLinChunk / 4) * jt; tile += kLinThreads) {
+    const int r0 = 4 * (tile / jt), j0 = 4 * (tile % jt);
+    float acc[4][4] = {};
+    for (int d = 0; d < D; ++d) {
+      float a[4], w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = xs[(r0 + i) * ldx + d], w[i] = W[(int64_t)d * Fh + j0 + i];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * w[j];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) phi[(r0 + i) * ldp + j0 + j] = acc[i][j];
+  }
+  __syncthreads();
+  // A warp a row: the norm re-injection, then softmax(±u) over the Fh features (max-subtracted, as aten's).
+  const int lane = threadIdx.x % 32;
+  for (int r = threadIdx.x / 32; r < kLinChunk; r += kLinThreads / 32) {
+    float* u = phi + r * ldp;
+    float scale = 1.f;
+    if (reinject) {
+      float f2 = 0.f, x2 = 0.f;
+      for (int j = lane; j < Fh; j += 32) f2 += u[j] * u[j];
+      for (int d = lane; d < D; d += 32) x2 += xs[r * ldx + d] * xs[r * ldx + d];
+      scale = sqrtf(warp_sum(x2)) / fmaxf(sqrtf(warp_sum(f2)), 1e-12f);
+    }
+    float mp = -INFINITY, mn = -INFINITY;
+    for (int j = lane; j < Fh; j += 32) mp = fmaxf(mp, u[j] * scale), mn = fmaxf(mn, -u[j] * scale);
+    mp = warp_max(mp);
+    mn = warp_max(mn);
+    float sp = 0.f, sn = 0.f;
+    for (int j = lane; j < Fh; j += 32) sp += expf(u[j] * scale - mp), sn += expf(-u[j] * scale - mn);
+    sp = warp_sum(sp);
+    sn = warp_sum(sn);
+    // Each lane rewrites only the features it read.
+    for (int j = lane; j < Fh; j += 32) {
+      const float x = u[j] * scale;
+      u[j] = fmaxf(expf(x - mp) / sp, 1e-12f);
+      u[Fh + j] = fmaxf(expf(-x - mn) / sn, 1e-12f);
+    }
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kLinThreads) hybrid_linear_states(LinearParams p) {
+  ATTNLAB_DYNAMIC_SHARED(float, sh);
+  const int c = blockIdx.x, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const int D = p.D, Fh = p.Fh, F = 2 * Fh, ldx = lin_ldx(D), ldp = lin_ldp(Fh);
+  float* xs = sh;                           // [C][ldx]: k, then v
+  float* phi = xs + kLinChunk * ldx;        // [C][ldp]
+  lin_load_rows(p.k, b, h, c, p.T, D, xs);
+  __syncthreads();
+  lin_features(xs, D, Fh, p.wk + (int64_t)h * D * Fh, p.reinject_k, phi);
+  // keep_t on every row (0 past T), and v over k (lin_features' last barrier: every read of k done).
+  for (int i = threadIdx.x; i < kLinChunk * F; i += kLinThreads) {
+    const int r = i / F, t = c * kLinChunk + r;
+    const float keep = t >= p.T ? 0.f : p.keep ? p.keep[(int64_t)bh * p.n * kLinChunk + t] : 1.f;
+    if (keep != 1.f) phi[r * ldp + i % F] *= keep;
+  }
+  lin_load_rows(p.v, b, h, c, p.T, D, xs);
+  __syncthreads();
+  // ΔS [F][D] = Σ_t φ[t]ᵀ v[t], a 4 × 4 tile of (features, dims) a thread; Δz [F] = Σ_t φ[t].
+  float* ds = p.state + ((int64_t)bh * p.n + c) * F * D;
+  const int dt = D / 4;
+  for (int tile = threadIdx.x; tile < (F / 4) * dt; tile += kLinThreads) {
+    const int f0 = 4 * (tile / dt), d0 = 4 * (tile % dt);
+    float acc[4][4] = {};
+    for (int t = 0; t < kLinChunk; ++t) {
+      float a[4], w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = phi[t * ldp + f0 + i], w[i] = xs[t * ldx + d0 + i];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * w[j];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) ds[(int64_t)(f0 + i) * D + d0 + j] = acc[i][j];
+  }
+  float* dz = p.zstate + ((int64_t)bh * p.n + c) * F;
+  for (int f = threadIdx.x; f < F; f += kLinThreads) {
+    float s = 0.f;
+    for (int t = 0; t < kLinChunk; ++t) s += phi[t * ldp + f];
+    dz[f] = s;
+  }
+}
+
+// One thread an element of a head's state (F·D of S, then F of z), along the chunks: S_c = the sum of
+// ΔS_j over j ≤ c − 2, written over ΔS_c once it is read. Loads a group of chunks ahead, so that a
+// thread has several in flight (the loop is bound by their latency, not by bandwidth).
+__global__ void __launch_bounds__(kLinThreads) hybrid_linear_scan(LinearParams p) {
+  const int F = 2 * p.Fh, FD = F * p.D;
+  const int e = blockIdx.x * kLinThreads + threadIdx.x, bh = blockIdx.y;
+  if (e >= FD + F) return;
+  float* x = e < FD ? p.state + (int64_t)bh * p.n * FD + e : p.zstate + (int64_t)bh * p.n * F + (e - FD);
+  const int64_t stride = e < FD ? FD : F;
+  constexpr int kAhead = 8;
+  float below = 0.f, prev = 0.f;  // Σ ΔS_j over j ≤ c − 2, and ΔS_{c−1}
+  for (int c0 = 0; c0 < p.n; c0 += kAhead) {
+    float cur[kAhead];
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i) cur[i] = c0 + i < p.n ? x[(c0 + i) * stride] : 0.f;
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i) {
+      if (c0 + i < p.n) x[(c0 + i) * stride] = below;
+      below += prev;
+      prev = cur[i];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kLinThreads) hybrid_linear_query(LinearParams p) {
+  ATTNLAB_DYNAMIC_SHARED(float, sh);
+  const int c = blockIdx.x, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const int D = p.D, Fh = p.Fh, F = 2 * Fh, ldp = lin_ldp(Fh);
+  float* xs = sh;
+  float* phi = xs + kLinChunk * lin_ldx(D);
+  lin_load_rows(p.q, b, h, c, p.T, D, xs);
+  __syncthreads();
+  lin_features(xs, D, Fh, p.wq + (int64_t)h * D * Fh, p.reinject_q, phi);
+  const float* S = p.state + ((int64_t)bh * p.n + c) * F * D;
+  const float* z = p.zstate + ((int64_t)bh * p.n + c) * F;
+  const int64_t row0 = (int64_t)bh * p.n * kLinChunk + (int64_t)c * kLinChunk;
+  // n [C][D] = φ·S, a 4 × 4 tile of (rows, dims) a thread.
+  const int dt = D / 4;
+  for (int tile = threadIdx.x; tile < (kLinChunk / 4) * dt; tile += kLinThreads) {
+    const int r0 = 4 * (tile / dt), d0 = 4 * (tile % dt);
+    float acc[4][4] = {};
+    for (int f = 0; f < F; ++f) {
+      float a[4], w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = phi[(r0 + i) * ldp + f], w[i] = S[(int64_t)f * D + d0 + i];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * w[j];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) p.n_lin[(row0 + r0 + i) * D + d0 + j] = acc[i][j];
+  }
+  for (int r = threadIdx.x; r < kLinChunk; r += kLinThreads) {
+    float s = 0.f;
+    for (int f = 0; f < F; ++f) s += phi[r * ldp + f] * z[f];
+    p.z_lin[row0 + r] = s;
+  }
+}
+
+}  // namespace
