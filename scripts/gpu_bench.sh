@@ -250,9 +250,11 @@ PYEOF
       # chunked form (ATTNLAB_HYBRID_PREFILL=0), vanilla the control, PREFILL_REPEATS (2) interleaved
       # rounds at PREFILL_LENGTHS; each row's repeat 1 is warm. Rows tagged "kernel", "round"
       # (prefill_kernel.jsonl). Run `check` first (its prefill-*-kernel rows).
+      # PREFILL_SWITCH=ATTNLAB_HYBRID_LINEAR: the linear branch's kernels (csrc/cuda/hybrid_linear.cuh)
+      # off / on instead, the other prefill kernels on (rows prefill-*-linear-kernel of `check`).
       for ((r = 0; r < ${PREFILL_REPEATS:-2}; r++)); do
         for v in 0 1; do
-          (export ATTNLAB_HYBRID_PREFILL=$v; run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${PREFILL_LENGTHS:-1024,4096,16384,65536} \
+          (export "${PREFILL_SWITCH:-ATTNLAB_HYBRID_PREFILL}=$v"; run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${PREFILL_LENGTHS:-1024,4096,16384,65536} \
             --attention vanilla,still-budget,lolcats --new-tokens 4 --repeats 2) | grep '^{' | sed "s/^{/{\"kernel\":$v,\"round\":$r,/" >> "$OUT/prefill_kernel.jsonl"
         done
       done ;;
@@ -276,7 +278,7 @@ PYEOF
       # met): each row's prefill under libtorch's profiler (ATTNLAB_PROFILE_PREFILL=1), two repeats
       # in one process at PPROFILE_LENGTHS (16384) for PPROFILE_ATTENTION; the -r1 traces are warm.
       # Summary in $OUT/prefill_profile.md and prefill_top_kernels.csv. The STILL / LoLCATs prefill kernels
-      # only with ATTNLAB_HYBRID_PREFILL=1 in the environment (off by default until the gate passes them).
+      # by default; their linear branch's only with ATTNLAB_HYBRID_LINEAR=1 in the environment.
       P=${PROFILE_DIR:-/tmp/attnlab-profile}/prefill; rm -rf "$P"; mkdir -p "$P"
       ATTNLAB_PROFILE_PREFILL=1 run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${PPROFILE_LENGTHS:-16384} --new-tokens 2 \
         --repeats 2 --profile "$P" --attention ${PPROFILE_ATTENTION:-vanilla,dar,still-budget,lolcats} | grep '^{' >> "$OUT/prefill_profiled.jsonl"

@@ -500,8 +500,10 @@ fn decode_model_check_in(base: &Spec, name: &str, device: Device, half: bool, pl
 /// The STILL / LoLCATs prefill kernels (csrc/cuda/hybrid_prefill.cu, forced by `ATTNLAB_HYBRID_PREFILL=1`) in a
 /// bf16 model's forward pass, as [`decode_model_check`]'s model: logits of 1,000 tokens (16 chunks,
 /// the selected tokens from the third, a ragged last chunk) against the fp32 model, the baseline the
-/// same bf16 model through aten's chunked form (`ATTNLAB_HYBRID_PREFILL=0`).
-fn prefill_model_check(base: &Spec, name: &str, device: Device) -> Result<CheckRow> {
+/// same bf16 model through aten's chunked form (`ATTNLAB_HYBRID_PREFILL=0`). With `linear`, the
+/// linear branch's kernels too (csrc/cuda/hybrid_linear.cuh, `ATTNLAB_HYBRID_LINEAR=1`), the baseline
+/// the other prefill kernels with aten's linear branch.
+fn prefill_model_check(base: &Spec, name: &str, linear: bool, device: Device) -> Result<CheckRow> {
     let t = 1000i64;
     let vocab = base.model.vocab.unwrap_or(50304);
     tch::manual_seed(0);
@@ -511,8 +513,9 @@ fn prefill_model_check(base: &Spec, name: &str, device: Device) -> Result<CheckR
     let x = Tensor::randint(vocab as i64, [1, t], (Kind::Int64, device));
     let kind = model.head_weight().kind();
     let full = |m: &crate::model::Model| tch::no_grad(|| m.forward(&x));
-    let got = with_env(&[("ATTNLAB_HYBRID_PREFILL", "1")], || full(&model));
-    let baseline = with_env(&[("ATTNLAB_HYBRID_PREFILL", "0")], || full(&model));
+    let on = if linear { "1" } else { "0" };
+    let got = with_env(&[("ATTNLAB_HYBRID_PREFILL", "1"), ("ATTNLAB_HYBRID_LINEAR", on)], || full(&model));
+    let baseline = with_env(&[("ATTNLAB_HYBRID_PREFILL", if linear { "1" } else { "0" }), ("ATTNLAB_HYBRID_LINEAR", "0")], || full(&model));
     // The kernels compute in another order than aten: equal logits mean they never ran (a layout
     // they refused, a library without them), which must fail the row, not pass it as aten's.
     if got.equal(&baseline) {
@@ -521,7 +524,7 @@ fn prefill_model_check(base: &Spec, name: &str, device: Device) -> Result<CheckR
     vs.float();
     let exact = full(&model);
     let tensors = vec![compare("logits", &got, &baseline, &exact, kind, t, 0.0)];
-    Ok(CheckRow::new(&format!("prefill-{name}-kernel"), &[1, t], None, kind, tensors, false))
+    Ok(CheckRow::new(&format!("prefill-{name}{}-kernel", if linear { "-linear" } else { "" }), &[1, t], None, kind, tensors, false))
 }
 
 /// The LayerNorm kernel (`kernels::cuda::layer_norm_half`, under bf16 autocast) against aten's
@@ -756,14 +759,16 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
                 }
             });
         }
-        // The prefill kernels (csrc/cuda/hybrid_prefill.cu; the decode rows above prefill their prompts by the
-        // default, aten's, until the kernels are on by default).
-        for name in ["still-budget", "lolcats"] {
-            let row = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| prefill_model_check(spec, name, device)));
+        // The prefill kernels (csrc/cuda/hybrid_prefill.cu; the decode rows above prefill their prompts by
+        // the default's kernels), and the linear branch's (hybrid_linear.cuh, off by default until these
+        // rows pass on a GPU).
+        for (name, linear) in [("still-budget", false), ("lolcats", false), ("still-budget", true), ("lolcats", true)] {
+            let label = format!("prefill-{name}{}-kernel", if linear { "-linear" } else { "" });
+            let row = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| prefill_model_check(spec, name, linear, device)));
             note(match row {
                 Ok(Ok(row)) => row,
-                Ok(Err(e)) => failed_row(&format!("prefill-{name}-kernel"), &e.to_string(), false),
-                Err(_) => failed_row(&format!("prefill-{name}-kernel"), "panicked (message above)", false),
+                Ok(Err(e)) => failed_row(&label, &e.to_string(), false),
+                Err(_) => failed_row(&label, "panicked (message above)", false),
             });
         }
     }

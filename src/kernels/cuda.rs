@@ -569,8 +569,13 @@ pub struct LinearTerms {
 }
 
 /// The linear terms of a STILL / LoLCATs prefill by csrc/cuda/hybrid_linear.cuh (the aten form is
-/// `Hybrid::prefill`'s linear part); `None` where the library lacks the kernels. No backward.
+/// `Hybrid::prefill`'s linear part), with `ATTNLAB_HYBRID_LINEAR=1` (off by default until a GPU gate
+/// has passed them: `scripts/gpu_bench.sh check`, rows `prefill-*-linear-kernel`); `None` where off
+/// or the library lacks them. No backward.
 pub fn hybrid_prefill_linear(q: &Tensor, k: &Tensor, v: &Tensor, m: &PrefillLinear) -> Option<Result<LinearTerms>> {
+    if !switch("ATTNLAB_HYBRID_LINEAR", false) {
+        return None;
+    }
     let f = library()?.prefill_linear?;
     let ts = [handle(q), handle(k), handle(v), handle(m.q_map.0), handle(m.k_map.0), handle_or_null(m.keep)];
     let mut out: [*mut C_tensor; 4] = [std::ptr::null_mut(); 4];
