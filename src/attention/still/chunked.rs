@@ -94,9 +94,12 @@ impl Hybrid<'_> {
     pub fn prefill(&self, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>, want_cache: bool) -> (Tensor, Option<HybridCache>) {
         let (b, h, t, d) = dims4(q);
         let c = self.chunk;
-        let (qf, kf, vf) = (pad_to(q, c), pad_to(k, c), pad_to(v, c));
-        let (kind, dev) = (qf.kind(), q.device());
-        let n = qf.size()[2] / c;
+        // q, k, v in the compute kind padded to whole chunks: for aten's parts only (the kernels read
+        // the unpadded bf16 rows), so made where one of them runs.
+        let padded = std::cell::OnceCell::new();
+        let pads = || padded.get_or_init(|| (pad_to(q, c), pad_to(k, c), pad_to(v, c)));
+        let (kind, dev) = (super::compute_kind(q), q.device());
+        let n = (t + c - 1) / c;
         let chunks = |x: &Tensor| x.reshape([b, h, n, c, x.size()[3]]);
         // csrc/cuda/hybrid_prefill.cu where it applies: the routing scores always (they carry no
         // gradient), the linear part, the softmax part and the merge where no gradient is recorded (below).
@@ -104,9 +107,9 @@ impl Hybrid<'_> {
         let kernel_score = self.scorer.as_ref().and_then(|s| s.kernel_score()).filter(|_| kernels);
         // The window logits `[B, H, n, C, 2C]` (with their gradient: the softmax part reads them
         // too), where aten computes the scores; the softmax part computes them otherwise.
-        let s_win = (self.scorer.is_some() && kernel_score.is_none()).then(|| self.window_logits(&qf, &kf));
+        let s_win = (self.scorer.is_some() && kernel_score.is_none()).then(|| self.window_logits(&pads().0, &pads().1));
         let scores = tch::no_grad(|| match (&s_win, kernel_score) {
-            (Some(s), _) => self.scores(&s.detach(), &kf.detach()),
+            (Some(s), _) => self.scores(&s.detach(), &pads().1.detach()),
             (None, Some(score)) => kernel_output(cuda::hybrid_prefill_scores(q, k, c, score), "hybrid_prefill_scores"),
             (None, None) => Tensor::zeros([b, h, n * c], (kind, dev)),
         });
@@ -119,7 +122,10 @@ impl Hybrid<'_> {
         let by_kernels = kernels && !recorded;
         let lin = match by_kernels.then(|| self.linear_by_kernel(q, k, v, routed.as_ref())).flatten() {
             Some(lin) => lin,
-            None => self.linear_part(&qf, &kf, &vf, routed.as_ref()),
+            None => {
+                let (qf, kf, vf) = pads();
+                self.linear_part(qf, kf, vf, routed.as_ref())
+            }
         };
         let n_lin = match g {
             Some(g) => &lin.n * chunks(&pad_to(g, c)),
@@ -140,8 +146,9 @@ impl Hybrid<'_> {
             };
             kernel_output(cuda::hybrid_prefill_mix(q, k, v, &mix), "hybrid_prefill_mix")
         } else {
-            let s_win = s_win.unwrap_or_else(|| self.window_logits(&qf, &kf));
-            let (n_sm, z_sm, m) = self.softmax_part(&qf, &kf, &vf, &s_win, routed.as_ref());
+            let (qf, kf, vf) = pads();
+            let s_win = s_win.unwrap_or_else(|| self.window_logits(qf, kf));
+            let (n_sm, z_sm, m) = self.softmax_part(qf, kf, vf, &s_win, routed.as_ref());
             let (n_lin, z_lin) = self.linear_terms(n_lin, lin.z.shallow_clone(), &m);
             ((n_sm + n_lin) / (z_sm + z_lin + self.eps)).reshape([b, h, n * c, d]).narrow(2, 0, t).to_kind(q.kind())
         };
@@ -158,6 +165,7 @@ impl Hybrid<'_> {
             if self.sliding_decode {
                 // LoLCATs' decode: the last `chunk` tokens in the window, everything before folded.
                 let w0 = (t - c).max(0);
+                let (_, kf, vf) = pads();
                 let phi = self.fk.forward(&kf.narrow(2, 0, w0));
                 cache.s = phi.transpose(-2, -1).matmul(&vf.narrow(2, 0, w0));
                 cache.z = phi.sum_dim_intlist(2, false, kind);
