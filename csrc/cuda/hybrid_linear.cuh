@@ -13,12 +13,14 @@
 // hybrid_linear_query: a block per (c, b·H + h). φ(q_t) by q's map, n_t = φ(q_t)·S_c [D] and
 //   z_t = φ(q_t)·z_c, for every row of the padded sequence (hybrid_prefill_mix reads them).
 //
-// Products by register tiles of 4 × 4 from shared memory (the maps and states from L1 / L2): at these
+// Products by register tiles of 4 × 4 from shared memory (the maps and states from L1 / L2), rows read
+// 16 bytes at a time (load4; every row and matrix offset a multiple of 4 floats: D, F/2 multiples of 4): at these
 // sizes (F ≤ 256, D ≤ 128) fp32 FMAs, not the tensor cores, and no rounding the aten form lacks.
 // Device code only: csrc/cuda/emu runs it on the CPU in `make test`; csrc/cuda/hybrid_prefill.cu launches it.
 #pragma once
 #include "block.cuh"
 #include "dar_band.cuh"
+#include <cassert>
 #include <cmath>
 #include <cstdint>
 
@@ -40,9 +42,22 @@ struct LinearParams {
   float* z_lin;        // [B, H, n·C]
 };
 
-// Row strides of the shared tiles: one float of padding, so a column walk changes bank.
-__host__ __device__ inline int lin_ldx(int D) { return D + 1; }
-__host__ __device__ inline int lin_ldp(int Fh) { return 2 * Fh + 1; }
+// Row strides of the shared tiles: rows start on 16 bytes (for load4), four floats of padding.
+__host__ __device__ inline int lin_ldx(int D) { return D + 4; }
+__host__ __device__ inline int lin_ldp(int Fh) { return 2 * Fh + 4; }
+
+// Four consecutive floats from a 16-byte aligned address, as one load on the GPU: a warp's products
+// read a tile row's 4-float pieces, so the shared-memory wavefronts a product costs fall from 12 per
+// 512 FMAs (scalar) to 3.
+__device__ __forceinline__ void load4(const float* p, float out[4]) {
+#ifdef ATTNLAB_CUDA_EMU
+  assert(reinterpret_cast<uintptr_t>(p) % 16 == 0);
+  for (int i = 0; i < 4; ++i) out[i] = p[i];
+#else
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+#endif
+}
 __host__ __device__ inline int64_t linear_smem_bytes(int D, int Fh) { return (int64_t)kLinChunk * (lin_ldx(D) + lin_ldp(Fh)) * sizeof(float); }
 
 // Rows c·C .. c·C + C − 1 of x (zeros past T) into xs [C][ldx] as fp32.
@@ -64,7 +79,8 @@ __device__ __forceinline__ void lin_features(const float* xs, int D, int Fh, con
     for (int d = 0; d < D; ++d) {
       float a[4], w[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = xs[(r0 + i) * ldx + d], w[i] = W[(int64_t)d * Fh + j0 + i];
+      for (int i = 0; i < 4; ++i) a[i] = xs[(r0 + i) * ldx + d];
+      load4(W + (int64_t)d * Fh + j0, w);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -130,8 +146,8 @@ __global__ void __launch_bounds__(kLinThreads) hybrid_linear_states(LinearParams
     float acc[4][4] = {};
     for (int t = 0; t < kLinChunk; ++t) {
       float a[4], w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = phi[t * ldp + f0 + i], w[i] = xs[t * ldx + d0 + i];
+      load4(phi + t * ldp + f0, a);
+      load4(xs + t * ldx + d0, w);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -194,7 +210,8 @@ __global__ void __launch_bounds__(kLinThreads) hybrid_linear_query(LinearParams 
     for (int f = 0; f < F; ++f) {
       float a[4], w[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = phi[(r0 + i) * ldp + f], w[i] = S[(int64_t)f * D + d0 + i];
+      for (int i = 0; i < 4; ++i) a[i] = phi[(r0 + i) * ldp + f];
+      load4(S + (int64_t)f * D + d0, w);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll

@@ -120,8 +120,9 @@ extern "C" char* attnlab_hybrid_prefill_linear(tensor* ts, int64_t chunk, int64_
     views(pv, q, k, v, chunk, "hybrid_prefill_linear");
     const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Fh = wq.size(-1), F = 2 * Fh, n = pv.n;
     for (const at::Tensor* w : {&wq, &wk})
-      TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->device() == q.device() && w->sizes() == at::IntArrayRef({H, D, Fh}),
-                  "hybrid_prefill_linear: the folded maps must be fp32 contiguous [H, D, F/2], both of one F");
+      TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->device() == q.device() && w->sizes() == at::IntArrayRef({H, D, Fh}) &&
+                      reinterpret_cast<uintptr_t>(w->data_ptr()) % 16 == 0,
+                  "hybrid_prefill_linear: the folded maps must be fp32 contiguous [H, D, F/2] from a 16-byte boundary, both of one F");
     TORCH_CHECK(Fh % 4 == 0 && Fh <= 128, "hybrid_prefill_linear: F/2 = ", Fh, " (a multiple of 4, at most 128)");
     const int64_t rows = n * chunk;
     if (keep)
