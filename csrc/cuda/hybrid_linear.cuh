@@ -18,8 +18,8 @@
 // sizes (F ≤ 256, D ≤ 128) fp32 FMAs, not the tensor cores, and no rounding the aten form lacks.
 // Device code only: csrc/cuda/emu runs it on the CPU in `make test`; csrc/cuda/hybrid_prefill.cu launches it.
 #pragma once
-#include "block.cuh"
 #include "dar_band.cuh"
+#include "feature_map.cuh"
 #include <cassert>
 #include <cmath>
 #include <cstdint>
@@ -69,6 +69,20 @@ __device__ __forceinline__ void lin_load_rows(const View& x, int b, int h, int c
   }
 }
 
+// A register tile's step, acc += a ⊗ w, and its store into rows of `ld` floats.
+__device__ __forceinline__ void outer4(float acc[4][4], const float a[4], const float w[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * w[j];
+}
+__device__ __forceinline__ void store4x4(float* out, int64_t ld, const float acc[4][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[i * ld + j] = acc[i][j];
+}
+
 // φ of the C rows of xs into phi [C][ldp] by the folded map W [D, Fh] (global). Block-wide.
 __device__ __forceinline__ void lin_features(const float* xs, int D, int Fh, const float* W, bool reinject, float* phi) {
   const int ldx = lin_ldx(D), ldp = lin_ldp(Fh), jt = Fh / 4;
@@ -81,18 +95,12 @@ __device__ __forceinline__ void lin_features(const float* xs, int D, int Fh, con
 #pragma unroll
       for (int i = 0; i < 4; ++i) a[i] = xs[(r0 + i) * ldx + d];
       load4(W + (int64_t)d * Fh + j0, w);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * w[j];
+      outer4(acc, a, w);
     }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) phi[(r0 + i) * ldp + j0 + j] = acc[i][j];
+    store4x4(phi + r0 * ldp + j0, ldp, acc);
   }
   __syncthreads();
-  // A warp a row: the norm re-injection, then softmax(±u) over the Fh features (max-subtracted, as aten's).
+  // A warp a row: the norm re-injection, then softmax(±u) over the Fh features.
   const int lane = threadIdx.x % 32;
   for (int r = threadIdx.x / 32; r < kLinChunk; r += kLinThreads / 32) {
     float* u = phi + r * ldp;
@@ -103,20 +111,7 @@ __device__ __forceinline__ void lin_features(const float* xs, int D, int Fh, con
       for (int d = lane; d < D; d += 32) x2 += xs[r * ldx + d] * xs[r * ldx + d];
       scale = sqrtf(warp_sum(x2)) / fmaxf(sqrtf(warp_sum(f2)), 1e-12f);
     }
-    float mp = -INFINITY, mn = -INFINITY;
-    for (int j = lane; j < Fh; j += 32) mp = fmaxf(mp, u[j] * scale), mn = fmaxf(mn, -u[j] * scale);
-    mp = warp_max(mp);
-    mn = warp_max(mn);
-    float sp = 0.f, sn = 0.f;
-    for (int j = lane; j < Fh; j += 32) sp += expf(u[j] * scale - mp), sn += expf(-u[j] * scale - mn);
-    sp = warp_sum(sp);
-    sn = warp_sum(sn);
-    // Each lane rewrites only the features it read.
-    for (int j = lane; j < Fh; j += 32) {
-      const float x = u[j] * scale;
-      u[j] = fmaxf(expf(x - mp) / sp, 1e-12f);
-      u[Fh + j] = fmaxf(expf(-x - mn) / sn, 1e-12f);
-    }
+    feature_softmax_warp(u, Fh, scale);
   }
   __syncthreads();
 }
@@ -148,15 +143,9 @@ __global__ void __launch_bounds__(kLinThreads) hybrid_linear_states(LinearParams
       float a[4], w[4];
       load4(phi + t * ldp + f0, a);
       load4(xs + t * ldx + d0, w);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * w[j];
+      outer4(acc, a, w);
     }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) ds[(int64_t)(f0 + i) * D + d0 + j] = acc[i][j];
+    store4x4(ds + (int64_t)f0 * D + d0, D, acc);
   }
   float* dz = p.zstate + ((int64_t)bh * p.n + c) * F;
   for (int f = threadIdx.x; f < F; f += kLinThreads) {
@@ -212,15 +201,9 @@ __global__ void __launch_bounds__(kLinThreads) hybrid_linear_query(LinearParams 
 #pragma unroll
       for (int i = 0; i < 4; ++i) a[i] = phi[(r0 + i) * ldp + f];
       load4(S + (int64_t)f * D + d0, w);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * w[j];
+      outer4(acc, a, w);
     }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) p.n_lin[(row0 + r0 + i) * D + d0 + j] = acc[i][j];
+    store4x4(p.n_lin + (row0 + r0) * D + d0, D, acc);
   }
   for (int r = threadIdx.x; r < kLinChunk; r += kLinThreads) {
     float s = 0.f;

@@ -20,6 +20,7 @@
 // Device code only: csrc/cuda/emu runs it on the CPU in `make test`; csrc/cuda/hybrid_step.cu launches it.
 #pragma once
 #include "block.cuh"
+#include "feature_map.cuh"
 #include "half.cuh"
 #include "score_kinds.cuh"
 #include <cmath>
@@ -210,19 +211,7 @@ __device__ __forceinline__ void feature_map_split(const MixParams& p, const floa
     }
     for (int d = lane; d < p.D; d += 32) x2 += qr[d] * qr[d];
     const float scale = p.fmap_reinject ? sqrtf(warp_sum(x2)) / fmaxf(sqrtf(warp_sum(f2)), 1e-12f) : 1.f;
-    float mp = -INFINITY, mn = -INFINITY;
-    for (int f = lane; f < Fh; f += 32) mp = fmaxf(mp, phi[f] * scale), mn = fmaxf(mn, -phi[f] * scale);
-    mp = warp_max(mp);
-    mn = warp_max(mn);
-    float sp = 0.f, sn = 0.f;
-    for (int f = lane; f < Fh; f += 32) sp += expf(phi[f] * scale - mp), sn += expf(-phi[f] * scale - mn);
-    sp = warp_sum(sp);
-    sn = warp_sum(sn);
-    for (int f = lane; f < Fh; f += 32) {
-      const float u = phi[f] * scale;
-      phi[f] = fmaxf(expf(u - mp) / sp, 1e-12f);
-      phi[Fh + f] = fmaxf(expf(-u - mn) / sn, 1e-12f);
-    }
+    feature_softmax_warp(phi, Fh, scale);
   }
   __syncthreads();  // φ complete before any thread reads it
 }
