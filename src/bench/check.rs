@@ -513,9 +513,10 @@ fn prefill_model_check(base: &Spec, name: &str, linear: bool, device: Device) ->
     let x = Tensor::randint(vocab as i64, [1, t], (Kind::Int64, device));
     let kind = model.head_weight().kind();
     let full = |m: &crate::model::Model| tch::no_grad(|| m.forward(&x));
-    let on = if linear { "1" } else { "0" };
-    let got = with_env(&[("ATTNLAB_HYBRID_PREFILL", "1"), ("ATTNLAB_HYBRID_LINEAR", on)], || full(&model));
-    let baseline = with_env(&[("ATTNLAB_HYBRID_PREFILL", if linear { "1" } else { "0" }), ("ATTNLAB_HYBRID_LINEAR", "0")], || full(&model));
+    // Without `linear`: the prefill kernels against none; with it: the linear ones against none of them.
+    let linear = if linear { "1" } else { "0" };
+    let got = with_env(&[("ATTNLAB_HYBRID_PREFILL", "1"), ("ATTNLAB_HYBRID_LINEAR", linear)], || full(&model));
+    let baseline = with_env(&[("ATTNLAB_HYBRID_PREFILL", linear), ("ATTNLAB_HYBRID_LINEAR", "0")], || full(&model));
     // The kernels compute in another order than aten: equal logits mean they never ran (a layout
     // they refused, a library without them), which must fail the row, not pass it as aten's.
     if got.equal(&baseline) {
@@ -524,7 +525,12 @@ fn prefill_model_check(base: &Spec, name: &str, linear: bool, device: Device) ->
     vs.float();
     let exact = full(&model);
     let tensors = vec![compare("logits", &got, &baseline, &exact, kind, t, 0.0)];
-    Ok(CheckRow::new(&format!("prefill-{name}{}-kernel", if linear { "-linear" } else { "" }), &[1, t], None, kind, tensors, false))
+    Ok(CheckRow::new(&prefill_label(name, linear == "1"), &[1, t], None, kind, tensors, false))
+}
+
+/// A prefill kernels' row's name.
+fn prefill_label(name: &str, linear: bool) -> String {
+    format!("prefill-{name}{}-kernel", if linear { "-linear" } else { "" })
 }
 
 /// The LayerNorm kernel (`kernels::cuda::layer_norm_half`, under bf16 autocast) against aten's
@@ -763,7 +769,7 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         // the default's kernels), and the linear branch's (hybrid_linear.cuh, off by default until these
         // rows pass on a GPU).
         for (name, linear) in [("still-budget", false), ("lolcats", false), ("still-budget", true), ("lolcats", true)] {
-            let label = format!("prefill-{name}{}-kernel", if linear { "-linear" } else { "" });
+            let label = prefill_label(name, linear);
             let row = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| prefill_model_check(spec, name, linear, device)));
             note(match row {
                 Ok(Ok(row)) => row,

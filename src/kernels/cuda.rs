@@ -496,7 +496,7 @@ pub const PREFILL_CHUNK: i64 = 64;
 /// Whether a STILL / LoLCATs prefill of q, k, v `[B, H, T, D]` may take csrc/cuda/hybrid_prefill.cu's
 /// kernels: on CUDA in bf16, chunks of [`PREFILL_CHUNK`], D 64 or 128, rows 16-byte aligned, the
 /// library holding them; on by default since the GPU gate passed them (`ATTNLAB_HYBRID_PREFILL=0`
-/// turns them off: 1.4–2.0× faster STILL / LoLCATs prefill at 1K–64K on one H100). The kernels have
+/// turns them off: STILL / LoLCATs prefill 1.4–2.6× faster at 1K–64K on one H100). The kernels have
 /// no backward: the caller takes the mixing kernel only where nothing it reads records a gradient.
 pub fn hybrid_prefill_enabled(q: &Tensor, k: &Tensor, v: &Tensor, chunk: i64) -> bool {
     let fits = |x: &Tensor| {
@@ -550,7 +550,7 @@ pub fn hybrid_prefill_mix(q: &Tensor, k: &Tensor, v: &Tensor, m: &PrefillMix) ->
 /// The prefill's linear branch (csrc/cuda/hybrid_linear.cuh): q, k, v `[B, H, T, D]` as
 /// [`hybrid_prefill_enabled`] takes them; the feature maps of q and k as folded matrices `[H, D, F/2]`
 /// fp32 (`FeatureMap::folded_linear`) with their norm re-injection; `keep` `[B, H, n·C]` fp32, 0 where
-/// a token is selected (its key in Sel, not in the state). `None` where the library lacks it.
+/// a token is selected (its key in Sel, not in the state).
 pub struct PrefillLinear<'a> {
     pub q_map: (&'a Tensor, bool),
     pub k_map: (&'a Tensor, bool),
