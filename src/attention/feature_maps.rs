@@ -75,18 +75,11 @@ impl FeatureMap {
         2 * self.layer.size()[2]
     }
 
-    /// The softmax argument u `[B, H, T, F]` of x `[B, H, T, D]`, computed in x's kind (parameters are cast).
+    /// The softmax argument u `[B, H, T, F]` of x `[B, H, T, D]`, computed in x's kind (parameters are cast):
+    /// f = x·W'_h with the reflection folded into W_h ([`FeatureMap::folded_linear`]: one `[H, D, F]`
+    /// product a call, where reflecting every row took four passes over `[B, H, T, D]`; ‖x'‖ = ‖x‖).
     pub fn pre_softmax(&self, x: &Tensor) -> Tensor {
-        let kind = x.kind();
-        let mut xr = x.shallow_clone();
-        if let Some(u) = &self.householder {
-            // F.normalize(u, eps = 1e-6); the reflection is orthogonal, so ‖x'‖ = ‖x‖.
-            let u = u.to_kind(kind);
-            let uhat = &u / u.norm_scalaropt_dim(2, -1, true).clamp_min(1e-6); // [H, D]
-            let proj = (x * uhat.unsqueeze(1)).sum_dim_intlist(-1, true, kind); // [B, H, T, 1]
-            xr = x - proj * 2.0 * uhat.unsqueeze(1);
-        }
-        let f = xr.matmul(&self.layer.to_kind(kind)); // [B, H, T, D] @ [H, D, F]
+        let f = x.matmul(&self.folded_linear(x.kind()));
         if self.norm_reinject {
             let r = x.norm_scalaropt_dim(2, -1, true);
             &f / f.norm_scalaropt_dim(2, -1, true).clamp_min(1e-12) * r
@@ -104,7 +97,8 @@ impl FeatureMap {
     /// The map's linear part as one matrix per head `[H, D, F]` in `kind`: the Householder reflection
     /// folded into W_h, W'_h = (I − 2ûûᵀ)·W_h = W_h − 2û(ûᵀW_h), so that x·W'_h is [`FeatureMap::pre_softmax`]'s
     /// f (its u before any norm re-injection). A decode step's mixing kernel computes φ(q) from it
-    /// (csrc/cuda/hybrid_step.cuh), made once per generation while the parameters stay as they are.
+    /// (csrc/cuda/hybrid_step.cuh), made once per generation while the parameters stay as they are, and
+    /// the prefill's linear branch (csrc/cuda/hybrid_linear.cuh) from it.
     pub fn folded_linear(&self, kind: Kind) -> Tensor {
         let w = self.layer.to_kind(kind);
         let Some(u) = &self.householder else { return w.contiguous() };
@@ -178,8 +172,8 @@ mod tests {
         ]
     }
 
-    /// The vectorised map equals the per-head loop with explicit Householder matrices; and the folded
-    /// matrix gives the map's u: x·W' (re-injected for the NP-Map: f/‖f‖·‖x‖) is `pre_softmax(x)`.
+    /// The vectorised map (the reflection folded into W_h) equals the per-head loop that reflects each
+    /// row by an explicit Householder matrix; and its gradients reach W_h and û as the loop's do.
     #[test]
     fn feature_maps_match_per_head_loop() {
         let _rng = crate::testutil::seeded(1);
@@ -187,13 +181,16 @@ mod tests {
         let fms = maps(&vs);
         vs.double();
         let x = Tensor::randn([2, 3, 7, 8], (Kind::Double, Device::Cpu)) * 3.0;
+        let w = Tensor::randn([2, 3, 7, 1], (Kind::Double, Device::Cpu));
         for fm in &fms {
             let (a, b) = (fm.forward(&x), phi_loop(fm, &x));
             assert_eq!(a.size(), [2, 3, 7, fm.dim()]);
             assert!(max_diff(&a, &b) < 1e-12, "{}", max_diff(&a, &b));
-            let f = x.matmul(&fm.folded_linear(Kind::Double));
-            let u = if fm.norm_reinject { &f / f.norm_scalaropt_dim(2, -1, true) * x.norm_scalaropt_dim(2, -1, true) } else { f };
-            assert!(max_diff(&u, &fm.pre_softmax(&x)) < 1e-12, "folded: {}", max_diff(&u, &fm.pre_softmax(&x)));
+            let params = fm.parameters();
+            let grads = |y: Tensor| Tensor::run_backward(&[(y * &w).sum(Kind::Double)], &params.iter().collect::<Vec<_>>(), false, false);
+            for (ga, gb) in grads(a).iter().zip(&grads(b)) {
+                assert!(max_diff(ga, gb) < 1e-10, "gradient: {}", max_diff(ga, gb));
+            }
         }
     }
 
