@@ -17,8 +17,8 @@
 //     Sel: selected slots 0 .. seen[c] − 1 of the head's positions `sel` (slots in chunk order, so a
 //       query chunk sees a prefix: those of chunks ≤ c − 2), each gathered from its row of K and V;
 //   then with m the max of its logits, n_sm = γ_h·Σ e^{logit − m}·v, z_sm = γ_h·Σ e^{logit − m}, and
-//   the linear terms n_lin (gate included), z_lin given (aten: φ(q)·S of the chunk states), times
-//   e^{−m} when compensated: y_i = (n_sm + n_lin) / (z_sm + z_lin + eps), in bf16.
+//   the linear terms n_lin (gate included), z_lin given (φ(q)·S of the chunk states: aten, or
+//   hybrid_linear.cuh), times e^{−m} when compensated: y_i = (n_sm + n_lin) / (z_sm + z_lin + eps), in bf16.
 //   Where aten ran ≈ 30 kernels a group of query chunks (masks, logit blocks, maxima, sums, pads).
 //
 // bf16 only (the band's mma helpers); C = 64 (a tile of keys is a chunk); D ∈ {64, 128}.
