@@ -150,6 +150,8 @@ bool all_cases() {
   ok &= check({2, 1, 200, 64, 32, false, false}, seed++);
   ok &= check({1, 1, 40, 64, 64, true, false}, seed++);
   ok &= check({1, 1, 260, 128, 16, true, true}, seed++);
+  // A Llama-width NP-Map (F/2 = D = 128): the largest tiles, more tiles than threads in every product.
+  ok &= check({1, 1, 200, 128, 128, true, true}, seed++);
   return ok;
 }
 
