@@ -45,6 +45,7 @@ struct LinearParams {
 // Row strides of the shared tiles: rows start on 16 bytes (for load4), four floats of padding.
 __host__ __device__ inline int lin_ldx(int D) { return D + 4; }
 __host__ __device__ inline int lin_ldp(int Fh) { return 2 * Fh + 4; }
+__host__ __device__ inline int64_t linear_smem_bytes(int D, int Fh) { return (int64_t)kLinChunk * (lin_ldx(D) + lin_ldp(Fh)) * sizeof(float); }
 
 // Four consecutive floats from a 16-byte aligned address, as one load on the GPU: a warp's products
 // read a tile row's 4-float pieces, so the shared-memory wavefronts a product costs fall from 12 per
@@ -58,7 +59,6 @@ __device__ __forceinline__ void load4(const float* p, float out[4]) {
   out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
 #endif
 }
-__host__ __device__ inline int64_t linear_smem_bytes(int D, int Fh) { return (int64_t)kLinChunk * (lin_ldx(D) + lin_ldp(Fh)) * sizeof(float); }
 
 // Rows c·C .. c·C + C − 1 of x (zeros past T) into xs [C][ldx] as fp32.
 __device__ __forceinline__ void lin_load_rows(const View& x, int b, int h, int c, int T, int D, float* xs) {
@@ -69,36 +69,50 @@ __device__ __forceinline__ void lin_load_rows(const View& x, int b, int h, int c
   }
 }
 
-// A register tile's step, acc += a ⊗ w, and its store into rows of `ld` floats.
-__device__ __forceinline__ void outer4(float acc[4][4], const float a[4], const float w[4]) {
+// a(m, k) of a row-major tile x (rows of `ld` floats): rows m0 .. m0 + 3 at column k.
+struct RowsAt {
+  const float* x;
+  int ld;
+  __device__ __forceinline__ void operator()(int m0, int k, float a[4]) const {
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < 4; ++i) a[i] = x[(m0 + i) * ld + k];
+  }
+};
+// a(m, k) = x[k][m] of a tile stored k-major: one 16-byte load.
+struct ColsAt {
+  const float* x;
+  int ld;
+  __device__ __forceinline__ void operator()(int m0, int k, float a[4]) const { load4(x + k * ld + m0, a); }
+};
+
+// out [M][N] (rows of `ldo` floats) = Σ_{k < K} a(m, k)·w[k][n], a 4 × 4 register tile of (m, n) a
+// thread (M, N multiples of 4); w's rows of `ldw` floats start on 16 bytes. Block-wide, no barrier.
+template <typename A>
+__device__ __forceinline__ void tile_product(int M, int N, int K, A a_at, const float* w, int64_t ldw, float* out, int64_t ldo) {
+  const int nt = N / 4;
+  for (int tile = threadIdx.x; tile < (M / 4) * nt; tile += kLinThreads) {
+    const int m0 = 4 * (tile / nt), n0 = 4 * (tile % nt);
+    float acc[4][4] = {};
+    for (int k = 0; k < K; ++k) {
+      float a[4], b[4];
+      a_at(m0, k, a);
+      load4(w + k * ldw + n0, b);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * w[j];
-}
-__device__ __forceinline__ void store4x4(float* out, int64_t ld, const float acc[4][4]) {
+      for (int i = 0; i < 4; ++i)
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * b[j];
+    }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) out[i * ld + j] = acc[i][j];
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[(m0 + i) * ldo + n0 + j] = acc[i][j];
+  }
 }
 
 // φ of the C rows of xs into phi [C][ldp] by the folded map W [D, Fh] (global). Block-wide.
 __device__ __forceinline__ void lin_features(const float* xs, int D, int Fh, const float* W, bool reinject, float* phi) {
-  const int ldx = lin_ldx(D), ldp = lin_ldp(Fh), jt = Fh / 4;
-  // u = x·W, a 4 × 4 tile of (rows, features) a thread.
-  for (int tile = threadIdx.x; tile < (kLinChunk / 4) * jt; tile += kLinThreads) {
-    const int r0 = 4 * (tile / jt), j0 = 4 * (tile % jt);
-    float acc[4][4] = {};
-    for (int d = 0; d < D; ++d) {
-      float a[4], w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = xs[(r0 + i) * ldx + d];
-      load4(W + (int64_t)d * Fh + j0, w);
-      outer4(acc, a, w);
-    }
-    store4x4(phi + r0 * ldp + j0, ldp, acc);
-  }
+  const int ldx = lin_ldx(D), ldp = lin_ldp(Fh);
+  tile_product(kLinChunk, Fh, D, RowsAt{xs, ldx}, W, Fh, phi, ldp);  // u = x·W
   __syncthreads();
   // A warp a row: the norm re-injection, then softmax(±u) over the Fh features.
   const int lane = threadIdx.x % 32;
@@ -133,20 +147,8 @@ __global__ void __launch_bounds__(kLinThreads) hybrid_linear_states(LinearParams
   }
   lin_load_rows(p.v, b, h, c, p.T, D, xs);
   __syncthreads();
-  // ΔS [F][D] = Σ_t φ[t]ᵀ v[t], a 4 × 4 tile of (features, dims) a thread; Δz [F] = Σ_t φ[t].
-  float* ds = p.state + ((int64_t)bh * p.n + c) * F * D;
-  const int dt = D / 4;
-  for (int tile = threadIdx.x; tile < (F / 4) * dt; tile += kLinThreads) {
-    const int f0 = 4 * (tile / dt), d0 = 4 * (tile % dt);
-    float acc[4][4] = {};
-    for (int t = 0; t < kLinChunk; ++t) {
-      float a[4], w[4];
-      load4(phi + t * ldp + f0, a);
-      load4(xs + t * ldx + d0, w);
-      outer4(acc, a, w);
-    }
-    store4x4(ds + (int64_t)f0 * D + d0, D, acc);
-  }
+  // ΔS [F][D] = Σ_t φ[t]ᵀ v[t]; Δz [F] = Σ_t φ[t].
+  tile_product(F, D, kLinChunk, ColsAt{phi, ldp}, xs, ldx, p.state + ((int64_t)bh * p.n + c) * F * D, D);
   float* dz = p.zstate + ((int64_t)bh * p.n + c) * F;
   for (int f = threadIdx.x; f < F; f += kLinThreads) {
     float s = 0.f;
@@ -191,20 +193,7 @@ __global__ void __launch_bounds__(kLinThreads) hybrid_linear_query(LinearParams 
   const float* S = p.state + ((int64_t)bh * p.n + c) * F * D;
   const float* z = p.zstate + ((int64_t)bh * p.n + c) * F;
   const int64_t row0 = (int64_t)bh * p.n * kLinChunk + (int64_t)c * kLinChunk;
-  // n [C][D] = φ·S, a 4 × 4 tile of (rows, dims) a thread.
-  const int dt = D / 4;
-  for (int tile = threadIdx.x; tile < (kLinChunk / 4) * dt; tile += kLinThreads) {
-    const int r0 = 4 * (tile / dt), d0 = 4 * (tile % dt);
-    float acc[4][4] = {};
-    for (int f = 0; f < F; ++f) {
-      float a[4], w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = phi[(r0 + i) * ldp + f];
-      load4(S + (int64_t)f * D + d0, w);
-      outer4(acc, a, w);
-    }
-    store4x4(p.n_lin + (row0 + r0) * D + d0, D, acc);
-  }
+  tile_product(kLinChunk, D, F, RowsAt{phi, ldp}, S, D, p.n_lin + row0 * D, D);  // n [C][D] = φ·S
   for (int r = threadIdx.x; r < kLinChunk; r += kLinThreads) {
     float s = 0.f;
     for (int f = 0; f < F; ++f) s += phi[r * ldp + f] * z[f];

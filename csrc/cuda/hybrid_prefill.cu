@@ -31,10 +31,11 @@ void views(PrefillParams& p, const at::Tensor& q, const at::Tensor& k, const at:
   p.scale = 1.f / std::sqrt((float)D);
 }
 
-template <typename Kernel>
-void launch(Kernel kernel, const PrefillParams& p, int64_t B, int64_t smem) {
+// A block per (chunk, b·H + h) of `threads` threads (PrefillParams, LinearParams).
+template <typename Kernel, typename Params>
+void launch(Kernel kernel, const Params& p, int64_t B, int threads, int64_t smem) {
   if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  kernel<<<dim3(p.n, B * p.H), kBandThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
+  kernel<<<dim3(p.n, B * p.H), threads, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -52,8 +53,8 @@ extern "C" char* attnlab_hybrid_prefill_scores(tensor* ts, int64_t chunk, int64_
     at::Tensor score = at::empty({q.size(0), q.size(1), (int64_t)p.n * chunk}, q.options().dtype(at::kFloat));
     p.score = score.data_ptr<float>();
     p.score_kind = (int)score_kind;
-    if (q.size(3) == 64) launch(hybrid_prefill_scores<64>, p, q.size(0), prefill_scores_smem_bytes(64));
-    else launch(hybrid_prefill_scores<128>, p, q.size(0), prefill_scores_smem_bytes(128));
+    if (q.size(3) == 64) launch(hybrid_prefill_scores<64>, p, q.size(0), kBandThreads, prefill_scores_smem_bytes(64));
+    else launch(hybrid_prefill_scores<128>, p, q.size(0), kBandThreads, prefill_scores_smem_bytes(128));
     *out = new at::Tensor(score);
     return nullptr;
   } catch (const std::exception& e) {
@@ -99,8 +100,8 @@ extern "C" char* attnlab_hybrid_prefill_mix(tensor* ts, int64_t chunk, double ep
     p.eps = (float)eps, p.compensate = compensate != 0, p.phantom = phantom != 0;
     at::Tensor y = at::empty({B, H, q.size(2), D}, q.options());
     p.y = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
-    if (D == 64) launch(hybrid_prefill_mix<64>, p, B, prefill_mix_smem_bytes(64));
-    else launch(hybrid_prefill_mix<128>, p, B, prefill_mix_smem_bytes(128));
+    if (D == 64) launch(hybrid_prefill_mix<64>, p, B, kBandThreads, prefill_mix_smem_bytes(64));
+    else launch(hybrid_prefill_mix<128>, p, B, kBandThreads, prefill_mix_smem_bytes(128));
     *out = new at::Tensor(y);
     return nullptr;
   } catch (const std::exception& e) {
@@ -135,15 +136,10 @@ extern "C" char* attnlab_hybrid_prefill_linear(tensor* ts, int64_t chunk, int64_
     LinearParams p{pv.q, pv.k, pv.v, pv.T, (int)H, (int)n, (int)D, (int)Fh, wq.data_ptr<float>(), wk.data_ptr<float>(), reinject_q != 0, reinject_k != 0,
                    keep ? keep->data_ptr<float>() : nullptr, state.data_ptr<float>(), zstate.data_ptr<float>(), n_lin.data_ptr<float>(), z_lin.data_ptr<float>()};
     const int64_t smem = linear_smem_bytes((int)D, (int)Fh);
-    const auto stream = c10::cuda::getCurrentCUDAStream();
-    for (auto kernel : {hybrid_linear_states, hybrid_linear_query})
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    hybrid_linear_states<<<dim3(n, B * H), kLinThreads, smem, stream>>>(p);
+    launch(hybrid_linear_states, p, B, kLinThreads, smem);
+    hybrid_linear_scan<<<dim3((F * D + F + kLinThreads - 1) / kLinThreads, B * H), kLinThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    hybrid_linear_scan<<<dim3((F * D + F + kLinThreads - 1) / kLinThreads, B * H), kLinThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    hybrid_linear_query<<<dim3(n, B * H), kLinThreads, smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(hybrid_linear_query, p, B, kLinThreads, smem);
     // The last chunk's S, z copied out: a view would keep every chunk's state alive in the cache.
     out[0] = new at::Tensor(n_lin);
     out[1] = new at::Tensor(z_lin);
