@@ -278,7 +278,7 @@ PYEOF
       # met): each row's prefill under libtorch's profiler (ATTNLAB_PROFILE_PREFILL=1), two repeats
       # in one process at PPROFILE_LENGTHS (16384) for PPROFILE_ATTENTION; the -r1 traces are warm.
       # Summary in $OUT/prefill_profile.md and prefill_top_kernels.csv. The STILL / LoLCATs prefill kernels
-      # by default; their linear branch's only with ATTNLAB_HYBRID_LINEAR=1 in the environment.
+      # and their linear branch's by default (ATTNLAB_HYBRID_PREFILL / ATTNLAB_HYBRID_LINEAR=0 turn them off).
       P=${PROFILE_DIR:-/tmp/attnlab-profile}/prefill; rm -rf "$P"; mkdir -p "$P"
       ATTNLAB_PROFILE_PREFILL=1 run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${PPROFILE_LENGTHS:-16384} --new-tokens 2 \
         --repeats 2 --profile "$P" --attention ${PPROFILE_ATTENTION:-vanilla,dar,still-budget,lolcats} | grep '^{' >> "$OUT/prefill_profiled.jsonl"

@@ -1,7 +1,7 @@
 // Launches of the STILL / LoLCATs prefill kernels (csrc/cuda/hybrid_prefill.cuh and hybrid_linear.cuh
 // say what they compute). Taken by `Hybrid::prefill` unless ATTNLAB_HYBRID_PREFILL=0 (src/kernels/cuda.rs):
 // the scores wherever they apply, the mix only where no gradient is recorded, and there the linear
-// branch with ATTNLAB_HYBRID_LINEAR=1 (off until a GPU gate has passed it).
+// branch unless ATTNLAB_HYBRID_LINEAR=0.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>

@@ -501,7 +501,7 @@ fn decode_model_check_in(base: &Spec, name: &str, device: Device, half: bool, pl
 /// bf16 model's forward pass, as [`decode_model_check`]'s model: logits of 1,000 tokens (16 chunks,
 /// the selected tokens from the third, a ragged last chunk) against the fp32 model, the baseline the
 /// same bf16 model through aten's chunked form (`ATTNLAB_HYBRID_PREFILL=0`). With `linear`, the
-/// linear branch's kernels too (csrc/cuda/hybrid_linear.cuh, `ATTNLAB_HYBRID_LINEAR=1`), the baseline
+/// linear branch's kernels too (csrc/cuda/hybrid_linear.cuh, `ATTNLAB_HYBRID_LINEAR`), the baseline
 /// the other prefill kernels with aten's linear branch.
 fn prefill_model_check(base: &Spec, name: &str, linear: bool, device: Device) -> Result<CheckRow> {
     let t = 1000i64;

@@ -569,11 +569,11 @@ pub struct LinearTerms {
 }
 
 /// The linear terms of a STILL / LoLCATs prefill by csrc/cuda/hybrid_linear.cuh (the aten form is
-/// `Hybrid::prefill`'s linear part), with `ATTNLAB_HYBRID_LINEAR=1` (off by default until a GPU gate
-/// has passed them: `scripts/gpu_bench.sh check`, rows `prefill-*-linear-kernel`); `None` where off
-/// or the library lacks them. No backward.
+/// `Hybrid::prefill`'s linear part), unless `ATTNLAB_HYBRID_LINEAR=0` (the GPU gate's rows
+/// `prefill-*-linear-kernel` of `scripts/gpu_bench.sh check` pass them); `None` where off or the
+/// library lacks them. No backward.
 pub fn hybrid_prefill_linear(q: &Tensor, k: &Tensor, v: &Tensor, m: &PrefillLinear) -> Option<Result<LinearTerms>> {
-    if !switch("ATTNLAB_HYBRID_LINEAR", false) {
+    if !switch("ATTNLAB_HYBRID_LINEAR", true) {
         return None;
     }
     let f = library()?.prefill_linear?;

@@ -3,8 +3,8 @@
 //! 2C keys, and the selected tokens the group's chunks see), the linear part prefix sums of
 //! per-chunk states. On CUDA the routing scores and the softmax part with its merge can run as
 //! kernels instead (csrc/cuda/hybrid_prefill.cu, on by default, `ATTNLAB_HYBRID_PREFILL=0` turns them
-//! off), and the linear part (csrc/cuda/hybrid_linear.cuh, with `ATTNLAB_HYBRID_LINEAR=1` as well,
-//! until a GPU gate passes it); inference only for all but the scores.
+//! off), and the linear part (csrc/cuda/hybrid_linear.cuh, on as well, `ATTNLAB_HYBRID_LINEAR=0` turns it
+//! off); inference only for all but the scores.
 use super::{dims4, dims5, pad_to, two_chunks, HybridCache, Routed, Scorer, Selection};
 use crate::attention::feature_maps::FeatureMap;
 use crate::kernels::cuda;
@@ -221,7 +221,7 @@ impl Hybrid<'_> {
 
     /// [`Hybrid::linear_part`] by csrc/cuda/hybrid_linear.cuh from the unpadded bf16 q, k, v, where
     /// the kernels take the maps' width (F/2 a multiple of 4, at most 128) and are on
-    /// (`ATTNLAB_HYBRID_LINEAR=1` until a GPU gate has passed them); `None` otherwise.
+    /// (unless `ATTNLAB_HYBRID_LINEAR=0`); `None` otherwise.
     fn linear_by_kernel(&self, q: &Tensor, k: &Tensor, v: &Tensor, routed: Option<&Routed>) -> Option<LinearPart> {
         let half = self.fq.dim() / 2;
         if self.fk.dim() != self.fq.dim() || half % 4 != 0 || half > 128 {
