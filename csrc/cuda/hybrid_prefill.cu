@@ -124,7 +124,7 @@ extern "C" char* attnlab_hybrid_prefill_linear(tensor* ts, int64_t chunk, int64_
       TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->device() == q.device() && w->sizes() == at::IntArrayRef({H, D, Fh}) &&
                       reinterpret_cast<uintptr_t>(w->data_ptr()) % 16 == 0,
                   "hybrid_prefill_linear: the folded maps must be fp32 contiguous [H, D, F/2] from a 16-byte boundary, both of one F");
-    TORCH_CHECK(Fh % 4 == 0 && Fh <= 128, "hybrid_prefill_linear: F/2 = ", Fh, " (a multiple of 4, at most 128)");
+    TORCH_CHECK(Fh % 8 == 0 && Fh <= 128, "hybrid_prefill_linear: F/2 = ", Fh, " (a multiple of 8, at most 128)");
     const int64_t rows = n * chunk;
     if (keep)
       TORCH_CHECK(keep->scalar_type() == at::kFloat && keep->is_contiguous() && keep->numel() == B * H * rows && keep->device() == q.device(),

@@ -90,6 +90,28 @@ __device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4], 
 __device__ __forceinline__ void mma_f16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) { emu::mma_16816(c, a, b, true); }
 #endif
 
+// The TF32 form, D = A·B + C with A 16×8 and B 8×8 (PTX mma.sync.aligned.m16n8k8.row.col.f32.tf32.
+// tf32.f32): a[0] = A[group][t], a[1] = A[group+8][t], a[2] = A[group][t+4], a[3] = A[group+8][t+4];
+// b[0] = B[t][group], b[1] = B[t+4][group]; c as above. Operands are fp32 rounded by to_tf32 (10 stored
+// mantissa bits, relative rounding ≤ 2⁻¹¹); the products are exact and accumulate in fp32.
+#ifndef ATTNLAB_CUDA_EMU
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void mma_tf32_1688(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#else
+__device__ __forceinline__ uint32_t to_tf32(float x) { return emu::to_tf32(x); }
+__device__ __forceinline__ void mma_tf32_1688(float c[4], const uint32_t a[4], const uint32_t b[2]) { emu::mma_1688_tf32(c, a, b); }
+#endif
+
 // The product for operands of type T: bf16 or fp16.
 template <typename T>
 __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {

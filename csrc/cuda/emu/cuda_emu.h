@@ -293,6 +293,49 @@ inline void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2], bool
   warp().bar->arrive_and_wait();
 }
 
+// cvt.rna.tf32.f32: x rounded to TF32's 10 stored mantissa bits, to nearest, ties away from zero
+// (the bits below them zero); NaN and infinity unchanged.
+inline uint32_t to_tf32(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u) return u;
+  return (u + 0x1000u) & 0xffffe000u;
+}
+
+// mma.sync m16n8k8 with TF32 operands (32-bit registers holding TF32 bit patterns), fp32 accumulate,
+// the PTX ISA's layout (csrc/cuda/mma.cuh): A(row, k) in lane (row % 8)·4 + k % 4, register
+// (row ≥ 8) + 2·(k ≥ 4); B(k, n) in lane 4·n + k % 4, register (k ≥ 4); C as the m16n8k16 form's.
+struct Tf32Fragments {
+  uint32_t a[32][4], b[32][2];
+};
+inline void mma_1688_tf32(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  static Tf32Fragments frag[64];  // one per warp of the running block
+  Tf32Fragments& f = frag[tid / 32];
+  const int lane = tid % 32, group = lane / 4, t = lane % 4;
+  std::memcpy(f.a[lane], a, sizeof(f.a[lane]));
+  std::memcpy(f.b[lane], b, sizeof(f.b[lane]));
+  warp().bar->arrive_and_wait();
+  auto value = [](uint32_t reg) {
+    // The hardware reads only a TF32's bits: anything below them must already be zero.
+    if (reg & 0x1fffu) {
+      std::fprintf(stderr, "cuda-emu: a TF32 mma operand with bits below TF32's mantissa (not from to_tf32)\n");
+      std::abort();
+    }
+    float x;
+    std::memcpy(&x, &reg, 4);
+    return x;
+  };
+  auto A = [&](int row, int k) { return value(f.a[(row % 8) * 4 + k % 4][(row >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]); };
+  auto B = [&](int k, int n) { return value(f.b[n * 4 + k % 4][k >= 4 ? 1 : 0]); };
+  for (int e = 0; e < 4; ++e) {
+    const int row = group + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
+    double acc = c[e];
+    for (int k = 0; k < 8; ++k) acc += double(A(row, k)) * B(k, col);
+    c[e] = float(acc);
+  }
+  warp().bar->arrive_and_wait();
+}
+
 // cp.async (csrc/cuda/mma.cuh), at either end of the window in which the GPU may complete a copy:
 // normally a thread's copies land only when its cp.async.wait_group lets them (the latest moment),
 // so a tile read before its wait (and the barrier after it) shows the old bytes, or the NaNs dynamic
