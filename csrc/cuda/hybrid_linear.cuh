@@ -13,11 +13,12 @@
 // hybrid_linear_query: a block per (c, b·H + h). φ(q_t) by q's map, n_t = φ(q_t)·S_c [D] and
 //   z_t = φ(q_t)·z_c, for every row of the padded sequence (hybrid_prefill_mix reads them).
 //
-// Products on the tensor cores (mma.sync m16n8k8, TF32 operands, fp32 accumulation; a warp a 16 × 8·NT
-// tile), operands from shared memory (the maps and states from L1 / L2). TF32 rounds each operand to
-// 2⁻¹¹ relative: the aten form (fp32 matmuls) lacks that rounding, but it is far below that of the bf16
-// q, k, v both start from, and the SIMT fp32 products it replaces took 3× as long (H200, 16K).
-// D and F/2 multiples of 8.
+// Products by fp32 register tiles of 4 × 4 a thread from shared memory (the maps and states from L1 /
+// L2), rows read 16 bytes at a time, or with `tf32` (ATTNLAB_LINEAR_TF32=1, where D and F/2 are
+// multiples of 8) on the tensor cores: mma.sync m16n8k8, a warp a 16 × 8·NT tile, operands rounded to
+// TF32 (2⁻¹¹ relative, a rounding aten's fp32 matmuls lack but far below that of the bf16 q, k, v both
+// start from), fp32 accumulation. The SIMT tiles cost a shared-memory wavefront an FMA: they run at a
+// fifth of the fp32 rate (H200, 16K); TF32 is off until a GPU gate has passed it.
 // Device code only: csrc/cuda/emu runs it on the CPU in `make test`; csrc/cuda/hybrid_prefill.cu launches it.
 #pragma once
 #include "dar_band.cuh"
@@ -33,7 +34,7 @@ constexpr int kLinChunk = 64;
 
 struct LinearParams {
   View q, k, v;       // [B, T, H, D] views, as PrefillParams'
-  int T, H, n, D, Fh;  // φ has F = 2·Fh features; D and Fh multiples of 8
+  int T, H, n, D, Fh;  // φ has F = 2·Fh features; D and Fh multiples of 4 (of 8 with tf32)
   const float* wq;     // q's folded map [H, D, Fh], contiguous
   const float* wk;     // k's
   int reinject_q, reinject_k;
@@ -47,10 +48,23 @@ struct LinearParams {
 // Row strides of the shared tiles, by how a warp reads them: lane 4·g + t reads (row g, column t) of
 // a tile read by rows (an A operand), (row t, column g) of one read by columns (a transposed A, or a B
 // operand); a stride ≡ 4, resp. 8 (mod 32) puts the 32 reads in 32 banks (for widths that are
-// multiples of 32; others are as right, only slower).
+// multiples of 32; others are as right, only slower). Every row starts on 16 bytes (load4).
 __host__ __device__ inline int lin_ld_rows(int width) { return width + 4; }
 __host__ __device__ inline int lin_ld_cols(int width) { return width + 8; }
 __host__ __device__ inline int64_t linear_smem_bytes(int D, int Fh) { return (int64_t)kLinChunk * (lin_ld_cols(D) + lin_ld_cols(2 * Fh)) * sizeof(float); }
+
+// Four consecutive floats from a 16-byte aligned address, as one load on the GPU: the SIMT products
+// read a tile row's 4-float pieces, so the shared-memory wavefronts a product costs fall from 12 per
+// 512 FMAs (scalar) to 3.
+__device__ __forceinline__ void load4(const float* p, float out[4]) {
+#ifdef ATTNLAB_CUDA_EMU
+  assert(reinterpret_cast<uintptr_t>(p) % 16 == 0);
+  for (int i = 0; i < 4; ++i) out[i] = p[i];
+#else
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+#endif
+}
 
 // Rows c·C .. c·C + C − 1 of x (zeros past T) into xs [C][ld] as fp32.
 __device__ __forceinline__ void lin_load_rows(const View& x, int b, int h, int c, int T, int D, float* xs, int ld) {
@@ -60,17 +74,47 @@ __device__ __forceinline__ void lin_load_rows(const View& x, int b, int h, int c
   }
 }
 
-// a(m, k) of a tile x stored row-major (rows of `ld` floats), resp. stored transposed (x[k][m]).
+// a(m, k) of a tile x stored row-major (rows of `ld` floats), resp. stored transposed (x[k][m]);
+// quad: a(m0 .. m0 + 3, k), for the SIMT tiles (by one 16-byte load from the transposed form).
 struct RowsAt {
   const float* x;
   int ld;
   __device__ __forceinline__ float operator()(int m, int k) const { return x[m * ld + k]; }
+  __device__ __forceinline__ void quad(int m0, int k, float a[4]) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = x[(m0 + i) * ld + k];
+  }
 };
 struct ColsAt {
   const float* x;
   int ld;
   __device__ __forceinline__ float operator()(int m, int k) const { return x[k * ld + m]; }
+  __device__ __forceinline__ void quad(int m0, int k, float a[4]) const { load4(x + k * ld + m0, a); }
 };
+
+// out [M][N] (rows of `ldo` floats) = Σ_{k < K} a(m, k)·w[k][n], a 4 × 4 register tile of (m, n) a
+// thread (M, N multiples of 4); w's rows of `ldw` floats start on 16 bytes. Block-wide, no barrier.
+template <typename A>
+__device__ __forceinline__ void tile_product_simt(int M, int N, int K, A a_at, const float* w, int64_t ldw, float* out, int64_t ldo) {
+  const int nt = N / 4;
+  for (int tile = threadIdx.x; tile < (M / 4) * nt; tile += kLinThreads) {
+    const int m0 = 4 * (tile / nt), n0 = 4 * (tile % nt);
+    float acc[4][4] = {};
+    for (int k = 0; k < K; ++k) {
+      float a[4], b[4];
+      a_at.quad(m0, k, a);
+      load4(w + k * ldw + n0, b);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * b[j];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[(m0 + i) * ldo + n0 + j] = acc[i][j];
+  }
+}
 
 // out [M][N] (rows of `ldo` floats) = Σ_{k < K} a(m, k)·w[k][n] (w's rows `ldw` floats apart), a warp
 // a 16 × 8·NT tile; M a multiple of 16, N of 8·NT, K of 8. Block-wide, no barrier.
@@ -99,18 +143,19 @@ __device__ __forceinline__ void tile_product_tf32(int M, int N, int K, A a_at, c
   }
 }
 
-// The widest tiles N allows: a warp's A fragment serves NT products.
+// By the SIMT tiles, or with tf32 the widest tensor-core tiles N allows (a warp's A fragment serves NT products).
 template <typename A>
-__device__ __forceinline__ void tile_product(int M, int N, int K, A a_at, const float* w, int64_t ldw, float* out, int64_t ldo) {
-  if (N % 32 == 0) tile_product_tf32<4>(M, N, K, a_at, w, ldw, out, ldo);
+__device__ __forceinline__ void tile_product(bool tf32, int M, int N, int K, A a_at, const float* w, int64_t ldw, float* out, int64_t ldo) {
+  if (!tf32) tile_product_simt(M, N, K, a_at, w, ldw, out, ldo);
+  else if (N % 32 == 0) tile_product_tf32<4>(M, N, K, a_at, w, ldw, out, ldo);
   else if (N % 16 == 0) tile_product_tf32<2>(M, N, K, a_at, w, ldw, out, ldo);
   else tile_product_tf32<1>(M, N, K, a_at, w, ldw, out, ldo);
 }
 
 // φ of the C rows of xs (rows `ldx` floats apart) into phi [C][ldp] by the folded map W [D, Fh]
 // (global). Block-wide.
-__device__ __forceinline__ void lin_features(const float* xs, int ldx, int D, int Fh, const float* W, bool reinject, float* phi, int ldp) {
-  tile_product(kLinChunk, Fh, D, RowsAt{xs, ldx}, W, Fh, phi, ldp);  // u = x·W
+__device__ __forceinline__ void lin_features(bool tf32, const float* xs, int ldx, int D, int Fh, const float* W, bool reinject, float* phi, int ldp) {
+  tile_product(tf32, kLinChunk, Fh, D, RowsAt{xs, ldx}, W, Fh, phi, ldp);  // u = x·W
   __syncthreads();
   // A warp a row: the norm re-injection, then softmax(±u) over the Fh features.
   const int lane = threadIdx.x % 32;
@@ -128,6 +173,8 @@ __device__ __forceinline__ void lin_features(const float* xs, int ldx, int D, in
   __syncthreads();
 }
 
+// Tf32: the products on the tensor cores (a kernel each way: registers allotted to the one path taken).
+template <bool Tf32>
 __global__ void __launch_bounds__(kLinThreads) hybrid_linear_states(LinearParams p) {
   ATTNLAB_DYNAMIC_SHARED(float, sh);
   const int c = blockIdx.x, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
@@ -136,7 +183,7 @@ __global__ void __launch_bounds__(kLinThreads) hybrid_linear_states(LinearParams
   float* phi = xs + kLinChunk * ldv;        // [C][ldp], read by columns below
   lin_load_rows(p.k, b, h, c, p.T, D, xs, ldk);
   __syncthreads();
-  lin_features(xs, ldk, D, Fh, p.wk + (int64_t)h * D * Fh, p.reinject_k, phi, ldp);
+  lin_features(Tf32, xs, ldk, D, Fh, p.wk + (int64_t)h * D * Fh, p.reinject_k, phi, ldp);
   // keep_t on every row (0 past T), and v over k (lin_features' last barrier: every read of k done).
   for (int i = threadIdx.x; i < kLinChunk * F; i += kLinThreads) {
     const int r = i / F, t = c * kLinChunk + r;
@@ -146,7 +193,7 @@ __global__ void __launch_bounds__(kLinThreads) hybrid_linear_states(LinearParams
   lin_load_rows(p.v, b, h, c, p.T, D, xs, ldv);
   __syncthreads();
   // ΔS [F][D] = Σ_t φ[t]ᵀ v[t]; Δz [F] = Σ_t φ[t].
-  tile_product(F, D, kLinChunk, ColsAt{phi, ldp}, xs, ldv, p.state + ((int64_t)bh * p.n + c) * F * D, D);
+  tile_product(Tf32, F, D, kLinChunk, ColsAt{phi, ldp}, xs, ldv, p.state + ((int64_t)bh * p.n + c) * F * D, D);
   float* dz = p.zstate + ((int64_t)bh * p.n + c) * F;
   for (int f = threadIdx.x; f < F; f += kLinThreads) {
     float s = 0.f;
@@ -157,8 +204,8 @@ __global__ void __launch_bounds__(kLinThreads) hybrid_linear_states(LinearParams
 
 // One thread an element of a head's state (F·D of S, then F of z), along the chunks: S_c = the sum of
 // ΔS_j over j ≤ c − 2, written over ΔS_c once it is read. Loads a group of chunks ahead, so that a
-// thread has several in flight: the loop is bound by their latency (8 ahead: 1.2 ms of a 16K STILL
-// prefill's 11.9 on an H200, ≈ 7× its bytes' time), not by bandwidth.
+// thread has several in flight: the loop is bound by their latency, not by bandwidth (8 ahead it took
+// 1.2 ms of a 16K STILL prefill's 11.9 on an H200, ≈ 7× its bytes' time; 32 ahead is untimed).
 __global__ void __launch_bounds__(kLinThreads) hybrid_linear_scan(LinearParams p) {
   const int F = 2 * p.Fh, FD = F * p.D;
   const int e = blockIdx.x * kLinThreads + threadIdx.x, bh = blockIdx.y;
@@ -180,6 +227,7 @@ __global__ void __launch_bounds__(kLinThreads) hybrid_linear_scan(LinearParams p
   }
 }
 
+template <bool Tf32>
 __global__ void __launch_bounds__(kLinThreads) hybrid_linear_query(LinearParams p) {
   ATTNLAB_DYNAMIC_SHARED(float, sh);
   const int c = blockIdx.x, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
@@ -188,18 +236,15 @@ __global__ void __launch_bounds__(kLinThreads) hybrid_linear_query(LinearParams 
   float* phi = xs + kLinChunk * ldq;     // [C][ldp], read by rows below
   lin_load_rows(p.q, b, h, c, p.T, D, xs, ldq);
   __syncthreads();
-  lin_features(xs, ldq, D, Fh, p.wq + (int64_t)h * D * Fh, p.reinject_q, phi, ldp);
+  lin_features(Tf32, xs, ldq, D, Fh, p.wq + (int64_t)h * D * Fh, p.reinject_q, phi, ldp);
   const float* S = p.state + ((int64_t)bh * p.n + c) * F * D;
   const float* z = p.zstate + ((int64_t)bh * p.n + c) * F;
   const int64_t row0 = (int64_t)bh * p.n * kLinChunk + (int64_t)c * kLinChunk;
-  tile_product(kLinChunk, D, F, RowsAt{phi, ldp}, S, D, p.n_lin + row0 * D, D);  // n [C][D] = φ·S
-  // z [C] = φ·z: a warp a row.
-  const int lane = threadIdx.x % 32;
-  for (int r = threadIdx.x / 32; r < kLinChunk; r += kLinThreads / 32) {
+  tile_product(Tf32, kLinChunk, D, F, RowsAt{phi, ldp}, S, D, p.n_lin + row0 * D, D);  // n [C][D] = φ·S
+  for (int r = threadIdx.x; r < kLinChunk; r += kLinThreads) {
     float s = 0.f;
-    for (int f = lane; f < F; f += 32) s += phi[r * ldp + f] * z[f];
-    s = warp_sum(s);
-    if (lane == 0) p.z_lin[row0 + r] = s;
+    for (int f = 0; f < F; ++f) s += phi[r * ldp + f] * z[f];
+    p.z_lin[row0 + r] = s;
   }
 }
 

@@ -112,8 +112,9 @@ extern "C" char* attnlab_hybrid_prefill_mix(tensor* ts, int64_t chunk, double ep
 // ts (null where absent): q, k, v [B, H, T, D]; q's and k's folded maps [H, D, F/2] fp32 (FeatureMap::
 // folded_linear); keep [B, H, n·C] fp32 (0 for a selected token). out[0..4]: n_lin [B, H, n·C, D] and
 // z_lin [B, H, n·C] (φ(q)·S, φ(q)·z of each row's chunk state), S [B, H, F, D] and z [B, H, F] after
-// the sequence (the state of chunks ≤ n − 3, the decode cache's), all fp32.
-extern "C" char* attnlab_hybrid_prefill_linear(tensor* ts, int64_t chunk, int64_t reinject_q, int64_t reinject_k, tensor* out) {
+// the sequence (the state of chunks ≤ n − 3, the decode cache's), all fp32. tf32: the products on the
+// tensor cores (where D and F/2 are multiples of 8; fp32 SIMT otherwise).
+extern "C" char* attnlab_hybrid_prefill_linear(tensor* ts, int64_t chunk, int64_t reinject_q, int64_t reinject_k, int64_t tf32, tensor* out) {
   try {
     const at::Tensor &q = *ts[0], &k = *ts[1], &v = *ts[2], &wq = *ts[3], &wk = *ts[4];
     tensor keep = ts[5];
@@ -124,7 +125,7 @@ extern "C" char* attnlab_hybrid_prefill_linear(tensor* ts, int64_t chunk, int64_
       TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->device() == q.device() && w->sizes() == at::IntArrayRef({H, D, Fh}) &&
                       reinterpret_cast<uintptr_t>(w->data_ptr()) % 16 == 0,
                   "hybrid_prefill_linear: the folded maps must be fp32 contiguous [H, D, F/2] from a 16-byte boundary, both of one F");
-    TORCH_CHECK(Fh % 8 == 0 && Fh <= 128, "hybrid_prefill_linear: F/2 = ", Fh, " (a multiple of 8, at most 128)");
+    TORCH_CHECK(Fh % 4 == 0 && Fh <= 128, "hybrid_prefill_linear: F/2 = ", Fh, " (a multiple of 4, at most 128)");
     const int64_t rows = n * chunk;
     if (keep)
       TORCH_CHECK(keep->scalar_type() == at::kFloat && keep->is_contiguous() && keep->numel() == B * H * rows && keep->device() == q.device(),
@@ -136,10 +137,11 @@ extern "C" char* attnlab_hybrid_prefill_linear(tensor* ts, int64_t chunk, int64_
     LinearParams p{pv.q, pv.k, pv.v, pv.T, (int)H, (int)n, (int)D, (int)Fh, wq.data_ptr<float>(), wk.data_ptr<float>(), reinject_q != 0, reinject_k != 0,
                    keep ? keep->data_ptr<float>() : nullptr, state.data_ptr<float>(), zstate.data_ptr<float>(), n_lin.data_ptr<float>(), z_lin.data_ptr<float>()};
     const int64_t smem = linear_smem_bytes((int)D, (int)Fh);
-    launch(hybrid_linear_states, p, B, kLinThreads, smem);
+    const bool mma = tf32 != 0 && D % 8 == 0 && Fh % 8 == 0;
+    launch(mma ? hybrid_linear_states<true> : hybrid_linear_states<false>, p, B, kLinThreads, smem);
     hybrid_linear_scan<<<dim3((F * D + F + kLinThreads - 1) / kLinThreads, B * H), kLinThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    launch(hybrid_linear_query, p, B, kLinThreads, smem);
+    launch(mma ? hybrid_linear_query<true> : hybrid_linear_query<false>, p, B, kLinThreads, smem);
     // The last chunk's S, z copied out: a view would keep every chunk's state alive in the cache.
     out[0] = new at::Tensor(n_lin);
     out[1] = new at::Tensor(z_lin);

@@ -497,13 +497,46 @@ fn decode_model_check_in(base: &Spec, name: &str, device: Device, half: bool, pl
     Ok(CheckRow::new(&label, &[1, total], None, kind, tensors, planted))
 }
 
-/// The STILL / LoLCATs prefill kernels (csrc/cuda/hybrid_prefill.cu, forced by `ATTNLAB_HYBRID_PREFILL=1`) in a
-/// bf16 model's forward pass, as [`decode_model_check`]'s model: logits of 1,000 tokens (16 chunks,
-/// the selected tokens from the third, a ragged last chunk) against the fp32 model, the baseline the
-/// same bf16 model through aten's chunked form (`ATTNLAB_HYBRID_PREFILL=0`). With `linear`, the
-/// linear branch's kernels too (csrc/cuda/hybrid_linear.cuh, `ATTNLAB_HYBRID_LINEAR`), the baseline
-/// the other prefill kernels with aten's linear branch.
-fn prefill_model_check(base: &Spec, name: &str, linear: bool, device: Device) -> Result<CheckRow> {
+/// Which STILL / LoLCATs prefill kernels a gate row holds to account.
+#[derive(Clone, Copy)]
+enum PrefillKernels {
+    /// The routing scores and the mix (csrc/cuda/hybrid_prefill.cu), the linear branch by aten.
+    Mix,
+    /// The linear branch's kernels too (csrc/cuda/hybrid_linear.cuh), fp32 SIMT products.
+    Linear,
+    /// Those with their products on the tensor cores (`ATTNLAB_LINEAR_TF32=1`).
+    LinearTf32,
+}
+
+impl PrefillKernels {
+    /// The switches each arm runs under: the kernels' and their baseline's (`ATTNLAB_HYBRID_PREFILL`,
+    /// `ATTNLAB_HYBRID_LINEAR`, `ATTNLAB_LINEAR_TF32`): the mix against none of the kernels; the linear
+    /// branch's against the mix alone.
+    fn switches(self) -> [[(&'static str, &'static str); 3]; 2] {
+        let arm = |prefill, linear, tf32| [("ATTNLAB_HYBRID_PREFILL", prefill), ("ATTNLAB_HYBRID_LINEAR", linear), ("ATTNLAB_LINEAR_TF32", tf32)];
+        match self {
+            Self::Mix => [arm("1", "0", "0"), arm("0", "0", "0")],
+            Self::Linear => [arm("1", "1", "0"), arm("1", "0", "0")],
+            Self::LinearTf32 => [arm("1", "1", "1"), arm("1", "0", "0")],
+        }
+    }
+
+    /// A row's name.
+    fn label(self, name: &str) -> String {
+        let part = match self {
+            Self::Mix => "",
+            Self::Linear => "-linear",
+            Self::LinearTf32 => "-linear-tf32",
+        };
+        format!("prefill-{name}{part}-kernel")
+    }
+}
+
+/// The STILL / LoLCATs prefill kernels in a bf16 model's forward pass, as [`decode_model_check`]'s
+/// model: logits of 1,000 tokens (16 chunks, the selected tokens from the third, a ragged last chunk)
+/// against the fp32 model, the baseline the same bf16 model without the kernels the row is about
+/// ([`PrefillKernels::switches`]).
+fn prefill_model_check(base: &Spec, name: &str, kernels: PrefillKernels, device: Device) -> Result<CheckRow> {
     let t = 1000i64;
     let vocab = base.model.vocab.unwrap_or(50304);
     tch::manual_seed(0);
@@ -513,10 +546,9 @@ fn prefill_model_check(base: &Spec, name: &str, linear: bool, device: Device) ->
     let x = Tensor::randint(vocab as i64, [1, t], (Kind::Int64, device));
     let kind = model.head_weight().kind();
     let full = |m: &crate::model::Model| tch::no_grad(|| m.forward(&x));
-    // Without `linear`: the prefill kernels against none; with it: the linear ones against none of them.
-    let linear = if linear { "1" } else { "0" };
-    let got = with_env(&[("ATTNLAB_HYBRID_PREFILL", "1"), ("ATTNLAB_HYBRID_LINEAR", linear)], || full(&model));
-    let baseline = with_env(&[("ATTNLAB_HYBRID_PREFILL", linear), ("ATTNLAB_HYBRID_LINEAR", "0")], || full(&model));
+    let [with, without] = kernels.switches();
+    let got = with_env(&with, || full(&model));
+    let baseline = with_env(&without, || full(&model));
     // The kernels compute in another order than aten: equal logits mean they never ran (a layout
     // they refused, a library without them), which must fail the row, not pass it as aten's.
     if got.equal(&baseline) {
@@ -525,12 +557,7 @@ fn prefill_model_check(base: &Spec, name: &str, linear: bool, device: Device) ->
     vs.float();
     let exact = full(&model);
     let tensors = vec![compare("logits", &got, &baseline, &exact, kind, t, 0.0)];
-    Ok(CheckRow::new(&prefill_label(name, linear == "1"), &[1, t], None, kind, tensors, false))
-}
-
-/// A prefill kernels' row's name.
-fn prefill_label(name: &str, linear: bool) -> String {
-    format!("prefill-{name}{}-kernel", if linear { "-linear" } else { "" })
+    Ok(CheckRow::new(&kernels.label(name), &[1, t], None, kind, tensors, false))
 }
 
 /// The LayerNorm kernel (`kernels::cuda::layer_norm_half`, under bf16 autocast) against aten's
@@ -766,11 +793,12 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
             });
         }
         // The prefill kernels (csrc/cuda/hybrid_prefill.cu; the decode rows above prefill their prompts by
-        // the default's kernels), and the linear branch's (hybrid_linear.cuh, off by default until these
-        // rows pass on a GPU).
-        for (name, linear) in [("still-budget", false), ("lolcats", false), ("still-budget", true), ("lolcats", true)] {
-            let label = prefill_label(name, linear);
-            let row = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| prefill_model_check(spec, name, linear, device)));
+        // the default's kernels), the linear branch's (hybrid_linear.cuh) and their TF32 products (off by
+        // default until these rows pass on a GPU).
+        let arms = [PrefillKernels::Mix, PrefillKernels::Linear, PrefillKernels::LinearTf32];
+        for (kernels, name) in arms.into_iter().flat_map(|k| ["still-budget", "lolcats"].map(|n| (k, n))) {
+            let label = kernels.label(name);
+            let row = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| prefill_model_check(spec, name, kernels, device)));
             note(match row {
                 Ok(Ok(row)) => row,
                 Ok(Err(e)) => failed_row(&label, &e.to_string(), false),

@@ -19,7 +19,7 @@ type SplitRotateFn = unsafe extern "C" fn(*mut C_tensor, i64, i64, i64, *mut C_t
 type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 type PrefillScoresFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, *mut *mut C_tensor) -> Err;
 type PrefillMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, *mut *mut C_tensor) -> Err;
-type PrefillLinearFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, *mut *mut C_tensor) -> Err;
+type PrefillLinearFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 
 /// The CUDA-graph entry points (csrc/cuda/graph.cu).
 struct GraphFns {
@@ -581,7 +581,10 @@ pub fn hybrid_prefill_linear(q: &Tensor, k: &Tensor, v: &Tensor, m: &PrefillLine
     let mut out: [*mut C_tensor; 4] = [std::ptr::null_mut(); 4];
     // SAFETY: valid tensor handles (or null where absent), read during the call; on success the
     // library has written four new tensors into `out`, which we then own.
-    Some(check(unsafe { f(ts.as_ptr(), m.chunk, m.q_map.1 as i64, m.k_map.1 as i64, out.as_mut_ptr()) }).map(|()| {
+    // Their products on the tensor cores (TF32) with ATTNLAB_LINEAR_TF32=1: off until a GPU gate
+    // (rows `prefill-*-linear-tf32-kernel`) has passed them.
+    let tf32 = switch("ATTNLAB_LINEAR_TF32", false) as i64;
+    Some(check(unsafe { f(ts.as_ptr(), m.chunk, m.q_map.1 as i64, m.k_map.1 as i64, tf32, out.as_mut_ptr()) }).map(|()| {
         let [n_lin, z_lin, s, z] = out.map(|t| unsafe { Tensor::from_ptr(t) });
         LinearTerms { n_lin, z_lin, s, z }
     }))

@@ -1,7 +1,8 @@
 // The STILL / LoLCATs prefill's linear branch (csrc/cuda/hybrid_linear.cuh) on the CPU against
 // still.md §2–§3 in double: φ by the folded map (with and without the norm re-injection), the state of
 // chunks ≤ c − 2 without the selected tokens, n_t = φ(q_t)·S_c and z_t = φ(q_t)·z_c on every row of the
-// padded sequence, and the state after the sequence. Ragged T, a single chunk, F/2 ≠ D, D 64 and 128.
+// padded sequence, and the state after the sequence. Ragged T, a single chunk, F/2 ≠ D, D 64 and 128;
+// the products by fp32 SIMT tiles and on the tensor cores (TF32).
 #include "emu_test.h"
 #include "../hybrid_linear.cuh"
 
@@ -85,7 +86,7 @@ Ref reference(const Case& k, int n, const std::vector<double>& q, const std::vec
   return r;
 }
 
-bool check(const Case& k, unsigned seed) {
+bool check(const Case& k, unsigned seed, bool tf32) {
   std::mt19937 rng(seed);
   const int n = (k.T + C - 1) / C, D = k.D, Fh = k.Fh, F = 2 * Fh;
   const size_t elems = size_t(k.B) * k.H * k.T * D;
@@ -103,9 +104,9 @@ bool check(const Case& k, unsigned seed) {
   LinearParams p{View{q.dev.data(), sb, D, sh}, View{kk.dev.data(), sb, D, sh}, View{v.dev.data(), sb, D, sh}, k.T, k.H, n, D, Fh,
                  wq.data(), wk.data(), k.reinject, k.reinject, k.keep ? keep.data() : nullptr, state.data(), zstate.data(), n_lin.data(), z_lin.data()};
   const dim3 grid(n, k.B * k.H);
-  emu::launch(hybrid_linear_states, grid, dim3(kLinThreads), linear_smem_bytes(D, Fh), p);
+  emu::launch(tf32 ? hybrid_linear_states<true> : hybrid_linear_states<false>, grid, dim3(kLinThreads), linear_smem_bytes(D, Fh), p);
   emu::launch(hybrid_linear_scan, dim3((F * D + F + kLinThreads - 1) / kLinThreads, k.B * k.H), dim3(kLinThreads), 0, p);
-  emu::launch(hybrid_linear_query, grid, dim3(kLinThreads), linear_smem_bytes(D, Fh), p);
+  emu::launch(tf32 ? hybrid_linear_query<true> : hybrid_linear_query<false>, grid, dim3(kLinThreads), linear_smem_bytes(D, Fh), p);
 
   const Ref want = reference(k, n, q.ref, kk.ref, v.ref, wq, wk, keep, 2, true);
   // Planted: the state one chunk late (chunk c − 1 in it); where the keep mask is tested, it ignored.
@@ -120,10 +121,10 @@ bool check(const Case& k, unsigned seed) {
   auto d = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
   using emu_test::rel_err;
   using emu_test::verdict;
-  const std::string at = "T " + std::to_string(k.T) + ", D " + std::to_string(D) + ", F/2 " + std::to_string(Fh) + (k.reinject ? ", re-injected" : "") + (k.keep ? ", Sel dropped" : "");
-  // The products' operands are TF32 (unit round-off 2⁻¹¹ ≈ 4.9e-4, on both factors of every term): four
-  // round-offs. Measured 1.4e-5–5.8e-4; the planted references are 0.3–0.8 away.
-  const double bound = 4 * std::ldexp(1.0, -11);
+  const std::string at = "T " + std::to_string(k.T) + ", D " + std::to_string(D) + ", F/2 " + std::to_string(Fh) + (k.reinject ? ", re-injected" : "") + (k.keep ? ", Sel dropped" : "") + (tf32 ? ", TF32" : "");
+  // fp32 products: 1e-4. TF32 operands (unit round-off 2⁻¹¹ ≈ 4.9e-4, on both factors of every term):
+  // four round-offs (measured 1.4e-5–5.8e-4). The planted references are 0.3–0.8 away.
+  const double bound = tf32 ? 4 * std::ldexp(1.0, -11) : 1e-4;
   // The nearer of two planted references to the right one.
   auto worst = [&](const std::vector<double>& right, const std::vector<double>& p1, const std::vector<double>& p2) { return std::min(rel_err(p1, right), rel_err(p2, right)); };
   bool ok = true;
@@ -148,12 +149,17 @@ bool all_cases() {
   unsigned seed = 91;
   // STILL's NP-Map (F/2 = D) with Sel dropped, ragged; LoLCATs' Hedgehog (F/2 ≠ D, no re-injection);
   // one chunk (no state anywhere); D 128.
-  ok &= check({1, 2, 300, 64, 64, true, true}, seed++);
-  ok &= check({2, 1, 200, 64, 32, false, false}, seed++);
-  ok &= check({1, 1, 40, 64, 64, true, false}, seed++);
-  ok &= check({1, 1, 260, 128, 16, true, true}, seed++);
-  // A Llama-width NP-Map (F/2 = D = 128): the largest tiles, more tiles than threads in every product.
-  ok &= check({1, 1, 200, 128, 128, true, true}, seed++);
+  // Each with fp32 SIMT products and on the tensor cores (TF32).
+  for (bool tf32 : {false, true}) {
+    ok &= check({1, 2, 300, 64, 64, true, true}, seed++, tf32);
+    ok &= check({2, 1, 200, 64, 32, false, false}, seed++, tf32);
+    ok &= check({1, 1, 40, 64, 64, true, false}, seed++, tf32);
+    ok &= check({1, 1, 260, 128, 16, true, true}, seed++, tf32);
+    // A Llama-width NP-Map (F/2 = D = 128): the largest tiles, more tiles than threads in every product.
+    ok &= check({1, 1, 200, 128, 128, true, true}, seed++, tf32);
+  }
+  // F/2 = 12: a multiple of 4, not of 8, which only the SIMT tiles take (hybrid_prefill.cu decides).
+  ok &= check({1, 1, 200, 64, 12, true, true}, seed++, false);
   return ok;
 }
 

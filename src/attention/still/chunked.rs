@@ -220,11 +220,11 @@ impl Hybrid<'_> {
     }
 
     /// [`Hybrid::linear_part`] by csrc/cuda/hybrid_linear.cuh from the unpadded bf16 q, k, v, where
-    /// the kernels take the maps' width (F/2 a multiple of 8, at most 128: their tensor-core tiles) and are on
+    /// the kernels take the maps' width (F/2 a multiple of 4, at most 128) and are on
     /// (unless `ATTNLAB_HYBRID_LINEAR=0`); `None` otherwise.
     fn linear_by_kernel(&self, q: &Tensor, k: &Tensor, v: &Tensor, routed: Option<&Routed>) -> Option<LinearPart> {
         let half = self.fq.dim() / 2;
-        if self.fk.dim() != self.fq.dim() || half % 8 != 0 || half > 128 {
+        if self.fk.dim() != self.fq.dim() || half % 4 != 0 || half > 128 {
             return None;
         }
         let (b, h, t, d) = dims4(q);
