@@ -261,12 +261,31 @@ T exchange(T v, int src) {
   return r;
 }
 
-// mma.sync m16n8k16 (bf16 or, `f16`, fp16 in; fp32 accumulate) from the 32 lanes' fragments, laid
-// out as the PTX ISA says (csrc/cuda/mma.cuh): each lane publishes its registers, then computes its
-// own outputs.
-struct MmaFragments {
-  uint32_t a[32][4], b[32][2];
-};
+// A warp's mma.sync, D = A·B + C with C and D 16 × 8 in fp32, from the 32 lanes' fragments: each lane
+// publishes its registers, then computes its own outputs (c[e]: row group, + 8 for e ≥ 2, column
+// 2t + e % 2) in double, A(a, row, k) and B(b, k, n) reading an operand out of the lanes' registers
+// (a[lane][4], b[lane][2]) as the PTX ISA lays it out (csrc/cuda/mma.cuh).
+template <int K, typename AOf, typename BOf>
+inline void warp_mma(float c[4], const uint32_t a[4], const uint32_t b[2], AOf A, BOf B) {
+  struct Fragments {
+    uint32_t a[32][4], b[32][2];
+  };
+  static Fragments frag[64];  // one per warp of the running block
+  Fragments& f = frag[tid / 32];
+  const int lane = tid % 32, group = lane / 4, t = lane % 4;
+  std::memcpy(f.a[lane], a, sizeof(f.a[lane]));
+  std::memcpy(f.b[lane], b, sizeof(f.b[lane]));
+  warp().bar->arrive_and_wait();
+  for (int e = 0; e < 4; ++e) {
+    const int row = group + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
+    double acc = c[e];
+    for (int k = 0; k < K; ++k) acc += double(A(f.a, row, k)) * B(f.b, k, col);
+    c[e] = float(acc);
+  }
+  warp().bar->arrive_and_wait();
+}
+
+// m16n8k16, bf16 or (`f16`) fp16 in: two 16-bit values a register, the lower k in its low half.
 inline float bf16_half_of(uint32_t reg, int k) {
   const uint32_t u = (k & 1 ? reg >> 16 : reg & 0xffffu) << 16;
   float f;
@@ -275,22 +294,10 @@ inline float bf16_half_of(uint32_t reg, int k) {
 }
 inline float f16_half_of(uint32_t reg, int k) { return __half2float(__half{uint16_t(k & 1 ? reg >> 16 : reg & 0xffffu)}); }
 inline void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2], bool f16) {
-  static MmaFragments frag[64];  // one per warp of the running block
-  MmaFragments& f = frag[tid / 32];
-  const int lane = tid % 32, group = lane / 4, t = lane % 4;
-  std::memcpy(f.a[lane], a, sizeof(f.a[lane]));
-  std::memcpy(f.b[lane], b, sizeof(f.b[lane]));
-  warp().bar->arrive_and_wait();
-  auto half_of = [&](uint32_t reg, int k) { return f16 ? f16_half_of(reg, k) : bf16_half_of(reg, k); };
-  auto A = [&](int row, int k) { return half_of(f.a[(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k); };
-  auto B = [&](int k, int n) { return half_of(f.b[n * 4 + (k % 8) / 2][k >= 8 ? 1 : 0], k); };
-  for (int e = 0; e < 4; ++e) {
-    const int row = group + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
-    double acc = c[e];
-    for (int k = 0; k < 16; ++k) acc += double(A(row, k)) * B(k, col);
-    c[e] = float(acc);
-  }
-  warp().bar->arrive_and_wait();
+  auto half_of = [f16](uint32_t reg, int k) { return f16 ? f16_half_of(reg, k) : bf16_half_of(reg, k); };
+  auto A = [&](const uint32_t (*a)[4], int row, int k) { return half_of(a[(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k); };
+  auto B = [&](const uint32_t (*b)[2], int k, int n) { return half_of(b[n * 4 + (k % 8) / 2][k >= 8 ? 1 : 0], k); };
+  warp_mma<16>(c, a, b, A, B);
 }
 
 // cvt.rna.tf32.f32: x rounded to TF32's 10 stored mantissa bits, to nearest, ties away from zero
@@ -302,21 +309,12 @@ inline uint32_t to_tf32(float x) {
   return (u + 0x1000u) & 0xffffe000u;
 }
 
-// mma.sync m16n8k8 with TF32 operands (32-bit registers holding TF32 bit patterns), fp32 accumulate,
-// the PTX ISA's layout (csrc/cuda/mma.cuh): A(row, k) in lane (row % 8)·4 + k % 4, register
-// (row ≥ 8) + 2·(k ≥ 4); B(k, n) in lane 4·n + k % 4, register (k ≥ 4); C as the m16n8k16 form's.
-struct Tf32Fragments {
-  uint32_t a[32][4], b[32][2];
-};
+// m16n8k8 with TF32 operands: A(row, k) in lane (row % 8)·4 + k % 4, register (row ≥ 8) + 2·(k ≥ 4);
+// B(k, n) in lane 4·n + k % 4, register (k ≥ 4).
 inline void mma_1688_tf32(float c[4], const uint32_t a[4], const uint32_t b[2]) {
-  static Tf32Fragments frag[64];  // one per warp of the running block
-  Tf32Fragments& f = frag[tid / 32];
-  const int lane = tid % 32, group = lane / 4, t = lane % 4;
-  std::memcpy(f.a[lane], a, sizeof(f.a[lane]));
-  std::memcpy(f.b[lane], b, sizeof(f.b[lane]));
-  warp().bar->arrive_and_wait();
   auto value = [](uint32_t reg) {
-    // The hardware reads only a TF32's bits: anything below them must already be zero.
+    // The hardware ignores the bits below TF32's mantissa (it truncates); the kernels round by
+    // to_tf32 first, and an operand that did not is an error here.
     if (reg & 0x1fffu) {
       std::fprintf(stderr, "cuda-emu: a TF32 mma operand with bits below TF32's mantissa (not from to_tf32)\n");
       std::abort();
@@ -325,15 +323,9 @@ inline void mma_1688_tf32(float c[4], const uint32_t a[4], const uint32_t b[2]) 
     std::memcpy(&x, &reg, 4);
     return x;
   };
-  auto A = [&](int row, int k) { return value(f.a[(row % 8) * 4 + k % 4][(row >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]); };
-  auto B = [&](int k, int n) { return value(f.b[n * 4 + k % 4][k >= 4 ? 1 : 0]); };
-  for (int e = 0; e < 4; ++e) {
-    const int row = group + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
-    double acc = c[e];
-    for (int k = 0; k < 8; ++k) acc += double(A(row, k)) * B(k, col);
-    c[e] = float(acc);
-  }
-  warp().bar->arrive_and_wait();
+  auto A = [&](const uint32_t (*a)[4], int row, int k) { return value(a[(row % 8) * 4 + k % 4][(row >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]); };
+  auto B = [&](const uint32_t (*b)[2], int k, int n) { return value(b[n * 4 + k % 4][k >= 4 ? 1 : 0]); };
+  warp_mma<8>(c, a, b, A, B);
 }
 
 // cp.async (csrc/cuda/mma.cuh), at either end of the window in which the GPU may complete a copy:
