@@ -251,7 +251,9 @@ PYEOF
       # rounds at PREFILL_LENGTHS; each row's repeat 1 is warm. Rows tagged "kernel", "round"
       # (prefill_kernel.jsonl). Run `check` first (its prefill-*-kernel rows).
       # PREFILL_SWITCH=ATTNLAB_HYBRID_LINEAR: the linear branch's kernels (csrc/cuda/hybrid_linear.cuh)
-      # off / on instead, the other prefill kernels on (rows prefill-*-linear-kernel of `check`).
+      # off / on instead, the other prefill kernels on (rows prefill-*-linear-kernel of `check`);
+      # PREFILL_SWITCH=ATTNLAB_LINEAR_TF32: their products by fp32 SIMT tiles / on the tensor cores
+      # (rows prefill-*-linear-tf32-kernel).
       for ((r = 0; r < ${PREFILL_REPEATS:-2}; r++)); do
         for v in 0 1; do
           (export "${PREFILL_SWITCH:-ATTNLAB_HYBRID_PREFILL}=$v"; run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${PREFILL_LENGTHS:-1024,4096,16384,65536} \
