@@ -554,6 +554,11 @@ fn prefill_model_check(base: &Spec, name: &str, kernels: PrefillKernels, device:
     if got.equal(&baseline) {
         return Err(crate::Error::Other("the prefill kernels did not run (outputs equal aten's bit for bit)".into()));
     }
+    // Likewise the TF32 products against the SIMT ones they replace (hybrid_prefill.cu takes the SIMT
+    // tiles where D or F/2 is not a multiple of 8): a row named for TF32 must have run it.
+    if matches!(kernels, PrefillKernels::LinearTf32) && got.equal(&with_env(&PrefillKernels::Linear.switches()[0], || full(&model))) {
+        return Err(crate::Error::Other("the TF32 products did not run (outputs equal the SIMT tiles' bit for bit)".into()));
+    }
     vs.float();
     let exact = full(&model);
     let tensors = vec![compare("logits", &got, &baseline, &exact, kind, t, 0.0)];
