@@ -14,11 +14,12 @@
 //   z_t = φ(q_t)·z_c, for every row of the padded sequence (hybrid_prefill_mix reads them).
 //
 // Products by fp32 register tiles of 4 × 4 a thread from shared memory (the maps and states from L1 /
-// L2), rows read 16 bytes at a time; or, the kernels' Tf32 form (ATTNLAB_LINEAR_TF32=1, where D and
+// L2), rows read 16 bytes at a time (ATTNLAB_LINEAR_TF32=0); or, the default, the kernels' Tf32 form (where D and
 // F/2 are multiples of 8), on the tensor cores: mma.sync m16n8k8, a warp a 16 × 8·NT tile, operands
 // rounded to TF32 (2⁻¹¹ relative, a rounding aten's fp32 matmuls lack but far below that of the bf16
 // q, k, v both start from), fp32 accumulation. The SIMT tiles are bound by shared memory (they ran at
-// a fifth of the fp32 rate, H200, 16K); the TF32 form is off until a GPU gate has passed it.
+// a fifth of the fp32 rate, H200, 16K); the TF32 form passed the GPU gate and took the three kernels
+// from 4.8 to 2.8 ms at 16K (one H200, BENCHMARKS.md).
 // Device code only: csrc/cuda/emu runs it on the CPU in `make test`; csrc/cuda/hybrid_prefill.cu launches it.
 #pragma once
 #include "dar_band.cuh"

@@ -64,11 +64,12 @@ extern "C" char* attnlab_hybrid_prefill_scores(tensor* ts, int64_t chunk, int64_
 
 // ts (null where absent): q, k, v [B, H, T, D]; the selected positions [B, H, cap] i64 on q's device
 // and seen [n] int32 on the host (Sel slots each query chunk sees; checked against cap here); n_lin [B, H, n·C, D] and z_lin [B, H, n·C]
-// fp32 contiguous (absent: no linear branch); γ [H]. *out: y [B, H, T, D] bf16.
+// fp32 contiguous (absent: no linear branch); γ [H]; the gate g [B, H, T, D] bf16 with unit last stride
+// (any other strides), multiplying n_lin (absent: none, or already applied). *out: y [B, H, T, D] bf16.
 extern "C" char* attnlab_hybrid_prefill_mix(tensor* ts, int64_t chunk, double eps, int64_t compensate, int64_t phantom, tensor* out) {
   try {
     const at::Tensor &q = *ts[0], &k = *ts[1], &v = *ts[2];
-    tensor sel = ts[3], seen = ts[4], n_lin = ts[5], z_lin = ts[6], gamma = ts[7];
+    tensor sel = ts[3], seen = ts[4], n_lin = ts[5], z_lin = ts[6], gamma = ts[7], gate = ts[8];
     PrefillParams p{};
     views(p, q, k, v, chunk, "hybrid_prefill_mix");
     const int64_t B = q.size(0), H = q.size(1), D = q.size(3), rows = (int64_t)p.n * chunk;
@@ -81,7 +82,9 @@ extern "C" char* attnlab_hybrid_prefill_mix(tensor* ts, int64_t chunk, double ep
                   "hybrid_prefill_mix: the selected positions must be i64 [B, H, cap] with unit last stride on q's device");
       const int* counts = seen->data_ptr<int>();
       for (int c = 0; c < p.n; ++c) TORCH_CHECK(counts[c] >= 0 && counts[c] <= sel->size(2), "hybrid_prefill_mix: chunk ", c, " sees ", counts[c], " slots of ", sel->size(2));
-      seen_dev = seen->to(q.device(), /*non_blocking=*/false);
+      // Through pinned memory, asynchronously: a copy from pageable memory (or a blocking one) waits
+      // for the stream to drain, a host sync in every STILL layer's prefill.
+      seen_dev = seen->pin_memory().to(q.device(), /*non_blocking=*/true);
       p.sel = sel->data_ptr<int64_t>(), p.sel_sb = sel->stride(0), p.sel_sh = sel->stride(1);
       p.seen = seen_dev.data_ptr<int>();
     }
@@ -90,6 +93,11 @@ extern "C" char* attnlab_hybrid_prefill_mix(tensor* ts, int64_t chunk, double ep
                       z_lin->scalar_type() == at::kFloat && z_lin->is_contiguous() && z_lin->numel() == B * H * rows,
                   "hybrid_prefill_mix: n_lin [B, H, n·C, D] and z_lin [B, H, n·C], fp32 contiguous");
       p.n_lin = n_lin->data_ptr<float>(), p.z_lin = z_lin->data_ptr<float>();
+      if (gate) {
+        TORCH_CHECK(gate->scalar_type() == at::kBFloat16 && gate->sizes() == q.sizes() && gate->stride(3) == 1 && gate->device() == q.device(),
+                    "hybrid_prefill_mix: the gate must be bf16 [B, H, T, D] with unit last stride on q's device");
+        p.gate = View{reinterpret_cast<const __nv_bfloat16*>(gate->data_ptr()), gate->stride(0), gate->stride(2), gate->stride(1)};
+      }
     }
     at::Tensor gm;
     if (gamma) {

@@ -17,8 +17,10 @@
 //     Sel: selected slots 0 .. seen[c] − 1 of the head's positions `sel` (slots in chunk order, so a
 //       query chunk sees a prefix: those of chunks ≤ c − 2), each gathered from its row of K and V;
 //   then with m the max of its logits, n_sm = γ_h·Σ e^{logit − m}·v, z_sm = γ_h·Σ e^{logit − m}, and
-//   the linear terms n_lin (gate included), z_lin given (φ(q)·S of the chunk states: aten, or
-//   hybrid_linear.cuh), times e^{−m} when compensated: y_i = (n_sm + n_lin) / (z_sm + z_lin + eps), in bf16.
+//   the linear terms n_lin, z_lin given (φ(q)·S of the chunk states: aten, or hybrid_linear.cuh), n_lin
+//   times the gate g_i where one is given (read here: aten's product was a full fp32 pass and a copy of
+//   the transposed gate), both times e^{−m} when compensated: y_i = (n_sm + g_i ⊙ n_lin) / (z_sm + z_lin
+//   + eps), in bf16.
 //   Where aten ran ≈ 30 kernels a group of query chunks (masks, logit blocks, maxima, sums, pads).
 //
 // bf16 only (the band's mma helpers); C = 64 (a tile of keys is a chunk); D ∈ {64, 128}.
@@ -44,8 +46,9 @@ struct PrefillParams {
   const int64_t* sel;  // the selected positions [B, H, ≥ max seen] (strides sel_sb, sel_sh, unit slot), or null
   int64_t sel_sb, sel_sh;
   const int* seen;     // [n]: Sel slots query chunk c sees
-  const float* n_lin;  // [B, H, n·C, D] fp32 contiguous (the gate applied), or null: no linear branch
+  const float* n_lin;  // [B, H, n·C, D] fp32 contiguous, or null: no linear branch
   const float* z_lin;  // [B, H, n·C] fp32 contiguous
+  View gate;           // g [B, T, H, D] (unit d) multiplying n_lin; gate.p null: none (or applied to n_lin)
   const float* gamma;  // [H] or null
   float eps;
   int compensate, phantom;
@@ -198,12 +201,15 @@ __global__ void __launch_bounds__(kBandThreads) hybrid_prefill_mix(PrefillParams
     z *= g;
     const int64_t lin_row = ((int64_t)b * p.H + h) * p.n * C + i;
     const float* nl = p.n_lin ? p.n_lin + lin_row * D : nullptr;
+    const __nv_bfloat16* gr = nl && p.gate.p ? p.gate.at(b, i, h) : nullptr;
     const float lf = nl && p.compensate ? __expf(-mr) : 1.f;
     const float inv = 1.f / (z + (nl ? p.z_lin[lin_row] * lf : 0.f) + p.eps);
     __nv_bfloat16* out = p.y + (((int64_t)b * p.H + h) * p.T + i) * D;
     for (int d = 0; d < D / 8; ++d) {
       const int col = d * 8 + 2 * t;
-      const float x0 = o[d][2 * r] * fo + (nl ? nl[col] * lf : 0.f), x1 = o[d][2 * r + 1] * fo + (nl ? nl[col + 1] * lf : 0.f);
+      // (n_lin · g) · e^{−m}: the order of aten's gated product, then the compensation.
+      const float n0 = nl ? nl[col] * (gr ? to_f(gr[col]) : 1.f) : 0.f, n1 = nl ? nl[col + 1] * (gr ? to_f(gr[col + 1]) : 1.f) : 0.f;
+      const float x0 = o[d][2 * r] * fo + n0 * lf, x1 = o[d][2 * r + 1] * fo + n1 * lf;
       store_pair(out + col, x0 * inv, x1 * inv);
     }
   }

@@ -142,7 +142,7 @@ void launch_infer(const Tensor& x, const Tensor& g, double eps, Tensor& y, cudaS
   const int64_t d = x.size(-1), n = x.numel() / d;
   const bool fits = with_cols(d, [&](auto cols) {
     constexpr int C = decltype(cols)::value;
-    ln_forward<T, C, true, T, ROUND><<<chunks_of(n), kThreads, 0, stream>>>(ptr<T>(x), ptr<T>(g), nullptr, n, d, (float)eps, ptr<T>(y), nullptr, nullptr);
+    ln_forward<T, C, true, T, ROUND><<<infer_blocks(n), kThreads, 0, stream>>>(ptr<T>(x), ptr<T>(g), nullptr, n, d, (float)eps, ptr<T>(y), nullptr, nullptr);
   });
   TORCH_CHECK(fits, "rms_norm_infer: rows of ", d, " are wider than the kernels take");
 }

@@ -502,9 +502,9 @@ fn decode_model_check_in(base: &Spec, name: &str, device: Device, half: bool, pl
 enum PrefillKernels {
     /// The routing scores and the mix (csrc/cuda/hybrid_prefill.cu), the linear branch by aten.
     Mix,
-    /// The linear branch's kernels too (csrc/cuda/hybrid_linear.cuh), fp32 SIMT products.
+    /// The linear branch's kernels too (csrc/cuda/hybrid_linear.cuh), fp32 SIMT products (`ATTNLAB_LINEAR_TF32=0`).
     Linear,
-    /// Those with their products on the tensor cores (`ATTNLAB_LINEAR_TF32=1`).
+    /// Those with their products on the tensor cores (`ATTNLAB_LINEAR_TF32`, the default).
     LinearTf32,
 }
 
@@ -637,6 +637,27 @@ pub fn rms_norm_infer_check(n: i64, d: i64, family: crate::model::llama::Family,
     };
     let tensors = vec![compare("out", &fast, &baseline, &exact, kind, n, 0.0)];
     Some(CheckRow::new(label, &[n, d], None, kind, tensors, false))
+}
+
+/// SwiGLU's product kernel (`kernels::cuda::silu_mul`: bf16, no grad) on the two halves of one stacked
+/// `[n, 2i]` projection, as a Llama MLP calls it, against silu(g)·u in fp64 of the same bf16 inputs;
+/// the baseline is aten's two ops it replaces. None where the kernel is not loaded.
+pub fn silu_mul_check(n: i64, i: i64, device: Device) -> Option<CheckRow> {
+    tch::manual_seed(n + 7 * i);
+    let kind = Kind::BFloat16;
+    let stacked = (Tensor::randn([n, 2 * i], (Kind::Float, device)) * 2.0).to_kind(kind);
+    let (g, u) = (stacked.narrow(1, 0, i), stacked.narrow(1, i, i));
+    let (gd, ud) = (g.to_kind(Kind::Double), u.to_kind(Kind::Double));
+    let exact = gd.silu() * ud;
+    let baseline = tch::no_grad(|| g.silu() * &u);
+    let label = "silu-mul-kernel";
+    // Checked even where the caller turned the kernel off (`ATTNLAB_SWIGLU_KERNEL=0`).
+    let fast = match tch::no_grad(|| with_env(&[("ATTNLAB_SWIGLU_KERNEL", "1")], || crate::kernels::cuda::silu_mul(&g, &u)))? {
+        Ok(fast) => fast,
+        Err(e) => return Some(failed_row(label, &e.to_string(), false)),
+    };
+    let tensors = vec![compare("out", &fast, &baseline, &exact, kind, n, 0.0)];
+    Some(CheckRow::new(label, &[n, i], None, kind, tensors, false))
 }
 
 /// (q, k_l, v_l, k_g, v_g) `[B, H, T, hd]` with k_g, v_g cut to the T − w positions split-merge
@@ -830,6 +851,13 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
                 if let Some(row) = rms_norm_infer_check(n, d, family, device) {
                     note(row);
                 }
+            }
+        }
+        // SwiGLU's product (a Llama MLP's inference): one row, a prefill's rows at SmolLM2-135M's
+        // intermediate width (16-byte loads), and a width they cannot take (one value at a time).
+        for (n, i) in [(1, 1536), (4096, 1536), (300, 36)] {
+            if let Some(row) = silu_mul_check(n, i, device) {
+                note(row);
             }
         }
     }

@@ -14,6 +14,7 @@ type Handle = *mut libc::c_void;
 type LayerNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> Err;
 type RmsNormHalfFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, *mut *mut C_tensor) -> Err;
 type RmsNormInferFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, f64, i64, *mut *mut C_tensor) -> Err;
+type SiluMulFn = unsafe extern "C" fn(*mut C_tensor, *mut C_tensor, *mut *mut C_tensor) -> Err;
 type AttendStepFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 type SplitRotateFn = unsafe extern "C" fn(*mut C_tensor, i64, i64, i64, *mut C_tensor, *mut C_tensor, *mut *mut C_tensor) -> Err;
 type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
@@ -43,6 +44,8 @@ struct Library {
     rms_norm_half: Option<RmsNormHalfFn>,
     /// None in a library built before the half model's RMSNorm (`attnlab_rms_norm_infer`).
     rms_norm_infer: Option<RmsNormInferFn>,
+    /// None in a library built before csrc/cuda/swiglu.cu.
+    silu_mul: Option<SiluMulFn>,
     /// DAR's band kernels (csrc/cuda/dar_band.cu), handed to the split-merge op when found.
     band: bool,
     /// None in a library built before csrc/cuda/heads.cu.
@@ -106,6 +109,7 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
         let layer_norm_half = find(c"attnlab_layer_norm_half").map(|p| std::mem::transmute::<*mut libc::c_void, LayerNormHalfFn>(p));
         let rms_norm_half = find(c"attnlab_rms_norm_half").map(|p| std::mem::transmute::<*mut libc::c_void, RmsNormHalfFn>(p));
         let rms_norm_infer = find(c"attnlab_rms_norm_infer").map(|p| std::mem::transmute::<*mut libc::c_void, RmsNormInferFn>(p));
+        let silu_mul = find(c"attnlab_silu_mul").map(|p| std::mem::transmute::<*mut libc::c_void, SiluMulFn>(p));
         let band = match (find(c"attnlab_dar_band_merge"), find(c"attnlab_dar_band_bwd")) {
             (Some(merge), Some(bwd)) => {
                 super::set_band_kernels(merge, bwd);
@@ -120,7 +124,7 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
             .map(|(s, m)| (std::mem::transmute::<*mut libc::c_void, PrefillScoresFn>(s), std::mem::transmute::<*mut libc::c_void, PrefillMixFn>(m)));
         let prefill_linear = find(c"attnlab_hybrid_prefill_linear").map(|p| std::mem::transmute::<*mut libc::c_void, PrefillLinearFn>(p));
         let ce_grad_in_place = std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym);
-        Ok(Library { ce_grad_in_place, graph, attend_step, layer_norm_half, rms_norm_half, rms_norm_infer, band, split_rotate, hybrid_mix, prefill, prefill_linear })
+        Ok(Library { ce_grad_in_place, graph, attend_step, layer_norm_half, rms_norm_half, rms_norm_infer, silu_mul, band, split_rotate, hybrid_mix, prefill, prefill_linear })
     }
 }
 
@@ -362,6 +366,19 @@ pub fn rms_norm_infer(x: &Tensor, weight: &Tensor, eps: f64, round_first: bool) 
     new_tensor_if_applies(|out| unsafe { f(handle(x), handle(weight), eps, round_first as i64, out) })
 }
 
+/// SwiGLU's `silu(gate) · up` of a half model's inference (bf16 / fp16 on CUDA, one shape, leading dims
+/// that collapse into rows: the halves of one stacked projection too) in one kernel
+/// (csrc/cuda/swiglu.cu), rounded as aten's two ops, unless `ATTNLAB_SWIGLU_KERNEL=0`. `None` (aten's
+/// form) where it does not apply: the CPU, other dtypes or layouts, or autograd recording either.
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Option<Result<Tensor>> {
+    if !gate.device().is_cuda() || !switch("ATTNLAB_SWIGLU_KERNEL", true) {
+        return None;
+    }
+    let f = library()?.silu_mul?;
+    // SAFETY: valid tensor handles read during the call.
+    new_tensor_if_applies(|out| unsafe { f(handle(gate), handle(up), out) })
+}
+
 /// GPT-NeoX's heads op (`kernels::split_rotate`'s contract) by one CUDA kernel each way
 /// (csrc/cuda/heads.cu) for bf16 / fp16 `x` on CUDA unless `ATTNLAB_HEADS_KERNEL=0`: the 16-byte-chunk
 /// form (`heads_rotate8`) passes `bench --check` and trains vanilla Pythia 1.076 / 1.088 / 1.087×
@@ -526,9 +543,12 @@ pub struct PrefillMix<'a> {
     /// The selected positions `[B, H, cap]` (i64, q's device) and, per query chunk, how many of them
     /// it sees (`[n]` int32 on the host: a prefix, the slots being in chunk order).
     pub sel: Option<(&'a Tensor, &'a Tensor)>,
-    /// The linear numerator (the gate applied) `[B, H, n·C, D]` and denominator `[B, H, n·C]`, fp32
-    /// contiguous, before compensation; `None`: no linear branch.
+    /// The linear numerator `[B, H, n·C, D]` and denominator `[B, H, n·C]`, fp32 contiguous, before
+    /// compensation; `None`: no linear branch.
     pub linear: Option<(&'a Tensor, &'a Tensor)>,
+    /// The gate g `[B, H, T, D]` (bf16, unit last stride) that multiplies the linear numerator in the
+    /// kernel; `None`: no gate, or one already applied.
+    pub gate: Option<&'a Tensor>,
     pub gamma: Option<&'a Tensor>,
     pub chunk: i64,
     pub eps: f64,
@@ -542,7 +562,7 @@ pub struct PrefillMix<'a> {
 pub fn hybrid_prefill_mix(q: &Tensor, k: &Tensor, v: &Tensor, m: &PrefillMix) -> Option<Result<Tensor>> {
     let (_, f) = library()?.prefill?;
     let o = handle_or_null;
-    let ts = [handle(q), handle(k), handle(v), o(m.sel.map(|s| s.0)), o(m.sel.map(|s| s.1)), o(m.linear.map(|l| l.0)), o(m.linear.map(|l| l.1)), o(m.gamma)];
+    let ts = [handle(q), handle(k), handle(v), o(m.sel.map(|s| s.0)), o(m.sel.map(|s| s.1)), o(m.linear.map(|l| l.0)), o(m.linear.map(|l| l.1)), o(m.gamma), o(m.gate)];
     // SAFETY: valid tensor handles (or null where absent), read during the call.
     Some(new_tensor(|out| unsafe { f(ts.as_ptr(), m.chunk, m.eps, m.compensate as i64, m.phantom_chunk0_keys as i64, out) }))
 }
@@ -581,9 +601,10 @@ pub fn hybrid_prefill_linear(q: &Tensor, k: &Tensor, v: &Tensor, m: &PrefillLine
     let mut out: [*mut C_tensor; 4] = [std::ptr::null_mut(); 4];
     // SAFETY: valid tensor handles (or null where absent), read during the call; on success the
     // library has written four new tensors into `out`, which we then own.
-    // Their products on the tensor cores (TF32) with ATTNLAB_LINEAR_TF32=1: off until a GPU gate
-    // (rows `prefill-*-linear-tf32-kernel`) has passed them.
-    let tf32 = switch("ATTNLAB_LINEAR_TF32", false) as i64;
+    // Their products on the tensor cores (TF32; `ATTNLAB_LINEAR_TF32=0`: fp32 SIMT tiles): the gate's
+    // rows `prefill-*-linear-tf32-kernel` pass them, and STILL / LoLCATs prefill 1.13–1.35× faster
+    // (one H200, 1K–64K, BENCHMARKS.md).
+    let tf32 = switch("ATTNLAB_LINEAR_TF32", true) as i64;
     Some(check(unsafe { f(ts.as_ptr(), m.chunk, m.q_map.1 as i64, m.k_map.1 as i64, tf32, out.as_mut_ptr()) }).map(|()| {
         let [n_lin, z_lin, s, z] = out.map(|t| unsafe { Tensor::from_ptr(t) });
         LinearTerms { n_lin, z_lin, s, z }

@@ -280,6 +280,15 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, family: Family) -> Tensor {
     rms_norm_aten(x, w, eps, family)
 }
 
+/// silu(gate) · up: one kernel for a half model's inference on CUDA (`kernels::cuda::silu_mul`), aten's
+/// two ops elsewhere (training, the CPU).
+fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
+    match crate::kernels::cuda::silu_mul(gate, up) {
+        Some(y) => y.unwrap_or_else(|e| panic!("SwiGLU kernel failed: {e}")),
+        None => gate.silu() * up,
+    }
+}
+
 /// [`rms_norm`] in aten ops: what the kernels are checked against (`bench --check`).
 pub(crate) fn rms_norm_aten(x: &Tensor, w: &Tensor, eps: f64, family: Family) -> Tensor {
     let xf = x.to_kind(Kind::Float);
@@ -725,7 +734,7 @@ impl Llama {
                 Some(mut p) => (p.remove(0), p.remove(0)),
                 None => (b.gate_proj.forward(m), b.up_proj.forward(m)),
             };
-            b.down_proj.forward(&(gate.silu() * up))
+            b.down_proj.forward(&swiglu(&gate, &up))
         };
         match &b.post_feedforward_layernorm {
             None => h + mlp(&rms_norm(h, &b.post_attention_layernorm, eps, Family::Llama)),

@@ -2,7 +2,8 @@
 // definitions in double: the routing scores over each token's 64 most recent keys, and the output
 // of softmax over Win ∪ Sel merged with given linear terms. Ragged T, the first chunks (no previous
 // chunk, no Sel), a Sel cap (max_chunks), the phantom chunk-0 keys, γ, compensation, no linear
-// branch, D 64 and 128.
+// branch, the gate on the linear numerator (read in [B, T, H, D] order, as the model's projection
+// gives it), D 64 and 128.
 #include "emu_test.h"
 #include "../hybrid_prefill.cuh"
 
@@ -15,6 +16,7 @@ struct Case {
   int B, H, T, D;
   int kappa, max_chunks;  // Sel: κ slots of each chunk ≤ c − 2, at most max_chunks chunks
   bool linear, compensate, phantom, gamma;
+  bool gate = false;  // g ⊙ n_lin, g [B, T, H, D] in (0, 1)
 };
 
 struct Inputs {
@@ -66,7 +68,7 @@ std::vector<double> scores_ref(const Inputs& x, int kind, int width, int own = 0
 // The hybrid output in double. Sel of query chunk c: the first seen[c] slots of sel (κ tokens of
 // each routed chunk in chunk order); `early` (planted) lets chunk c see chunk c − 1's slots too.
 std::vector<double> mix_ref(const Inputs& x, const Case& k, const std::vector<int64_t>& sel, int nsel, const std::vector<int>& seen, const std::vector<double>& n_lin,
-                            const std::vector<double>& z_lin, const std::vector<double>& gamma, bool early) {
+                            const std::vector<double>& z_lin, const std::vector<double>& gamma, const std::vector<double>& gate, bool early) {
   const double scale = 1.0 / std::sqrt(double(x.D)), eps = 1e-6;
   std::vector<double> y(size_t(x.B) * x.H * x.T * x.D);
   for (int b = 0; b < x.B; ++b)
@@ -93,7 +95,8 @@ std::vector<double> mix_ref(const Inputs& x, const Case& k, const std::vector<in
         const size_t row = (size_t(b) * x.H + h) * x.n * C + i;
         const double lf = k.compensate ? std::exp(-m) : 1.0, zl = k.linear ? z_lin[row] * lf : 0.0;
         for (int d = 0; d < x.D; ++d) {
-          const double nl = k.linear ? n_lin[row * x.D + d] * lf : 0.0;
+          const double gd = gate.empty() ? 1.0 : gate[((size_t(b) * x.T + i) * x.H + h) * x.D + d];
+          const double nl = k.linear ? n_lin[row * x.D + d] * gd * lf : 0.0;
           y[x.at(b, h, i) + d] = (g * num[d] + nl) / (g * z + zl + eps);
         }
       }
@@ -151,6 +154,12 @@ bool check(const Case& k, unsigned seed) {
     }
   if (k.gamma)
     for (int h = 0; h < k.H; ++h) gamma.push_back(u(rng)), gamma_f.push_back(float(gamma.back()));
+  emu_test::Half<Bf> gate;
+  if (k.gate) {
+    std::uniform_real_distribution<float> unit(0.05f, 0.95f);
+    for (size_t i = 0; i < n; ++i) gate.dev.push_back(emu_test::to_half<Bf>(unit(rng))), gate.ref.push_back(emu_test::from_half(gate.dev.back()));
+    p.gate = View{gate.dev.data(), int64_t(k.T) * k.H * D, int64_t(k.H) * D, D};
+  }
   if (nsel > 0) p.sel = sel.data(), p.sel_sb = int64_t(k.H) * nsel, p.sel_sh = nsel, p.seen = seen.data();
   if (k.linear) p.n_lin = n_lin_f.data(), p.z_lin = z_lin_f.data();
   if (k.gamma) p.gamma = gamma_f.data();
@@ -158,15 +167,18 @@ bool check(const Case& k, unsigned seed) {
   std::vector<Bf> y(n);
   p.y = y.data();
   emu::launch(hybrid_prefill_mix<D>, grid, dim3(kBandThreads), prefill_mix_smem_bytes(D), p);
-  const std::vector<double> want = mix_ref(x, k, sel, nsel, seen, n_lin, z_lin, gamma, false);
-  // Planted: Sel one chunk early where there is a Sel; else the phantom keys' rule flipped.
+  const std::vector<double> want = mix_ref(x, k, sel, nsel, seen, n_lin, z_lin, gamma, gate.ref, false);
+  // Planted: with a gate, the gate left out; else Sel one chunk early where there is a Sel; else the
+  // phantom keys' rule flipped.
   Case flipped = k;
   flipped.phantom = !k.phantom;
-  const std::vector<double> planted = nsel > 0 ? mix_ref(x, k, sel, nsel, seen, n_lin, z_lin, gamma, true) : mix_ref(x, flipped, sel, nsel, seen, n_lin, z_lin, gamma, false);
+  const std::vector<double> planted = k.gate    ? mix_ref(x, k, sel, nsel, seen, n_lin, z_lin, gamma, {}, false)
+                                      : nsel > 0 ? mix_ref(x, k, sel, nsel, seen, n_lin, z_lin, gamma, {}, true)
+                                                 : mix_ref(x, flipped, sel, nsel, seen, n_lin, z_lin, gamma, {}, false);
   std::vector<double> got;
   for (Bf v : y) got.push_back(emu_test::from_half(v));
   const std::string what = "output, " + at + ", κ " + std::to_string(k.kappa) + (k.linear ? ", linear" : "") + (k.compensate ? ", compensated" : "") +
-                           (k.phantom ? ", phantom" : "") + (k.gamma ? ", γ" : "");
+                           (k.phantom ? ", phantom" : "") + (k.gamma ? ", γ" : "") + (k.gate ? ", gate" : "");
   ok &= verdict(what, rel_err(got, want), rel_err(planted, want), 1.6e-2);
   return ok;
 }
@@ -177,6 +189,7 @@ bool all_cases() {
   // STILL: several routed chunks, a ragged end; the budget's cap; LoLCATs: no Sel, γ, compensated.
   // (κ 32 at D 128: 96 slots, two tiles of Sel, for the last chunk.)
   ok &= check<64>({1, 2, 200, 64, 4, 1000, true, false, false, false}, seed++);
+  ok &= check<64>({2, 3, 230, 64, 4, 1000, true, false, false, false, true}, seed++);  // the gate (STILL's)
   ok &= check<64>({2, 1, 300, 64, 8, 2, true, true, false, false}, seed++);
   ok &= check<64>({1, 1, 150, 64, 0, 0, true, true, false, true}, seed++);
   ok &= check<64>({1, 1, 100, 64, 4, 1000, false, false, true, false}, seed++);

@@ -112,7 +112,7 @@ bool check_infer(int n, int d, const char* dtype, unsigned seed) {
   const Ref want = reference(xf, gf, zero, dy, n, d, eps, true, false), bad = reference(xf, gf, zero, dy, n, d, eps, true, true);
   std::vector<T> y(x.size());
   with_cols(d, [&](auto cols) {
-    emu::launch(ln_forward<T, decltype(cols)::value, true, T, ROUND>, dim3((n + kRowsPerChunk - 1) / kRowsPerChunk), dim3(kThreads), 0,
+    emu::launch(ln_forward<T, decltype(cols)::value, true, T, ROUND>, dim3(infer_blocks(n)), dim3(kThreads), 0,
                 (const T*)x.data(), (const T*)g.data(), (const T*)nullptr, (int64_t)n, (int64_t)d, (float)eps, y.data(), (float*)nullptr, (float*)nullptr);
   });
   std::vector<double> gy;

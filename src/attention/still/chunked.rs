@@ -127,9 +127,12 @@ impl Hybrid<'_> {
                 self.linear_part(qf, kf, vf, routed.as_ref())
             }
         };
+        // The gate on the linear numerator: in the mixing kernel where it reads it (bf16, unit last
+        // stride: the model's projection, transposed), else as a product here.
+        let gate_in_kernel = by_kernels && g.is_some_and(|g| g.kind() == Kind::BFloat16 && g.size() == q.size() && g.stride()[3] == 1);
         let n_lin = match g {
-            Some(g) => &lin.n * chunks(&pad_to(g, c)),
-            None => lin.n.shallow_clone(),
+            Some(g) if !gate_in_kernel => &lin.n * chunks(&pad_to(g, c)),
+            _ => lin.n.shallow_clone(),
         };
 
         let y = if by_kernels {
@@ -138,6 +141,7 @@ impl Hybrid<'_> {
             let mix = cuda::PrefillMix {
                 sel: routed.as_ref().zip(seen.as_ref()).map(|(r, seen)| (&r.pos, seen)),
                 linear: self.linear.then_some((&n_flat, &z_flat)),
+                gate: g.filter(|_| gate_in_kernel),
                 gamma: self.gamma.as_ref(),
                 chunk: c,
                 eps: self.eps,
