@@ -253,7 +253,9 @@ PYEOF
       # PREFILL_SWITCH=ATTNLAB_HYBRID_LINEAR: the linear branch's kernels (csrc/cuda/hybrid_linear.cuh)
       # off / on instead, the other prefill kernels on (rows prefill-*-linear-kernel of `check`);
       # PREFILL_SWITCH=ATTNLAB_LINEAR_TF32: their products by fp32 SIMT tiles / on the tensor cores
-      # (rows prefill-*-linear-tf32-kernel).
+      # (rows prefill-*-linear-tf32-kernel; on by default). PREFILL_SWITCH=ATTNLAB_SWIGLU_KERNEL: the
+      # Llama MLP's silu(gate)·up by aten's two ops / one kernel (rows silu-mul-kernel; vanilla, a
+      # GPT-NeoX, has no SwiGLU: the control).
       for ((r = 0; r < ${PREFILL_REPEATS:-2}; r++)); do
         for v in 0 1; do
           (export "${PREFILL_SWITCH:-ATTNLAB_HYBRID_PREFILL}=$v"; run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${PREFILL_LENGTHS:-1024,4096,16384,65536} \
