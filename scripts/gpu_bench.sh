@@ -10,7 +10,7 @@
 # where_time_goes.csv, top_kernels.csv and the traces in traces.tar.gz.
 # Expects: .gpu/attnlab and .gpu/libattnlab_kernels.so (make gpu-bin), .gpu/data/ for ruler (make gpu-data), .gpu/bench/ (a copy of ../shared/bench: hf_pythia_train.py, attn_peers.py,
 # hf_decode.py; not for check, attn, train, profile). Usage:
-#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|hybridvec|hybridfresh|hybridsplit|stacked|decode|ncu|graphs|absorb|fused|ruler|prefill|prefillkernel|kernelsab|pprofile|peers|peers410|profile|dprofile|all]...
+#   scripts/gpu_bench.sh [check|attn|train|kernels|rms|band|hybrid|hybridvec|hybridfresh|hybridsplit|stacked|decode|ncu|graphs|absorb|fused|ruler|prefill|prefillkernel|kernelsab|pprofile|peers|peers410|profile|dprofile|dtiming|all]...
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlab-out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=${TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
@@ -329,6 +329,17 @@ PYEOF
         --profile "$P/mma" --attention dar,uniform | grep '^{' | sed 's/^{/{"mma":1,/' >> "$OUT/decode_profiled.jsonl"
       { $PY scripts/profile_table.py "$P" && echo "## ATTNLAB_STEP_MMA=1" && $PY scripts/profile_table.py "$P/mma"; } > "$OUT/decode_profile.md"
       { cat "$P/top_kernels.csv"; tail -n +2 "$P/mma/top_kernels.csv"; } > "$OUT/decode_top_kernels.csv" ;;
+    dtiming)
+      # Issue 34: what a decode call's wall time is made of, per kind: DTIMING_TOKENS (64 512) new
+      # tokens untimed (their tok/s apart say the per-call cost from the per-step one), then 64 with
+      # ATTNLAB_DECODE_TIMING=1 (the first prepare — STILL / LoLCATs make their fixed-shape cache and
+      # route a chunk —, the capturing step and the replays, each synced: one line before its row).
+      for n in ${DTIMING_TOKENS:-64 512}; do
+        run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DTIMING_LENGTHS:-1024,4096,16384} --new-tokens $n \
+          --repeats ${DTIMING_REPEATS:-2} --attention ${DTIMING_ATTENTION:-vanilla,dar,still-budget,lolcats} | grep '^{' >> "$OUT/decode_tokens.jsonl"
+      done
+      ATTNLAB_DECODE_TIMING=1 run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DTIMING_LENGTHS:-1024,4096,16384} \
+        --new-tokens 64 --attention ${DTIMING_ATTENTION:-vanilla,dar,still-budget,lolcats} | grep -E '^\{|decode timing' > "$OUT/decode_timing.txt" ;;
     ncu)
       # Issue 34: why a decode step's attention kernels take what they take: Nsight Compute's
       # counters (duration, occupancy, warp stall reasons, memory throughput) of the step's own

@@ -49,14 +49,28 @@ pub struct FeatureMap {
     pub layer: Tensor,
     /// u = f/‖f‖·‖x‖ (NP-Map) or u = f.
     pub norm_reinject: bool,
+    /// The last [`FeatureMap::folded_linear`] made outside autograd and what it was made from: every
+    /// prefill, decode and eval forward reuses it while the parameters stay as they are (made afresh,
+    /// it is about eight small kernels a map, two maps a layer, in every call).
+    folded: std::sync::Mutex<Option<(FoldedFrom, Tensor)>>,
 }
 
+/// What a folded matrix was made from: its kind, each parameter's storage and version counter (an
+/// in-place write through aten moves the counter), and the writes of parameters that move no counter
+/// (`util::parameter_writes`: the fused optimizer step, NCCL's broadcast).
+type FoldedFrom = (Kind, Vec<(usize, i64)>, u64);
+
 impl FeatureMap {
+    /// A map from its parameters (see the fields).
+    pub fn new(householder: Option<Tensor>, layer: Tensor, norm_reinject: bool) -> Self {
+        FeatureMap { householder, layer, norm_reinject, folded: Default::default() }
+    }
+
     /// STILL's map for `heads` heads of width `head_dim` (F = D).
     pub fn still(p: &nn::Path, kind: FeatureMapKind, heads: i64, head_dim: i64, init: ParamInit) -> Self {
         let householder = Some((p / "hh").var("u", &[heads, head_dim], nn::Init::Randn { mean: 0.0, stdev: 1.0 }));
         let layer = layer_var(p, heads, head_dim, head_dim, init, (6.0 / head_dim as f64).sqrt());
-        FeatureMap { householder, layer, norm_reinject: kind == FeatureMapKind::NpMap }
+        FeatureMap::new(householder, layer, kind == FeatureMapKind::NpMap)
     }
 
     /// Its variables: W_h, and the Householder vectors when it has them.
@@ -67,7 +81,7 @@ impl FeatureMap {
     /// LoLCATs' Hedgehog map with `feature_dim` F (φ has 2F features).
     pub fn hedgehog(p: &nn::Path, heads: i64, head_dim: i64, feature_dim: i64, init: ParamInit) -> Self {
         let bound = (6.0 / (head_dim * feature_dim) as f64).sqrt();
-        FeatureMap { householder: None, layer: layer_var(p, heads, head_dim, feature_dim, init, bound), norm_reinject: false }
+        FeatureMap::new(None, layer_var(p, heads, head_dim, feature_dim, init, bound), false)
     }
 
     /// Width of φ (2F).
@@ -98,8 +112,27 @@ impl FeatureMap {
     /// folded into W_h, W'_h = (I − 2ûûᵀ)·W_h = W_h − 2û(ûᵀW_h), so that x·W'_h is [`FeatureMap::pre_softmax`]'s
     /// f (its u before any norm re-injection). A decode step's mixing kernel computes φ(q) from it
     /// (csrc/cuda/hybrid_step.cuh), made once per generation while the parameters stay as they are, and
-    /// the prefill's linear branch (csrc/cuda/hybrid_linear.cuh) from it.
+    /// the prefill's linear branch (csrc/cuda/hybrid_linear.cuh) from it. Where no gradient is
+    /// recorded, the matrix of the last call while the parameters are unchanged.
     pub fn folded_linear(&self, kind: Kind) -> Tensor {
+        let params = self.parameters();
+        if crate::util::grad_enabled() && params.iter().any(Tensor::requires_grad) {
+            return self.fold(kind);
+        }
+        let from: FoldedFrom = (kind, params.iter().map(|p| (p.data_ptr() as usize, p.internal_version())).collect(), crate::util::parameter_writes());
+        let mut last = self.folded.lock().expect("folded map lock");
+        match last.as_ref() {
+            Some((made_from, w)) if *made_from == from => w.shallow_clone(),
+            _ => {
+                let w = tch::no_grad(|| self.fold(kind));
+                *last = Some((from, w.shallow_clone()));
+                w
+            }
+        }
+    }
+
+    /// [`FeatureMap::folded_linear`] made afresh.
+    fn fold(&self, kind: Kind) -> Tensor {
         let w = self.layer.to_kind(kind);
         let Some(u) = &self.householder else { return w.contiguous() };
         let u = u.to_kind(kind);
@@ -194,6 +227,37 @@ mod tests {
         }
     }
 
+    /// The folded matrix is reused only while the parameters are unchanged: an in-place write, a step
+    /// of the fused optimizer (which libtorch's version counters may not see) or another kind makes it
+    /// afresh, and a pass that records gradients gets one with its graph.
+    #[test]
+    fn folded_matrix_follows_its_parameters() {
+        let _rng = crate::testutil::seeded(5);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let fm = FeatureMap::still(&vs.root(), FeatureMapKind::NpMap, 2, 8, ParamInit::Normal);
+        let first = tch::no_grad(|| fm.folded_linear(Kind::Float));
+        assert_eq!(tch::no_grad(|| fm.folded_linear(Kind::Float)).data_ptr(), first.data_ptr(), "unchanged parameters: the same matrix");
+        assert!(max_diff(&first, &fm.fold(Kind::Float)) == 0.0);
+        tch::no_grad(|| {
+            let _ = fm.layer.shallow_clone().g_add_scalar_(0.25);
+        });
+        let moved = tch::no_grad(|| fm.folded_linear(Kind::Float));
+        assert!(max_diff(&moved, &first) > 1e-3, "a write of W_h makes it afresh");
+        assert!(max_diff(&moved, &fm.fold(Kind::Float)) == 0.0);
+        // A training step by the fused AdamW (linearize's, finetune's), then an eval pass.
+        let params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        let mut opt = crate::train::optim::AdamW::new(params, crate::train::optim::Hyper { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.0 });
+        let x = Tensor::randn([3, 2, 5, 8], (Kind::Float, Device::Cpu));
+        fm.forward(&x).pow_tensor_scalar(3).sum(Kind::Float).backward();
+        opt.step(0.05).unwrap();
+        let stepped = tch::no_grad(|| fm.folded_linear(Kind::Float));
+        assert!(max_diff(&stepped, &moved) > 1e-3, "the step moved W_h and u");
+        assert!(max_diff(&stepped, &fm.fold(Kind::Float)) == 0.0, "after an optimizer step: made afresh");
+        assert_eq!(tch::no_grad(|| fm.folded_linear(Kind::Double)).kind(), Kind::Double);
+        let recorded = fm.folded_linear(Kind::Float);
+        assert!(recorded.requires_grad(), "a training pass differentiates through the fold");
+    }
+
     /// still.md §12.3: ‖u‖ = ‖x‖ (so ‖x‖ is the softmax's inverse temperature: u(αx) = α·u(x)); Σφ = 2,
     /// φ ≥ 1e-12; φ is unchanged when W_h is scaled; the reflection is orthogonal and an involution.
     #[test]
@@ -218,7 +282,7 @@ mod tests {
         let peak = |a: f64| fm.forward(&(&x * a)).amax(-1, false).mean(Kind::Double).double_value(&[]);
         assert!(peak(0.5) < peak(1.0) && peak(1.0) < peak(4.0));
         // Scale invariance in W_h.
-        let with_layer = |layer: Tensor, norm_reinject| FeatureMap { householder: fm.householder.as_ref().map(|u| u.shallow_clone()), layer, norm_reinject };
+        let with_layer = |layer: Tensor, norm_reinject| FeatureMap::new(fm.householder.as_ref().map(|u| u.shallow_clone()), layer, norm_reinject);
         assert!(max_diff(&phi, &with_layer(&fm.layer * 7.5, true).forward(&x)) < 1e-12);
         // Without re-injection the same scaling changes φ (the check above can fail).
         let (hh, hh_scaled) = (with_layer(fm.layer.shallow_clone(), false), with_layer(&fm.layer * 7.5, false));

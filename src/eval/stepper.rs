@@ -148,6 +148,7 @@ fn device_steps(model: &Model, cache: &mut Cache, first: Tensor, max_new: usize,
     let mut graphs = matches!(device, Device::Cuda(_));
     let mut graphed = false;
     let mut checked = 1;
+    let mut timing = Timing::from_env(device);
     while written < max_new {
         if let Some(s) = stop {
             if written - checked >= STOP_CHECK_EVERY {
@@ -160,7 +161,10 @@ fn device_steps(model: &Model, cache: &mut Cache, first: Tensor, max_new: usize,
         let p = base + written as i64 - 1;
         let span = span_for(p, reserved);
         // Outside the graph: what the step cannot do at fixed shapes (STILL / LoLCATs route a chunk).
+        timing.start();
         model.prepare_step_at(cache, p, reserved);
+        timing.lap(Lap::Prepare);
+        let capturing = graphs && !matches!(&graph, Some((s, _)) if *s == span);
         match &graph {
             Some((s, g)) if *s == span => {
                 g.replay().unwrap_or_else(|e| panic!("decode: replaying a CUDA graph: {e}"));
@@ -203,12 +207,75 @@ fn device_steps(model: &Model, cache: &mut Cache, first: Tensor, max_new: usize,
                 }
             }
         }
+        timing.lap(if capturing { Lap::Capture } else { Lap::Step });
         cache.advance(1);
         written += 1;
     }
+    timing.report();
     drop(graph);
     let steps = written as i64 - 1;
     Decoded { rows: rows_of(&out.narrow(1, 0, written as i64), stop).0, steps, graphed }
+}
+
+/// What a part of [`device_steps`] took.
+#[derive(Clone, Copy)]
+enum Lap {
+    /// `prepare_step_at` (STILL / LoLCATs: the fixed form, made once, and a chunk's routing).
+    Prepare,
+    /// A step that captured a graph.
+    Capture,
+    /// A step that replayed one (or ran eagerly).
+    Step,
+}
+
+/// `ATTNLAB_DECODE_TIMING=1`: where a decode's wall time goes, each part timed to the device's end
+/// (a sync before and after it, so slower than untimed), printed on stderr when it ends.
+struct Timing {
+    device: Option<Device>,
+    at: std::time::Instant,
+    /// Per lap: the first one, the sum of the others, their count.
+    laps: [(f64, f64, usize); 3],
+}
+
+impl Timing {
+    fn from_env(device: Device) -> Self {
+        let on = std::env::var("ATTNLAB_DECODE_TIMING").as_deref() == Ok("1");
+        Timing { device: on.then_some(device), at: std::time::Instant::now(), laps: [(0.0, 0.0, 0); 3] }
+    }
+
+    fn sync(&self) {
+        if let Some(Device::Cuda(i)) = self.device {
+            tch::Cuda::synchronize(i as i64);
+        }
+    }
+
+    fn start(&mut self) {
+        if self.device.is_some() {
+            self.sync();
+            self.at = std::time::Instant::now();
+        }
+    }
+
+    fn lap(&mut self, lap: Lap) {
+        if self.device.is_none() {
+            return;
+        }
+        self.sync();
+        let ms = self.at.elapsed().as_secs_f64() * 1e3;
+        let l = &mut self.laps[lap as usize];
+        if l.2 == 0 { l.0 = ms } else { l.1 += ms }
+        l.2 += 1;
+        self.at = std::time::Instant::now();
+    }
+
+    fn report(&self) {
+        if self.device.is_none() {
+            return;
+        }
+        let part = |name: &str, (first, rest, n): (f64, f64, usize)| (n > 0).then(|| format!("{name} {first:.3} ms first, then {:.4} ms × {}", rest / (n - 1).max(1) as f64, n - 1));
+        let parts: Vec<String> = [("prepare", self.laps[0]), ("capturing step", self.laps[1]), ("step", self.laps[2])].into_iter().filter_map(|(n, l)| part(n, l)).collect();
+        eprintln!("attnlab decode timing: {}", parts.join("; "));
+    }
 }
 
 #[cfg(test)]

@@ -416,6 +416,8 @@ impl Communicator for NcclComm {
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<()> {
         assert!(t.is_contiguous() && t.device() == self.device, "broadcast needs a contiguous tensor on the worker's GPU");
         let p = t.data_ptr();
+        // NCCL writes the tensor (parameters, at the start) without moving its version counter.
+        crate::util::parameters_written();
         self.lib.check("broadcast", unsafe { (self.lib.broadcast)(p, p, t.numel(), Self::dtype(t)?, root as c_int, self.comm, std::ptr::null_mut()) })
     }
 }

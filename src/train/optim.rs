@@ -68,6 +68,7 @@ impl AdamW {
             let wd = if decay { self.hyper.weight_decay } else { 0.0 };
             tch::no_grad(|| kernels::fused_adamw(&g, lr, self.hyper.betas, wd, self.hyper.eps))?;
         }
+        crate::util::parameters_written();
         Ok(())
     }
 

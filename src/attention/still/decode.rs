@@ -285,17 +285,17 @@ impl Hybrid<'_> {
             None => f.win_scores.narrow(2, first, c),
         };
         let (keys, vals) = (f.win_k.narrow(2, first, c), f.win_v.narrow(2, first, c));
-        let mut lin = Tensor::ones([b, h, c, 1], (kind, cache.s.device()));
+        // φ of the chunk's keys, the selected ones' rows zeroed: only the rest are folded.
+        let phi = self.fk.forward(&keys.to_kind(kind));
         if let Some(idx) = self.pick(chunk, &scores) {
             let kappa = idx.size()[2];
             let at = idx.unsqueeze(-1).expand([b, h, kappa, d], false);
-            f.sel_k.narrow(2, f.n_sel, kappa).copy_(&keys.gather(2, &at, false));
-            f.sel_v.narrow(2, f.n_sel, kappa).copy_(&vals.gather(2, &at, false));
+            let _ = keys.gather_out(&f.sel_k.narrow(2, f.n_sel, kappa), 2, &at, false);
+            let _ = vals.gather_out(&f.sel_v.narrow(2, f.n_sel, kappa), 2, &at, false);
             f.n_sel += kappa;
             let _ = f.n_sel_at.fill_(f.n_sel);
-            lin = lin.scatter_value(2, &idx.unsqueeze(-1), 0.0);
+            let _ = phi.shallow_clone().scatter_value_(2, &idx.unsqueeze(-1).expand([b, h, kappa, phi.size()[3]], false), 0.0);
         }
-        let phi = self.fk.forward(&keys.to_kind(kind)) * lin;
         let _ = cache.s.g_add_(&phi.transpose(-2, -1).matmul(&vals.to_kind(kind)));
         let _ = cache.z.g_add_(&phi.sum_dim_intlist(2, false, kind));
         f.routed += 1;
@@ -320,17 +320,24 @@ impl Hybrid<'_> {
             buf.narrow(2, 0, n_sel).copy_(x);
             buf
         };
-        let slots = Tensor::arange_start(start, cache.pos, (Kind::Int64, dev)).remainder(2 * c);
+        // Position p in slot p mod 2C: the window (C < n_win ≤ 2C tokens from a chunk start) is one
+        // run of slots from 0, or from C wrapping round to 0; the slots it does not fill are zeros.
         let ring = |x: &Tensor| {
             let mut shape = x.size();
-            shape[2] = 2 * c;
-            Tensor::zeros(shape.as_slice(), (x.kind(), dev)).index_copy(2, &slots, x)
+            shape[2] = 2 * c - n_win;
+            let free = Tensor::zeros(shape.as_slice(), (x.kind(), dev));
+            if start % (2 * c) == 0 || n_win <= c {
+                let from = start % (2 * c);
+                Tensor::cat(&[&free.narrow(2, 0, from), x, &free.narrow(2, from, 2 * c - n_win - from)], 2)
+            } else {
+                Tensor::cat(&[&x.narrow(2, c, n_win - c), &free, &x.narrow(2, 0, c)], 2)
+            }
         };
         cache.fixed = Some(Fixed {
             sel_k: sel(&cache.sel_k),
             sel_v: sel(&cache.sel_v),
             n_sel,
-            n_sel_at: Tensor::from_slice(&[n_sel]).to_device(dev),
+            n_sel_at: Tensor::full([1], n_sel, (Kind::Int64, dev)),
             win_k: ring(&cache.win_k),
             win_v: ring(&cache.win_v),
             win_scores: ring(&cache.win_scores),
