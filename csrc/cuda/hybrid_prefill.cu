@@ -160,3 +160,45 @@ extern "C" char* attnlab_hybrid_prefill_linear(tensor* ts, int64_t chunk, int64_
     return strdup(e.what());
   }
 }
+
+// One chunk routed in decode folded into the cache's state (`Hybrid::prepare_at`'s aten form: about
+// fifteen kernels a layer from the host, in a decode's first step before anything is captured):
+// ts: k, v [B, H, C, D] bf16 (the ring's slots of the chunk, C = kPrefillChunk), wk [H, D, F/2] fp32
+// (the key map folded), keep [B, H, C] fp32 contiguous or null (0 where the token went to Sel instead),
+// S [B, H, F, D] and z [B, H, F] fp32 contiguous, added to in place:
+//   S += Σ_t keep_t·φ(k_t)ᵀ v_t,  z += Σ_t keep_t·φ(k_t)
+// by hybrid_linear_states over the one chunk (the prefill's own products: the TF32 form with tf32).
+extern "C" char* attnlab_hybrid_fold_chunk(tensor* ts, int64_t reinject_k, int64_t tf32) {
+  try {
+    const at::Tensor &k = *ts[0], &v = *ts[1], &wk = *ts[2];
+    tensor keep = ts[3];
+    at::Tensor &S = *ts[4], &z = *ts[5];
+    PrefillParams pv{};
+    views(pv, k, k, v, k.size(2), "hybrid_fold_chunk");
+    const int64_t B = k.size(0), H = k.size(1), C = k.size(2), D = k.size(3), Fh = wk.size(-1), F = 2 * Fh;
+    TORCH_CHECK(wk.scalar_type() == at::kFloat && wk.is_contiguous() && wk.device() == k.device() && wk.sizes() == at::IntArrayRef({H, D, Fh}) &&
+                    reinterpret_cast<uintptr_t>(wk.data_ptr()) % 16 == 0,
+                "hybrid_fold_chunk: the folded key map must be fp32 contiguous [H, D, F/2] from a 16-byte boundary");
+    TORCH_CHECK(Fh % 4 == 0 && Fh <= 128, "hybrid_fold_chunk: F/2 = ", Fh, " (a multiple of 4, at most 128)");
+    if (keep)
+      TORCH_CHECK(keep->scalar_type() == at::kFloat && keep->is_contiguous() && keep->numel() == B * H * C && keep->device() == k.device(),
+                  "hybrid_fold_chunk: keep must be fp32 contiguous [B, H, C]");
+    TORCH_CHECK(S.scalar_type() == at::kFloat && S.is_contiguous() && S.sizes() == at::IntArrayRef({B, H, F, D}) && S.device() == k.device(),
+                "hybrid_fold_chunk: S must be fp32 contiguous [B, H, F, D]");
+    TORCH_CHECK(z.scalar_type() == at::kFloat && z.is_contiguous() && z.sizes() == at::IntArrayRef({B, H, F}) && z.device() == k.device(),
+                "hybrid_fold_chunk: z must be fp32 contiguous [B, H, F]");
+    c10::cuda::CUDAGuard guard(k.device());
+    const auto f32 = k.options().dtype(at::kFloat);
+    at::Tensor state = at::empty({B, H, 1, F, D}, f32), zstate = at::empty({B, H, 1, F}, f32);
+    // The query's fields are the keys' (hybrid_linear_states reads k, v, wk and keep alone).
+    LinearParams p{pv.q, pv.k, pv.v, pv.T, (int)H, 1, (int)D, (int)Fh, wk.data_ptr<float>(), wk.data_ptr<float>(), reinject_k != 0, reinject_k != 0,
+                   keep ? keep->data_ptr<float>() : nullptr, state.data_ptr<float>(), zstate.data_ptr<float>(), nullptr, nullptr};
+    const bool mma = tf32 != 0 && D % 8 == 0 && Fh % 8 == 0;
+    launch(mma ? hybrid_linear_states<true> : hybrid_linear_states<false>, p, B, kLinThreads, linear_smem_bytes((int)D, (int)Fh));
+    S.add_(state.view({B, H, F, D}));
+    z.add_(zstate.view({B, H, F}));
+    return nullptr;
+  } catch (const std::exception& e) {
+    return strdup(e.what());
+  }
+}

@@ -21,6 +21,7 @@ type HybridMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64
 type PrefillScoresFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, *mut *mut C_tensor) -> Err;
 type PrefillMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, *mut *mut C_tensor) -> Err;
 type PrefillLinearFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
+type FoldChunkFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64) -> Err;
 
 /// The CUDA-graph entry points (csrc/cuda/graph.cu).
 struct GraphFns {
@@ -56,6 +57,8 @@ struct Library {
     prefill: Option<(PrefillScoresFn, PrefillMixFn)>,
     /// None in a library built before csrc/cuda/hybrid_linear.cuh.
     prefill_linear: Option<PrefillLinearFn>,
+    /// None in a library built before `attnlab_hybrid_fold_chunk`.
+    fold_chunk: Option<FoldChunkFn>,
 }
 
 /// A tensor's handle for the library's C entry points.
@@ -124,7 +127,8 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
             .map(|(s, m)| (std::mem::transmute::<*mut libc::c_void, PrefillScoresFn>(s), std::mem::transmute::<*mut libc::c_void, PrefillMixFn>(m)));
         let prefill_linear = find(c"attnlab_hybrid_prefill_linear").map(|p| std::mem::transmute::<*mut libc::c_void, PrefillLinearFn>(p));
         let ce_grad_in_place = std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym);
-        Ok(Library { ce_grad_in_place, graph, attend_step, layer_norm_half, rms_norm_half, rms_norm_infer, silu_mul, band, split_rotate, hybrid_mix, prefill, prefill_linear })
+        let fold_chunk = find(c"attnlab_hybrid_fold_chunk").map(|p| std::mem::transmute::<*mut libc::c_void, FoldChunkFn>(p));
+        Ok(Library { ce_grad_in_place, graph, attend_step, layer_norm_half, rms_norm_half, rms_norm_infer, silu_mul, band, split_rotate, hybrid_mix, prefill, prefill_linear, fold_chunk })
     }
 }
 
@@ -609,6 +613,43 @@ pub fn hybrid_prefill_linear(q: &Tensor, k: &Tensor, v: &Tensor, m: &PrefillLine
         let [n_lin, z_lin, s, z] = out.map(|t| unsafe { Tensor::from_ptr(t) });
         LinearTerms { n_lin, z_lin, s, z }
     }))
+}
+
+/// Whether [`hybrid_fold_chunk`] takes a chunk of keys `k` `[B, H, C, D]` into a state `s` with a key
+/// map of `half` = F/2 features: bf16 keys on CUDA, C 64, D 64 or 128, rows on 16 bytes, an fp32
+/// state, F/2 a multiple of 4 up to 128, the library holding the kernel, `ATTNLAB_HYBRID_FOLD` not 0.
+pub fn hybrid_fold_available(k: &Tensor, s: &Tensor, half: i64) -> bool {
+    let (size, stride) = (k.size(), k.stride());
+    k.device().is_cuda()
+        && k.kind() == tch::Kind::BFloat16
+        && s.kind() == tch::Kind::Float
+        && size.len() == 4
+        && size[2] == 64
+        && matches!(size[3], 64 | 128)
+        && stride[3] == 1
+        && stride[..3].iter().all(|x| x % 8 == 0)
+        && (k.data_ptr() as usize).is_multiple_of(16)
+        && half % 4 == 0
+        && half <= 128
+        && switch("ATTNLAB_HYBRID_FOLD", true)
+        && library().is_some_and(|l| l.fold_chunk.is_some())
+}
+
+/// One chunk routed in decode folded into the state in place (csrc/cuda/hybrid_prefill.cu, by the
+/// prefill's `hybrid_linear_states`, its TF32 products unless `ATTNLAB_LINEAR_TF32=0`):
+/// s += Σ_t keep_t·φ(k_t)ᵀ v_t, z += Σ_t keep_t·φ(k_t) for keys and values `[B, H, C, D]`, the key
+/// map folded `[H, D, F/2]` fp32 with its norm re-injection, `keep` `[B, H, C]` fp32 (0 for a token
+/// sent to Sel; None: every token), s `[B, H, F, D]` and z `[B, H, F]` fp32 contiguous. Where
+/// [`hybrid_fold_available`] says no, `None` (the caller's aten form applies).
+pub fn hybrid_fold_chunk(k: &Tensor, v: &Tensor, k_map: (&Tensor, bool), keep: Option<&Tensor>, s: &Tensor, z: &Tensor) -> Option<Result<()>> {
+    if !hybrid_fold_available(k, s, k_map.0.size().last().copied().unwrap_or(0)) {
+        return None;
+    }
+    let f = library()?.fold_chunk?;
+    let ts = [handle(k), handle(v), handle(k_map.0), handle_or_null(keep), handle(s), handle(z)];
+    let tf32 = switch("ATTNLAB_LINEAR_TF32", true) as i64;
+    // SAFETY: valid tensor handles (or null where absent); s and z are written in place.
+    Some(check(unsafe { f(ts.as_ptr(), k_map.1 as i64, tf32) }))
 }
 
 /// Whether the library holds the heads op's kernels ([`split_rotate`] takes them unless

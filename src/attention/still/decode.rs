@@ -285,19 +285,32 @@ impl Hybrid<'_> {
             None => f.win_scores.narrow(2, first, c),
         };
         let (keys, vals) = (f.win_k.narrow(2, first, c), f.win_v.narrow(2, first, c));
-        // φ of the chunk's keys, the selected ones' rows zeroed: only the rest are folded.
-        let phi = self.fk.forward(&keys.to_kind(kind));
-        if let Some(idx) = self.pick(chunk, &scores) {
+        let picked = self.pick(chunk, &scores);
+        if let Some(idx) = &picked {
             let kappa = idx.size()[2];
             let at = idx.unsqueeze(-1).expand([b, h, kappa, d], false);
             let _ = keys.gather_out(&f.sel_k.narrow(2, f.n_sel, kappa), 2, &at, false);
             let _ = vals.gather_out(&f.sel_v.narrow(2, f.n_sel, kappa), 2, &at, false);
             f.n_sel += kappa;
             let _ = f.n_sel_at.fill_(f.n_sel);
-            let _ = phi.shallow_clone().scatter_value_(2, &idx.unsqueeze(-1).expand([b, h, kappa, phi.size()[3]], false), 0.0);
         }
-        let _ = cache.s.g_add_(&phi.transpose(-2, -1).matmul(&vals.to_kind(kind)));
-        let _ = cache.z.g_add_(&phi.sum_dim_intlist(2, false, kind));
+        // The rest into S and z: by the prefill's state kernel where it takes them (a kernel for
+        // about fifteen host-side ops a layer), else φ of the keys with the selected rows zeroed.
+        let keep = |kind: Kind| picked.as_ref().map(|idx| Tensor::ones([b, h, c], (kind, keys.device())).scatter_value(2, idx, 0.0));
+        if crate::kernels::cuda::hybrid_fold_available(&keys, &cache.s, self.fk.dim() / 2) {
+            let wk = self.fk.folded_linear(Kind::Float);
+            let keep = keep(Kind::Float);
+            if let Some(Err(e)) = crate::kernels::cuda::hybrid_fold_chunk(&keys, &vals, (&wk, self.fk.norm_reinject), keep.as_ref(), &cache.s, &cache.z) {
+                panic!("STILL / LoLCATs decode: folding a routed chunk failed: {e}");
+            }
+        } else {
+            let mut phi = self.fk.forward(&keys.to_kind(kind));
+            if let Some(keep) = keep(kind) {
+                phi = phi * keep.unsqueeze(-1);
+            }
+            let _ = cache.s.g_add_(&phi.transpose(-2, -1).matmul(&vals.to_kind(kind)));
+            let _ = cache.z.g_add_(&phi.sum_dim_intlist(2, false, kind));
+        }
         f.routed += 1;
     }
 
@@ -305,8 +318,8 @@ impl Hybrid<'_> {
     fn fix(&self, cache: &mut HybridCache, reserved: i64) {
         assert!(self.steps_on_device(), "the sliding decode window has no device-side step");
         let c = self.chunk;
-        let (b, h, d) = (cache.win_k.size()[0], cache.win_k.size()[1], cache.win_k.size()[3]);
-        let (kv_kind, dev) = (cache.win_k.kind(), cache.win_k.device());
+        let (b, h) = (cache.win_k.size()[0], cache.win_k.size()[1]);
+        let dev = cache.win_k.device();
         let n_win = cache.win_k.size()[2];
         let start = cache.pos - n_win;
         assert!(start % c == 0, "the window starts at a chunk");
@@ -315,22 +328,22 @@ impl Hybrid<'_> {
         let last = ((reserved - 1) / c - 1).max(routed);
         let n_sel = cache.sel_k.size()[2];
         let capacity = n_sel + (routed..last).map(|i| self.selects(i)).sum::<i64>();
-        let sel = |x: &Tensor| {
-            let buf = Tensor::zeros([b, h, capacity, d], (kv_kind, dev));
-            buf.narrow(2, 0, n_sel).copy_(x);
-            buf
+        // Zeros before and after x along the token dim, in one kernel (a few hundred fewer host-side
+        // ops in a decode's first step than zeros and copies).
+        let pad = |x: &Tensor, before: i64, after: i64| {
+            let mut p = vec![0i64; 2 * (x.dim() as usize - 3)];
+            p.extend([before, after]);
+            x.constant_pad_nd(p)
         };
-        // Position p in slot p mod 2C: the window (C < n_win ≤ 2C tokens from a chunk start) is one
-        // run of slots from 0, or from C wrapping round to 0; the slots it does not fill are zeros.
+        let sel = |x: &Tensor| pad(x, 0, capacity - n_sel);
+        // Position p in slot p mod 2C: the window (n_win ≤ 2C tokens from a chunk start) is one run
+        // of slots from 0 or C, or, longer than C from C, the run from C wrapping round to 0.
         let ring = |x: &Tensor| {
-            let mut shape = x.size();
-            shape[2] = 2 * c - n_win;
-            let free = Tensor::zeros(shape.as_slice(), (x.kind(), dev));
-            if start % (2 * c) == 0 || n_win <= c {
-                let from = start % (2 * c);
-                Tensor::cat(&[&free.narrow(2, 0, from), x, &free.narrow(2, from, 2 * c - n_win - from)], 2)
+            let from = start % (2 * c);
+            if from + n_win <= 2 * c {
+                pad(x, from, 2 * c - n_win - from)
             } else {
-                Tensor::cat(&[&x.narrow(2, c, n_win - c), &free, &x.narrow(2, 0, c)], 2)
+                pad(x, 0, 2 * c - n_win).roll([-c], [2])
             }
         };
         cache.fixed = Some(Fixed {
