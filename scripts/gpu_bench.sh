@@ -334,13 +334,16 @@ PYEOF
       # tokens untimed (their tok/s apart say the per-call cost from the per-step one), then 64 with
       # ATTNLAB_DECODE_TIMING=1 (the first prepare — STILL / LoLCATs make their fixed-shape cache and
       # route a chunk —, the capturing step and the replays, each synced: one line before its row).
-      # DTIMING_TAG names the files (decode_tokens$TAG.jsonl, decode_timing$TAG.txt) for an A/B.
-      for n in ${DTIMING_TOKENS:-64 512}; do
-        run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DTIMING_LENGTHS:-1024,4096,16384} --new-tokens $n \
-          --repeats ${DTIMING_REPEATS:-2} --attention ${DTIMING_ATTENTION:-vanilla,dar,still-budget,lolcats} | grep '^{' >> "$OUT/decode_tokens${DTIMING_TAG:-}.jsonl"
-      done
-      ATTNLAB_DECODE_TIMING=1 run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DTIMING_LENGTHS:-1024,4096,16384} \
-        --new-tokens 64 --attention ${DTIMING_ATTENTION:-vanilla,dar,still-budget,lolcats} | grep -E '^\{|decode timing' > "$OUT/decode_timing${DTIMING_TAG:-}.txt" ;;
+      # With DTIMING_SWITCH (a kernel switch) both again with it at 0: rows tagged "switch":0 / 1 in
+      # decode_tokens.jsonl, the timed lines in decode_timing.txt and decode_timing-off.txt.
+      for v in 1 ${DTIMING_SWITCH:+0}; do
+        for n in ${DTIMING_TOKENS:-64 512}; do
+          (export ${DTIMING_SWITCH:-ATTNLAB_UNUSED}=$v; run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DTIMING_LENGTHS:-1024,4096,16384} --new-tokens $n \
+            --repeats ${DTIMING_REPEATS:-2} --attention ${DTIMING_ATTENTION:-vanilla,dar,still-budget,lolcats}) | grep '^{' | sed "s/^{/{\"switch\":$v,/" >> "$OUT/decode_tokens.jsonl"
+        done
+        (export ${DTIMING_SWITCH:-ATTNLAB_UNUSED}=$v ATTNLAB_DECODE_TIMING=1; run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DTIMING_LENGTHS:-1024,4096,16384} \
+          --new-tokens 64 --attention ${DTIMING_ATTENTION:-vanilla,dar,still-budget,lolcats}) | grep -E '^\{|decode timing' > "$OUT/decode_timing$([ $v = 0 ] && echo -off).txt"
+      done ;;
     ncu)
       # Issue 34: why a decode step's attention kernels take what they take: Nsight Compute's
       # counters (duration, occupancy, warp stall reasons, memory throughput) of the step's own

@@ -788,9 +788,10 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         // DAR's with the RoPE-absorbed loop too (ATTNLAB_STEP_ROPE=absorbed), and with the latents on
         // the tensor cores (ATTNLAB_STEP_MMA=1), written first and fresh.
         let cases = ["vanilla", "window", "dar", "uniform", "still-budget", "lolcats"].map(|n| (n, false));
-        // The hybrids here through aten's mix (the kernel's rows follow), which CUDA takes with
-        // ATTNLAB_HYBRID_KERNEL=0.
-        with_env(&[("ATTNLAB_STEP_FRESH", "0"), ("ATTNLAB_HYBRID_KERNEL", "0")], || {
+        // The hybrids here through aten's mix and aten's fold of a routed chunk (the kernels' rows
+        // follow: the mixing kernel's, each routing its chunk by the state kernel), which CUDA takes
+        // with ATTNLAB_HYBRID_KERNEL=0 and ATTNLAB_HYBRID_FOLD=0.
+        with_env(&[("ATTNLAB_STEP_FRESH", "0"), ("ATTNLAB_HYBRID_KERNEL", "0"), ("ATTNLAB_HYBRID_FOLD", "0")], || {
             for (name, planted) in cases.into_iter().chain([("vanilla", true)]) {
                 note(decode_row(name, planted, ""));
             }
