@@ -789,8 +789,8 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         // the tensor cores (ATTNLAB_STEP_MMA=1), written first and fresh.
         let cases = ["vanilla", "window", "dar", "uniform", "still-budget", "lolcats"].map(|n| (n, false));
         // The hybrids here through aten's mix and aten's fold of a routed chunk (the kernels' rows
-        // follow: the mixing kernel's, each routing its chunk by the state kernel), which CUDA takes
-        // with ATTNLAB_HYBRID_KERNEL=0 and ATTNLAB_HYBRID_FOLD=0.
+        // follow: the mixing kernel's, each folding its routed chunk by the state kernel,
+        // ATTNLAB_HYBRID_FOLD=1), which CUDA takes with ATTNLAB_HYBRID_KERNEL=0 and ATTNLAB_HYBRID_FOLD=0.
         with_env(&[("ATTNLAB_STEP_FRESH", "0"), ("ATTNLAB_HYBRID_KERNEL", "0"), ("ATTNLAB_HYBRID_FOLD", "0")], || {
             for (name, planted) in cases.into_iter().chain([("vanilla", true)]) {
                 note(decode_row(name, planted, ""));
@@ -813,7 +813,7 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         // default) or in one block (ATTNLAB_HYBRID_SPLIT=0, `-hybrid-one-block`).
         let variants = [("0", "1", "1", "-hybrid-kernel"), ("1", "1", "1", "-hybrid-vec"), ("0", "0", "1", "-hybrid-written"), ("1", "1", "0", "-hybrid-one-block")];
         for (vec, fresh, split, suffix) in variants {
-            with_env(&[("ATTNLAB_HYBRID_KERNEL", "1"), ("ATTNLAB_HYBRID_VEC", vec), ("ATTNLAB_HYBRID_FRESH", fresh), ("ATTNLAB_HYBRID_SPLIT", split)], || {
+            with_env(&[("ATTNLAB_HYBRID_KERNEL", "1"), ("ATTNLAB_HYBRID_VEC", vec), ("ATTNLAB_HYBRID_FRESH", fresh), ("ATTNLAB_HYBRID_SPLIT", split), ("ATTNLAB_HYBRID_FOLD", "1")], || {
                 for name in ["still-budget", "lolcats"] {
                     note(if hybrid { decode_row(name, false, suffix) } else { failed_row(&format!("decode-{name}{suffix}"), "the hybrid mixing kernel is not in the CUDA kernel library (make gpu-kernels)", false) });
                 }

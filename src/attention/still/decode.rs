@@ -295,7 +295,8 @@ impl Hybrid<'_> {
             let _ = f.n_sel_at.fill_(f.n_sel);
         }
         // The rest into S and z: by the prefill's state kernel where it takes them (a kernel for
-        // about fifteen host-side ops a layer), else φ of the keys with the selected rows zeroed.
+        // about fifteen host-side ops a layer; `ATTNLAB_HYBRID_FOLD=1` until timed), else φ of the
+        // keys with the selected rows zeroed.
         let keep = |kind: Kind| picked.as_ref().map(|idx| Tensor::ones([b, h, c], (kind, keys.device())).scatter_value(2, idx, 0.0));
         if crate::kernels::cuda::hybrid_fold_available(&keys, &cache.s, self.fk.dim() / 2) {
             let wk = self.fk.folded_linear(Kind::Float);
