@@ -111,15 +111,21 @@ pub struct StepAt {
 }
 
 /// A device-side step's RoPE tables for key positions 0..span (DAR's distant keys, rebuilt or read
-/// through the absorbed map): made by the first layer that asks, shared by the others.
+/// through the absorbed map): the prepared ones' first rows ([`StepTables`]), else made by the first
+/// layer that asks, shared by the others.
 pub struct SpanTables {
     span: i64,
     tables: std::cell::OnceCell<(Tensor, Tensor)>,
 }
 
 impl SpanTables {
-    pub fn new(span: i64) -> Self {
-        SpanTables { span, tables: std::cell::OnceCell::new() }
+    /// `prepared`: tables of at least `span` positions made before the step ([`StepTables::covering`]).
+    pub fn new(span: i64, prepared: Option<&(Tensor, Tensor)>) -> Self {
+        let tables = std::cell::OnceCell::new();
+        if let Some((c, s)) = prepared {
+            let _ = tables.set((c.narrow(0, 0, span), s.narrow(0, 0, span)));
+        }
+        SpanTables { span, tables }
     }
 
     /// The tables of positions 0..n: the step's own when n is its span, else `make`'s.
@@ -129,6 +135,44 @@ impl SpanTables {
         }
         let (c, s) = self.tables.get_or_init(make);
         (c.shallow_clone(), s.shallow_clone())
+    }
+}
+
+/// A model's RoPE tables (cos, sin) of positions 0..n, made before a decode's device-side steps and
+/// outside any CUDA graph (`Model::prepare_step_at`), then read by every step: its query's rows by
+/// one index_select each, its key positions 0..span ([`SpanTables`]) as a view. Made inside the
+/// step, each set was about seven kernels (aranges, the frequencies' exp, products, cos, sin) in
+/// every replay; the numbers are the same bit for bit (the same fp32 ops on the same positions).
+/// Tables made for a shorter reservation stay alive beside longer ones: a graph captured over them
+/// reads their memory for as long as it lives.
+#[derive(Debug, Default)]
+pub struct StepTables(std::sync::Mutex<Vec<(Device, Tensor, Tensor)>>);
+
+impl StepTables {
+    /// Make sure tables of at least `n` positions exist on `device`, by `make(len)` for positions
+    /// 0..len (len a power of two ≥ n, so that longer generations seldom make new ones). Eager: call
+    /// it outside graph capture.
+    pub fn prepare(&self, n: i64, device: Device, make: impl Fn(i64) -> (Tensor, Tensor)) {
+        if self.covering(n, device).is_some() {
+            return;
+        }
+        let len = (n.max(1) as u64).next_power_of_two() as i64;
+        let (c, s) = tch::no_grad(|| make(len));
+        self.0.lock().expect("step tables lock").push((device, c, s));
+    }
+
+    /// Prepared tables of at least `n` positions on `device` (all their rows), if any.
+    pub fn covering(&self, n: i64, device: Device) -> Option<(Tensor, Tensor)> {
+        let tables = self.0.lock().expect("step tables lock");
+        tables.iter().rev().find(|(d, c, _)| *d == device && c.size()[0] >= n).map(|(_, c, s)| (c.shallow_clone(), s.shallow_clone()))
+    }
+
+    /// The rows of positions `pos` `[1]` (i64, on the device) of prepared tables that hold `span`
+    /// positions (the step's: pos < span), else None (the caller makes them).
+    pub fn at(&self, pos: &Tensor, span: i64) -> Option<(Tensor, Tensor)> {
+        let (c, s) = self.covering(span, pos.device())?;
+        let rows = pos.view([-1]);
+        Some((c.index_select(0, &rows), s.index_select(0, &rows)))
     }
 }
 

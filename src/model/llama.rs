@@ -256,6 +256,8 @@ pub struct Llama {
     norm: Tensor,
     /// None when tied to embed_tokens.
     lm_head: Option<Tensor>,
+    /// RoPE tables made before a decode's device-side steps (`prepare_at`), read by them.
+    step_tables: crate::attention::cache::StepTables,
 }
 
 fn linear(p: nn::Path, i: usize, o: usize) -> nn::Linear {
@@ -347,7 +349,7 @@ impl Llama {
         }
         let norm = ones(&m / "norm", d);
         let lm_head = (!cfg.tie_word_embeddings).then(|| (root / "lm_head").var("weight", &[cfg.vocab_size as i64, d as i64], init));
-        Ok(Llama { cfg, embed_tokens, layers, norm, lm_head })
+        Ok(Llama { cfg, embed_tokens, layers, norm, lm_head, step_tables: Default::default() })
     }
 
     /// Change the softmax attention's options in place, keeping the weights: the implementation, the
@@ -590,9 +592,10 @@ impl Llama {
     /// variant has no such step. [`Llama::prepare_at`] the position first.
     pub fn extend_hidden_at(&self, cache: &mut LlamaCache, ids: &Tensor, at: &StepAt) -> Option<Tensor> {
         let _guard = tch::no_grad_guard();
-        let (cos, sin) = self.rope_at(&at.pos);
+        // The tables `prepare_at` made (else made here, inside the step).
+        let (cos, sin) = self.step_tables.at(&at.pos, at.span).unwrap_or_else(|| self.rope_at(&at.pos));
         // Key positions 0..span, for DAR's distant keys: made once per step, not per layer.
-        let span = SpanTables::new(at.span);
+        let span = SpanTables::new(at.span, self.step_tables.covering(at.span, at.pos.device()).as_ref());
         let mut x = self.embed(ids);
         for (i, b) in self.layers.iter().enumerate() {
             let a = self.kv_input(i, &x);
@@ -606,6 +609,8 @@ impl Llama {
 
     /// Before the device-side step at `pos`: every layer's `LayerOp::prepare_at`.
     pub fn prepare_at(&self, cache: &mut LlamaCache, pos: i64, reserved: i64) {
+        let device = self.embed_tokens.device();
+        self.step_tables.prepare(reserved.max(pos + 1), device, |n| self.rope(0, n, device));
         for (b, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             b.attn.prepare_at(lc, pos, reserved);
         }

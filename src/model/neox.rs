@@ -82,6 +82,8 @@ pub struct GptNeox {
     final_layer_norm: nn::LayerNorm,
     embed_out: Tensor,
     rope: Rope,
+    /// RoPE tables made before a decode's device-side steps (`prepare_at`), read by them.
+    step_tables: crate::attention::cache::StepTables,
 }
 
 fn linear(p: nn::Path, d_in: usize, d_out: usize, std: f64, bias: bool) -> nn::Linear {
@@ -126,7 +128,7 @@ impl GptNeox {
         let final_layer_norm = layer_norm(&g / "final_layer_norm", d, cfg.ln_eps);
         let embed_out = (root / "embed_out").var("weight", &[cfg.vocab as i64, d as i64], Init::Randn { mean: 0.0, stdev: small });
         let rope = Rope::new(cfg.head_dim(), cfg.rotary_pct, cfg.rotary_base);
-        GptNeox { cfg, embed_in, layers, final_layer_norm, embed_out, rope }
+        GptNeox { cfg, embed_in, layers, final_layer_norm, embed_out, rope, step_tables: Default::default() }
     }
 
     /// Final hidden states `[B, T, d]` (after final_layer_norm) for token ids `[B, T]`.

@@ -52,9 +52,10 @@ impl GptNeox {
     /// on the host (`DecodeCache::advance`), so that a CUDA graph captures it. None when the layers'
     /// variant has no such step.
     pub fn extend_hidden_at(&self, cache: &mut NeoxCache, ids: &Tensor, at: &StepAt) -> Option<Tensor> {
-        let (cos, sin) = self.rope.tables_at(&at.pos);
+        // The tables `prepare_at` made (else made here, inside the step).
+        let (cos, sin) = self.step_tables.at(&at.pos, at.span).unwrap_or_else(|| self.rope.tables_at(&at.pos));
         // Key positions 0..span, for DAR's distant keys: made once per step, not per layer.
-        let span = SpanTables::new(at.span);
+        let span = SpanTables::new(at.span, self.step_tables.covering(at.span, at.pos.device()).as_ref());
         let mut x = Tensor::embedding(&self.embed_in, ids, -1, false, false);
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let a = layer.input_layernorm.forward(&x);
@@ -69,6 +70,8 @@ impl GptNeox {
 
     /// Before the device-side step at `pos`: every layer's `LayerOp::prepare_at`.
     pub fn prepare_at(&self, cache: &mut NeoxCache, pos: i64, reserved: i64) {
+        let device = self.embed_in.device();
+        self.step_tables.prepare(reserved.max(pos + 1), device, |n| self.rope.tables(0, n, device));
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             layer.attn.prepare_at(lc, pos, reserved);
         }
@@ -180,7 +183,8 @@ mod tests {
     /// captures): after a prefill, one token at a time with spans that change between steps (the
     /// smallest that holds the position, and the whole reservation), every step's logits equal the
     /// full forward pass, rings wrapping (left-padded rows: `left_padded_batch_equals_each_row_alone`).
-    /// A span one short of the position would hide the newest keys: it must differ.
+    /// A span one short of the position would hide the newest keys: it must differ. The steps read
+    /// RoPE tables made inside them and, after `prepare_at`, the prepared ones.
     #[test]
     fn device_side_steps_equal_full_forward() {
         use crate::attention::cache::StepAt;
@@ -202,6 +206,11 @@ mod tests {
                 }
                 let _ = m.extend(&mut cache, &x.narrow(1, 0, 4));
                 for t in 4..16 {
+                    // Without a gradient the steps read the RoPE tables `prepare_at` made (what the
+                    // stepper does), with one they make their own.
+                    if !grad {
+                        m.prepare_at(&mut cache, t, 16);
+                    }
                     let at = StepAt { pos: Tensor::from_slice(&[t]), span: if t % 2 == 0 { t + 1 } else { 16 } };
                     let h = m.extend_hidden_at(&mut cache, &x.narrow(1, t, 1), &at).expect("GPT-NeoX's softmax kinds step on the device");
                     cache.advance(1);
