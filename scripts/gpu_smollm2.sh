@@ -13,7 +13,8 @@
 #   call 4 (carry .gpu/attnlab, .gpu/libattnlab_kernels.so and the .gpu/data files below):
 #     OUT=$OUT BUDGET=480 bash scripts/gpu_smollm2.sh [STEP]...
 # Steps (default, in this order): still still-ruler routing lolcats lolcats-ruler; by name: kappa
-# (the κ curve at evaluation time), still-babilong, lolcats-babilong (qa1 / qa2 at 1K); ROUTING (the
+# (the κ curve at evaluation time), still-k2 still-k8 still-k16 still-k32 (students trained at that κ,
+# with their S-NIAH), still-4x (4× the tokens), still-babilong, lolcats-babilong (qa1 / qa2 at 1K); ROUTING (the
 # metrics, e.g. "key_norm random uniform") and ROUTING_SAMPLES narrow `routing`. DAR fine-tuning
 # (issue 37 item 5), by name: ft-d576 ft-d288 ft-d144 ft-d72 ft-vanilla, then ft-ruler. The teacher's
 # (teacher-ruler teacher-babilong teacher-ppl) are committed in results/smollm2/teacher/ and run
@@ -80,13 +81,13 @@ fresh_run() { # NAME
   fi
 }
 
-linearize() { # NAME SPEC
-  local name=$1 spec=$2
+linearize() { # NAME SPEC [--set ... (after the defaults: they win)]
+  local name=$1 spec=$2; shift 2
   fresh_run $name
   step "$name" 90 $A linearize "$spec" --quiet --out $R/$name --set teacher=$G \
     --set "data.train=[{path: $D/train-02.jsonl.zst}, {alpaca: $D/alpaca_200.jsonl}]" \
     --set data.eval.path=$D/valid.jsonl.zst --set train.device=cuda \
-    --set stage1.steps=$STAGE_STEPS --set stage2.steps=$STAGE_STEPS --set stage1.eval_every=50 --set stage2.eval_every=50
+    --set stage1.steps=$STAGE_STEPS --set stage2.steps=$STAGE_STEPS --set stage1.eval_every=50 --set stage2.eval_every=50 "$@"
 }
 
 # DAR fine-tuning (issue 37 item 5): experiments/finetune-smollm2-dar.yaml on the carried data.
@@ -116,6 +117,17 @@ for s in ${@:-still still-ruler routing lolcats lolcats-ruler}; do
       if [ -f $R/still/DONE ]; then
         for k in 2 8 16 32; do niah "kappa-$k" $R/still 512,1024 $SAMPLES --set attention.tokens_per_chunk=$k; done
       fi ;;
+    still-k2|still-k8|still-k16|still-k32)
+      # The κ curve with students trained at each κ (issue 37 item 3): same recipe, κ of C 64 changed
+      # for training and evaluation; S-NIAH-1 at 0.5K / 1K.
+      linearize $s experiments/still-smollm2.yaml --set attention.tokens_per_chunk=${s#still-k}
+      [ -f $R/$s/DONE ] && niah "$s-ruler" $R/$s 512,1024 $SAMPLES ;;
+    still-4x)
+      # The chat-wrapped student at 4× the tokens (issue 37 item 1): 4 × STAGE_STEPS a stage (about
+      # 9 minutes on one H200 at 200: it checkpoints every 100 steps, so a second call on the warm
+      # machine carries on), then S-NIAH-1 at 0.5K–4K.
+      linearize $s experiments/still-smollm2.yaml --set stage1.steps=$((4 * STAGE_STEPS)) --set stage2.steps=$((4 * STAGE_STEPS))
+      [ -f $R/$s/DONE ] && niah "$s-ruler" $R/$s 512,1024,2048,4096 $SAMPLES ;;
     teacher-babilong) babilong $s $G --out $R/teacher ;;
     still-babilong) [ -f $R/still/DONE ] && babilong $s $R/still ;;
     lolcats-babilong) [ -f $R/lolcats/DONE ] && babilong $s $R/lolcats ;;
