@@ -55,10 +55,10 @@ pub struct FeatureMap {
     folded: std::sync::Mutex<Option<(FoldedFrom, Tensor)>>,
 }
 
-/// What a folded matrix was made from: its kind, each parameter's storage and version counter (an
-/// in-place write through aten moves the counter), and the writes of parameters that move no counter
-/// (`util::parameter_writes`: the fused optimizer step, NCCL's broadcast).
-type FoldedFrom = (Kind, Vec<(usize, i64)>, u64);
+/// What a folded matrix was made from: its kind, each parameter's storage, dtype and version counter
+/// (an in-place write through aten moves the counter), and the writes of parameters that move no
+/// counter (`util::parameter_writes`: the fused optimizer step, NCCL's broadcast).
+type FoldedFrom = (Kind, Vec<(usize, Kind, i64)>, u64);
 
 impl FeatureMap {
     /// A map from its parameters (see the fields).
@@ -119,7 +119,7 @@ impl FeatureMap {
         if crate::util::grad_enabled() && params.iter().any(Tensor::requires_grad) {
             return self.fold(kind);
         }
-        let from: FoldedFrom = (kind, params.iter().map(|p| (p.data_ptr() as usize, p.internal_version())).collect(), crate::util::parameter_writes());
+        let from: FoldedFrom = (kind, params.iter().map(|p| (p.data_ptr() as usize, p.kind(), p.internal_version())).collect(), crate::util::parameter_writes());
         let mut last = self.folded.lock().expect("folded map lock");
         match last.as_ref() {
             Some((made_from, w)) if *made_from == from => w.shallow_clone(),
