@@ -660,6 +660,28 @@ pub fn silu_mul_check(n: i64, i: i64, device: Device) -> Option<CheckRow> {
     Some(CheckRow::new(label, &[n, i], None, kind, tensors, false))
 }
 
+/// The routing's top-κ kernel (`kernels::cuda::top_kappa`, forced on) against aten's stable sorts
+/// (`still::routing::top_kappa` with the kernel off) on fp32 scores rounded to quarters, so that many
+/// rows hold ties (aten breaks them to the lower index; the kernel must too), κ 4 of C 64: the
+/// indices must be equal. `ring`: the scores a decode routes, one chunk's 64 of a ring of 128 (rows
+/// at a stride of 128), else a prefill's `[B, H, n, C]`. None where the kernel is not loaded.
+pub fn top_kappa_check(ring: bool, device: Device) -> Option<CheckRow> {
+    use crate::attention::still::top_kappa;
+    tch::manual_seed(11 + ring as i64);
+    let (c, kappa) = (64, 4);
+    let quarters = |shape: &[i64]| (Tensor::randn(shape, (Kind::Float, device)) * 4.0).round() / 4.0;
+    let scores = if ring { quarters(&[2, 8, 2 * c]).narrow(2, c, c) } else { quarters(&[2, 8, 37, c]) };
+    let label = if ring { "top-kappa-kernel-ring" } else { "top-kappa-kernel" };
+    let exact = with_env(&[("ATTNLAB_TOPK_KERNEL", "0")], || top_kappa(&scores, kappa));
+    let fast = match with_env(&[("ATTNLAB_TOPK_KERNEL", "1")], || crate::kernels::cuda::top_kappa(&scores, kappa))? {
+        Ok(fast) => fast,
+        Err(e) => return Some(failed_row(label, &e.to_string(), false)),
+    };
+    let rows = scores.numel() as i64 / c;
+    let tensors = vec![compare("indices", &fast, &exact, &exact, Kind::Float, rows, 0.0)];
+    Some(CheckRow::new(label, &scores.size(), None, Kind::Float, tensors, false))
+}
+
 /// (q, k_l, v_l, k_g, v_g) `[B, H, T, hd]` with k_g, v_g cut to the T − w positions split-merge
 /// reads, as a DAR layer builds them for it (`dar::distant_positions`).
 fn distant_prefix(xs: &[Tensor], w: i64) -> Vec<Tensor> {
@@ -858,6 +880,13 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         // intermediate width (16-byte loads), and a width they cannot take (one value at a time).
         for (n, i) in [(1, 1536), (4096, 1536), (300, 36)] {
             if let Some(row) = silu_mul_check(n, i, device) {
+                note(row);
+            }
+        }
+        // The routing's top-κ in one kernel: a prefill's chunks (scores with many ties), and a
+        // decode's one chunk inside its ring of 2C scores.
+        for ring in [false, true] {
+            if let Some(row) = top_kappa_check(ring, device) {
                 note(row);
             }
         }

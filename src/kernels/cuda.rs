@@ -22,6 +22,7 @@ type PrefillScoresFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, *mut
 type PrefillMixFn = unsafe extern "C" fn(*const *mut C_tensor, i64, f64, i64, i64, *mut *mut C_tensor) -> Err;
 type PrefillLinearFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64, i64, i64, *mut *mut C_tensor) -> Err;
 type FoldChunkFn = unsafe extern "C" fn(*const *mut C_tensor, i64, i64) -> Err;
+type TopKappaFn = unsafe extern "C" fn(*mut C_tensor, i64, *mut *mut C_tensor) -> Err;
 
 /// The CUDA-graph entry points (csrc/cuda/graph.cu).
 struct GraphFns {
@@ -59,6 +60,8 @@ struct Library {
     prefill_linear: Option<PrefillLinearFn>,
     /// None in a library built before `attnlab_hybrid_fold_chunk`.
     fold_chunk: Option<FoldChunkFn>,
+    /// None in a library built before csrc/cuda/top_kappa.cu.
+    top_kappa: Option<TopKappaFn>,
 }
 
 /// A tensor's handle for the library's C entry points.
@@ -128,7 +131,8 @@ fn open(path: &std::path::Path) -> std::result::Result<Library, String> {
         let prefill_linear = find(c"attnlab_hybrid_prefill_linear").map(|p| std::mem::transmute::<*mut libc::c_void, PrefillLinearFn>(p));
         let ce_grad_in_place = std::mem::transmute::<*mut libc::c_void, CeGradInPlace>(sym);
         let fold_chunk = find(c"attnlab_hybrid_fold_chunk").map(|p| std::mem::transmute::<*mut libc::c_void, FoldChunkFn>(p));
-        Ok(Library { ce_grad_in_place, graph, attend_step, layer_norm_half, rms_norm_half, rms_norm_infer, silu_mul, band, split_rotate, hybrid_mix, prefill, prefill_linear, fold_chunk })
+        let top_kappa = find(c"attnlab_top_kappa").map(|p| std::mem::transmute::<*mut libc::c_void, TopKappaFn>(p));
+        Ok(Library { ce_grad_in_place, graph, attend_step, layer_norm_half, rms_norm_half, rms_norm_infer, silu_mul, band, split_rotate, hybrid_mix, prefill, prefill_linear, fold_chunk, top_kappa })
     }
 }
 
@@ -652,6 +656,21 @@ pub fn hybrid_fold_chunk(k: &Tensor, v: &Tensor, k_map: (&Tensor, bool), keep: O
     let tf32 = switch("ATTNLAB_LINEAR_TF32", true) as i64;
     // SAFETY: valid tensor handles (or null where absent); s and z are written in place.
     Some(check(unsafe { f(ts.as_ptr(), k_map.1 as i64, tf32) }))
+}
+
+/// The routing's top-κ (`still::routing::top_kappa`: the indices of each row's κ highest scores,
+/// ties to the lower index, ascending) in one kernel (csrc/cuda/top_kappa.cu) where aten runs two
+/// sorts, for fp32 scores `[.., C]` on CUDA whose leading dims collapse into rows at one stride, with
+/// `ATTNLAB_TOPK_KERNEL=1`: off by default until the GPU gate's `top-kappa-kernel` rows have passed
+/// and a prefill has been timed with it (written in the twenty-fourth session, no device lent).
+/// `None` (the caller's aten form) otherwise.
+pub fn top_kappa(scores: &Tensor, kappa: i64) -> Option<Result<Tensor>> {
+    if !scores.device().is_cuda() || !switch("ATTNLAB_TOPK_KERNEL", false) {
+        return None;
+    }
+    let f = library()?.top_kappa?;
+    // SAFETY: a valid tensor handle read during the call.
+    new_tensor_if_applies(|out| unsafe { f(handle(scores), kappa, out) })
 }
 
 /// Whether the library holds the heads op's kernels ([`split_rotate`] takes them unless

@@ -210,8 +210,12 @@ impl Scorer {
     }
 }
 
-/// Indices `[…, κ]` of the κ largest scores along the last dim, ties to the lower index, sorted ascending.
+/// Indices `[…, κ]` of the κ largest scores along the last dim, ties to the lower index, sorted ascending
+/// (on CUDA by one kernel with `ATTNLAB_TOPK_KERNEL=1`, `kernels::cuda::top_kappa`).
 pub fn top_kappa(scores: &Tensor, kappa: i64) -> Tensor {
+    if let Some(idx) = crate::kernels::cuda::top_kappa(scores, kappa) {
+        return idx.unwrap_or_else(|e| panic!("STILL routing: the top-κ kernel failed: {e}"));
+    }
     let (_, order) = scores.sort_stable(true, -1, true);
     order.narrow(-1, 0, kappa).sort(-1, false).0
 }
