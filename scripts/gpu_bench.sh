@@ -335,7 +335,8 @@ PYEOF
       # ATTNLAB_DECODE_TIMING=1 (the first prepare — STILL / LoLCATs make their fixed-shape cache and
       # route a chunk —, the capturing step and the replays, each synced: one line before its row).
       # With DTIMING_SWITCH (a kernel switch) both again with it at 0: rows tagged "switch":0 / 1 in
-      # decode_tokens.jsonl, the timed lines in decode_timing.txt and decode_timing-off.txt.
+      # decode_tokens.jsonl, the timed lines in decode_timing.txt and decode_timing-off.txt; per-call and
+      # per-step costs (scripts/dtiming_table.py) in dtiming.md.
       for v in 1 ${DTIMING_SWITCH:+0}; do
         for n in ${DTIMING_TOKENS:-64 512}; do
           (export ${DTIMING_SWITCH:-ATTNLAB_UNUSED}=$v; run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DTIMING_LENGTHS:-1024,4096,16384} --new-tokens $n \
@@ -343,7 +344,9 @@ PYEOF
         done
         (export ${DTIMING_SWITCH:-ATTNLAB_UNUSED}=$v ATTNLAB_DECODE_TIMING=1; run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DTIMING_LENGTHS:-1024,4096,16384} \
           --new-tokens 64 --attention ${DTIMING_ATTENTION:-vanilla,dar,still-budget,lolcats}) | grep -E '^\{|decode timing' > "$OUT/decode_timing$([ $v = 0 ] && echo -off).txt"
-      done ;;
+      done
+      # Per-call and per-step costs from the two numbers of new tokens.
+      $PY scripts/dtiming_table.py "$OUT/decode_tokens.jsonl" > "$OUT/dtiming.md" ;;
     ncu)
       # Issue 34: why a decode step's attention kernels take what they take: Nsight Compute's
       # counters (duration, occupancy, warp stall reasons, memory throughput) of the step's own
