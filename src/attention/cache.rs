@@ -167,12 +167,10 @@ impl StepTables {
         tables.iter().rev().find(|(d, c, _)| *d == device && c.size()[0] >= n).map(|(_, c, s)| (c.shallow_clone(), s.shallow_clone()))
     }
 
-    /// The rows of positions `pos` `[1]` (i64, on the device) of prepared tables that hold `span`
-    /// positions (the step's: pos < span), else None (the caller makes them).
-    pub fn at(&self, pos: &Tensor, span: i64) -> Option<(Tensor, Tensor)> {
-        let (c, s) = self.covering(span, pos.device())?;
+    /// The rows of positions `pos` `[1]` (i64, on the tables' device) of tables from [`StepTables::covering`].
+    pub fn rows((c, s): &(Tensor, Tensor), pos: &Tensor) -> (Tensor, Tensor) {
         let rows = pos.view([-1]);
-        Some((c.index_select(0, &rows), s.index_select(0, &rows)))
+        (c.index_select(0, &rows), s.index_select(0, &rows))
     }
 }
 

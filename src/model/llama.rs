@@ -15,7 +15,7 @@
 //! attention projections are LoRA-capable (`lora::Linear`), so `attnlab linearize` adapts them
 //! in place (`crate::linearize::student`). Packed rows: `hidden_docs` takes per-token document ids
 //! (block-diagonal mask, positions restarting at every document).
-use crate::attention::cache::{CacheShape, DecodeCache, SpanTables, StepAt};
+use crate::attention::cache::{CacheShape, DecodeCache, SpanTables, StepAt, StepTables};
 use crate::attention::{self, AbsorbedKv, Attention, AttentionSpec, Heads, KvMap, Layer, LayerDims, Positions, forward_prefix};
 use crate::lora::Linear;
 use super::stacked::Stacked;
@@ -257,7 +257,7 @@ pub struct Llama {
     /// None when tied to embed_tokens.
     lm_head: Option<Tensor>,
     /// RoPE tables made before a decode's device-side steps (`prepare_at`), read by them.
-    step_tables: crate::attention::cache::StepTables,
+    step_tables: StepTables,
 }
 
 fn linear(p: nn::Path, i: usize, o: usize) -> nn::Linear {
@@ -592,10 +592,11 @@ impl Llama {
     /// variant has no such step. [`Llama::prepare_at`] the position first.
     pub fn extend_hidden_at(&self, cache: &mut LlamaCache, ids: &Tensor, at: &StepAt) -> Option<Tensor> {
         let _guard = tch::no_grad_guard();
-        // The tables `prepare_at` made (else made here, inside the step).
-        let (cos, sin) = self.step_tables.at(&at.pos, at.span).unwrap_or_else(|| self.rope_at(&at.pos));
+        // The tables `prepare_at` made for every position the step reads (else made here, inside it).
+        let prepared = self.step_tables.covering(at.span, at.pos.device());
+        let (cos, sin) = prepared.as_ref().map_or_else(|| self.rope_at(&at.pos), |t| StepTables::rows(t, &at.pos));
         // Key positions 0..span, for DAR's distant keys: made once per step, not per layer.
-        let span = SpanTables::new(at.span, self.step_tables.covering(at.span, at.pos.device()).as_ref());
+        let span = SpanTables::new(at.span, prepared.as_ref());
         let mut x = self.embed(ids);
         for (i, b) in self.layers.iter().enumerate() {
             let a = self.kv_input(i, &x);

@@ -5,7 +5,7 @@
 //! ((h^D)·(W_kv·W_up)ᵀ + b_kv, then RoPE at each key's own position). Decoding token by token equals
 //! the full forward pass on the growing sequence (tested).
 use super::{GptNeox, LayerKv};
-use crate::attention::cache::{CacheShape, DecodeCache, SpanTables, StepAt};
+use crate::attention::cache::{CacheShape, DecodeCache, SpanTables, StepAt, StepTables};
 use crate::attention::Heads;
 use tch::nn::Module;
 use tch::{Kind, Tensor};
@@ -52,10 +52,11 @@ impl GptNeox {
     /// on the host (`DecodeCache::advance`), so that a CUDA graph captures it. None when the layers'
     /// variant has no such step.
     pub fn extend_hidden_at(&self, cache: &mut NeoxCache, ids: &Tensor, at: &StepAt) -> Option<Tensor> {
-        // The tables `prepare_at` made (else made here, inside the step).
-        let (cos, sin) = self.step_tables.at(&at.pos, at.span).unwrap_or_else(|| self.rope.tables_at(&at.pos));
+        // The tables `prepare_at` made for every position the step reads (else made here, inside it).
+        let prepared = self.step_tables.covering(at.span, at.pos.device());
+        let (cos, sin) = prepared.as_ref().map_or_else(|| self.rope.tables_at(&at.pos), |t| StepTables::rows(t, &at.pos));
         // Key positions 0..span, for DAR's distant keys: made once per step, not per layer.
-        let span = SpanTables::new(at.span, self.step_tables.covering(at.span, at.pos.device()).as_ref());
+        let span = SpanTables::new(at.span, prepared.as_ref());
         let mut x = Tensor::embedding(&self.embed_in, ids, -1, false, false);
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let a = layer.input_layernorm.forward(&x);
