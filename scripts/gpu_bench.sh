@@ -337,13 +337,13 @@ PYEOF
       # With DTIMING_SWITCH (a kernel switch) both again with it at 0: rows tagged "switch":0 / 1 in
       # decode_tokens.jsonl, the timed lines in decode_timing.txt and decode_timing-off.txt; per-call and
       # per-step costs (scripts/dtiming_table.py) in dtiming.md.
+      BD=($A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DTIMING_LENGTHS:-1024,4096,16384} --attention ${DTIMING_ATTENTION:-vanilla,dar,still-budget,lolcats})
+      SW=${DTIMING_SWITCH:-ATTNLAB_UNUSED}
       for v in 1 ${DTIMING_SWITCH:+0}; do
         for n in ${DTIMING_TOKENS:-64 512}; do
-          (export ${DTIMING_SWITCH:-ATTNLAB_UNUSED}=$v; run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DTIMING_LENGTHS:-1024,4096,16384} --new-tokens $n \
-            --repeats ${DTIMING_REPEATS:-2} --attention ${DTIMING_ATTENTION:-vanilla,dar,still-budget,lolcats}) | grep '^{' | sed "s/^{/{\"switch\":$v,/" >> "$OUT/decode_tokens.jsonl"
+          (export $SW=$v; run "${BD[@]}" --new-tokens $n --repeats ${DTIMING_REPEATS:-2}) | grep '^{' | sed "s/^{/{\"switch\":$v,/" >> "$OUT/decode_tokens.jsonl"
         done
-        (export ${DTIMING_SWITCH:-ATTNLAB_UNUSED}=$v ATTNLAB_DECODE_TIMING=1; run $A bench-decode experiments/pythia-70m-dar.yaml --json --lengths ${DTIMING_LENGTHS:-1024,4096,16384} \
-          --new-tokens 64 --attention ${DTIMING_ATTENTION:-vanilla,dar,still-budget,lolcats}) | grep -E '^\{|decode timing' > "$OUT/decode_timing$([ $v = 0 ] && echo -off).txt"
+        (export $SW=$v ATTNLAB_DECODE_TIMING=1; run "${BD[@]}" --new-tokens 64) | grep -E '^\{|decode timing' > "$OUT/decode_timing$([ $v = 0 ] && echo -off).txt"
       done
       # Per-call and per-step costs from the two numbers of new tokens.
       $PY scripts/dtiming_table.py "$OUT/decode_tokens.jsonl" > "$OUT/dtiming.md" ;;
