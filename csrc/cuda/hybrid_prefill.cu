@@ -39,6 +39,20 @@ void launch(Kernel kernel, const Params& p, int64_t B, int threads, int64_t smem
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The linear branch's inputs beside q, k, v: a folded feature map `w` (fp32 contiguous [H, D, F/2]
+// from a 16-byte boundary, F/2 a multiple of 4 up to 128) and `keep` (fp32 contiguous, `rows` per
+// (b, h), or null), on `x`'s device.
+void check_linear_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tensor* keep, int64_t H, int64_t D, int64_t rows, const char* who) {
+  const int64_t Fh = w.size(-1);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.device() == x.device() && w.sizes() == at::IntArrayRef({H, D, Fh}) &&
+                  reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+              who, ": a folded map must be fp32 contiguous [H, D, F/2] from a 16-byte boundary");
+  TORCH_CHECK(Fh % 4 == 0 && Fh <= 128, who, ": F/2 = ", Fh, " (a multiple of 4, at most 128)");
+  if (keep)
+    TORCH_CHECK(keep->scalar_type() == at::kFloat && keep->is_contiguous() && keep->numel() == x.size(0) * H * rows && keep->device() == x.device(),
+                who, ": keep must be fp32 contiguous [B, H, ", rows, "]");
+}
+
 }  // namespace
 
 // ts: q, k [B, H, T, D]; score_kind: score_kinds.cuh's codes. *out: the routing
@@ -129,15 +143,10 @@ extern "C" char* attnlab_hybrid_prefill_linear(tensor* ts, int64_t chunk, int64_
     PrefillParams pv{};
     views(pv, q, k, v, chunk, "hybrid_prefill_linear");
     const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Fh = wq.size(-1), F = 2 * Fh, n = pv.n;
-    for (const at::Tensor* w : {&wq, &wk})
-      TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->device() == q.device() && w->sizes() == at::IntArrayRef({H, D, Fh}) &&
-                      reinterpret_cast<uintptr_t>(w->data_ptr()) % 16 == 0,
-                  "hybrid_prefill_linear: the folded maps must be fp32 contiguous [H, D, F/2] from a 16-byte boundary, both of one F");
-    TORCH_CHECK(Fh % 4 == 0 && Fh <= 128, "hybrid_prefill_linear: F/2 = ", Fh, " (a multiple of 4, at most 128)");
     const int64_t rows = n * chunk;
-    if (keep)
-      TORCH_CHECK(keep->scalar_type() == at::kFloat && keep->is_contiguous() && keep->numel() == B * H * rows && keep->device() == q.device(),
-                  "hybrid_prefill_linear: keep must be fp32 contiguous [B, H, n·C]");
+    // Both maps (and keep), then the maps of one F.
+    for (const at::Tensor* w : {&wq, &wk}) check_linear_inputs(q, *w, keep, H, D, rows, "hybrid_prefill_linear");
+    TORCH_CHECK(wk.size(-1) == Fh, "hybrid_prefill_linear: the folded maps must be of one F");
     c10::cuda::CUDAGuard guard(q.device());
     const auto f32 = q.options().dtype(at::kFloat);
     at::Tensor state = at::empty({B, H, n, F, D}, f32), zstate = at::empty({B, H, n, F}, f32);
@@ -176,13 +185,7 @@ extern "C" char* attnlab_hybrid_fold_chunk(tensor* ts, int64_t reinject_k, int64
     PrefillParams pv{};
     views(pv, k, k, v, k.size(2), "hybrid_fold_chunk");
     const int64_t B = k.size(0), H = k.size(1), C = k.size(2), D = k.size(3), Fh = wk.size(-1), F = 2 * Fh;
-    TORCH_CHECK(wk.scalar_type() == at::kFloat && wk.is_contiguous() && wk.device() == k.device() && wk.sizes() == at::IntArrayRef({H, D, Fh}) &&
-                    reinterpret_cast<uintptr_t>(wk.data_ptr()) % 16 == 0,
-                "hybrid_fold_chunk: the folded key map must be fp32 contiguous [H, D, F/2] from a 16-byte boundary");
-    TORCH_CHECK(Fh % 4 == 0 && Fh <= 128, "hybrid_fold_chunk: F/2 = ", Fh, " (a multiple of 4, at most 128)");
-    if (keep)
-      TORCH_CHECK(keep->scalar_type() == at::kFloat && keep->is_contiguous() && keep->numel() == B * H * C && keep->device() == k.device(),
-                  "hybrid_fold_chunk: keep must be fp32 contiguous [B, H, C]");
+    check_linear_inputs(k, wk, keep, H, D, C, "hybrid_fold_chunk");
     TORCH_CHECK(S.scalar_type() == at::kFloat && S.is_contiguous() && S.sizes() == at::IntArrayRef({B, H, F, D}) && S.device() == k.device(),
                 "hybrid_fold_chunk: S must be fp32 contiguous [B, H, F, D]");
     TORCH_CHECK(z.scalar_type() == at::kFloat && z.is_contiguous() && z.sizes() == at::IntArrayRef({B, H, F}) && z.device() == k.device(),
