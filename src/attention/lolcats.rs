@@ -104,7 +104,7 @@ impl Lolcats {
             fk: &self.feature_map_k,
             selection: Selection::NONE,
             scorer: None,
-            gamma: Some(self.gamma()),
+            window_factors: Some(&self.window_factors),
             eps: 0.0,
             phantom_chunk0_keys: false,
             sliding_decode: self.cfg.decode_window == DecodeWindow::Sliding,

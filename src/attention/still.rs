@@ -160,7 +160,7 @@ impl Still {
             fk: &self.feature_map_k,
             selection: self.selection,
             scorer: Some(Scorer { routing: self.cfg.routing, kappa: self.selection.kappa, seed: self.cfg.seed, layer: self.dims.layer }),
-            gamma: None,
+            window_factors: None,
             eps: OUT_EPS,
             phantom_chunk0_keys: self.cfg.compat.phantom_chunk0_keys,
             sliding_decode: false,

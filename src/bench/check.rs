@@ -812,7 +812,7 @@ pub fn check_all(spec: &Spec, mut each: impl FnMut(&CheckRow)) -> Result<usize> 
         let cases = ["vanilla", "window", "dar", "uniform", "still-budget", "lolcats"].map(|n| (n, false));
         // The hybrids here through aten's mix and aten's fold of a routed chunk (the kernels' rows
         // follow: the mixing kernel's, each folding its routed chunk by the state kernel,
-        // ATTNLAB_HYBRID_FOLD=1), which CUDA takes with ATTNLAB_HYBRID_KERNEL=0 and ATTNLAB_HYBRID_FOLD=0.
+        // ATTNLAB_HYBRID_FOLD=1, the default), which CUDA takes with ATTNLAB_HYBRID_KERNEL=0 and ATTNLAB_HYBRID_FOLD=0.
         with_env(&[("ATTNLAB_STEP_FRESH", "0"), ("ATTNLAB_HYBRID_KERNEL", "0"), ("ATTNLAB_HYBRID_FOLD", "0")], || {
             for (name, planted) in cases.into_iter().chain([("vanilla", true)]) {
                 note(decode_row(name, planted, ""));

@@ -621,9 +621,12 @@ pub fn hybrid_prefill_linear(q: &Tensor, k: &Tensor, v: &Tensor, m: &PrefillLine
 
 /// Whether [`hybrid_fold_chunk`] takes a chunk of keys `k` `[B, H, C, D]` into a state `s` with a key
 /// map of `half` = F/2 features: bf16 keys on CUDA, C 64, D 64 or 128, rows on 16 bytes, an fp32
-/// state, F/2 a multiple of 4 up to 128, the library holding the kernel, and `ATTNLAB_HYBRID_FOLD=1`:
-/// off by default until the GPU gate's `-hybrid-*` decode rows (which turn it on) have passed and a
-/// decode has been timed with it (written in the twenty-fourth session, no device lent).
+/// state, F/2 a multiple of 4 up to 128, the library holding the kernel, and `ATTNLAB_HYBRID_FOLD`
+/// not 0. On by default: it passed the gate's `-hybrid-*` decode rows on one H100 and cut a STILL
+/// (budget) decode call's fixed cost from 9.4 to 5.5 ms at 4K (LoLCATs 7.6 → 3.6), its step unchanged
+/// (BENCHMARKS.md, results/bench/2026-12-07g-h100/dtiming.md). Its state products round as the
+/// prefill's do (TF32 unless `ATTNLAB_LINEAR_TF32=0`), so greedy tokens of random-weight models can
+/// differ from aten's fold.
 pub fn hybrid_fold_available(k: &Tensor, s: &Tensor, half: i64) -> bool {
     let (size, stride) = (k.size(), k.stride());
     k.device().is_cuda()
@@ -637,7 +640,7 @@ pub fn hybrid_fold_available(k: &Tensor, s: &Tensor, half: i64) -> bool {
         && (k.data_ptr() as usize).is_multiple_of(16)
         && half % 4 == 0
         && half <= 128
-        && switch("ATTNLAB_HYBRID_FOLD", false)
+        && switch("ATTNLAB_HYBRID_FOLD", true)
         && library().is_some_and(|l| l.fold_chunk.is_some())
 }
 

@@ -74,8 +74,10 @@ pub(crate) struct Hybrid<'a> {
     pub selection: Selection,
     /// Routing scores; `None` = nothing is ever selected.
     pub scorer: Option<Scorer>,
-    /// γ_h `[H]` multiplying both softmax sums (LoLCATs); `None` = 1.
-    pub gamma: Option<Tensor>,
+    /// θ `[H]` (any shape of H numbers) of γ_h = σ(θ_h) multiplying both softmax sums (LoLCATs);
+    /// `None`: γ = 1. Kept as θ so that an operator built for a decode step's preparation or replay
+    /// runs no sigmoid it does not read (a kernel a layer and step: the decode cache holds γ).
+    pub window_factors: Option<&'a Tensor>,
     /// Added to the denominator.
     pub eps: f64,
     pub phantom_chunk0_keys: bool,
@@ -90,6 +92,11 @@ pub(crate) struct Hybrid<'a> {
 }
 
 impl Hybrid<'_> {
+    /// γ `[H]` (see `window_factors`).
+    pub fn gamma(&self) -> Option<Tensor> {
+        self.window_factors.map(|t| t.sigmoid().flatten(0, -1))
+    }
+
     /// The chunked prefill/training path; with `want_cache`, also the decode state after the last token.
     pub fn prefill(&self, q: &Tensor, k: &Tensor, v: &Tensor, g: Option<&Tensor>, want_cache: bool) -> (Tensor, Option<HybridCache>) {
         let (b, h, t, d) = dims4(q);
@@ -117,7 +124,7 @@ impl Hybrid<'_> {
 
         // The kernels have no backward: the linear branch and the mix by kernels only where nothing
         // records a gradient (inference; attention transfer's linear terms carry the feature maps').
-        let inputs = [q, k, v].into_iter().chain(g).chain(self.gamma.as_ref()).map(Tensor::shallow_clone);
+        let inputs = [q, k, v].into_iter().chain(g).chain(self.window_factors).map(Tensor::shallow_clone);
         let recorded = crate::util::grad_enabled() && inputs.chain(self.fq.parameters()).chain(self.fk.parameters()).any(|x| x.requires_grad());
         let by_kernels = kernels && !recorded;
         let lin = match by_kernels.then(|| self.linear_by_kernel(q, k, v, routed.as_ref())).flatten() {
@@ -138,11 +145,12 @@ impl Hybrid<'_> {
         let y = if by_kernels {
             let seen = routed.as_ref().map(|r| Tensor::from_slice(&visible_slots(&r.chunk_of, n)));
             let (n_flat, z_flat) = (n_lin.reshape([b, h, n * c, d]), lin.z.reshape([b, h, n * c]));
+            let gamma = self.gamma();
             let mix = cuda::PrefillMix {
                 sel: routed.as_ref().zip(seen.as_ref()).map(|(r, seen)| (&r.pos, seen)),
                 linear: self.linear.then_some((&n_flat, &z_flat)),
                 gate: g.filter(|_| gate_in_kernel),
-                gamma: self.gamma.as_ref(),
+                gamma: gamma.as_ref(),
                 chunk: c,
                 eps: self.eps,
                 compensate: self.compensate,
@@ -292,7 +300,7 @@ impl Hybrid<'_> {
         }
         let joined = |pick: fn(&(Tensor, Tensor, Tensor)) -> &Tensor| Tensor::cat(&per_group.iter().map(pick).collect::<Vec<_>>(), 2);
         let (mut n_sm, mut z_sm, m) = (joined(|p| &p.0), joined(|p| &p.1), joined(|p| &p.2));
-        if let Some(gamma) = &self.gamma {
+        if let Some(gamma) = self.gamma() {
             let gamma = gamma.to_kind(kind).view([1, h, 1, 1, 1]);
             n_sm = n_sm * &gamma;
             z_sm = z_sm * gamma;
@@ -305,7 +313,7 @@ impl Hybrid<'_> {
     pub(super) fn mix(&self, logits: &[Tensor], values: &[Tensor], qf: &Tensor, g: Option<&Tensor>, state: &Tensor, z: &Tensor) -> Tensor {
         let kind = state.kind();
         let (mut n_sm, mut z_sm, m) = softmax_sums(logits, values, kind);
-        if let Some(gamma) = &self.gamma {
+        if let Some(gamma) = self.gamma() {
             let gamma = gamma.to_kind(kind).view([1, -1, 1, 1]);
             n_sm = n_sm * &gamma;
             z_sm = z_sm * gamma;

@@ -50,6 +50,8 @@ struct Fixed {
     /// The query feature map's folded matrix `[H, D, F/2]` (fp32) for the mixing kernel, made once
     /// with the fixed form (the parameters do not change during a generation).
     fq_folded: Tensor,
+    /// γ `[H]` (LoLCATs), made once with the fixed form: a step's graph runs no sigmoid.
+    gamma: Option<Tensor>,
     /// One int32 arrival counter a (row, head), zero between steps: the mixing kernel split over
     /// blocks counts its blocks in on it (`kernels::cuda::Mix::arrived`).
     arrived: Tensor,
@@ -295,7 +297,7 @@ impl Hybrid<'_> {
             let _ = f.n_sel_at.fill_(f.n_sel);
         }
         // The rest into S and z: by the prefill's state kernel where it takes them (a kernel for
-        // about fifteen host-side ops a layer; `ATTNLAB_HYBRID_FOLD=1` until timed), else φ of the
+        // about fifteen host-side ops a layer; `ATTNLAB_HYBRID_FOLD=0` turns it off), else φ of the
         // keys with the selected rows zeroed.
         let keep = |kind: Kind| picked.as_ref().map(|idx| Tensor::ones([b, h, c], (kind, keys.device())).scatter_value(2, idx, 0.0));
         if crate::kernels::cuda::hybrid_fold_available(&keys, &cache.s, self.fk.dim() / 2) {
@@ -357,6 +359,7 @@ impl Hybrid<'_> {
             win_scores: ring(&cache.win_scores),
             routed,
             fq_folded: self.fq.folded_linear(Kind::Float),
+            gamma: self.gamma(),
             arrived: Tensor::zeros([b * h], (Kind::Int, dev)),
         });
         // The growing form's tensors are stale while the fixed one is in use.
@@ -422,7 +425,7 @@ impl Hybrid<'_> {
                 s: &state,
                 z: &z,
                 gate_logits,
-                gamma: self.gamma.as_ref(),
+                gamma: f.gamma.as_ref(),
                 pos: &at.pos,
                 chunk: c,
                 eps: self.eps,
