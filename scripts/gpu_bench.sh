@@ -333,7 +333,8 @@ PYEOF
       # Issue 34: what a decode call's wall time is made of, per kind: DTIMING_TOKENS (64 512) new
       # tokens untimed (their tok/s apart say the per-call cost from the per-step one), then 64 with
       # ATTNLAB_DECODE_TIMING=1 (the first prepare — STILL / LoLCATs make their fixed-shape cache and
-      # route a chunk —, the capturing step and the replays, each synced: one line before its row).
+      # route a chunk —, the capturing step and the replays, each synced: one line before its row; and
+      # the capturing step's parts, warm-up / recorded step / the capture's end, one line a capture).
       # With DTIMING_SWITCH (a kernel switch) both again with it at 0: rows tagged "switch":0 / 1 in
       # decode_tokens.jsonl, the timed lines in decode_timing.txt and decode_timing-off.txt; per-call and
       # per-step costs (scripts/dtiming_table.py) in dtiming.md.
@@ -343,7 +344,7 @@ PYEOF
         for n in ${DTIMING_TOKENS:-64 512}; do
           (export $SW=$v; run "${BD[@]}" --new-tokens $n --repeats ${DTIMING_REPEATS:-2}) | grep '^{' | sed "s/^{/{\"switch\":$v,/" >> "$OUT/decode_tokens.jsonl"
         done
-        (export $SW=$v ATTNLAB_DECODE_TIMING=1; run "${BD[@]}" --new-tokens 64) | grep -E '^\{|decode timing' > "$OUT/decode_timing$([ $v = 0 ] && echo -off).txt"
+        (export $SW=$v ATTNLAB_DECODE_TIMING=1; run "${BD[@]}" --new-tokens 64) | grep -E '^\{|decode timing|graph capture' > "$OUT/decode_timing$([ $v = 0 ] && echo -off).txt"
       done
       # Per-call and per-step costs from the two numbers of new tokens.
       $PY scripts/dtiming_table.py "$OUT/decode_tokens.jsonl" > "$OUT/dtiming.md" ;;

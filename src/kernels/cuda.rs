@@ -730,10 +730,15 @@ impl Graph {
             // A panic inside (a tch op refused during capture) must still end the capture and
             // restore the stream: caught here and returned as the error.
             let run = |step: &mut dyn FnMut()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(step)).map_err(|e| crate::Error::Kernel(panic_text(&e)));
+            let mut laps = CaptureLaps::from_env(device);
             let warm = run(&mut step);
+            laps.lap();
             let began = warm.and_then(|_| check((fns.capture)(handle)));
             let recorded = began.and_then(|_| run(&mut step));
+            laps.lap();
             let left = check((fns.leave)(handle));
+            laps.lap();
+            laps.report();
             recorded.and(left).map(|_| graph)
         })())
     }
@@ -742,6 +747,39 @@ impl Graph {
     pub fn replay(&self) -> Result<()> {
         // SAFETY: a handle from a successful capture, not freed before drop.
         check(unsafe { (self.fns.replay)(self.handle) })
+    }
+}
+
+/// `ATTNLAB_DECODE_TIMING=1`: a capture's three parts on stderr — the eager warm-up step (synced),
+/// the recorded step (host time alone: nothing runs, and no sync is allowed while capturing) and the
+/// capture's end (PyTorch's graph instantiation, then the streams rejoined; synced): which of them a
+/// decode call's fixed cost is.
+struct CaptureLaps {
+    device: Option<usize>,
+    at: std::time::Instant,
+    ms: Vec<f64>,
+}
+
+impl CaptureLaps {
+    fn from_env(device: usize) -> Self {
+        let on = std::env::var("ATTNLAB_DECODE_TIMING").as_deref() == Ok("1");
+        CaptureLaps { device: on.then_some(device), at: std::time::Instant::now(), ms: Vec::new() }
+    }
+
+    /// Synced only outside the capture: after the warm-up (lap 1) and after the end (lap 3).
+    fn lap(&mut self) {
+        let Some(d) = self.device else { return };
+        if self.ms.len() != 1 {
+            tch::Cuda::synchronize(d as i64);
+        }
+        self.ms.push(self.at.elapsed().as_secs_f64() * 1e3);
+        self.at = std::time::Instant::now();
+    }
+
+    fn report(&self) {
+        if let [warm, record, end] = self.ms[..] {
+            eprintln!("attnlab graph capture: warm-up step {warm:.3} ms, recorded step {record:.3} ms (host), end {end:.3} ms");
+        }
     }
 }
 
