@@ -4,7 +4,8 @@
 //
 // The protocol (src/kernels/cuda.rs wraps it): `enter` moves the calling thread onto a side stream
 // (capture cannot run on the default stream) after the work already queued; the caller runs the
-// step once there eagerly (warm-up: cuBLAS's per-stream workspace, lazy inits), then `capture`,
+// step once there eagerly (warm-up: cuBLAS's per-stream workspace, lazy inits; skipped for a step
+// the process has captured before with ATTNLAB_GRAPH_WARM_ONCE=1, then replayed once), then `capture`,
 // runs the step again (recorded, not executed) and `leave` ends the capture and moves back, the
 // original stream waiting for the side one. `replay` launches the graph on the current stream.
 #include <ATen/cuda/CUDAGraph.h>
@@ -13,6 +14,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cstring>
 #include <exception>
+#include <mutex>
+#include <optional>
+#include <vector>
 
 namespace {
 
@@ -23,6 +27,20 @@ struct Graph {
   bool capturing = false;
   Graph(c10::cuda::CUDAStream outer, c10::cuda::CUDAStream side) : outer(outer), side(side) {}
 };
+
+// Every capture on a device takes the same side stream (not the pool's next one): the cuBLAS
+// workspace a stream gets on its first use is then made once, outside any capture, so that a later
+// capture of a step this process has already run may skip the eager warm-up
+// (`ATTNLAB_GRAPH_WARM_ONCE`, src/kernels/cuda.rs).
+c10::cuda::CUDAStream side_stream(int device) {
+  static std::mutex mu;
+  static std::vector<std::optional<c10::cuda::CUDAStream>> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  if (streams.size() <= static_cast<size_t>(device)) streams.resize(device + 1);
+  auto& s = streams[device];
+  if (!s) s = c10::cuda::getStreamFromPool(false, device);
+  return *s;
+}
 
 // `b` runs after everything queued on `a` so far.
 void wait(c10::cuda::CUDAStream a, c10::cuda::CUDAStream b) {
@@ -40,7 +58,7 @@ extern "C" char* attnlab_graph_enter(int device, void** out) {
   try {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     auto outer = c10::cuda::getCurrentCUDAStream(device);
-    auto side = c10::cuda::getStreamFromPool(false, device);
+    auto side = side_stream(device);
     auto* g = new Graph(outer, side);
     wait(outer, side);
     c10::cuda::setCurrentCUDAStream(side);

@@ -174,11 +174,20 @@ fn device_steps(model: &Model, cache: &mut Cache, first: Tensor, max_new: usize,
                 let Device::Cuda(i) = device else { unreachable!() };
                 let mut calls = 0;
                 let mut supported = true;
-                match Graph::capture(i, || {
+                let key = CapturedStep { model: model as *const Model as usize, device: i, batch: first.size()[0], span, sampling: format!("{sampling:?}") };
+                let warm = !crate::kernels::cuda::graph_warm_once() || !key.seen();
+                let captured = Graph::capture(i, warm, || {
                     calls += 1;
                     supported &= step(cache, span);
-                }) {
+                });
+                // Without the warm-up nothing has run yet: the graph's first replay is this step.
+                let captured = match captured {
+                    Some(Ok(g)) if !warm && supported => Some(g.replay().map(|()| g)),
+                    other => other,
+                };
+                match captured {
                     Some(Ok(g)) if supported => {
+                        key.remember();
                         graph = Some((span, g));
                         graphed = true;
                     }
@@ -189,7 +198,8 @@ fn device_steps(model: &Model, cache: &mut Cache, first: Tensor, max_new: usize,
                     Some(Err(e)) => {
                         eprintln!("attnlab: decode runs without CUDA graphs ({e})");
                         graphs = false;
-                        if calls == 0 && !step(cache, span) {
+                        // The warm-up did the step if it was called; a capture alone did nothing.
+                        if (calls == 0 || !warm) && !step(cache, span) {
                             return host_steps(model, cache, first, max_new, sampling, stop);
                         }
                     }
@@ -215,6 +225,34 @@ fn device_steps(model: &Model, cache: &mut Cache, first: Tensor, max_new: usize,
     drop(graph);
     let steps = written as i64 - 1;
     Decoded { rows: rows_of(&out.narrow(1, 0, written as i64), stop).0, steps, graphed }
+}
+
+/// A captured decode step as [`crate::kernels::cuda::graph_warm_once`] recognises it: what decides
+/// the kernels its capture records (and so the lazy initialisations its warm-up did). The model by
+/// address: a model dropped and another built at its address is at worst warmed again or, if its
+/// capture fails, stepped without a graph.
+#[derive(PartialEq)]
+struct CapturedStep {
+    model: usize,
+    device: usize,
+    batch: i64,
+    span: i64,
+    sampling: String,
+}
+
+static CAPTURED: std::sync::Mutex<Vec<CapturedStep>> = std::sync::Mutex::new(Vec::new());
+
+impl CapturedStep {
+    fn seen(&self) -> bool {
+        CAPTURED.lock().unwrap_or_else(|e| e.into_inner()).contains(self)
+    }
+
+    fn remember(self) {
+        let mut all = CAPTURED.lock().unwrap_or_else(|e| e.into_inner());
+        if !all.contains(&self) {
+            all.push(self);
+        }
+    }
 }
 
 /// What a part of [`device_steps`] took.
@@ -317,6 +355,22 @@ mod tests {
     /// and Llama's vanilla and DAR (left-padded batches), STILL and LoLCATs: 40 tokens after a 7-token
     /// prompt cross five chunk starts of C = 8. With a stop token, both end the rows at its first
     /// occurrence. A sliding-window LoLCATs has no device-side step and takes host steps.
+    /// A capture is recognised again only where everything that decides its kernels is the same.
+    #[test]
+    fn a_captured_step_is_known_by_model_batch_span_and_sampling() {
+        let key = |model: usize, span: i64, sampling: &str| CapturedStep { model, device: 0, batch: 1, span, sampling: sampling.into() };
+        // An address no model has: the registry is shared with any other test that captures.
+        let base = usize::MAX - 7;
+        assert!(!key(base, 128, "greedy").seen());
+        key(base, 128, "greedy").remember();
+        assert!(key(base, 128, "greedy").seen());
+        assert!(!key(base, 256, "greedy").seen(), "another span records other kernels");
+        assert!(!key(base - 1, 128, "greedy").seen(), "another model");
+        assert!(!key(base, 128, "t=0.7").seen(), "another sampling");
+        key(base, 128, "greedy").remember();
+        assert_eq!(CAPTURED.lock().unwrap().iter().filter(|k| k.model == base).count(), 1, "remembered once");
+    }
+
     #[test]
     fn device_side_steps_choose_what_host_steps_choose() {
         let _rng = crate::testutil::rng();

@@ -692,6 +692,15 @@ pub fn band_available(heads: &[&Tensor]) -> bool {
     q.device().is_cuda() && q.kind() == tch::Kind::BFloat16 && matches!(s[3], 64 | 128) && s[0] * s[1] <= 65535 && heads.iter().all(|t| aligned(t)) && library().is_some_and(|l| l.band)
 }
 
+/// `ATTNLAB_GRAPH_WARM_ONCE=1`: a decode step's graph is captured without the eager warm-up step
+/// where this process has already captured the same step (same model, batch, span and sampling,
+/// on the one side stream every capture takes), and replayed once instead: a decode call's fixed
+/// cost is mostly its capture (≈ 5 ms on one H100, BENCHMARKS.md). Off until timed on a GPU, with
+/// the `graphs` phase's equal greedy tokens.
+pub fn graph_warm_once() -> bool {
+    switch("ATTNLAB_GRAPH_WARM_ONCE", false)
+}
+
 /// Whether decode steps may be captured as CUDA graphs: the library has them and
 /// `ATTNLAB_CUDA_GRAPHS` is not `0` (set it to time or check the eager step against the graphed one).
 pub fn graphs_enabled() -> bool {
@@ -712,11 +721,12 @@ pub struct Graph {
 
 impl Graph {
     /// Run `step` once eagerly on a side stream (the warm-up capture needs: its effects are real),
-    /// then capture a second call of it (recorded, not run). `step` must not read device values
-    /// back to the host nor copy host data to the device, and must allocate what it returns anew
-    /// (inputs and outputs of the graph are tensors made before, written in place). None when
-    /// graphs are not enabled ([`graphs_enabled`]); the warm-up call has then not run either.
-    pub fn capture(device: usize, mut step: impl FnMut()) -> Option<Result<Graph>> {
+    /// then capture a second call of it (recorded, not run); with `warm` false only the capture
+    /// (nothing has run: the caller replays the graph once for the step's effects). `step` must not
+    /// read device values back to the host nor copy host data to the device, and must allocate what
+    /// it returns anew (inputs and outputs of the graph are tensors made before, written in place).
+    /// None when graphs are not enabled ([`graphs_enabled`]); the warm-up call has then not run either.
+    pub fn capture(device: usize, warm: bool, mut step: impl FnMut()) -> Option<Result<Graph>> {
         if !graphs_enabled() {
             return None;
         }
@@ -731,9 +741,9 @@ impl Graph {
             // restore the stream: caught here and returned as the error.
             let run = |step: &mut dyn FnMut()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(step)).map_err(|e| crate::Error::Kernel(panic_text(&e)));
             let mut laps = CaptureLaps::from_env(device);
-            let warm = run(&mut step);
+            let warmed = if warm { run(&mut step) } else { Ok(()) };
             laps.lap();
-            let began = warm.and_then(|_| check((fns.capture)(handle)));
+            let began = warmed.and_then(|_| check((fns.capture)(handle)));
             let recorded = began.and_then(|_| run(&mut step));
             laps.lap();
             let left = check((fns.leave)(handle));
@@ -750,7 +760,8 @@ impl Graph {
     }
 }
 
-/// `ATTNLAB_DECODE_TIMING=1`: a capture's three parts on stderr — the eager warm-up step (synced),
+/// `ATTNLAB_DECODE_TIMING=1`: a capture's three parts on stderr — the eager warm-up step (synced; ≈ 0
+/// where `ATTNLAB_GRAPH_WARM_ONCE` skipped it),
 /// the recorded step (host time alone: nothing runs, and no sync is allowed while capturing) and the
 /// capture's end (PyTorch's graph instantiation, then the streams rejoined; synced): which of them a
 /// decode call's fixed cost is.
