@@ -384,6 +384,11 @@ impl LayerOp for DarLayer {
         Some(cache.state::<DarCache>().attend_at(h, at, &latent, self.bottleneck.up()))
     }
 
+    /// The absorbed map, made by the first step that reads through it.
+    fn step_state_made(&self, cache: &mut LayerCache) -> bool {
+        cache.state::<DarCache>().absorbed.is_some()
+    }
+
     /// DAR ↔ uniform, another window or implementation, the bottleneck kept (its width must agree).
     fn reconfigured(&self, a: &AttentionSpec) -> Option<Box<dyn LayerOp>> {
         let s = a.settings();

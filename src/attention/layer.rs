@@ -185,6 +185,12 @@ pub trait LayerOp: std::any::Any + Send {
     /// what that step cannot do at fixed shapes (STILL / LoLCATs route a chunk where the next one
     /// starts). `reserved`: the tokens the cache is reserved for. Nothing for the softmax kinds.
     fn prepare_at(&self, _cache: &mut LayerCache, _pos: i64, _reserved: i64) {}
+    /// Whether the device-side step would find the state it makes at its first call already made
+    /// (DAR's absorbed map): until then a CUDA graph must not record the first call in place of an
+    /// eager one, which would remake that state in every replay (`kernels::cuda::graph_warm_once`).
+    fn step_state_made(&self, _cache: &mut LayerCache) -> bool {
+        true
+    }
     /// This layer with the options `a`, its parameters kept (another implementation or window,
     /// vanilla ↔ window, DAR ↔ uniform); None when `a` needs parameters the layer lacks or would
     /// drop ones it has.
@@ -256,6 +262,10 @@ impl Layer {
 
     pub fn prepare_at(&self, cache: &mut LayerCache, pos: i64, reserved: i64) {
         self.0.prepare_at(cache, pos, reserved)
+    }
+
+    pub fn step_state_made(&self, cache: &mut LayerCache) -> bool {
+        self.0.step_state_made(cache)
     }
 
     /// The parameters the variant adds to the layer (`LayerOp::parameters`).

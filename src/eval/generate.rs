@@ -99,6 +99,17 @@ impl Model {
         })
     }
 
+    /// Whether a device-side step would find every state its first call makes already made (DAR's
+    /// absorbed maps, made by the first step): a graph may then record the step without an eager
+    /// call before it (`kernels::cuda::graph_warm_once`).
+    pub fn step_state_made(&self, cache: &mut Cache) -> bool {
+        match (self, cache) {
+            (Model::Neox(m), Cache::Neox(c)) => m.step_state_made(c),
+            (Model::Llama(m), Cache::Llama(c)) => m.step_state_made(c),
+            _ => panic!("cache of another model family"),
+        }
+    }
+
     /// An upper estimate of the memory one sample of `tokens` tokens takes in a padded batch: the
     /// prefill's `[T, T]` mask (boolean, and the float bias SDPA may make of it), every layer's keys
     /// and values (and DAR's latents: fewer), and one layer's activations.

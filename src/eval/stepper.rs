@@ -175,7 +175,9 @@ fn device_steps(model: &Model, cache: &mut Cache, first: Tensor, max_new: usize,
                 let mut calls = 0;
                 let mut supported = true;
                 let key = CapturedStep { model: model as *const Model as usize, device: i, batch: first.size()[0], span, sampling: format!("{sampling:?}") };
-                let warm = !crate::kernels::cuda::graph_warm_once() || !key.seen();
+                // The eager warm-up too where a layer's first call makes state (DAR's absorbed map):
+                // recorded, it would be remade in every replay.
+                let warm = !crate::kernels::cuda::graph_warm_once() || !key.seen() || !model.step_state_made(cache);
                 let captured = Graph::capture(i, warm, || {
                     calls += 1;
                     supported &= step(cache, span);

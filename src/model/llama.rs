@@ -608,6 +608,11 @@ impl Llama {
         Some(self.final_norm(&x))
     }
 
+    /// Whether every layer's step state is made (`LayerOp::step_state_made`).
+    pub fn step_state_made(&self, cache: &mut LlamaCache) -> bool {
+        self.layers.iter().zip(cache.layers.iter_mut()).all(|(b, lc)| b.attn.step_state_made(lc))
+    }
+
     /// Before the device-side step at `pos`: every layer's `LayerOp::prepare_at`.
     pub fn prepare_at(&self, cache: &mut LlamaCache, pos: i64, reserved: i64) {
         let device = self.embed_tokens.device();

@@ -69,6 +69,11 @@ impl GptNeox {
         Some(self.final_layer_norm.forward(&x))
     }
 
+    /// Whether every layer's step state is made (`LayerOp::step_state_made`).
+    pub fn step_state_made(&self, cache: &mut NeoxCache) -> bool {
+        self.layers.iter().zip(cache.layers.iter_mut()).all(|(layer, lc)| layer.attn.step_state_made(lc))
+    }
+
     /// Before the device-side step at `pos`: every layer's `LayerOp::prepare_at`.
     pub fn prepare_at(&self, cache: &mut NeoxCache, pos: i64, reserved: i64) {
         let device = self.embed_in.device();
@@ -157,6 +162,10 @@ mod tests {
             }
             let mut got = vec![m.extend(&mut batch, &padded).narrow(1, longest - 1, 1)];
             got.push(m.extend(&mut batch, &next.narrow(1, 0, 3)));
+            // DAR's first device-side step makes its absorbed map (what a graph must not record in
+            // place of an eager call, `step_state_made`); the other kinds have no such state.
+            let lazy = matches!(kind, AttentionKind::Dar | AttentionKind::Uniform);
+            assert_eq!(m.step_state_made(&mut batch), !lazy, "{kind:?}: step state before the first step");
             for t in 3..steps {
                 let token = next.narrow(1, t, 1);
                 got.push(if device_side {
@@ -168,6 +177,7 @@ mod tests {
                     m.extend(&mut batch, &token)
                 });
             }
+            assert_eq!(m.step_state_made(&mut batch), device_side || !lazy, "{kind:?} device-side {device_side}: step state after the steps");
             let got = Tensor::cat(&got, 1);
             for r in 0..3 {
                 let alone = Tensor::cat(&[prompt(r), next.get(r)], 0).unsqueeze(0);
