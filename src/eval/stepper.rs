@@ -351,12 +351,6 @@ mod tests {
         decode_with(m, &mut cache, &logits, max_new, sampling, stop, reserved, steps)
     }
 
-    /// The device-side loop (`extend_hidden_at` per token, STILL / LoLCATs routing in `prepare_at`
-    /// between steps, tokens written on the device, the stop token read every STOP_CHECK_EVERY
-    /// steps) chooses what the host loop chooses, greedy and sampled, for GPT-NeoX's softmax kinds
-    /// and Llama's vanilla and DAR (left-padded batches), STILL and LoLCATs: 40 tokens after a 7-token
-    /// prompt cross five chunk starts of C = 8. With a stop token, both end the rows at its first
-    /// occurrence. A sliding-window LoLCATs has no device-side step and takes host steps.
     /// A capture is recognised again only where everything that decides its kernels is the same.
     #[test]
     fn a_captured_step_is_known_by_model_batch_span_and_sampling() {
@@ -373,6 +367,12 @@ mod tests {
         assert_eq!(CAPTURED.lock().unwrap().iter().filter(|k| k.model == base).count(), 1, "remembered once");
     }
 
+    /// The device-side loop (`extend_hidden_at` per token, STILL / LoLCATs routing in `prepare_at`
+    /// between steps, tokens written on the device, the stop token read every STOP_CHECK_EVERY
+    /// steps) chooses what the host loop chooses, greedy and sampled, for GPT-NeoX's softmax kinds
+    /// and Llama's vanilla and DAR (left-padded batches), STILL and LoLCATs: 40 tokens after a 7-token
+    /// prompt cross five chunk starts of C = 8. With a stop token, both end the rows at its first
+    /// occurrence. A sliding-window LoLCATs has no device-side step and takes host steps.
     #[test]
     fn device_side_steps_choose_what_host_steps_choose() {
         let _rng = crate::testutil::rng();
